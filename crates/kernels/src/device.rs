@@ -1,0 +1,155 @@
+//! The `Device` trait: every op has a host-known output shape and none waits for the device.
+//!
+//! Waiting ops (read-backs) live on [`Readback`] and take a [`HostSync`] permit. Code on
+//! the scheduling path (pools, mamba, radix, the facade's step methods) holds an
+//! `Arc<dyn Device>`, a trait with no waiting op, so a host sync there does not compile.
+
+use crate::Error;
+
+/// Handle to a byte buffer owned by a [`Device`] (the unified KV buffer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BytesId(pub u32);
+
+/// Handle to an `i32` table owned by a [`Device`] (a `v2p` mirror, a row of virtual ids,
+/// a kernel-id output).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TableId(pub u32);
+
+/// One page-envelope copy inside a byte buffer: `len` bytes from `src` to `dst` (byte
+/// offsets). Within one [`Device::move_spans`] call no destination overlaps any source
+/// or other destination.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpanMove {
+    /// Source byte offset.
+    pub src: u64,
+    /// Destination byte offset.
+    pub dst: u64,
+    /// Bytes to copy.
+    pub len: u64,
+}
+
+/// A byte range `[offset, offset + len)` of a buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ByteSpan {
+    /// First byte.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// Arguments of [`Device::translate`]: virtual token ids → kernel ids.
+///
+/// For `i < n`: `out[i] = v2p[id / page_size] * stride + id % page_size` where
+/// `id = ids[i]`, or `0` (the sink) when `id <= 0`, `id / page_size` is outside `v2p`,
+/// or `v2p[id / page_size] <= 0` (unbound or tombstoned). For `n <= i < out_width`:
+/// `out[i] = 0` (zero-filled tail, so a captured graph sees a fixed width).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Translate {
+    /// The `v2p` mirror (physical page per virtual page).
+    pub v2p: TableId,
+    /// Virtual token ids to translate.
+    pub ids: TableId,
+    /// How many ids to translate.
+    pub n: usize,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// Rows per page envelope across all layers (page-major layout).
+    pub stride: u32,
+    /// Output table.
+    pub out: TableId,
+    /// Width written to `out` (`>= n`).
+    pub out_width: usize,
+}
+
+/// Device work with host-known output shapes, issued in stream order; nothing here
+/// waits for the device. Errors are for caller mistakes (bad handle, out of bounds) and
+/// for device failures; they are detected on the host before any work is issued.
+pub trait Device: Send + Sync + std::fmt::Debug {
+    /// A short name for reports (`cpu`, `cuda:0`, `ledger(cpu)`).
+    fn name(&self) -> String;
+
+    /// Allocates a byte buffer of `len` bytes, every byte set to `fill` (set-up, not
+    /// scheduling path).
+    fn alloc_bytes(&self, len: u64, fill: u8) -> Result<BytesId, Error>;
+
+    /// Allocates an `i32` table of `len` entries set to `fill` (set-up).
+    fn alloc_table(&self, len: usize, fill: i32) -> Result<TableId, Error>;
+
+    /// Releases a buffer (set-up / tear-down).
+    fn free_bytes(&self, buf: BytesId) -> Result<(), Error>;
+
+    /// Releases a table (set-up / tear-down).
+    fn free_table(&self, table: TableId) -> Result<(), Error>;
+
+    /// Writes `values` at `offset..offset + values.len()` of `table`. The host slice is
+    /// staged before returning, so the caller may reuse it at once.
+    fn upload_table(&self, table: TableId, offset: usize, values: &[i32]) -> Result<(), Error>;
+
+    /// Scatters `(index, value)` pairs into `table` (the per-step mirror upload of dirty
+    /// table entries: one op however many entries). Staged like [`Device::upload_table`].
+    fn scatter_table(&self, table: TableId, entries: &[(u32, i32)]) -> Result<(), Error>;
+
+    /// `out[i] = src[indices[i]]` for `i < n`.
+    fn gather_table(
+        &self,
+        src: TableId,
+        indices: TableId,
+        n: usize,
+        out: TableId,
+    ) -> Result<(), Error>;
+
+    /// Sets every byte of each span of `buf` to `value` (zeroing page envelopes on
+    /// hand-out, poisoning freed ones).
+    fn fill_spans(&self, buf: BytesId, spans: &[ByteSpan], value: u8) -> Result<(), Error>;
+
+    /// Copies page envelopes inside `buf` (compaction). All moves of one call behave as
+    /// if done at once: every source is read before any destination is written.
+    fn move_spans(&self, buf: BytesId, moves: &[SpanMove]) -> Result<(), Error>;
+
+    /// Translates virtual token ids into kernel ids (see [`Translate`]).
+    fn translate(&self, args: &Translate) -> Result<(), Error>;
+}
+
+/// A capability to wait for the device. Only [`Readback`] methods take one, and
+/// scheduling-path code holds a `dyn Device`, which has none; so a permit there buys
+/// nothing. Obtain one in tests, tools and off-path diagnostics with [`HostSync::acquire`].
+#[derive(Debug)]
+pub struct HostSync {
+    reason: &'static str,
+}
+
+impl HostSync {
+    /// A permit to wait for the device, for the stated off-scheduling-path `reason`.
+    pub fn acquire(reason: &'static str) -> HostSync {
+        HostSync { reason }
+    }
+
+    /// Why the permit was taken.
+    pub fn reason(&self) -> &'static str {
+        self.reason
+    }
+}
+
+/// Ops that wait for the device (read-backs). Each takes a [`HostSync`] permit.
+pub trait Readback: Device {
+    /// Waits for all issued work, then copies `len` entries of `table` from `offset`.
+    fn read_table(
+        &self,
+        sync: &HostSync,
+        table: TableId,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<i32>, Error>;
+
+    /// Waits for all issued work, then copies `len` bytes of `buf` from `offset`.
+    fn read_bytes(
+        &self,
+        sync: &HostSync,
+        buf: BytesId,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, Error>;
+
+    /// Waits for all issued work.
+    fn synchronize(&self, sync: &HostSync) -> Result<(), Error>;
+}

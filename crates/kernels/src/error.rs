@@ -1,0 +1,54 @@
+//! The crate's error type.
+
+/// Everything the device layer can report.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The crate was built without the `cuda` feature.
+    #[error(
+        "unikv was built without the `cuda` feature; rebuild with `--features cuda` to use a GPU"
+    )]
+    NotCompiledWithCuda,
+    /// No CUDA driver library could be loaded.
+    #[error(
+        "no CUDA driver found (libcuda could not be loaded); use the CPU backend or install an NVIDIA driver"
+    )]
+    NoCudaDriver,
+    /// A handle that this device did not hand out, or already released.
+    #[error("unknown {kind} handle {id} on device {device}")]
+    UnknownHandle {
+        /// `bytes` or `table`.
+        kind: &'static str,
+        /// The handle's number.
+        id: u32,
+        /// The device's name.
+        device: String,
+    },
+    /// An access outside a buffer or table.
+    #[error("{op}: range {start}..{end} is outside {kind} {id} of length {len}")]
+    OutOfBounds {
+        /// The op.
+        op: &'static str,
+        /// `bytes` or `table`.
+        kind: &'static str,
+        /// The handle's number.
+        id: u32,
+        /// Start of the access.
+        start: u64,
+        /// End of the access.
+        end: u64,
+        /// Length of the buffer or table.
+        len: u64,
+    },
+    /// Arguments that break an op's contract (overlapping moves, `out_width < n`, a zero
+    /// page size, ...).
+    #[error("{op}: {reason}")]
+    BadArguments {
+        /// The op.
+        op: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The CUDA driver or NVRTC reported an error.
+    #[error("CUDA: {0}")]
+    Cuda(String),
+}

@@ -1,0 +1,1 @@
+//! unikv-pools (skeleton).

@@ -1,0 +1,1 @@
+//! unikv-sim (skeleton).

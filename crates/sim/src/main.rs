@@ -1,0 +1,2 @@
+//! The `unikv` binary (skeleton).
+fn main() {}

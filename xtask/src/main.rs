@@ -1,0 +1,2 @@
+//! xtask (skeleton).
+fn main() {}
