@@ -47,6 +47,7 @@ mod level;
 mod registry;
 mod report;
 mod sync;
+pub mod testing;
 
 pub use bucket::Bucket;
 pub use check::{
