@@ -1,1 +1,44 @@
-//! unikv facade (skeleton).
+//! unikv: GPU memory for hybrid LLMs — FULL attention, sliding-window attention (SWA) and
+//! Mamba/GDN state in **one byte buffer** whose split follows the workload, with a
+//! radix-tree prefix cache on top and no host sync on the scheduling path.
+//!
+//! This facade is the one crate an engine depends on. It re-exports the workspace crates:
+//!
+//! | module | crate | what it holds |
+//! |---|---|---|
+//! | [`invariants`] | `unikv-invariants` | named, levelled invariants (`UNIKV_INVARIANT_CHECK`) |
+//! | [`kernels`] | `unikv-kernels` | the sync-free `Device` trait, CPU and CUDA backends, `SyncLedger` |
+//! | [`pools`] | `unikv-pools` | the byte buffer, FULL/SWA sub-allocators, the static baseline |
+//! | [`mamba`] | `unikv-mamba` | Mamba state slots and the tri-pool |
+//! | [`radix`] | `unikv-radix` | the prefix tree that emits actions |
+//!
+//! Call [`init`] once at start-up: it reports a bad `UNIKV_INVARIANT_CHECK` value or a
+//! duplicate invariant name as an error instead of running on.
+//!
+//! # Invariants this crate keeps
+//! - Every crate that declares invariants is linked, so the registry is complete: the
+//!   facade names each crate's declarations in [`declared_invariants`] (inventory
+//!   silently drops crates nothing references).
+
+pub use unikv_invariants as invariants;
+pub use unikv_kernels as kernels;
+pub use unikv_mamba as mamba;
+pub use unikv_pools as pools;
+pub use unikv_radix as radix;
+
+/// Checks the start-up configuration (invariant level, registry) after making sure every
+/// crate's declarations are linked. Returns the registry.
+pub fn init() -> Result<&'static invariants::Registry, invariants::Error> {
+    // Naming the declarations keeps each crate's object code, and with it the
+    // registrations `inventory` made there, in the final binary.
+    std::hint::black_box(declared_invariants());
+    invariants::init()
+}
+
+/// The names of every invariant declared by the workspace's crates, as each crate lists
+/// them. The registry seen through the facade holds at least these.
+pub fn declared_invariants() -> Vec<&'static str> {
+    let mut names: Vec<&'static str> = Vec::new();
+    names.sort_unstable();
+    names
+}

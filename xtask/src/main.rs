@@ -1,2 +1,52 @@
-//! xtask (skeleton).
-fn main() {}
+//! `cargo xtask`: the project's automation, in Rust with std only.
+//!
+//! - `cargo xtask test` — the whole test matrix: features {default, cuda} ×
+//!   `UNIKV_INVARIANT_CHECK` {off, warn, strict} × `UNIKV_TEST_PAGE_SIZE` {1, 16, 256}
+//!   under nextest, then the doctests; prints a table of cells.
+//! - `cargo xtask ci` — what CI runs: fmt check, clippy `-D warnings` (both feature
+//!   sets), rustdoc with warnings denied, the NVRTC compile check of every `.cu`, the
+//!   test matrix and the loom models.
+//! - `cargo xtask gpu` — the one script to run on a GPU machine: driver and NVRTC
+//!   versions, NVRTC compile check, CPU-vs-CUDA parity tests. Says so when there is no GPU.
+//! - `cargo xtask bench` — every crate's benchmarks.
+//! - `cargo xtask nvrtc` — installs libnvrtc (from PyPI) under `target/nvrtc` and
+//!   compile-checks every kernel.
+
+mod cmd;
+mod nvrtc;
+mod tasks;
+
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("test") => tasks::test(&args[1..]),
+        Some("ci") => tasks::ci(),
+        Some("gpu") => tasks::gpu(),
+        Some("bench") => tasks::bench(&args[1..]),
+        Some("nvrtc") => tasks::nvrtc_check(),
+        Some("help" | "--help" | "-h") | None => {
+            println!("{}", USAGE);
+            Ok(())
+        }
+        Some(other) => Err(format!("unknown task {other:?}\n\n{USAGE}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("xtask: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+const USAGE: &str = "usage: cargo xtask <task>
+
+tasks:
+  test [--quick]   the test matrix (features x invariant levels x page sizes), then doctests;
+                   --quick runs only the default-feature cells
+  ci               fmt, clippy, rustdoc, NVRTC check, the test matrix, loom models
+  gpu              GPU checks (driver, NVRTC, CPU-vs-CUDA parity); skips loudly without a GPU
+  bench [ARGS]     cargo bench for the workspace
+  nvrtc            install libnvrtc under target/nvrtc and compile every kernel";

@@ -1,7 +1,8 @@
 //! Per-invariant violation counters shared between recording threads and the poller.
 //!
 //! This file is also compiled into the loom model (`tests/loom_counters.rs`), so it only
-//! depends on `crate::sync`.
+//! depends on `crate::sync` and has no constructor (each side builds the fields with its
+//! own atomics: const std atomics here, loom's in the model).
 
 use crate::sync::{AtomicU64, Ordering};
 
@@ -9,30 +10,12 @@ use crate::sync::{AtomicU64, Ordering};
 #[derive(Debug)]
 pub(crate) struct Counters {
     /// Every violation ever recorded.
-    total: AtomicU64,
+    pub(crate) total: AtomicU64,
     /// Violations recorded since the last [`Counters::take_unpolled`].
-    unpolled: AtomicU64,
+    pub(crate) unpolled: AtomicU64,
 }
 
 impl Counters {
-    /// Zeroed counters (const, for `static` invariants).
-    #[cfg(not(unikv_loom))]
-    pub(crate) const fn new() -> Self {
-        Self {
-            total: AtomicU64::new(0),
-            unpolled: AtomicU64::new(0),
-        }
-    }
-
-    /// Zeroed counters (loom's atomics are not const-constructible).
-    #[cfg(unikv_loom)]
-    pub(crate) fn new() -> Self {
-        Self {
-            total: AtomicU64::new(0),
-            unpolled: AtomicU64::new(0),
-        }
-    }
-
     /// Records `n` violations; returns the total before them, which decides logging.
     pub(crate) fn record(&self, n: u64) -> u64 {
         // Order between the two counters does not matter: `total` is a statistic and

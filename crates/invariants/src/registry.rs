@@ -1,6 +1,7 @@
 //! Declarations and the registry: every invariant of the process, by name, built once.
 
 use crate::counters::Counters;
+use crate::sync::AtomicU64;
 use crate::{Bucket, Error};
 use once_cell::sync::OnceCell;
 use std::collections::BTreeMap;
@@ -31,7 +32,7 @@ impl Invariant {
             bucket,
             description,
             module,
-            counters: Counters::new(),
+            counters: Counters { total: AtomicU64::new(0), unpolled: AtomicU64::new(0) },
             last_message: Mutex::new(None),
         }
     }

@@ -1,6 +1,4 @@
-//! The atomics the counters use: std's normally, loom's under `--cfg unikv_loom`.
+//! The atomics the counters use. The loom model (`tests/loom_counters.rs`) compiles the
+//! counters against loom's atomics through its own `sync` module instead.
 
-#[cfg(unikv_loom)]
-pub(crate) use loom::sync::atomic::{AtomicU64, Ordering};
-#[cfg(not(unikv_loom))]
 pub(crate) use std::sync::atomic::{AtomicU64, Ordering};

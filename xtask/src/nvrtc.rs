@@ -1,0 +1,44 @@
+//! libnvrtc for the kernel compile check: installed from PyPI's `nvidia-cuda-nvrtc-cu12`
+//! wheel into `target/nvrtc`, once (cached there), so CI needs no CUDA toolkit.
+
+use crate::cmd::{Cmd, root};
+use std::path::{Path, PathBuf};
+
+/// The wheel, pinned to the CUDA version cudarc is built for (`cuda-12080`).
+const WHEEL: &str = "nvidia-cuda-nvrtc-cu12==12.8.93";
+
+/// The folder holding `libnvrtc.so.12`, installing the wheel first when it is missing.
+pub fn install() -> Result<PathBuf, String> {
+    let target = root().join("target").join("nvrtc");
+    if let Some(dir) = find_lib_dir(&target) {
+        return Ok(dir);
+    }
+    Cmd::new("python3", &["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps", "--upgrade"])
+        .args(["--target", &target.to_string_lossy(), WHEEL])
+        .run()
+        .map_err(|e| format!("installing libnvrtc from PyPI failed: {e}"))?;
+    find_lib_dir(&target).ok_or_else(|| format!("{WHEEL} installed, but no libnvrtc.so* under {}", target.display()))
+}
+
+/// `LD_LIBRARY_PATH` with `dir` in front.
+pub fn library_path_with(dir: &Path) -> String {
+    match std::env::var("LD_LIBRARY_PATH") {
+        Ok(existing) if !existing.is_empty() => format!("{}:{existing}", dir.display()),
+        _ => dir.display().to_string(),
+    }
+}
+
+fn find_lib_dir(dir: &Path) -> Option<PathBuf> {
+    let entries = std::fs::read_dir(dir).ok()?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            if let Some(found) = find_lib_dir(&path) {
+                return Some(found);
+            }
+        } else if path.file_name()?.to_string_lossy().starts_with("libnvrtc.so") {
+            return Some(dir.to_path_buf());
+        }
+    }
+    None
+}

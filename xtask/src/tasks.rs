@@ -1,0 +1,173 @@
+//! The tasks: test matrix, ci, gpu, bench, nvrtc.
+
+use crate::cmd::{Cmd, root};
+use crate::nvrtc;
+use std::time::Instant;
+
+/// Feature sets of the matrix: (label, cargo arguments).
+const FEATURE_SETS: [(&str, &[&str]); 2] = [("default", &[]), ("cuda", &["--features", "unikv/cuda"])];
+const LEVELS: [&str; 3] = ["off", "warn", "strict"];
+const PAGE_SIZES: [&str; 3] = ["1", "16", "256"];
+
+/// One cell of the matrix and how it went.
+struct Cell {
+    features: &'static str,
+    level: &'static str,
+    page_size: &'static str,
+    passed: bool,
+    seconds: f64,
+}
+
+/// `cargo xtask test [--quick]`.
+pub fn test(args: &[String]) -> Result<(), String> {
+    let quick = args.iter().any(|a| a == "--quick");
+    if let Some(bad) = args.iter().find(|a| *a != "--quick") {
+        return Err(format!("unknown option {bad:?} for test (expected --quick)"));
+    }
+    run_matrix(quick, &[])
+}
+
+/// Runs the matrix with extra environment for every cell; then doctests.
+fn run_matrix(quick: bool, extra_env: &[(&str, String)]) -> Result<(), String> {
+    let started = Instant::now();
+    let mut cells = Vec::new();
+    let sets = if quick { &FEATURE_SETS[..1] } else { &FEATURE_SETS[..] };
+    for (features, feature_args) in sets {
+        // Build once per feature set; the cells only change the environment.
+        Cmd::cargo(&["nextest", "run", "--workspace", "--cargo-profile", "dev", "--no-run"]).args(*feature_args).run()?;
+        for level in LEVELS {
+            for page_size in PAGE_SIZES {
+                eprintln!("\n=== cell: features={features} UNIKV_INVARIANT_CHECK={level} UNIKV_TEST_PAGE_SIZE={page_size}");
+                let mut cmd = Cmd::cargo(&["nextest", "run", "--workspace", "--profile", "ci"])
+                    .args(*feature_args)
+                    .env("UNIKV_INVARIANT_CHECK", level)
+                    .env("UNIKV_TEST_PAGE_SIZE", page_size);
+                for (k, v) in extra_env {
+                    cmd = cmd.env(k, v.clone());
+                }
+                let cell_started = Instant::now();
+                let passed = cmd.run().is_ok();
+                cells.push(Cell { features, level, page_size, passed, seconds: cell_started.elapsed().as_secs_f64() });
+            }
+        }
+    }
+    eprintln!("\n=== doctests (nextest does not run them)");
+    let doc_started = Instant::now();
+    let doc_passed = Cmd::cargo(&["test", "--workspace", "--doc"]).run().is_ok();
+    let doc_seconds = doc_started.elapsed().as_secs_f64();
+
+    println!("\ntest matrix ({:.0}s):", started.elapsed().as_secs_f64());
+    println!("{:<9} {:<7} {:>9}  {:<6} {:>7}", "features", "level", "page size", "result", "seconds");
+    for c in &cells {
+        let result = if c.passed { "pass" } else { "FAIL" };
+        println!("{:<9} {:<7} {:>9}  {:<6} {:>7.1}", c.features, c.level, c.page_size, result, c.seconds);
+    }
+    println!("{:<9} {:<7} {:>9}  {:<6} {:>7.1}", "doctests", "-", "-", if doc_passed { "pass" } else { "FAIL" }, doc_seconds);
+    let failed = cells.iter().filter(|c| !c.passed).count() + usize::from(!doc_passed);
+    let total = cells.len() + 1;
+    if failed == 0 {
+        println!("matrix: {total} passed, 0 failed");
+        Ok(())
+    } else {
+        println!("matrix: {} passed, {failed} failed", total - failed);
+        Err(format!("{failed} of {total} matrix cells failed"))
+    }
+}
+
+/// `cargo xtask ci`: everything CI checks, failing at the first broken stage.
+pub fn ci() -> Result<(), String> {
+    let started = Instant::now();
+    Cmd::cargo(&["fmt", "--all", "--", "--check"]).run()?;
+    for (_, feature_args) in FEATURE_SETS {
+        Cmd::cargo(&["clippy", "--workspace", "--all-targets", "--locked"]).args(feature_args).args(["--", "-D", "warnings"]).run()?;
+    }
+    Cmd::cargo(&["doc", "--workspace", "--no-deps", "--locked"]).env("RUSTDOCFLAGS", "-D warnings").run()?;
+    let lib_dir = nvrtc::install()?;
+    let library_path = nvrtc::library_path_with(&lib_dir);
+    nvrtc_test(&library_path)?;
+    // The matrix runs with libnvrtc on the library path, so the cuda cells compile the
+    // kernels for real instead of skipping.
+    run_matrix(false, &[("LD_LIBRARY_PATH", library_path)])?;
+    loom()?;
+    println!("ci: all stages passed in {:.0}s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// The NVRTC compile check of every `.cu`, required to run (not skip).
+fn nvrtc_test(library_path: &str) -> Result<(), String> {
+    Cmd::cargo(&["nextest", "run", "--profile", "ci", "-p", "unikv-kernels", "--features", "cuda", "--test", "nvrtc"])
+        .env("LD_LIBRARY_PATH", library_path)
+        .env("UNIKV_REQUIRE_NVRTC", "1")
+        .run()
+}
+
+/// `cargo xtask nvrtc`.
+pub fn nvrtc_check() -> Result<(), String> {
+    let lib_dir = nvrtc::install()?;
+    eprintln!("libnvrtc: {}", lib_dir.display());
+    nvrtc_test(&nvrtc::library_path_with(&lib_dir))
+}
+
+/// Every loom model: files named `loom_*.rs` under a crate's `tests/`, built with
+/// `--cfg unikv_loom` in a target folder of their own (so the normal build stays cached).
+fn loom() -> Result<(), String> {
+    let mut models = Vec::new();
+    let crates = std::fs::read_dir(root().join("crates")).map_err(|e| format!("reading crates/: {e}"))?;
+    for krate in crates.flatten() {
+        let Ok(tests) = std::fs::read_dir(krate.path().join("tests")) else { continue };
+        for test in tests.flatten() {
+            let name = test.file_name().to_string_lossy().into_owned();
+            if let Some(stem) = name.strip_prefix("loom_").and_then(|s| s.strip_suffix(".rs")) {
+                let package = format!("unikv-{}", krate.file_name().to_string_lossy());
+                models.push((package, format!("loom_{stem}")));
+            }
+        }
+    }
+    models.sort();
+    if models.is_empty() {
+        return Err("no loom models found (expected crates/*/tests/loom_*.rs)".into());
+    }
+    let target = root().join("target").join("loom");
+    for (package, test) in &models {
+        Cmd::cargo(&["test", "--release", "-p", package, "--test", test])
+            .env("RUSTFLAGS", "--cfg unikv_loom")
+            .env("CARGO_TARGET_DIR", target.to_string_lossy())
+            .env("LOOM_MAX_PREEMPTIONS", "3")
+            .run()?;
+    }
+    println!("loom: {} models passed", models.len());
+    Ok(())
+}
+
+/// `cargo xtask gpu`: the one script for a GPU machine.
+pub fn gpu() -> Result<(), String> {
+    let require = std::env::var("UNIKV_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    match Cmd::new("nvidia-smi", &["--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]).quiet().output() {
+        Ok(gpus) if !gpus.trim().is_empty() => println!("GPU: {}", gpus.trim()),
+        _ => {
+            println!("GPU: none found (nvidia-smi missing or lists no device): GPU checks SKIPPED");
+            if require {
+                return Err("UNIKV_REQUIRE_GPU=1 but no GPU was found".into());
+            }
+        }
+    }
+    let lib_dir = nvrtc::install()?;
+    let library_path = nvrtc::library_path_with(&lib_dir);
+    println!("NVRTC: {}", lib_dir.display());
+    nvrtc_test(&library_path)?;
+    let mut parity = Cmd::cargo(&[
+        "nextest", "run", "--profile", "ci", "--no-capture", "-p", "unikv-kernels", "--features", "cuda", "--test", "gpu_parity",
+    ])
+    .env("LD_LIBRARY_PATH", library_path);
+    if require {
+        parity = parity.env("UNIKV_REQUIRE_GPU", "1");
+    }
+    parity.run()?;
+    println!("gpu: done (tests that found no device printed SKIPPED above)");
+    Ok(())
+}
+
+/// `cargo xtask bench [ARGS]`.
+pub fn bench(args: &[String]) -> Result<(), String> {
+    Cmd::cargo(&["bench", "--workspace"]).args(args).run()
+}
