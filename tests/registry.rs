@@ -5,7 +5,12 @@
 fn the_facade_sees_every_declared_invariant() {
     let registry = unikv::init().expect("a sound start-up configuration");
     let registered: Vec<&str> = registry.names().collect();
-    let missing: Vec<&str> =
-        unikv::declared_invariants().into_iter().filter(|name| !registered.contains(name)).collect();
-    assert!(missing.is_empty(), "declared but not registered: {missing:?}\nregistered: {registered:?}");
+    let missing: Vec<&str> = unikv::declared_invariants()
+        .into_iter()
+        .filter(|name| !registered.contains(name))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "declared but not registered: {missing:?}\nregistered: {registered:?}"
+    );
 }

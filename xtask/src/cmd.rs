@@ -6,7 +6,10 @@ use std::time::Instant;
 
 /// The workspace root (xtask lives one level below it).
 pub fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask is inside the workspace").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask is inside the workspace")
+        .to_path_buf()
 }
 
 /// A command to run from the workspace root.
@@ -36,7 +39,8 @@ impl Cmd {
 
     /// Adds arguments.
     pub fn args<S: AsRef<str>>(mut self, args: impl IntoIterator<Item = S>) -> Cmd {
-        self.args.extend(args.into_iter().map(|a| a.as_ref().to_string()));
+        self.args
+            .extend(args.into_iter().map(|a| a.as_ref().to_string()));
         self
     }
 
@@ -54,7 +58,9 @@ impl Cmd {
 
     fn describe(&self) -> String {
         let env: String = self.env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
-        let program = Path::new(&self.program).file_name().map_or(self.program.clone(), |p| p.to_string_lossy().into_owned());
+        let program = Path::new(&self.program)
+            .file_name()
+            .map_or(self.program.clone(), |p| p.to_string_lossy().into_owned());
         format!("{env}{program} {}", self.args.join(" "))
     }
 
@@ -71,13 +77,19 @@ impl Cmd {
     pub fn run(&self) -> Result<(), String> {
         eprintln!("$ {}", self.describe());
         let started = Instant::now();
-        let status = self.command().status().map_err(|e| format!("cannot start {}: {e}", self.describe()))?;
+        let status = self
+            .command()
+            .status()
+            .map_err(|e| format!("cannot start {}: {e}", self.describe()))?;
         let took = started.elapsed().as_secs_f64();
         if status.success() {
             eprintln!("  ok in {took:.1}s");
             Ok(())
         } else {
-            Err(format!("`{}` failed ({status}) after {took:.1}s", self.describe()))
+            Err(format!(
+                "`{}` failed ({status}) after {took:.1}s",
+                self.describe()
+            ))
         }
     }
 
@@ -90,7 +102,9 @@ impl Cmd {
         if self.quiet {
             command.stderr(Stdio::null());
         }
-        let out = command.output().map_err(|e| format!("cannot start {}: {e}", self.describe()))?;
+        let out = command
+            .output()
+            .map_err(|e| format!("cannot start {}: {e}", self.describe()))?;
         if out.status.success() {
             Ok(String::from_utf8_lossy(&out.stdout).into_owned())
         } else {

@@ -13,11 +13,27 @@ pub fn install() -> Result<PathBuf, String> {
     if let Some(dir) = find_lib_dir(&target) {
         return Ok(dir);
     }
-    Cmd::new("python3", &["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps", "--upgrade"])
-        .args(["--target", &target.to_string_lossy(), WHEEL])
-        .run()
-        .map_err(|e| format!("installing libnvrtc from PyPI failed: {e}"))?;
-    find_lib_dir(&target).ok_or_else(|| format!("{WHEEL} installed, but no libnvrtc.so* under {}", target.display()))
+    Cmd::new(
+        "python3",
+        &[
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--upgrade",
+        ],
+    )
+    .args(["--target", &target.to_string_lossy(), WHEEL])
+    .run()
+    .map_err(|e| format!("installing libnvrtc from PyPI failed: {e}"))?;
+    find_lib_dir(&target).ok_or_else(|| {
+        format!(
+            "{WHEEL} installed, but no libnvrtc.so* under {}",
+            target.display()
+        )
+    })
 }
 
 /// `LD_LIBRARY_PATH` with `dir` in front.
@@ -36,7 +52,11 @@ fn find_lib_dir(dir: &Path) -> Option<PathBuf> {
             if let Some(found) = find_lib_dir(&path) {
                 return Some(found);
             }
-        } else if path.file_name()?.to_string_lossy().starts_with("libnvrtc.so") {
+        } else if path
+            .file_name()?
+            .to_string_lossy()
+            .starts_with("libnvrtc.so")
+        {
             return Some(dir.to_path_buf());
         }
     }

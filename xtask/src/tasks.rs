@@ -5,7 +5,8 @@ use crate::nvrtc;
 use std::time::Instant;
 
 /// Feature sets of the matrix: (label, cargo arguments).
-const FEATURE_SETS: [(&str, &[&str]); 2] = [("default", &[]), ("cuda", &["--features", "unikv/cuda"])];
+const FEATURE_SETS: [(&str, &[&str]); 2] =
+    [("default", &[]), ("cuda", &["--features", "unikv/cuda"])];
 const LEVELS: [&str; 3] = ["off", "warn", "strict"];
 const PAGE_SIZES: [&str; 3] = ["1", "16", "256"];
 
@@ -22,7 +23,9 @@ struct Cell {
 pub fn test(args: &[String]) -> Result<(), String> {
     let quick = args.iter().any(|a| a == "--quick");
     if let Some(bad) = args.iter().find(|a| *a != "--quick") {
-        return Err(format!("unknown option {bad:?} for test (expected --quick)"));
+        return Err(format!(
+            "unknown option {bad:?} for test (expected --quick)"
+        ));
     }
     run_matrix(quick, &[])
 }
@@ -31,13 +34,28 @@ pub fn test(args: &[String]) -> Result<(), String> {
 fn run_matrix(quick: bool, extra_env: &[(&str, String)]) -> Result<(), String> {
     let started = Instant::now();
     let mut cells = Vec::new();
-    let sets = if quick { &FEATURE_SETS[..1] } else { &FEATURE_SETS[..] };
+    let sets = if quick {
+        &FEATURE_SETS[..1]
+    } else {
+        &FEATURE_SETS[..]
+    };
     for (features, feature_args) in sets {
         // Build once per feature set; the cells only change the environment.
-        Cmd::cargo(&["nextest", "run", "--workspace", "--cargo-profile", "dev", "--no-run"]).args(*feature_args).run()?;
+        Cmd::cargo(&[
+            "nextest",
+            "run",
+            "--workspace",
+            "--cargo-profile",
+            "dev",
+            "--no-run",
+        ])
+        .args(*feature_args)
+        .run()?;
         for level in LEVELS {
             for page_size in PAGE_SIZES {
-                eprintln!("\n=== cell: features={features} UNIKV_INVARIANT_CHECK={level} UNIKV_TEST_PAGE_SIZE={page_size}");
+                eprintln!(
+                    "\n=== cell: features={features} UNIKV_INVARIANT_CHECK={level} UNIKV_TEST_PAGE_SIZE={page_size}"
+                );
                 let mut cmd = Cmd::cargo(&["nextest", "run", "--workspace", "--profile", "ci"])
                     .args(*feature_args)
                     .env("UNIKV_INVARIANT_CHECK", level)
@@ -47,7 +65,13 @@ fn run_matrix(quick: bool, extra_env: &[(&str, String)]) -> Result<(), String> {
                 }
                 let cell_started = Instant::now();
                 let passed = cmd.run().is_ok();
-                cells.push(Cell { features, level, page_size, passed, seconds: cell_started.elapsed().as_secs_f64() });
+                cells.push(Cell {
+                    features,
+                    level,
+                    page_size,
+                    passed,
+                    seconds: cell_started.elapsed().as_secs_f64(),
+                });
             }
         }
     }
@@ -57,12 +81,25 @@ fn run_matrix(quick: bool, extra_env: &[(&str, String)]) -> Result<(), String> {
     let doc_seconds = doc_started.elapsed().as_secs_f64();
 
     println!("\ntest matrix ({:.0}s):", started.elapsed().as_secs_f64());
-    println!("{:<9} {:<7} {:>9}  {:<6} {:>7}", "features", "level", "page size", "result", "seconds");
+    println!(
+        "{:<9} {:<7} {:>9}  {:<6} {:>7}",
+        "features", "level", "page size", "result", "seconds"
+    );
     for c in &cells {
         let result = if c.passed { "pass" } else { "FAIL" };
-        println!("{:<9} {:<7} {:>9}  {:<6} {:>7.1}", c.features, c.level, c.page_size, result, c.seconds);
+        println!(
+            "{:<9} {:<7} {:>9}  {:<6} {:>7.1}",
+            c.features, c.level, c.page_size, result, c.seconds
+        );
     }
-    println!("{:<9} {:<7} {:>9}  {:<6} {:>7.1}", "doctests", "-", "-", if doc_passed { "pass" } else { "FAIL" }, doc_seconds);
+    println!(
+        "{:<9} {:<7} {:>9}  {:<6} {:>7.1}",
+        "doctests",
+        "-",
+        "-",
+        if doc_passed { "pass" } else { "FAIL" },
+        doc_seconds
+    );
     let failed = cells.iter().filter(|c| !c.passed).count() + usize::from(!doc_passed);
     let total = cells.len() + 1;
     if failed == 0 {
@@ -79,9 +116,14 @@ pub fn ci() -> Result<(), String> {
     let started = Instant::now();
     Cmd::cargo(&["fmt", "--all", "--", "--check"]).run()?;
     for (_, feature_args) in FEATURE_SETS {
-        Cmd::cargo(&["clippy", "--workspace", "--all-targets", "--locked"]).args(feature_args).args(["--", "-D", "warnings"]).run()?;
+        Cmd::cargo(&["clippy", "--workspace", "--all-targets", "--locked"])
+            .args(feature_args)
+            .args(["--", "-D", "warnings"])
+            .run()?;
     }
-    Cmd::cargo(&["doc", "--workspace", "--no-deps", "--locked"]).env("RUSTDOCFLAGS", "-D warnings").run()?;
+    Cmd::cargo(&["doc", "--workspace", "--no-deps", "--locked"])
+        .env("RUSTDOCFLAGS", "-D warnings")
+        .run()?;
     let lib_dir = nvrtc::install()?;
     let library_path = nvrtc::library_path_with(&lib_dir);
     nvrtc_test(&library_path)?;
@@ -89,16 +131,30 @@ pub fn ci() -> Result<(), String> {
     // kernels for real instead of skipping.
     run_matrix(false, &[("LD_LIBRARY_PATH", library_path)])?;
     loom()?;
-    println!("ci: all stages passed in {:.0}s", started.elapsed().as_secs_f64());
+    println!(
+        "ci: all stages passed in {:.0}s",
+        started.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 
 /// The NVRTC compile check of every `.cu`, required to run (not skip).
 fn nvrtc_test(library_path: &str) -> Result<(), String> {
-    Cmd::cargo(&["nextest", "run", "--profile", "ci", "-p", "unikv-kernels", "--features", "cuda", "--test", "nvrtc"])
-        .env("LD_LIBRARY_PATH", library_path)
-        .env("UNIKV_REQUIRE_NVRTC", "1")
-        .run()
+    Cmd::cargo(&[
+        "nextest",
+        "run",
+        "--profile",
+        "ci",
+        "-p",
+        "unikv-kernels",
+        "--features",
+        "cuda",
+        "--test",
+        "nvrtc",
+    ])
+    .env("LD_LIBRARY_PATH", library_path)
+    .env("UNIKV_REQUIRE_NVRTC", "1")
+    .run()
 }
 
 /// `cargo xtask nvrtc`.
@@ -112,12 +168,18 @@ pub fn nvrtc_check() -> Result<(), String> {
 /// `--cfg unikv_loom` in a target folder of their own (so the normal build stays cached).
 fn loom() -> Result<(), String> {
     let mut models = Vec::new();
-    let crates = std::fs::read_dir(root().join("crates")).map_err(|e| format!("reading crates/: {e}"))?;
+    let crates =
+        std::fs::read_dir(root().join("crates")).map_err(|e| format!("reading crates/: {e}"))?;
     for krate in crates.flatten() {
-        let Ok(tests) = std::fs::read_dir(krate.path().join("tests")) else { continue };
+        let Ok(tests) = std::fs::read_dir(krate.path().join("tests")) else {
+            continue;
+        };
         for test in tests.flatten() {
             let name = test.file_name().to_string_lossy().into_owned();
-            if let Some(stem) = name.strip_prefix("loom_").and_then(|s| s.strip_suffix(".rs")) {
+            if let Some(stem) = name
+                .strip_prefix("loom_")
+                .and_then(|s| s.strip_suffix(".rs"))
+            {
                 let package = format!("unikv-{}", krate.file_name().to_string_lossy());
                 models.push((package, format!("loom_{stem}")));
             }
@@ -142,7 +204,16 @@ fn loom() -> Result<(), String> {
 /// `cargo xtask gpu`: the one script for a GPU machine.
 pub fn gpu() -> Result<(), String> {
     let require = std::env::var("UNIKV_REQUIRE_GPU").is_ok_and(|v| v == "1");
-    match Cmd::new("nvidia-smi", &["--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]).quiet().output() {
+    match Cmd::new(
+        "nvidia-smi",
+        &[
+            "--query-gpu=name,driver_version,memory.total",
+            "--format=csv,noheader",
+        ],
+    )
+    .quiet()
+    .output()
+    {
         Ok(gpus) if !gpus.trim().is_empty() => println!("GPU: {}", gpus.trim()),
         _ => {
             println!("GPU: none found (nvidia-smi missing or lists no device): GPU checks SKIPPED");
@@ -156,7 +227,17 @@ pub fn gpu() -> Result<(), String> {
     println!("NVRTC: {}", lib_dir.display());
     nvrtc_test(&library_path)?;
     let mut parity = Cmd::cargo(&[
-        "nextest", "run", "--profile", "ci", "--no-capture", "-p", "unikv-kernels", "--features", "cuda", "--test", "gpu_parity",
+        "nextest",
+        "run",
+        "--profile",
+        "ci",
+        "--no-capture",
+        "-p",
+        "unikv-kernels",
+        "--features",
+        "cuda",
+        "--test",
+        "gpu_parity",
     ])
     .env("LD_LIBRARY_PATH", library_path);
     if require {

@@ -32,7 +32,10 @@ impl Invariant {
             bucket,
             description,
             module,
-            counters: Counters { total: AtomicU64::new(0), unpolled: AtomicU64::new(0) },
+            counters: Counters {
+                total: AtomicU64::new(0),
+                unpolled: AtomicU64::new(0),
+            },
             last_message: Mutex::new(None),
         }
     }

@@ -26,8 +26,14 @@ fn a_duplicate_name_is_refused_naming_both_declaring_modules() {
          and in duplicate_declaration::second_site"
     );
     // Asking again reports the same error: nothing half-built was cached.
-    assert_eq!(unikv_invariants::registry().unwrap_err().to_string(), err.to_string());
+    assert_eq!(
+        unikv_invariants::registry().unwrap_err().to_string(),
+        err.to_string()
+    );
     // Start-up and the step boundary report it too, instead of running without a registry.
-    assert!(matches!(unikv_invariants::init(), Err(unikv_invariants::Error::DuplicateInvariant { .. })));
+    assert!(matches!(
+        unikv_invariants::init(),
+        Err(unikv_invariants::Error::DuplicateInvariant { .. })
+    ));
     assert!(unikv_invariants::poll().is_err());
 }

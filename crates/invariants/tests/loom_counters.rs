@@ -21,7 +21,10 @@ use loom::thread;
 #[test]
 fn recorders_and_a_poller_lose_nothing_and_log_the_first_hit_once() {
     loom::model(|| {
-        let counters = Arc::new(Counters { total: AtomicU64::new(0), unpolled: AtomicU64::new(0) });
+        let counters = Arc::new(Counters {
+            total: AtomicU64::new(0),
+            unpolled: AtomicU64::new(0),
+        });
         let first_hit_logs = Arc::new(AtomicU64::new(0));
         let recorders: Vec<_> = [1u64, 2]
             .into_iter()
@@ -46,6 +49,10 @@ fn recorders_and_a_poller_lose_nothing_and_log_the_first_hit_once() {
         let polled = poller.join().unwrap() + counters.take_unpolled();
         assert_eq!(polled, 3, "every violation is seen by exactly one poll");
         assert_eq!(counters.total(), 3);
-        assert_eq!(first_hit_logs.load(Ordering::Relaxed), 1, "the first hit is logged once");
+        assert_eq!(
+            first_hit_logs.load(Ordering::Relaxed),
+            1,
+            "the first hit is logged once"
+        );
     });
 }
