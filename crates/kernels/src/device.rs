@@ -16,8 +16,9 @@ pub struct BytesId(pub u32);
 pub struct TableId(pub u32);
 
 /// One page-envelope copy inside a byte buffer: `len` bytes from `src` to `dst` (byte
-/// offsets). Within one [`Device::move_spans`] call no destination overlaps any source
-/// or other destination.
+/// offsets). Within one [`Device::move_spans`] call no destination overlaps another
+/// destination; a destination may overlap sources (of its own or another move), since
+/// every source is read before any destination is written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SpanMove {
     /// Source byte offset.
@@ -43,6 +44,12 @@ pub struct ByteSpan {
 /// `id = ids[i]`, or `0` (the sink) when `id <= 0`, `id / page_size` is outside `v2p`,
 /// or `v2p[id / page_size] <= 0` (unbound or tombstoned). For `n <= i < out_width`:
 /// `out[i] = 0` (zero-filled tail, so a captured graph sees a fixed width).
+///
+/// The arithmetic is `i32` and wraps: callers keep every kernel id inside `i32` (the
+/// pools check `physical pages × stride` at set-up, with host arithmetic). `out` must be
+/// a table other than `v2p` and `ids`; `page_size > 0`, `stride` and `page_size` fit in
+/// `i32`, `n <= out_width`, and the tables are long enough (`ids >= n`,
+/// `out >= out_width`), or the op fails before writing anything.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Translate {
     /// The `v2p` mirror (physical page per virtual page).
@@ -63,33 +70,47 @@ pub struct Translate {
 
 /// Device work with host-known output shapes, issued in stream order; nothing here
 /// waits for the device. Errors are for caller mistakes (bad handle, out of bounds) and
-/// for device failures; they are detected on the host before any work is issued.
+/// for device failures; they are detected on the host before any work is issued, so an
+/// op that fails has changed nothing.
+///
+/// Every op is `#[track_caller]` (also through `dyn Device`), so a recording wrapper such
+/// as [`SyncLedger`](crate::SyncLedger) sees the caller's file and line.
 pub trait Device: Send + Sync + std::fmt::Debug {
     /// A short name for reports (`cpu`, `cuda:0`, `ledger(cpu)`).
     fn name(&self) -> String;
 
     /// Allocates a byte buffer of `len` bytes, every byte set to `fill` (set-up, not
     /// scheduling path).
+    #[track_caller]
     fn alloc_bytes(&self, len: u64, fill: u8) -> Result<BytesId, Error>;
 
     /// Allocates an `i32` table of `len` entries set to `fill` (set-up).
+    #[track_caller]
     fn alloc_table(&self, len: usize, fill: i32) -> Result<TableId, Error>;
 
     /// Releases a buffer (set-up / tear-down).
+    #[track_caller]
     fn free_bytes(&self, buf: BytesId) -> Result<(), Error>;
 
     /// Releases a table (set-up / tear-down).
+    #[track_caller]
     fn free_table(&self, table: TableId) -> Result<(), Error>;
 
     /// Writes `values` at `offset..offset + values.len()` of `table`. The host slice is
     /// staged before returning, so the caller may reuse it at once.
+    #[track_caller]
     fn upload_table(&self, table: TableId, offset: usize, values: &[i32]) -> Result<(), Error>;
 
     /// Scatters `(index, value)` pairs into `table` (the per-step mirror upload of dirty
     /// table entries: one op however many entries). Staged like [`Device::upload_table`].
+    /// When an index appears more than once, the last pair wins.
+    #[track_caller]
     fn scatter_table(&self, table: TableId, entries: &[(u32, i32)]) -> Result<(), Error>;
 
-    /// `out[i] = src[indices[i]]` for `i < n`.
+    /// `out[i] = src[indices[i]]` for `i < n`, or `0` when `indices[i]` is outside `src`
+    /// (negative or too large; device data, so not an error). `out` must be a table
+    /// other than `src` and `indices`.
+    #[track_caller]
     fn gather_table(
         &self,
         src: TableId,
@@ -100,13 +121,16 @@ pub trait Device: Send + Sync + std::fmt::Debug {
 
     /// Sets every byte of each span of `buf` to `value` (zeroing page envelopes on
     /// hand-out, poisoning freed ones).
+    #[track_caller]
     fn fill_spans(&self, buf: BytesId, spans: &[ByteSpan], value: u8) -> Result<(), Error>;
 
     /// Copies page envelopes inside `buf` (compaction). All moves of one call behave as
     /// if done at once: every source is read before any destination is written.
+    #[track_caller]
     fn move_spans(&self, buf: BytesId, moves: &[SpanMove]) -> Result<(), Error>;
 
     /// Translates virtual token ids into kernel ids (see [`Translate`]).
+    #[track_caller]
     fn translate(&self, args: &Translate) -> Result<(), Error>;
 }
 
@@ -131,8 +155,21 @@ impl HostSync {
 }
 
 /// Ops that wait for the device (read-backs). Each takes a [`HostSync`] permit.
+///
+/// `dyn Device` does not implement `Readback`, so code that holds one cannot wait, even
+/// with a permit and the trait in scope:
+///
+/// ```compile_fail
+/// use unikv_kernels::{Device, HostSync, Readback, TableId};
+///
+/// fn scheduling_path(dev: &dyn Device, table: TableId) {
+///     let sync = HostSync::acquire("not allowed here");
+///     let _ = dev.read_table(&sync, table, 0, 1); // no `read_table` on `dyn Device`
+/// }
+/// ```
 pub trait Readback: Device {
     /// Waits for all issued work, then copies `len` entries of `table` from `offset`.
+    #[track_caller]
     fn read_table(
         &self,
         sync: &HostSync,
@@ -142,6 +179,7 @@ pub trait Readback: Device {
     ) -> Result<Vec<i32>, Error>;
 
     /// Waits for all issued work, then copies `len` bytes of `buf` from `offset`.
+    #[track_caller]
     fn read_bytes(
         &self,
         sync: &HostSync,
@@ -151,5 +189,6 @@ pub trait Readback: Device {
     ) -> Result<Vec<u8>, Error>;
 
     /// Waits for all issued work.
+    #[track_caller]
     fn synchronize(&self, sync: &HostSync) -> Result<(), Error>;
 }

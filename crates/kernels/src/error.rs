@@ -13,6 +13,14 @@ pub enum Error {
         "no CUDA driver found (libcuda could not be loaded); use the CPU backend or install an NVIDIA driver"
     )]
     NoCudaDriver,
+    /// The CUDA driver is installed but there is no GPU with this ordinal.
+    #[error("no CUDA device {ordinal}: the driver reports {count} device(s)")]
+    NoCudaDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// How many devices the driver sees.
+        count: usize,
+    },
     /// A handle that this device did not hand out, or already released.
     #[error("unknown {kind} handle {id} on device {device}")]
     UnknownHandle {
@@ -47,6 +55,27 @@ pub enum Error {
         op: &'static str,
         /// What is wrong.
         reason: String,
+    },
+    /// The device could not allocate a buffer or table of the requested size.
+    #[error("{device}: cannot allocate {bytes} bytes")]
+    OutOfMemory {
+        /// The device's name.
+        device: String,
+        /// The size asked for.
+        bytes: u64,
+    },
+    /// NVRTC (the CUDA run-time compiler) could not be loaded.
+    #[error(
+        "libnvrtc could not be loaded; install the CUDA NVRTC library (e.g. the `nvidia-cuda-nvrtc-cu12` wheel) and put it on LD_LIBRARY_PATH"
+    )]
+    NoNvrtc,
+    /// A kernel source did not compile with NVRTC.
+    #[error("NVRTC could not compile {file}: {log}")]
+    KernelCompile {
+        /// The `.cu` file.
+        file: &'static str,
+        /// The compiler's log.
+        log: String,
     },
     /// The CUDA driver or NVRTC reported an error.
     #[error("CUDA: {0}")]

@@ -1,16 +1,54 @@
 //! The device layer of unikv: a [`Device`] trait whose ops all have host-known output
-//! shapes, the CPU reference backend, a recording wrapper that counts syncs, and the
-//! CUDA backend behind the `cuda` feature.
+//! shapes, the CPU reference backend [`CpuDevice`], the recording wrapper
+//! [`SyncLedger`] that counts syncs by call site, and the CUDA backend [`CudaDevice`]
+//! behind the `cuda` feature (kernels in `cu/*.cu`, compiled at run time by
+//! [`nvrtc`]).
+//!
+//! ```
+//! use std::sync::Arc;
+//! use unikv_kernels::{CpuDevice, Device, HostSync, Readback, Translate};
+//!
+//! let cpu = Arc::new(CpuDevice::new());
+//! let dev: Arc<dyn Device> = cpu.clone(); // what scheduling-path code holds
+//! let v2p = dev.alloc_table(4, 0).unwrap(); // the v2p mirror: page 0 is the sink
+//! dev.scatter_table(v2p, &[(1, 2)]).unwrap(); // virtual page 1 -> physical page 2
+//! let ids = dev.alloc_table(3, 0).unwrap();
+//! dev.upload_table(ids, 0, &[4, 5, 12]).unwrap(); // page size 4: pages 1, 1, 3
+//! let out = dev.alloc_table(4, -1).unwrap();
+//! let args = Translate { v2p, ids, n: 3, page_size: 4, stride: 8, out, out_width: 4 };
+//! dev.translate(&args).unwrap();
+//! // Reading back needs a permit and the `Readback` trait, which `dyn Device` lacks.
+//! let sync = HostSync::acquire("doc example");
+//! // 2 × 8 + 0, 2 × 8 + 1, the sink for unbound page 3, the zero-filled tail.
+//! assert_eq!(cpu.read_table(&sync, out, 0, 4).unwrap(), [16, 17, 0, 0]);
+//! ```
 //!
 //! # Invariants this crate keeps
-//! - No method of [`Device`] waits for the device or returns a value whose size depends
-//!   on device data. Waiting ops live on [`Readback`] and need a [`HostSync`] permit.
+//! - Architecture invariant: no method of [`Device`] waits for the device or returns a
+//!   value whose size depends on device data. Waiting ops live on [`Readback`] and need a
+//!   [`HostSync`] permit; scheduling-path code holds an `Arc<dyn Device>`, so a host sync
+//!   there does not compile, and [`SyncLedger`] counts any that happen elsewhere.
+//! - Every op checks its arguments on the host before it writes or issues anything: an
+//!   op that returns an error has changed nothing.
+//! - [`CpuDevice`] defines the semantics; every CUDA op has a CPU twin and a parity test
+//!   (`tests/gpu_parity.rs`), and the scalar rules both follow (translate's sink and
+//!   tombstone rule, gather's out-of-range rule) are written once.
+//! - Every `.cu` file of `cu/` is listed in [`nvrtc::KERNEL_SOURCES`] and compiled by
+//!   [`nvrtc::compile_all`] (the CI check); sources include no toolkit header.
 //! - Without the `cuda` feature the CUDA API exists and returns
 //!   [`Error::NotCompiledWithCuda`]; with it, a machine without a driver gets
-//!   [`Error::NoCudaDriver`], never a panic.
+//!   [`Error::NoCudaDriver`] (and without NVRTC [`Error::NoNvrtc`]), never a panic.
 
+mod check;
+mod cpu;
+mod cuda;
 mod device;
 mod error;
+mod ledger;
+pub mod nvrtc;
 
+pub use cpu::CpuDevice;
+pub use cuda::CudaDevice;
 pub use device::{ByteSpan, BytesId, Device, HostSync, Readback, SpanMove, TableId, Translate};
 pub use error::Error;
+pub use ledger::{OpRecord, SyncLedger, SyncReport};

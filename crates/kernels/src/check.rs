@@ -1,0 +1,191 @@
+//! Host-side argument checks shared by every backend, and the scalar rules (translate,
+//! gather) that the CPU backend applies and the CUDA kernels mirror.
+//!
+//! Every check here uses only host-known values (handles, lengths, offsets), so a
+//! backend runs them all before issuing any work: an op that fails has changed nothing.
+
+use crate::{ByteSpan, BytesId, Error, SpanMove, TableId, Translate};
+
+/// `[start, start + len)` lies inside `[0, total)`; `kind`/`id` name the buffer.
+fn range(
+    op: &'static str,
+    kind: &'static str,
+    id: u32,
+    start: u64,
+    len: u64,
+    total: u64,
+) -> Result<(), Error> {
+    match start.checked_add(len) {
+        Some(end) if end <= total => Ok(()),
+        end => Err(Error::OutOfBounds {
+            op,
+            kind,
+            id,
+            start,
+            end: end.unwrap_or(u64::MAX),
+            len: total,
+        }),
+    }
+}
+
+/// `[offset, offset + len)` lies inside a byte buffer of `total` bytes.
+pub(crate) fn bytes_range(
+    op: &'static str,
+    buf: BytesId,
+    offset: u64,
+    len: u64,
+    total: u64,
+) -> Result<(), Error> {
+    range(op, "bytes", buf.0, offset, len, total)
+}
+
+/// `[offset, offset + len)` lies inside a table of `total` entries.
+pub(crate) fn table_range(
+    op: &'static str,
+    table: TableId,
+    offset: usize,
+    len: usize,
+    total: usize,
+) -> Result<(), Error> {
+    range(
+        op,
+        "table",
+        table.0,
+        offset as u64,
+        len as u64,
+        total as u64,
+    )
+}
+
+/// `out` is neither of the tables an op reads (a parallel kernel must not write what it
+/// reads).
+pub(crate) fn distinct_output(
+    op: &'static str,
+    out: TableId,
+    inputs: &[(&'static str, TableId)],
+) -> Result<(), Error> {
+    match inputs.iter().find(|(_, t)| *t == out) {
+        Some((name, _)) => Err(Error::BadArguments {
+            op,
+            reason: format!("the output table {} is also the `{name}` input", out.0),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Every index of a scatter is inside a table of `total` entries.
+pub(crate) fn scatter(table: TableId, entries: &[(u32, i32)], total: usize) -> Result<(), Error> {
+    match entries.iter().find(|(i, _)| *i as usize >= total) {
+        Some(&(i, _)) => table_range("scatter_table", table, i as usize, 1, total),
+        None => Ok(()),
+    }
+}
+
+/// Every span is inside a buffer of `total` bytes.
+pub(crate) fn fill(buf: BytesId, spans: &[ByteSpan], total: u64) -> Result<(), Error> {
+    spans
+        .iter()
+        .try_for_each(|s| bytes_range("fill_spans", buf, s.offset, s.len, total))
+}
+
+/// Every source and destination is inside a buffer of `total` bytes and no two
+/// destinations overlap (empty moves are ignored). Sources may overlap anything.
+pub(crate) fn moves(buf: BytesId, moves: &[SpanMove], total: u64) -> Result<(), Error> {
+    for m in moves {
+        bytes_range("move_spans", buf, m.src, m.len, total)?;
+        bytes_range("move_spans", buf, m.dst, m.len, total)?;
+    }
+    let mut dsts: Vec<(u64, u64)> = moves
+        .iter()
+        .filter(|m| m.len > 0)
+        .map(|m| (m.dst, m.dst + m.len)) // no overflow: checked just above
+        .collect();
+    dsts.sort_unstable();
+    match dsts.windows(2).find(|w| w[1].0 < w[0].1) {
+        Some(w) => Err(Error::BadArguments {
+            op: "move_spans",
+            reason: format!(
+                "destinations {}..{} and {}..{} overlap",
+                w[0].0, w[0].1, w[1].0, w[1].1
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// `gather_table`'s host-known arguments: `indices` and `out` hold `n` entries and `out`
+/// is a table of its own.
+pub(crate) fn gather(
+    src: TableId,
+    indices: (TableId, usize),
+    n: usize,
+    out: (TableId, usize),
+) -> Result<(), Error> {
+    distinct_output(
+        "gather_table",
+        out.0,
+        &[("src", src), ("indices", indices.0)],
+    )?;
+    table_range("gather_table", indices.0, 0, n, indices.1)?;
+    table_range("gather_table", out.0, 0, n, out.1)
+}
+
+/// The value `gather_table` writes for one index: `src[index]`, or `0` outside `src`.
+pub(crate) fn gather_one(src: &[i32], index: i32) -> i32 {
+    usize::try_from(index)
+        .ok()
+        .and_then(|i| src.get(i))
+        .copied()
+        .unwrap_or(0)
+}
+
+/// `translate`'s host-known arguments, given the lengths of `ids` and `out`.
+/// Returns `(page_size, stride)` as the `i32`s the arithmetic uses.
+pub(crate) fn translate(
+    args: &Translate,
+    ids_len: usize,
+    out_len: usize,
+) -> Result<(i32, i32), Error> {
+    let bad = |reason: String| Error::BadArguments {
+        op: "translate",
+        reason,
+    };
+    distinct_output(
+        "translate",
+        args.out,
+        &[("v2p", args.v2p), ("ids", args.ids)],
+    )?;
+    let page_size = i32::try_from(args.page_size)
+        .ok()
+        .filter(|&ps| ps > 0)
+        .ok_or_else(|| {
+            bad(format!(
+                "page size {} is not in 1..=i32::MAX",
+                args.page_size
+            ))
+        })?;
+    let stride = i32::try_from(args.stride)
+        .map_err(|_| bad(format!("stride {} does not fit in i32", args.stride)))?;
+    if args.n > args.out_width {
+        return Err(bad(format!(
+            "n = {} is larger than out_width = {}",
+            args.n, args.out_width
+        )));
+    }
+    table_range("translate", args.ids, 0, args.n, ids_len)?;
+    table_range("translate", args.out, 0, args.out_width, out_len)?;
+    Ok((page_size, stride))
+}
+
+/// The kernel id of one virtual token id (see [`Translate`]): the sink (`0`) for
+/// `id <= 0`, a page outside `v2p`, or a page that is unbound or tombstoned
+/// (`v2p <= 0`); otherwise `v2p[page] * stride + offset` in wrapping `i32` arithmetic.
+pub(crate) fn translate_one(v2p: &[i32], id: i32, page_size: i32, stride: i32) -> i32 {
+    if id <= 0 {
+        return 0;
+    }
+    match v2p.get((id / page_size) as usize) {
+        Some(&phys) if phys > 0 => phys.wrapping_mul(stride).wrapping_add(id % page_size),
+        _ => 0,
+    }
+}

@@ -1,0 +1,625 @@
+//! `CpuDevice`: the reference backend. Buffers and tables are host vectors behind one
+//! mutex; a handle is an index into them. Every op checks all its arguments before it
+//! writes anything, so an op that returns an error has changed nothing.
+
+use crate::check;
+use crate::{ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, Translate};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+/// The CPU reference backend: the semantics every other backend is compared against.
+///
+/// Work runs at once on the calling thread, so "stream order" is call order and
+/// [`Readback::synchronize`] has nothing to wait for. Released handles are never handed
+/// out again, so a stale handle is reported as [`Error::UnknownHandle`].
+#[derive(Debug, Default)]
+pub struct CpuDevice {
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    bytes: Vec<Option<Vec<u8>>>,
+    tables: Vec<Option<Vec<i32>>>,
+}
+
+impl CpuDevice {
+    /// A device with no buffers or tables.
+    pub fn new() -> CpuDevice {
+        CpuDevice::default()
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        // Poisoning cannot leave the state half-written: every op validates all its
+        // arguments before it writes, and the writes themselves do not panic. So a
+        // poisoned lock still guards consistent data, and we keep using it.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+fn unknown(kind: &'static str, id: u32) -> Error {
+    Error::UnknownHandle {
+        kind,
+        id,
+        device: "cpu".to_string(),
+    }
+}
+
+fn out_of_memory(bytes: u64) -> Error {
+    Error::OutOfMemory {
+        device: "cpu".to_string(),
+        bytes,
+    }
+}
+
+impl State {
+    fn bytes(&self, buf: BytesId) -> Result<&Vec<u8>, Error> {
+        self.bytes
+            .get(buf.0 as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| unknown("bytes", buf.0))
+    }
+
+    fn bytes_mut(&mut self, buf: BytesId) -> Result<&mut Vec<u8>, Error> {
+        self.bytes
+            .get_mut(buf.0 as usize)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| unknown("bytes", buf.0))
+    }
+
+    fn table(&self, table: TableId) -> Result<&Vec<i32>, Error> {
+        self.tables
+            .get(table.0 as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| unknown("table", table.0))
+    }
+
+    fn table_mut(&mut self, table: TableId) -> Result<&mut Vec<i32>, Error> {
+        self.tables
+            .get_mut(table.0 as usize)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| unknown("table", table.0))
+    }
+}
+
+/// The next handle number for a slot vector, or an error once `u32` is exhausted.
+fn next_handle<T>(slots: &[T]) -> Result<u32, Error> {
+    u32::try_from(slots.len()).map_err(|_| Error::BadArguments {
+        op: "alloc",
+        reason: "every handle number of this device has been used".to_string(),
+    })
+}
+
+/// A vector of `len` copies of `fill`, or an error instead of an abort when the host
+/// cannot allocate it.
+fn filled<T: Copy>(len: usize, fill: T) -> Result<Vec<T>, Error> {
+    let bytes = (len as u64).saturating_mul(size_of::<T>() as u64);
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| out_of_memory(bytes))?;
+    v.resize(len, fill);
+    Ok(v)
+}
+
+impl Device for CpuDevice {
+    fn name(&self) -> String {
+        "cpu".to_string()
+    }
+
+    fn alloc_bytes(&self, len: u64, fill: u8) -> Result<BytesId, Error> {
+        let n = usize::try_from(len).map_err(|_| out_of_memory(len))?;
+        let mut st = self.state();
+        let id = next_handle(&st.bytes)?;
+        let buf = filled(n, fill)?;
+        st.bytes.push(Some(buf));
+        Ok(BytesId(id))
+    }
+
+    fn alloc_table(&self, len: usize, fill: i32) -> Result<TableId, Error> {
+        let mut st = self.state();
+        let id = next_handle(&st.tables)?;
+        let table = filled(len, fill)?;
+        st.tables.push(Some(table));
+        Ok(TableId(id))
+    }
+
+    fn free_bytes(&self, buf: BytesId) -> Result<(), Error> {
+        let mut st = self.state();
+        st.bytes(buf)?;
+        st.bytes[buf.0 as usize] = None;
+        Ok(())
+    }
+
+    fn free_table(&self, table: TableId) -> Result<(), Error> {
+        let mut st = self.state();
+        st.table(table)?;
+        st.tables[table.0 as usize] = None;
+        Ok(())
+    }
+
+    fn upload_table(&self, table: TableId, offset: usize, values: &[i32]) -> Result<(), Error> {
+        let mut st = self.state();
+        let t = st.table_mut(table)?;
+        check::table_range("upload_table", table, offset, values.len(), t.len())?;
+        t[offset..offset + values.len()].copy_from_slice(values);
+        Ok(())
+    }
+
+    fn scatter_table(&self, table: TableId, entries: &[(u32, i32)]) -> Result<(), Error> {
+        let mut st = self.state();
+        let t = st.table_mut(table)?;
+        check::scatter(table, entries, t.len())?;
+        for &(i, v) in entries {
+            t[i as usize] = v; // in order, so the last pair for an index wins
+        }
+        Ok(())
+    }
+
+    fn gather_table(
+        &self,
+        src: TableId,
+        indices: TableId,
+        n: usize,
+        out: TableId,
+    ) -> Result<(), Error> {
+        let mut st = self.state();
+        let indices_len = st.table(indices)?.len();
+        let out_len = st.table(out)?.len();
+        st.table(src)?;
+        check::gather(src, (indices, indices_len), n, (out, out_len))?;
+        let values: Vec<i32> = {
+            let (src, indices) = (st.table(src)?, st.table(indices)?);
+            indices[..n]
+                .iter()
+                .map(|&i| check::gather_one(src, i))
+                .collect()
+        };
+        st.table_mut(out)?[..n].copy_from_slice(&values);
+        Ok(())
+    }
+
+    fn fill_spans(&self, buf: BytesId, spans: &[ByteSpan], value: u8) -> Result<(), Error> {
+        let mut st = self.state();
+        let b = st.bytes_mut(buf)?;
+        check::fill(buf, spans, b.len() as u64)?;
+        for s in spans {
+            // In bounds, so both ends fit in usize.
+            b[s.offset as usize..(s.offset + s.len) as usize].fill(value);
+        }
+        Ok(())
+    }
+
+    fn move_spans(&self, buf: BytesId, moves: &[SpanMove]) -> Result<(), Error> {
+        let mut st = self.state();
+        let b = st.bytes_mut(buf)?;
+        check::moves(buf, moves, b.len() as u64)?;
+        // Read every source first (one staging vector), then write every destination.
+        let mut staged = Vec::with_capacity(moves.iter().map(|m| m.len as usize).sum());
+        for m in moves {
+            staged.extend_from_slice(&b[m.src as usize..(m.src + m.len) as usize]);
+        }
+        let mut at = 0;
+        for m in moves {
+            let len = m.len as usize;
+            b[m.dst as usize..m.dst as usize + len].copy_from_slice(&staged[at..at + len]);
+            at += len;
+        }
+        Ok(())
+    }
+
+    fn translate(&self, args: &Translate) -> Result<(), Error> {
+        let mut st = self.state();
+        st.table(args.v2p)?;
+        let ids_len = st.table(args.ids)?.len();
+        let out_len = st.table(args.out)?.len();
+        let (page_size, stride) = check::translate(args, ids_len, out_len)?;
+        let kernel_ids: Vec<i32> = {
+            let (v2p, ids) = (st.table(args.v2p)?, st.table(args.ids)?);
+            ids[..args.n]
+                .iter()
+                .map(|&id| check::translate_one(v2p, id, page_size, stride))
+                .collect()
+        };
+        let out = st.table_mut(args.out)?;
+        out[..args.n].copy_from_slice(&kernel_ids);
+        out[args.n..args.out_width].fill(0);
+        Ok(())
+    }
+}
+
+impl Readback for CpuDevice {
+    fn read_table(
+        &self,
+        _sync: &HostSync,
+        table: TableId,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<i32>, Error> {
+        let st = self.state();
+        let t = st.table(table)?;
+        check::table_range("read_table", table, offset, len, t.len())?;
+        Ok(t[offset..offset + len].to_vec())
+    }
+
+    fn read_bytes(
+        &self,
+        _sync: &HostSync,
+        buf: BytesId,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, Error> {
+        let st = self.state();
+        let b = st.bytes(buf)?;
+        check::bytes_range("read_bytes", buf, offset, len, b.len() as u64)?;
+        Ok(b[offset as usize..(offset + len) as usize].to_vec())
+    }
+
+    fn synchronize(&self, _sync: &HostSync) -> Result<(), Error> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use unikv_invariants::testing::page_sizes;
+
+    fn sync() -> HostSync {
+        HostSync::acquire("cpu backend unit test")
+    }
+
+    fn table(dev: &CpuDevice, values: &[i32]) -> TableId {
+        let t = dev.alloc_table(values.len(), 0).unwrap();
+        dev.upload_table(t, 0, values).unwrap();
+        t
+    }
+
+    fn read(dev: &CpuDevice, t: TableId) -> Vec<i32> {
+        let len = dev.state().table(t).unwrap().len();
+        dev.read_table(&sync(), t, 0, len).unwrap()
+    }
+
+    fn bytes(dev: &CpuDevice, b: BytesId) -> Vec<u8> {
+        let len = dev.state().bytes(b).unwrap().len() as u64;
+        dev.read_bytes(&sync(), b, 0, len).unwrap()
+    }
+
+    #[test]
+    fn alloc_fills_and_free_makes_the_handle_unknown() {
+        let dev = CpuDevice::new();
+        let b = dev.alloc_bytes(5, 0xAB).unwrap();
+        let t = dev.alloc_table(3, -1).unwrap();
+        assert_eq!(bytes(&dev, b), vec![0xAB; 5]);
+        assert_eq!(read(&dev, t), vec![-1; 3]);
+        dev.free_bytes(b).unwrap();
+        dev.free_table(t).unwrap();
+        assert!(matches!(
+            dev.free_bytes(b),
+            Err(Error::UnknownHandle { kind: "bytes", .. })
+        ));
+        assert!(matches!(
+            dev.read_table(&sync(), t, 0, 1),
+            Err(Error::UnknownHandle { kind: "table", .. })
+        ));
+        // A released handle number is never handed out again.
+        assert_ne!(dev.alloc_table(1, 0).unwrap(), t);
+    }
+
+    #[test]
+    fn alloc_of_an_impossible_size_is_an_error_not_an_abort() {
+        let dev = CpuDevice::new();
+        assert!(matches!(
+            dev.alloc_bytes(u64::MAX, 0),
+            Err(Error::OutOfMemory { .. })
+        ));
+    }
+
+    #[test]
+    fn upload_writes_a_range_and_rejects_one_past_the_end() {
+        let dev = CpuDevice::new();
+        let t = dev.alloc_table(4, 0).unwrap();
+        dev.upload_table(t, 1, &[7, 8]).unwrap();
+        assert_eq!(read(&dev, t), vec![0, 7, 8, 0]);
+        assert!(matches!(
+            dev.upload_table(t, 3, &[1, 2]),
+            Err(Error::OutOfBounds {
+                start: 3,
+                end: 5,
+                len: 4,
+                ..
+            })
+        ));
+        assert_eq!(read(&dev, t), vec![0, 7, 8, 0]);
+    }
+
+    #[test]
+    fn scatter_applies_in_order_and_an_out_of_range_index_changes_nothing() {
+        let dev = CpuDevice::new();
+        let t = dev.alloc_table(4, 0).unwrap();
+        dev.scatter_table(t, &[(3, 30), (0, 10), (3, 33)]).unwrap();
+        assert_eq!(read(&dev, t), vec![10, 0, 0, 33]);
+        assert!(matches!(
+            dev.scatter_table(t, &[(1, 5), (4, 6)]),
+            Err(Error::OutOfBounds { start: 4, .. })
+        ));
+        assert_eq!(
+            read(&dev, t),
+            vec![10, 0, 0, 33],
+            "nothing partially applied"
+        );
+    }
+
+    #[test]
+    fn gather_reads_src_and_writes_zero_for_indices_outside_it() {
+        let dev = CpuDevice::new();
+        let src = table(&dev, &[10, 11, 12]);
+        let idx = table(&dev, &[2, 0, -1, 3, 1]);
+        let out = dev.alloc_table(6, 99).unwrap();
+        dev.gather_table(src, idx, 5, out).unwrap();
+        assert_eq!(read(&dev, out), vec![12, 10, 0, 0, 11, 99]);
+    }
+
+    #[test]
+    fn gather_rejects_short_tables_and_aliased_output() {
+        let dev = CpuDevice::new();
+        let src = table(&dev, &[10, 11, 12]);
+        let idx = table(&dev, &[0, 1]);
+        let out = dev.alloc_table(1, 0).unwrap();
+        assert!(matches!(
+            dev.gather_table(src, idx, 3, out),
+            Err(Error::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            dev.gather_table(src, idx, 1, src),
+            Err(Error::BadArguments { .. })
+        ));
+        assert!(matches!(
+            dev.gather_table(src, idx, 1, idx),
+            Err(Error::BadArguments { .. })
+        ));
+        assert_eq!(read(&dev, src), vec![10, 11, 12]);
+    }
+
+    #[test]
+    fn fill_sets_every_span_and_rejects_a_span_past_the_end() {
+        let dev = CpuDevice::new();
+        let b = dev.alloc_bytes(8, 1).unwrap();
+        let spans = [
+            ByteSpan { offset: 0, len: 2 },
+            ByteSpan { offset: 5, len: 3 },
+            ByteSpan { offset: 4, len: 0 },
+        ];
+        dev.fill_spans(b, &spans, 0).unwrap();
+        assert_eq!(bytes(&dev, b), vec![0, 0, 1, 1, 1, 0, 0, 0]);
+        let bad = [
+            ByteSpan { offset: 2, len: 1 },
+            ByteSpan { offset: 7, len: 2 },
+        ];
+        assert!(matches!(
+            dev.fill_spans(b, &bad, 9),
+            Err(Error::OutOfBounds {
+                start: 7,
+                end: 9,
+                ..
+            })
+        ));
+        assert_eq!(bytes(&dev, b), vec![0, 0, 1, 1, 1, 0, 0, 0]);
+        let overflow = [ByteSpan {
+            offset: u64::MAX,
+            len: 2,
+        }];
+        assert!(matches!(
+            dev.fill_spans(b, &overflow, 9),
+            Err(Error::OutOfBounds { .. })
+        ));
+    }
+
+    #[test]
+    fn move_reads_every_source_before_writing_any_destination() {
+        let dev = CpuDevice::new();
+        let b = dev.alloc_bytes(6, 0).unwrap();
+        dev.state()
+            .bytes_mut(b)
+            .unwrap()
+            .copy_from_slice(&[1, 2, 3, 4, 5, 6]);
+        // A rotation: each destination is another move's source.
+        let moves = [
+            SpanMove {
+                src: 0,
+                dst: 2,
+                len: 2,
+            },
+            SpanMove {
+                src: 2,
+                dst: 4,
+                len: 2,
+            },
+            SpanMove {
+                src: 4,
+                dst: 0,
+                len: 2,
+            },
+        ];
+        dev.move_spans(b, &moves).unwrap();
+        assert_eq!(bytes(&dev, b), vec![5, 6, 1, 2, 3, 4]);
+        // A move onto an overlapping part of its own source.
+        dev.move_spans(
+            b,
+            &[SpanMove {
+                src: 0,
+                dst: 1,
+                len: 4,
+            }],
+        )
+        .unwrap();
+        assert_eq!(bytes(&dev, b), vec![5, 5, 6, 1, 2, 4]);
+    }
+
+    #[test]
+    fn move_rejects_overlapping_destinations_and_out_of_range_spans() {
+        let dev = CpuDevice::new();
+        let b = dev.alloc_bytes(8, 0).unwrap();
+        dev.fill_spans(b, &[ByteSpan { offset: 0, len: 4 }], 1)
+            .unwrap();
+        let overlapping = [
+            SpanMove {
+                src: 0,
+                dst: 4,
+                len: 2,
+            },
+            SpanMove {
+                src: 2,
+                dst: 5,
+                len: 2,
+            },
+        ];
+        assert!(matches!(
+            dev.move_spans(b, &overlapping),
+            Err(Error::BadArguments {
+                op: "move_spans",
+                ..
+            })
+        ));
+        let past_end = [
+            SpanMove {
+                src: 0,
+                dst: 4,
+                len: 2,
+            },
+            SpanMove {
+                src: 0,
+                dst: 7,
+                len: 2,
+            },
+        ];
+        assert!(matches!(
+            dev.move_spans(b, &past_end),
+            Err(Error::OutOfBounds {
+                start: 7,
+                end: 9,
+                ..
+            })
+        ));
+        assert_eq!(bytes(&dev, b), vec![1, 1, 1, 1, 0, 0, 0, 0]);
+        // Touching destinations and empty moves are fine.
+        let touching = [
+            SpanMove {
+                src: 0,
+                dst: 4,
+                len: 2,
+            },
+            SpanMove {
+                src: 0,
+                dst: 6,
+                len: 2,
+            },
+            SpanMove {
+                src: 0,
+                dst: 5,
+                len: 0,
+            },
+        ];
+        dev.move_spans(b, &touching).unwrap();
+        assert_eq!(bytes(&dev, b), vec![1; 8]);
+    }
+
+    /// Translates `ids` with a fresh device and returns `out`.
+    fn translate(v2p: &[i32], ids: &[i32], ps: u32, stride: u32, out_width: usize) -> Vec<i32> {
+        let dev = CpuDevice::new();
+        let (v2p, ids_t) = (table(&dev, v2p), table(&dev, ids));
+        let out = dev.alloc_table(out_width, -7).unwrap();
+        let args = Translate {
+            v2p,
+            ids: ids_t,
+            n: ids.len(),
+            page_size: ps,
+            stride,
+            out,
+            out_width,
+        };
+        dev.translate(&args).unwrap();
+        read(&dev, out)
+    }
+
+    #[test]
+    fn translate_maps_bound_pages_and_sends_the_rest_to_the_sink() {
+        for ps in page_sizes() {
+            let p = ps as i32;
+            let stride = 3 * ps;
+            // virtual page: 0 sink, 1 → phys 2, 2 tombstone, 3 never bound, 4 → phys 1
+            let v2p = [0, 2, -1, 0, 1];
+            let ids = [
+                p + p - 1, // page 1, last offset
+                4 * p,     // page 4, offset 0
+                2 * p,     // tombstone → sink
+                3 * p,     // unbound → sink
+                0,         // sink
+                -5,        // negative → sink
+                5 * p,     // page 5: outside v2p → sink
+                i32::MAX,  // far outside v2p → sink
+            ];
+            let expected = vec![
+                2 * stride as i32 + p - 1,
+                stride as i32,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0, // zero-filled tail
+                0,
+            ];
+            assert_eq!(translate(&v2p, &ids, ps, stride, 10), expected, "ps = {ps}");
+        }
+    }
+
+    #[test]
+    fn translate_rejects_bad_arguments_before_writing() {
+        let dev = CpuDevice::new();
+        let v2p = table(&dev, &[0, 1]);
+        let ids = table(&dev, &[1, 2, 3]);
+        let out = dev.alloc_table(4, -7).unwrap();
+        let ok = Translate {
+            v2p,
+            ids,
+            n: 3,
+            page_size: 2,
+            stride: 2,
+            out,
+            out_width: 4,
+        };
+        let cases = [
+            Translate { page_size: 0, ..ok },
+            Translate {
+                page_size: u32::MAX,
+                ..ok
+            },
+            Translate {
+                stride: u32::MAX,
+                ..ok
+            },
+            Translate { n: 4, ..ok },         // ids too short
+            Translate { out_width: 5, ..ok }, // out too short
+            Translate { out_width: 2, ..ok }, // n > out_width
+            Translate { out: v2p, ..ok },
+            Translate { out: ids, ..ok },
+        ];
+        for args in cases {
+            assert!(dev.translate(&args).is_err(), "{args:?}");
+        }
+        assert_eq!(read(&dev, out), vec![-7; 4], "nothing written");
+        dev.translate(&ok).unwrap();
+        assert_eq!(read(&dev, out), vec![0, 2, 3, 0]);
+    }
+
+    #[test]
+    fn read_back_checks_its_range() {
+        let dev = CpuDevice::new();
+        let b = dev.alloc_bytes(4, 9).unwrap();
+        assert_eq!(dev.read_bytes(&sync(), b, 1, 2).unwrap(), vec![9, 9]);
+        assert!(matches!(
+            dev.read_bytes(&sync(), b, 3, 2),
+            Err(Error::OutOfBounds { .. })
+        ));
+        dev.synchronize(&sync()).unwrap();
+    }
+}

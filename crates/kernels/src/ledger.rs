@@ -1,0 +1,432 @@
+//! `SyncLedger`: a recording wrapper around a device that logs every op with its call
+//! site, so tests can assert that a code path issued zero host syncs and produced zero
+//! data-dependent shapes.
+//!
+//! Ops of [`Device`] have host-known shapes by construction (their outputs are sized by
+//! arguments the host chose). The only way device data can reach the host, and so the
+//! only way to build a shape from device data (a boolean-mask filter, `nonzero`,
+//! `unique`, `item`), is through [`Readback`], which needs a [`HostSync`] permit. The
+//! ledger counts every `Readback` call as a sync, and the reads (`read_table`,
+//! `read_bytes`) also as data-dependent shapes.
+//!
+//! Call sites come from `#[track_caller]` on the trait methods, which holds through
+//! `dyn Device` too: a record names the line that called the op, wherever the ledger
+//! sits behind an `Arc<dyn Device>`.
+
+use crate::{
+    ByteSpan, BytesId, CpuDevice, Device, Error, HostSync, Readback, SpanMove, TableId, Translate,
+};
+use std::fmt;
+use std::panic::Location;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+/// One op seen by a [`SyncLedger`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpRecord {
+    /// The trait method called (`translate`, `read_table`, ...).
+    pub op: &'static str,
+    /// Where it was called from.
+    pub location: &'static Location<'static>,
+    /// Whether the host waited for the device.
+    pub synced: bool,
+    /// Whether device data came back to the host, where it can size a later op.
+    pub data_dependent_shape: bool,
+    /// The [`HostSync::reason`] of the permit, for a `Readback` op.
+    pub sync_reason: Option<&'static str>,
+}
+
+impl fmt::Display for OpRecord {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} at {}", self.op, self.location)?;
+        if let Some(reason) = self.sync_reason {
+            write!(f, " (permit: {reason})")?;
+        }
+        Ok(())
+    }
+}
+
+/// The ops that broke "zero syncs, zero data-dependent shapes", as returned by
+/// [`SyncLedger::check_no_syncs`]. Its `Display` lists each offending call site.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SyncReport {
+    /// The device's name.
+    pub device: String,
+    /// Every op that synced or produced a data-dependent shape, in call order.
+    pub offenders: Vec<OpRecord>,
+}
+
+impl fmt::Display for SyncReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let syncs = self.offenders.iter().filter(|r| r.synced).count();
+        let shapes = self
+            .offenders
+            .iter()
+            .filter(|r| r.data_dependent_shape)
+            .count();
+        writeln!(
+            f,
+            "{}: {syncs} host sync(s), {shapes} data-dependent shape(s) where none were allowed:",
+            self.device
+        )?;
+        for r in &self.offenders {
+            writeln!(f, "  - {r}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for SyncReport {}
+
+/// A [`Device`] and [`Readback`] that forwards every op to an inner device and records
+/// it (name, call site, sync, data-dependent shape).
+///
+/// ```
+/// use std::sync::Arc;
+/// use unikv_kernels::{CpuDevice, Device, SyncLedger};
+///
+/// let ledger = Arc::new(SyncLedger::new(Arc::new(CpuDevice::new())));
+/// let dev: Arc<dyn Device> = ledger.clone(); // what scheduling-path code holds
+/// let v2p = dev.alloc_table(8, 0).unwrap();
+/// dev.scatter_table(v2p, &[(1, 5)]).unwrap();
+/// assert_eq!(ledger.syncs(), 0);
+/// assert!(ledger.check_no_syncs().is_ok());
+/// ```
+#[derive(Debug)]
+pub struct SyncLedger {
+    inner: Arc<dyn Readback>,
+    records: Mutex<Vec<OpRecord>>,
+}
+
+impl SyncLedger {
+    /// Wraps `inner`; the ledger starts empty.
+    pub fn new(inner: Arc<dyn Readback>) -> SyncLedger {
+        SyncLedger {
+            inner,
+            records: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// A ledger around a fresh [`CpuDevice`].
+    pub fn cpu() -> SyncLedger {
+        SyncLedger::new(Arc::new(CpuDevice::new()))
+    }
+
+    /// The wrapped device.
+    pub fn inner(&self) -> &Arc<dyn Readback> {
+        &self.inner
+    }
+
+    fn records(&self) -> MutexGuard<'_, Vec<OpRecord>> {
+        // A record is pushed whole; a panic elsewhere cannot leave the vector torn, so
+        // a poisoned lock still guards a usable log.
+        self.records.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Every op recorded since creation or the last [`SyncLedger::reset`], in call order.
+    pub fn ops(&self) -> Vec<OpRecord> {
+        self.records().clone()
+    }
+
+    /// How many ops were recorded.
+    pub fn op_count(&self) -> usize {
+        self.records().len()
+    }
+
+    /// How many recorded ops waited for the device.
+    pub fn syncs(&self) -> usize {
+        self.records().iter().filter(|r| r.synced).count()
+    }
+
+    /// How many recorded ops brought device data back to the host (and so could size a
+    /// later op from device data).
+    pub fn data_dependent_shapes(&self) -> usize {
+        self.records()
+            .iter()
+            .filter(|r| r.data_dependent_shape)
+            .count()
+    }
+
+    /// Forgets every record (e.g. at a step boundary, before the path under test).
+    pub fn reset(&self) {
+        self.records().clear();
+    }
+
+    /// `Ok` when no recorded op synced or produced a data-dependent shape; otherwise a
+    /// report that lists each offending op with its call site.
+    pub fn check_no_syncs(&self) -> Result<(), SyncReport> {
+        let offenders: Vec<OpRecord> = self
+            .records()
+            .iter()
+            .filter(|r| r.synced || r.data_dependent_shape)
+            .copied()
+            .collect();
+        if offenders.is_empty() {
+            Ok(())
+        } else {
+            Err(SyncReport {
+                device: self.name(),
+                offenders,
+            })
+        }
+    }
+
+    /// Test helper: panics with [`SyncLedger::check_no_syncs`]'s report when any op
+    /// synced or produced a data-dependent shape.
+    ///
+    /// # Panics
+    /// When the ledger holds an offending op; that is the point of the helper.
+    #[track_caller]
+    pub fn assert_no_syncs(&self) {
+        if let Err(report) = self.check_no_syncs() {
+            panic!("{report}");
+        }
+    }
+
+    #[track_caller]
+    fn record(&self, op: &'static str, sync: Option<&HostSync>, data_dependent_shape: bool) {
+        let record = OpRecord {
+            op,
+            location: Location::caller(),
+            synced: sync.is_some(),
+            data_dependent_shape,
+            sync_reason: sync.map(HostSync::reason),
+        };
+        self.records().push(record);
+    }
+}
+
+impl Device for SyncLedger {
+    fn name(&self) -> String {
+        format!("ledger({})", self.inner.name())
+    }
+
+    fn alloc_bytes(&self, len: u64, fill: u8) -> Result<BytesId, Error> {
+        self.record("alloc_bytes", None, false);
+        self.inner.alloc_bytes(len, fill)
+    }
+
+    fn alloc_table(&self, len: usize, fill: i32) -> Result<TableId, Error> {
+        self.record("alloc_table", None, false);
+        self.inner.alloc_table(len, fill)
+    }
+
+    fn free_bytes(&self, buf: BytesId) -> Result<(), Error> {
+        self.record("free_bytes", None, false);
+        self.inner.free_bytes(buf)
+    }
+
+    fn free_table(&self, table: TableId) -> Result<(), Error> {
+        self.record("free_table", None, false);
+        self.inner.free_table(table)
+    }
+
+    fn upload_table(&self, table: TableId, offset: usize, values: &[i32]) -> Result<(), Error> {
+        self.record("upload_table", None, false);
+        self.inner.upload_table(table, offset, values)
+    }
+
+    fn scatter_table(&self, table: TableId, entries: &[(u32, i32)]) -> Result<(), Error> {
+        self.record("scatter_table", None, false);
+        self.inner.scatter_table(table, entries)
+    }
+
+    fn gather_table(
+        &self,
+        src: TableId,
+        indices: TableId,
+        n: usize,
+        out: TableId,
+    ) -> Result<(), Error> {
+        self.record("gather_table", None, false);
+        self.inner.gather_table(src, indices, n, out)
+    }
+
+    fn fill_spans(&self, buf: BytesId, spans: &[ByteSpan], value: u8) -> Result<(), Error> {
+        self.record("fill_spans", None, false);
+        self.inner.fill_spans(buf, spans, value)
+    }
+
+    fn move_spans(&self, buf: BytesId, moves: &[SpanMove]) -> Result<(), Error> {
+        self.record("move_spans", None, false);
+        self.inner.move_spans(buf, moves)
+    }
+
+    fn translate(&self, args: &Translate) -> Result<(), Error> {
+        self.record("translate", None, false);
+        self.inner.translate(args)
+    }
+}
+
+impl Readback for SyncLedger {
+    fn read_table(
+        &self,
+        sync: &HostSync,
+        table: TableId,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<i32>, Error> {
+        self.record("read_table", Some(sync), true);
+        self.inner.read_table(sync, table, offset, len)
+    }
+
+    fn read_bytes(
+        &self,
+        sync: &HostSync,
+        buf: BytesId,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, Error> {
+        self.record("read_bytes", Some(sync), true);
+        self.inner.read_bytes(sync, buf, offset, len)
+    }
+
+    fn synchronize(&self, sync: &HostSync) -> Result<(), Error> {
+        self.record("synchronize", Some(sync), false);
+        self.inner.synchronize(sync)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The Python reference's free path: read `v2p` back and keep only the ids whose
+    /// page is live (a boolean-mask index: the output size depends on device data).
+    /// Deliberately syncing; the ledger must catch it.
+    fn filter_by_liveness(dev: &dyn Readback, v2p: TableId, ids: &[i32], ps: i32) -> Vec<i32> {
+        let sync = HostSync::acquire("filter ids by SWA liveness");
+        let len = 8;
+        let table = dev.read_table(&sync, v2p, 0, len).unwrap();
+        ids.iter()
+            .copied()
+            .filter(|&id| table.get((id / ps) as usize).is_some_and(|&p| p > 0))
+            .collect()
+    }
+
+    /// The unikv way: the host already knows which pages are live, so it uploads dirty
+    /// entries, translates and compacts without asking the device anything.
+    fn clean_step(dev: &dyn Device, v2p: TableId, ids: TableId, out: TableId, buf: BytesId) {
+        dev.scatter_table(v2p, &[(1, 3), (2, -1)]).unwrap();
+        dev.translate(&Translate {
+            v2p,
+            ids,
+            n: 4,
+            page_size: 2,
+            stride: 2,
+            out,
+            out_width: 6,
+        })
+        .unwrap();
+        dev.move_spans(
+            buf,
+            &[SpanMove {
+                src: 0,
+                dst: 8,
+                len: 8,
+            }],
+        )
+        .unwrap();
+        dev.fill_spans(buf, &[ByteSpan { offset: 0, len: 8 }], 0)
+            .unwrap();
+    }
+
+    fn setup(ledger: &SyncLedger) -> (TableId, TableId, TableId, BytesId) {
+        let v2p = ledger.alloc_table(8, 0).unwrap();
+        let ids = ledger.alloc_table(4, 0).unwrap();
+        ledger.upload_table(ids, 0, &[2, 3, 4, 5]).unwrap();
+        let out = ledger.alloc_table(6, 0).unwrap();
+        let buf = ledger.alloc_bytes(16, 1).unwrap();
+        (v2p, ids, out, buf)
+    }
+
+    #[test]
+    fn a_syncing_path_is_caught_with_its_call_site() {
+        let ledger = Arc::new(SyncLedger::cpu());
+        let (v2p, ..) = setup(&ledger);
+        ledger.scatter_table(v2p, &[(1, 3)]).unwrap();
+        ledger.reset();
+
+        let dev: Arc<dyn Readback> = ledger.clone();
+        let live = filter_by_liveness(dev.as_ref(), v2p, &[2, 3, 4], 2);
+        assert_eq!(live, vec![2, 3]);
+
+        assert_eq!(ledger.syncs(), 1);
+        assert_eq!(ledger.data_dependent_shapes(), 1);
+        let report = ledger.check_no_syncs().unwrap_err();
+        assert_eq!(report.offenders.len(), 1);
+        let offender = report.offenders[0];
+        assert_eq!(offender.op, "read_table");
+        assert_eq!(offender.location.file(), file!());
+        assert_eq!(offender.sync_reason, Some("filter ids by SWA liveness"));
+        let text = report.to_string();
+        assert!(text.contains("1 host sync(s)"), "{text}");
+        assert!(
+            text.contains(&format!("read_table at {}", offender.location)),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_call_site_is_the_callers_line_through_dyn_device() {
+        let ledger = Arc::new(SyncLedger::cpu());
+        let dev: Arc<dyn Device> = ledger.clone();
+        let line = line!() + 1;
+        let t = dev.alloc_table(1, 0).unwrap();
+        dev.free_table(t).unwrap();
+        let ops = ledger.ops();
+        assert_eq!(ops[0].op, "alloc_table");
+        assert_eq!(
+            (ops[0].location.file(), ops[0].location.line()),
+            (file!(), line)
+        );
+        assert_eq!(ops[1].location.line(), line + 1);
+    }
+
+    #[test]
+    fn a_clean_path_records_its_ops_and_zero_syncs() {
+        let ledger = Arc::new(SyncLedger::cpu());
+        let (v2p, ids, out, buf) = setup(&ledger);
+        ledger.reset();
+
+        let dev: Arc<dyn Device> = ledger.clone();
+        clean_step(dev.as_ref(), v2p, ids, out, buf);
+
+        let names: Vec<&str> = ledger.ops().iter().map(|r| r.op).collect();
+        assert_eq!(
+            names,
+            ["scatter_table", "translate", "move_spans", "fill_spans"]
+        );
+        assert_eq!(ledger.syncs(), 0);
+        assert_eq!(ledger.data_dependent_shapes(), 0);
+        ledger.assert_no_syncs();
+
+        // The step did what it says (checked after the fact, outside the ledger).
+        let sync = HostSync::acquire("test check");
+        let got = ledger.inner().read_table(&sync, out, 0, 6).unwrap();
+        assert_eq!(got, vec![6, 7, 0, 0, 0, 0]);
+    }
+
+    #[test]
+    #[should_panic(expected = "synchronize at")]
+    fn assert_no_syncs_panics_with_the_report() {
+        let ledger = SyncLedger::cpu();
+        ledger
+            .synchronize(&HostSync::acquire("deliberate"))
+            .unwrap();
+        ledger.assert_no_syncs();
+    }
+
+    #[test]
+    fn reset_forgets_everything_and_a_failed_op_is_still_recorded() {
+        let ledger = SyncLedger::cpu();
+        ledger
+            .synchronize(&HostSync::acquire("deliberate"))
+            .unwrap();
+        assert_eq!(ledger.syncs(), 1);
+        ledger.reset();
+        assert_eq!(ledger.op_count(), 0);
+        assert!(ledger.free_table(TableId(42)).is_err());
+        assert_eq!(ledger.op_count(), 1);
+        assert_eq!(ledger.name(), "ledger(cpu)");
+    }
+}

@@ -1,0 +1,305 @@
+//! Parity of the CUDA backend with the CPU reference: the same ops on the same inputs
+//! give the same tables, bytes and errors.
+//!
+//! Without a usable GPU (no driver, no device, no NVRTC) each test prints
+//! `SKIPPED: no CUDA device (...)` and passes, unless `UNIKV_REQUIRE_GPU=1`, in which
+//! case it fails. `cargo xtask gpu` runs these on a GPU machine.
+#![cfg(feature = "cuda")]
+
+use unikv_invariants::testing::page_sizes;
+use unikv_kernels::{
+    ByteSpan, CpuDevice, CudaDevice, Error, HostSync, Readback, SpanMove, TableId, Translate,
+};
+
+fn gpu_required() -> bool {
+    std::env::var("UNIKV_REQUIRE_GPU").is_ok_and(|v| v.trim() == "1")
+}
+
+/// The GPU, or `None` after a loud skip line when there is none.
+fn cuda_or_skip(test: &str) -> Option<CudaDevice> {
+    match CudaDevice::new(0) {
+        Ok(dev) => Some(dev),
+        Err(e @ (Error::NoCudaDriver | Error::NoCudaDevice { .. } | Error::NoNvrtc)) => {
+            assert!(!gpu_required(), "UNIKV_REQUIRE_GPU=1 but: {e}");
+            eprintln!("SKIPPED: no CUDA device ({e}) [{test}]");
+            None
+        }
+        Err(e) => panic!("a CUDA device is present but unusable: {e}"),
+    }
+}
+
+/// Runs `scenario` on the CPU reference (which must succeed: the scenario itself is
+/// checked even where no GPU is) and on the GPU, and asserts equal results.
+fn check_parity<T: PartialEq + std::fmt::Debug>(
+    test: &str,
+    scenario: impl Fn(&dyn Readback) -> Result<T, Error>,
+) {
+    let on_cpu = scenario(&CpuDevice::new()).map_err(|e| format!("{e:?}"));
+    assert!(
+        on_cpu.is_ok(),
+        "{test}: the scenario fails on the CPU: {on_cpu:?}"
+    );
+    let Some(gpu) = cuda_or_skip(test) else {
+        return;
+    };
+    let on_gpu = scenario(&gpu).map_err(|e| format!("{e:?}").replace("cuda:0", "cpu"));
+    assert_eq!(
+        on_gpu, on_cpu,
+        "{test}: CUDA differs from the CPU reference"
+    );
+}
+
+/// A small deterministic generator (xorshift64*), so no test depends on `rand`.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn sync() -> HostSync {
+    HostSync::acquire("parity test")
+}
+
+fn table(dev: &dyn Readback, values: &[i32]) -> Result<TableId, Error> {
+    let t = dev.alloc_table(values.len(), 0)?;
+    dev.upload_table(t, 0, values)?;
+    Ok(t)
+}
+
+#[test]
+fn translate_matches_cpu() {
+    for ps in page_sizes() {
+        let mut rng = Rng(0x9E37_79B9 + u64::from(ps));
+        let pages = 64;
+        // Sink, tombstones, unbound pages and bound ones.
+        let v2p: Vec<i32> = (0..pages)
+            .map(|v| match (v, rng.below(4)) {
+                (0, _) => 0,
+                (_, 0) => -1,
+                (_, 1) => 0,
+                _ => 1 + rng.below(1000) as i32,
+            })
+            .collect();
+        // Ids in range, past the end of v2p, zero and negative.
+        let ids: Vec<i32> = (0..3000)
+            .map(|_| rng.below(pages as u64 * u64::from(ps) * 5 / 4) as i32 - 8)
+            .collect();
+        check_parity("translate", |dev| {
+            let (v2p, ids_t) = (table(dev, &v2p)?, table(dev, &ids)?);
+            let out_width = ids.len() + 77;
+            let out = dev.alloc_table(out_width, -7)?;
+            dev.translate(&Translate {
+                v2p,
+                ids: ids_t,
+                n: ids.len(),
+                page_size: ps,
+                stride: 3 * ps + 1,
+                out,
+                out_width,
+            })?;
+            dev.read_table(&sync(), out, 0, out_width)
+        });
+    }
+}
+
+#[test]
+fn translate_errors_match_cpu() {
+    check_parity("translate errors", |dev| {
+        let v2p = table(dev, &[0, 1])?;
+        let ids = table(dev, &[1, 2, 3])?;
+        let out = dev.alloc_table(4, -7)?;
+        let ok = Translate {
+            v2p,
+            ids,
+            n: 3,
+            page_size: 2,
+            stride: 2,
+            out,
+            out_width: 4,
+        };
+        let bad = [
+            Translate { page_size: 0, ..ok },
+            Translate { n: 4, ..ok },
+            Translate { out_width: 5, ..ok },
+            Translate { out: ids, ..ok },
+        ];
+        let errors: Vec<String> = bad
+            .iter()
+            .map(|args| format!("{:?}", dev.translate(args)))
+            .collect();
+        Ok((errors, dev.read_table(&sync(), out, 0, 4)?))
+    });
+}
+
+#[test]
+fn move_spans_matches_cpu() {
+    let envelope = 4096 + 3; // odd length: no alignment assumptions
+    let mut rng = Rng(7);
+    let pattern: Vec<u8> = (0..16 * envelope).map(|_| rng.next() as u8).collect();
+    check_parity("move_spans", |dev| {
+        let buf = dev.alloc_bytes(pattern.len() as u64, 0)?;
+        // The trait has no byte upload: write the random pattern with one fill per
+        // byte value, each over the single-byte spans that hold that value.
+        let mut by_value: Vec<Vec<ByteSpan>> = vec![Vec::new(); 256];
+        for (i, &b) in pattern.iter().enumerate() {
+            by_value[b as usize].push(ByteSpan {
+                offset: i as u64,
+                len: 1,
+            });
+        }
+        for (value, spans) in by_value.iter().enumerate() {
+            dev.fill_spans(buf, spans, value as u8)?;
+        }
+        let e = envelope as u64;
+        // A rotation of envelopes 0 → 1 → 2 → 0, a compaction 9 → 5, 12 → 9 (a
+        // destination that is another move's source), and a shifted self-overlap.
+        let moves = [
+            SpanMove {
+                src: 0,
+                dst: e,
+                len: e,
+            },
+            SpanMove {
+                src: e,
+                dst: 2 * e,
+                len: e,
+            },
+            SpanMove {
+                src: 2 * e,
+                dst: 0,
+                len: e,
+            },
+            SpanMove {
+                src: 9 * e,
+                dst: 5 * e,
+                len: e,
+            },
+            SpanMove {
+                src: 12 * e,
+                dst: 9 * e,
+                len: e,
+            },
+            SpanMove {
+                src: 14 * e,
+                dst: 14 * e + 100,
+                len: e,
+            },
+            SpanMove {
+                src: 3 * e,
+                dst: 4 * e,
+                len: 0,
+            },
+        ];
+        dev.move_spans(buf, &moves)?;
+        let overlapping = [
+            SpanMove {
+                src: 0,
+                dst: e,
+                len: e,
+            },
+            SpanMove {
+                src: 0,
+                dst: e + 1,
+                len: e,
+            },
+        ];
+        let rejected = format!("{:?}", dev.move_spans(buf, &overlapping));
+        Ok((
+            rejected,
+            dev.read_bytes(&sync(), buf, 0, pattern.len() as u64)?,
+        ))
+    });
+}
+
+#[test]
+fn fill_spans_matches_cpu() {
+    check_parity("fill_spans", |dev| {
+        let buf = dev.alloc_bytes(1 << 20, 0xAA)?;
+        let spans = [
+            ByteSpan { offset: 0, len: 1 },
+            ByteSpan {
+                offset: 17,
+                len: 65_536,
+            },
+            ByteSpan {
+                offset: 60_000,
+                len: 10_000,
+            }, // overlaps the previous one
+            ByteSpan {
+                offset: (1 << 20) - 5,
+                len: 5,
+            },
+            ByteSpan {
+                offset: 300_000,
+                len: 0,
+            },
+        ];
+        dev.fill_spans(buf, &spans, 0)?;
+        let past_end = [ByteSpan {
+            offset: (1 << 20) - 1,
+            len: 2,
+        }];
+        let rejected = format!("{:?}", dev.fill_spans(buf, &past_end, 1));
+        Ok((rejected, dev.read_bytes(&sync(), buf, 0, 1 << 20)?))
+    });
+}
+
+#[test]
+fn scatter_and_gather_match_cpu() {
+    let mut rng = Rng(42);
+    let len = 5000;
+    // Duplicated indices: the last pair wins on both backends.
+    let entries: Vec<(u32, i32)> = (0..20_000)
+        .map(|_| (rng.below(len as u64) as u32, rng.next() as i32))
+        .collect();
+    // Indices inside the table, negative and past its end.
+    let indices: Vec<i32> = (0..7000)
+        .map(|_| rng.below(len as u64 + 200) as i32 - 100)
+        .collect();
+    check_parity("scatter/gather", |dev| {
+        let t = dev.alloc_table(len, -1)?;
+        dev.scatter_table(t, &entries)?;
+        let rejected = format!("{:?}", dev.scatter_table(t, &[(0, 1), (len as u32, 2)]));
+        let idx = table(dev, &indices)?;
+        let out = dev.alloc_table(indices.len() + 3, 9)?;
+        dev.gather_table(t, idx, indices.len(), out)?;
+        Ok((
+            rejected,
+            dev.read_table(&sync(), t, 0, len)?,
+            dev.read_table(&sync(), out, 0, indices.len() + 3)?,
+        ))
+    });
+}
+
+#[test]
+fn empty_ops_and_empty_tables_match_cpu() {
+    check_parity("empty", |dev| {
+        let t = dev.alloc_table(0, 5)?;
+        let b = dev.alloc_bytes(0, 5)?;
+        dev.upload_table(t, 0, &[])?;
+        dev.scatter_table(t, &[])?;
+        dev.fill_spans(b, &[], 1)?;
+        dev.move_spans(b, &[])?;
+        let out = dev.alloc_table(0, 0)?;
+        dev.translate(&Translate {
+            v2p: t,
+            ids: t,
+            n: 0,
+            page_size: 1,
+            stride: 1,
+            out,
+            out_width: 0,
+        })?;
+        dev.free_table(t)?;
+        let stale = format!("{:?}", dev.free_table(t));
+        Ok((stale, dev.read_bytes(&sync(), b, 0, 0)?))
+    });
+}
