@@ -1,0 +1,119 @@
+//! Benchmarks of the tree's hot operations (divan): `match_prefix` of a 100K-token prompt,
+//! insert of 8K tokens (fresh, and as a duplicate split at a cursor), and evicting 1K
+//! leaves. Page sizes 1 and 256, window 128 (gpt-oss-20b's).
+//!
+//! Run with `cargo bench -p unikv-radix`.
+
+use divan::{Bencher, black_box};
+use unikv_radix::{Component, InsertRequest, RadixTree, TokenId, TreeConfig, VirtualToken};
+
+fn main() {
+    divan::main();
+}
+
+const WINDOW: usize = 128;
+
+/// A pseudo-random key (xorshift) whose first token is the seed, so that keys of
+/// different seeds never share a page.
+fn key(len: usize, seed: u32) -> Vec<TokenId> {
+    let mut x = seed.wrapping_mul(2_654_435_761).max(1);
+    (0..len)
+        .map(|i| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            TokenId(if i == 0 { 100_000 + seed } else { x % 50_000 })
+        })
+        .collect()
+}
+
+fn row(len: usize, base: u32) -> Vec<VirtualToken> {
+    (base..base + len as u32).map(VirtualToken).collect()
+}
+
+fn tree(ps: u32) -> RadixTree {
+    RadixTree::new(TreeConfig::swa(ps, WINDOW)).unwrap()
+}
+
+/// Match a 100K-token prompt that is fully cached (one long path built by 25 requests of
+/// 4K tokens each extending the previous one).
+#[divan::bench(args = [1, 256])]
+fn match_prefix_100k(bencher: Bencher, ps: u32) {
+    let len = 102_400;
+    let k = key(len, 1);
+    let mut t = tree(ps);
+    for step in 1..=25 {
+        let end = step * len / 25;
+        let prev = (step - 1) * len / 25;
+        let values = row(end, 1_000);
+        t.insert(InsertRequest::new(&k[..end], &values).prev_prefix_len(prev))
+            .unwrap();
+    }
+    assert_eq!(t.match_prefix(&k).len.get(), len);
+    bencher.bench_local(|| black_box(t.match_prefix(black_box(&k))));
+}
+
+/// Insert 8K fresh tokens under a 100-request tree.
+#[divan::bench(args = [1, 256])]
+fn insert_8k_fresh(bencher: Bencher, ps: u32) {
+    let len = 8_192;
+    bencher
+        .with_inputs(|| {
+            let mut t = tree(ps);
+            for i in 0..100 {
+                let k = key(512, 1_000 + i);
+                t.insert(InsertRequest::new(&k, &row(512, i * 512)))
+                    .unwrap();
+            }
+            (t, key(len, 7), row(len, 1_000_000))
+        })
+        .bench_local_values(|(mut t, k, v)| {
+            black_box(
+                t.insert(InsertRequest::new(&k, &v).window_cursor(4_096))
+                    .unwrap(),
+            )
+        });
+}
+
+/// Insert 8K tokens that the tree already holds: every slice is a duplicate, split at the
+/// cursor into FULL-only and two-sided frees.
+#[divan::bench(args = [1, 256])]
+fn insert_8k_duplicate(bencher: Bencher, ps: u32) {
+    let len = 8_192;
+    bencher
+        .with_inputs(|| {
+            let mut t = tree(ps);
+            let k = key(len, 7);
+            t.insert(InsertRequest::new(&k, &row(len, 0))).unwrap();
+            (t, k, row(len, 1_000_000))
+        })
+        .bench_local_values(|(mut t, k, v)| {
+            black_box(
+                t.insert(InsertRequest::new(&k, &v).window_cursor(4_096))
+                    .unwrap(),
+            )
+        });
+}
+
+/// Evict 1K leaves (LRU, FULL) from a tree of 2K leaves of one page-aligned window each.
+#[divan::bench(args = [1, 256])]
+fn evict_1k_leaves(bencher: Bencher, ps: u32) {
+    let leaf = WINDOW.div_ceil(ps as usize) * ps as usize;
+    bencher
+        .with_inputs(|| {
+            let mut t = tree(ps);
+            for i in 0..2_000u32 {
+                let k = key(leaf, 10 + i);
+                t.insert(InsertRequest::new(&k, &row(leaf, i * leaf as u32)))
+                    .unwrap();
+            }
+            t
+        })
+        .bench_local_values(|mut t| {
+            let (actions, released) =
+                t.evict_until(Component::Full, |r| r.full.get() >= 1_000 * leaf);
+            assert_eq!(actions.len(), 1_000);
+            black_box(released);
+            t
+        });
+}

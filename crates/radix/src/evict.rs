@@ -1,0 +1,102 @@
+//! Eviction per component, least recently used first, O(log n) per evicted node.
+//!
+//! - FULL: the LRU unlocked leaf leaves the tree whole (`EvictNode`, plus its Mamba state);
+//!   its parent may become an evictable leaf in turn.
+//! - SWA: the LRU unlocked live node is evicted whole when it is an unlocked leaf,
+//!   otherwise tombstoned (`TombstoneSwa`, its unlocked Mamba state cascades).
+//! - MAMBA: the LRU unlocked state is freed (`EvictMambaState`); when it sits on an
+//!   unlocked leaf the leaf goes whole (a leaf without a state can never end a match).
+
+use crate::action::SwaSide;
+use crate::tree::Ix;
+use crate::{Action, Component, RadixTree, Released};
+
+impl RadixTree {
+    /// Evicts one node's worth of `component` and returns the actions, or `None` when
+    /// nothing of that component is evictable.
+    pub fn evict_one(&mut self, component: Component) -> Option<Vec<Action>> {
+        let mut actions = Vec::new();
+        match component {
+            Component::Full => {
+                let &(_, ix) = self.full_lru.first()?;
+                self.evict_leaf(ix, &mut actions);
+            }
+            Component::Swa => {
+                let &(_, ix) = self.swa_lru.first()?;
+                let n = &self.nodes[ix as usize];
+                if n.children.is_empty() && n.full_lock == 0 {
+                    self.evict_leaf(ix, &mut actions);
+                } else {
+                    self.tombstone(ix, &mut actions);
+                }
+            }
+            Component::Mamba => {
+                let &(_, ix) = self.mamba_lru.first()?;
+                let n = &self.nodes[ix as usize];
+                if n.children.is_empty() && n.full_lock == 0 {
+                    // A leaf without its state can never end a match: evict it whole.
+                    self.evict_leaf(ix, &mut actions);
+                } else {
+                    self.evict_mamba(ix, &mut actions);
+                }
+            }
+        }
+        Some(actions)
+    }
+
+    /// Evicts `component` node by node until `done(released so far)` holds (checked before
+    /// every step, so an already satisfied predicate evicts nothing) or nothing evictable
+    /// is left. Returns every step's actions, in order, and what they release.
+    pub fn evict_until(
+        &mut self,
+        component: Component,
+        mut done: impl FnMut(&Released) -> bool,
+    ) -> (Vec<Action>, Released) {
+        let mut actions = Vec::new();
+        let mut released = Released::default();
+        while !done(&released) {
+            let Some(step) = self.evict_one(component) else {
+                break;
+            };
+            released.add(Released::of(&step));
+            actions.extend(step);
+        }
+        (actions, released)
+    }
+
+    fn evict_leaf(&mut self, ix: Ix, actions: &mut Vec<Action>) {
+        let id = self.id(ix);
+        let node = self.remove_leaf(ix);
+        actions.push(Action::EvictNode {
+            node: id,
+            tokens: node.value,
+            swa: if !self.swa_enabled() || node.swa_live {
+                SwaSide::Live
+            } else {
+                SwaSide::Tombstone
+            },
+        });
+        if let Some(slot) = node.mamba {
+            actions.push(Action::EvictMambaState { node: id, slot });
+        }
+    }
+
+    fn tombstone(&mut self, ix: Ix, actions: &mut Vec<Action>) {
+        let id = self.id(ix);
+        let tokens = self.with_node(ix, |n| {
+            n.swa_live = false;
+            n.value.clone()
+        });
+        actions.push(Action::TombstoneSwa { node: id, tokens });
+        if self.nodes[ix as usize].mamba.is_some() && self.nodes[ix as usize].mamba_lock == 0 {
+            self.evict_mamba(ix, actions);
+        }
+    }
+
+    fn evict_mamba(&mut self, ix: Ix, actions: &mut Vec<Action>) {
+        let id = self.id(ix);
+        if let Some(slot) = self.with_node(ix, |n| n.mamba.take()) {
+            actions.push(Action::EvictMambaState { node: id, slot });
+        }
+    }
+}

@@ -1,0 +1,598 @@
+//! The arena, the node layout, the per-component LRU sets and exact accounting.
+//!
+//! Every mutation of a node goes through [`RadixTree::leave`] / [`RadixTree::enter`]
+//! (or [`RadixTree::with_node`], which brackets a closure with both): `leave` takes the
+//! node's contribution out of the six size counters and out of the LRU sets, `enter` puts
+//! the recomputed contribution back. Accounting and LRU membership are therefore exact by
+//! construction, and `sanity_check` recomputes both from scratch to prove it.
+
+use crate::error::RadixError;
+use crate::{MambaSlot, NodeId, Slots, TokenId, Tokens, TreeConfig, VirtualToken};
+use std::collections::{BTreeSet, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// Arena index of a node (internal; the public id adds a generation).
+pub(crate) type Ix = u32;
+
+/// The root's arena index.
+pub(crate) const ROOT: Ix = 0;
+/// "No node" (the root's parent).
+pub(crate) const NIL: Ix = u32::MAX;
+
+/// A small, fast, non-cryptographic hasher for child keys (token pages).
+#[derive(Default, Clone, Copy)]
+pub(crate) struct PageHasher(u64);
+
+impl Hasher for PageHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(b as u64);
+        }
+    }
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(n as u64);
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+/// Children keyed by their first page of tokens.
+pub(crate) type Children = HashMap<Box<[TokenId]>, Ix, BuildHasherDefault<PageHasher>>;
+
+/// One node of the arena.
+#[derive(Debug, Default)]
+pub(crate) struct Node {
+    pub(crate) generation: u32,
+    pub(crate) alive: bool,
+    pub(crate) parent: Ix,
+    pub(crate) key: Vec<TokenId>,
+    pub(crate) value: Vec<VirtualToken>,
+    pub(crate) children: Children,
+    /// SWA live (`false` = tombstone). Meaningless without SWA (kept `true`).
+    pub(crate) swa_live: bool,
+    pub(crate) full_lock: u32,
+    pub(crate) swa_lock: u32,
+    pub(crate) mamba_lock: u32,
+    pub(crate) mamba: Option<MambaSlot>,
+    pub(crate) full_tick: u64,
+    pub(crate) swa_tick: u64,
+    pub(crate) mamba_tick: u64,
+    pub(crate) in_full: bool,
+    pub(crate) in_swa: bool,
+    pub(crate) in_mamba: bool,
+}
+
+impl Node {
+    pub(crate) fn len(&self) -> usize {
+        self.key.len()
+    }
+}
+
+/// The six size counters: evictable and protected per component.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sizes {
+    /// FULL tokens in nodes no lock holds (evictable by FULL eviction, leaves first).
+    pub full_evictable: Tokens,
+    /// FULL tokens in locked nodes.
+    pub full_protected: Tokens,
+    /// Live SWA tokens in nodes no window lock holds.
+    pub swa_evictable: Tokens,
+    /// Live SWA tokens in window-locked nodes.
+    pub swa_protected: Tokens,
+    /// Mamba states no lock holds.
+    pub mamba_evictable: Slots,
+    /// Locked Mamba states.
+    pub mamba_protected: Slots,
+}
+
+/// What a node contributes to [`Sizes`]: `(full_e, full_p, swa_e, swa_p, mamba_e, mamba_p)`.
+type Contribution = [usize; 6];
+
+/// A recorded lock.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LockRecord {
+    pub(crate) node: Ix,
+    /// Start position (in tokens from the root) of the highest node the window lock
+    /// covers; `None` when it covers nothing (released, or nothing live to cover).
+    pub(crate) swa_floor: Option<usize>,
+    /// Whether `release_window` (or `unlock`) released the window part already.
+    pub(crate) window_released: bool,
+    pub(crate) mamba: bool,
+}
+
+/// The prefix tree: an arena of nodes with FULL, SWA and MAMBA components.
+///
+/// See the crate documentation for the rules it keeps and the actions it emits.
+#[derive(Debug)]
+pub struct RadixTree {
+    pub(crate) config: TreeConfig,
+    pub(crate) nodes: Vec<Node>,
+    pub(crate) free: Vec<Ix>,
+    pub(crate) sizes: Sizes,
+    pub(crate) full_lru: BTreeSet<(u64, Ix)>,
+    pub(crate) swa_lru: BTreeSet<(u64, Ix)>,
+    pub(crate) mamba_lru: BTreeSet<(u64, Ix)>,
+    pub(crate) clock: u64,
+    pub(crate) locks: HashMap<u64, LockRecord>,
+    pub(crate) next_lock: u64,
+}
+
+/// A read-only view of one node, for tests, dumps and diagnostics.
+#[derive(Clone, Copy, Debug)]
+pub struct NodeView<'a> {
+    /// The node.
+    pub id: NodeId,
+    /// Its parent (`None` for the root).
+    pub parent: Option<NodeId>,
+    /// Position of its first token, counted from the root.
+    pub start: Tokens,
+    /// Its key (empty for the root).
+    pub key: &'a [TokenId],
+    /// Its value: one virtual token per key token.
+    pub value: &'a [VirtualToken],
+    /// Whether its SWA side is live (always `true` without SWA, and for the root).
+    pub swa_live: bool,
+    /// FULL lock count.
+    pub full_lock: u32,
+    /// SWA (window) lock count.
+    pub swa_lock: u32,
+    /// Its Mamba state.
+    pub mamba: Option<MambaSlot>,
+    /// Mamba lock count.
+    pub mamba_lock: u32,
+    /// Number of children.
+    pub children: usize,
+}
+
+impl RadixTree {
+    /// An empty tree.
+    pub fn new(config: TreeConfig) -> Result<Self, RadixError> {
+        if config.page_size == 0 {
+            return Err(RadixError::InvalidConfig {
+                reason: "page size must be at least 1",
+            });
+        }
+        if config.window == Some(Tokens(0)) {
+            return Err(RadixError::InvalidConfig {
+                reason: "window must be at least 1 token",
+            });
+        }
+        let root = Node {
+            alive: true,
+            parent: NIL,
+            swa_live: true,
+            ..Node::default()
+        };
+        Ok(RadixTree {
+            config,
+            nodes: vec![root],
+            free: Vec::new(),
+            sizes: Sizes::default(),
+            full_lru: BTreeSet::new(),
+            swa_lru: BTreeSet::new(),
+            mamba_lru: BTreeSet::new(),
+            clock: 0,
+            locks: HashMap::new(),
+            next_lock: 1,
+        })
+    }
+
+    /// The configuration the tree was built with.
+    pub fn config(&self) -> &TreeConfig {
+        &self.config
+    }
+
+    /// The root's id (matched length 0).
+    pub fn root(&self) -> NodeId {
+        self.id(ROOT)
+    }
+
+    /// Exact evictable and protected sizes of every component.
+    pub fn sizes(&self) -> Sizes {
+        self.sizes
+    }
+
+    /// FULL tokens, live SWA tokens and Mamba states the tree holds (evictable plus
+    /// protected): the tree's terms of a caller's leak equation.
+    pub fn held(&self) -> (Tokens, Tokens, Slots) {
+        let s = self.sizes;
+        (
+            s.full_evictable + s.full_protected,
+            s.swa_evictable + s.swa_protected,
+            s.mamba_evictable + s.mamba_protected,
+        )
+    }
+
+    /// Number of live nodes, the root included.
+    pub fn node_count(&self) -> usize {
+        self.nodes.len() - self.free.len()
+    }
+
+    /// Number of locks held.
+    pub fn lock_count(&self) -> usize {
+        self.locks.len()
+    }
+
+    /// A view of one node.
+    pub fn node(&self, id: NodeId) -> Result<NodeView<'_>, RadixError> {
+        let ix = self.resolve(id)?;
+        Ok(self.view(ix, self.start_of(ix)))
+    }
+
+    /// Views of every live node, parents before children (depth-first, children in key
+    /// order, so the order is deterministic).
+    pub fn nodes(&self) -> Vec<NodeView<'_>> {
+        let mut out = Vec::with_capacity(self.node_count());
+        let mut stack = vec![(ROOT, 0usize)];
+        while let Some((ix, start)) = stack.pop() {
+            out.push(self.view(ix, start));
+            let end = start + self.nodes[ix as usize].len();
+            let mut kids = self.sorted_children(ix);
+            kids.reverse();
+            stack.extend(kids.into_iter().map(|c| (c, end)));
+        }
+        out
+    }
+
+    /// The values from the root down to the end of `id`: what a request matched at `id`
+    /// holds in its row.
+    pub fn prefix_values(&self, id: NodeId) -> Result<Vec<VirtualToken>, RadixError> {
+        let ix = self.resolve(id)?;
+        Ok(self.path_values(ix))
+    }
+
+    pub(crate) fn path_values(&self, ix: Ix) -> Vec<VirtualToken> {
+        let mut path = Vec::new();
+        let mut x = ix;
+        while x != ROOT {
+            path.push(x);
+            x = self.nodes[x as usize].parent;
+        }
+        let mut values = Vec::with_capacity(self.start_of(ix) + self.nodes[ix as usize].len());
+        for &p in path.iter().rev() {
+            values.extend_from_slice(&self.nodes[p as usize].value);
+        }
+        values
+    }
+
+    pub(crate) fn sorted_children(&self, ix: Ix) -> Vec<Ix> {
+        let mut kids: Vec<(&[TokenId], Ix)> = self.nodes[ix as usize]
+            .children
+            .iter()
+            .map(|(k, &c)| (&k[..], c))
+            .collect();
+        kids.sort();
+        kids.into_iter().map(|(_, c)| c).collect()
+    }
+
+    fn view(&self, ix: Ix, start: usize) -> NodeView<'_> {
+        let n = &self.nodes[ix as usize];
+        NodeView {
+            id: self.id(ix),
+            parent: (n.parent != NIL).then(|| self.id(n.parent)),
+            start: Tokens(start),
+            key: &n.key,
+            value: &n.value,
+            swa_live: n.swa_live,
+            full_lock: n.full_lock,
+            swa_lock: n.swa_lock,
+            mamba: n.mamba,
+            mamba_lock: n.mamba_lock,
+            children: n.children.len(),
+        }
+    }
+
+    pub(crate) fn ps(&self) -> usize {
+        self.config.page_size as usize
+    }
+
+    pub(crate) fn swa_enabled(&self) -> bool {
+        self.config.window.is_some()
+    }
+
+    pub(crate) fn window(&self) -> usize {
+        self.config.window.map_or(0, |w| w.0)
+    }
+
+    pub(crate) fn id(&self, ix: Ix) -> NodeId {
+        NodeId {
+            index: ix,
+            generation: self.nodes[ix as usize].generation,
+        }
+    }
+
+    pub(crate) fn resolve(&self, id: NodeId) -> Result<Ix, RadixError> {
+        match self.nodes.get(id.index as usize) {
+            Some(n) if n.alive && n.generation == id.generation => Ok(id.index),
+            _ => Err(RadixError::UnknownNode(id)),
+        }
+    }
+
+    /// Start position of a node (sum of its ancestors' key lengths): O(depth).
+    pub(crate) fn start_of(&self, ix: Ix) -> usize {
+        let mut start = 0;
+        let mut x = self.nodes[ix as usize].parent;
+        while x != NIL {
+            start += self.nodes[x as usize].len();
+            x = self.nodes[x as usize].parent;
+        }
+        start
+    }
+
+    pub(crate) fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    // ----- accounting and LRU membership -------------------------------------------------
+
+    pub(crate) fn contribution(&self, ix: Ix) -> Contribution {
+        let n = &self.nodes[ix as usize];
+        if ix == ROOT || !n.alive {
+            return [0; 6];
+        }
+        let len = n.len();
+        let mut c = [0; 6];
+        if n.full_lock == 0 {
+            c[0] = len;
+        } else {
+            c[1] = len;
+        }
+        if self.swa_enabled() && n.swa_live {
+            if n.swa_lock == 0 {
+                c[2] = len;
+            } else {
+                c[3] = len;
+            }
+        }
+        if n.mamba.is_some() {
+            if n.mamba_lock == 0 {
+                c[4] = 1;
+            } else {
+                c[5] = 1;
+            }
+        }
+        c
+    }
+
+    /// Membership rules of the three LRU sets: `(full, swa, mamba)`.
+    pub(crate) fn should_be_in(&self, ix: Ix) -> (bool, bool, bool) {
+        let n = &self.nodes[ix as usize];
+        if ix == ROOT || !n.alive {
+            return (false, false, false);
+        }
+        (
+            n.children.is_empty() && n.full_lock == 0,
+            self.swa_enabled() && n.swa_live && n.swa_lock == 0,
+            n.mamba.is_some() && n.mamba_lock == 0,
+        )
+    }
+
+    /// Takes the node out of the counters and LRU sets.
+    pub(crate) fn leave(&mut self, ix: Ix) {
+        let c = self.contribution(ix);
+        let s = &mut self.sizes;
+        s.full_evictable.0 -= c[0];
+        s.full_protected.0 -= c[1];
+        s.swa_evictable.0 -= c[2];
+        s.swa_protected.0 -= c[3];
+        s.mamba_evictable.0 -= c[4];
+        s.mamba_protected.0 -= c[5];
+        let n = &mut self.nodes[ix as usize];
+        if n.in_full {
+            self.full_lru.remove(&(n.full_tick, ix));
+            n.in_full = false;
+        }
+        if n.in_swa {
+            self.swa_lru.remove(&(n.swa_tick, ix));
+            n.in_swa = false;
+        }
+        if n.in_mamba {
+            self.mamba_lru.remove(&(n.mamba_tick, ix));
+            n.in_mamba = false;
+        }
+    }
+
+    /// Puts the node's recomputed contribution back into the counters and LRU sets.
+    pub(crate) fn enter(&mut self, ix: Ix) {
+        let c = self.contribution(ix);
+        let s = &mut self.sizes;
+        s.full_evictable.0 += c[0];
+        s.full_protected.0 += c[1];
+        s.swa_evictable.0 += c[2];
+        s.swa_protected.0 += c[3];
+        s.mamba_evictable.0 += c[4];
+        s.mamba_protected.0 += c[5];
+        let (f, w, m) = self.should_be_in(ix);
+        let n = &mut self.nodes[ix as usize];
+        if f {
+            self.full_lru.insert((n.full_tick, ix));
+            n.in_full = true;
+        }
+        if w {
+            self.swa_lru.insert((n.swa_tick, ix));
+            n.in_swa = true;
+        }
+        if m {
+            self.mamba_lru.insert((n.mamba_tick, ix));
+            n.in_mamba = true;
+        }
+    }
+
+    /// Mutates a node with its accounting and LRU membership kept exact.
+    pub(crate) fn with_node<R>(&mut self, ix: Ix, f: impl FnOnce(&mut Node) -> R) -> R {
+        self.leave(ix);
+        let r = f(&mut self.nodes[ix as usize]);
+        self.enter(ix);
+        r
+    }
+
+    // ----- structure ---------------------------------------------------------------------
+
+    /// Allocates a node in the arena and links it under `parent`.
+    pub(crate) fn add_child(&mut self, parent: Ix, mut node: Node) -> Ix {
+        let ps = self.ps();
+        node.alive = true;
+        node.parent = parent;
+        let ix = match self.free.pop() {
+            Some(ix) => {
+                node.generation = self.nodes[ix as usize].generation;
+                self.nodes[ix as usize] = node;
+                ix
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as Ix
+            }
+        };
+        let page: Box<[TokenId]> = self.nodes[ix as usize].key[..ps].into();
+        self.with_node(parent, |p| p.children.insert(page, ix));
+        self.enter(ix);
+        ix
+    }
+
+    /// Unlinks a childless node from its parent and frees its arena entry.
+    pub(crate) fn remove_leaf(&mut self, ix: Ix) -> Node {
+        let ps = self.ps();
+        self.leave(ix);
+        let slot = &mut self.nodes[ix as usize];
+        let generation = slot.generation.wrapping_add(1);
+        let old = std::mem::take(slot);
+        slot.generation = generation;
+        self.free.push(ix);
+        self.with_node(old.parent, |p| p.children.remove(&old.key[..ps]));
+        old
+    }
+
+    /// Splits `ix` at `at` tokens (page-aligned, `0 < at < len`): a new parent takes the
+    /// first `at` tokens with the node's SWA state, lock counts and ticks; `ix` keeps the
+    /// rest, its children and its Mamba state. Returns the new parent.
+    pub(crate) fn split(&mut self, ix: Ix, at: usize) -> Ix {
+        let ps = self.ps();
+        debug_assert!(at > 0 && at < self.nodes[ix as usize].len() && at.is_multiple_of(ps));
+        let (upper_key, upper_value) = self.with_node(ix, |n| {
+            let lower_key = n.key.split_off(at);
+            let lower_value = n.value.split_off(at);
+            (
+                std::mem::replace(&mut n.key, lower_key),
+                std::mem::replace(&mut n.value, lower_value),
+            )
+        });
+        let n = &self.nodes[ix as usize];
+        let grand = n.parent;
+        let mut children = Children::default();
+        children.insert(n.key[..ps].into(), ix);
+        let upper = Node {
+            key: upper_key,
+            value: upper_value,
+            children,
+            swa_live: n.swa_live,
+            full_lock: n.full_lock,
+            swa_lock: n.swa_lock,
+            full_tick: n.full_tick,
+            swa_tick: n.swa_tick,
+            mamba_tick: n.mamba_tick,
+            ..Node::default()
+        };
+        // Link the new parent in place of `ix` under the grandparent (same first page).
+        let p = match self.free.pop() {
+            Some(p) => {
+                let generation = self.nodes[p as usize].generation;
+                self.nodes[p as usize] = Node {
+                    generation,
+                    ..upper
+                };
+                p
+            }
+            None => {
+                self.nodes.push(upper);
+                (self.nodes.len() - 1) as Ix
+            }
+        };
+        {
+            let node = &mut self.nodes[p as usize];
+            node.alive = true;
+            node.parent = grand;
+        }
+        let page: Box<[TokenId]> = self.nodes[p as usize].key[..ps].into();
+        self.nodes[grand as usize].children.insert(page, p);
+        self.nodes[ix as usize].parent = p;
+        self.enter(p);
+        p
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::InsertRequest;
+
+    fn key(n: u32) -> Vec<TokenId> {
+        (0..n).map(TokenId).collect()
+    }
+
+    fn row(n: u32) -> Vec<VirtualToken> {
+        (100..100 + n).map(VirtualToken).collect()
+    }
+
+    /// A split keeps the sizes, moves the upper part to a new parent that inherits the
+    /// SWA state and lock counts, and leaves the Mamba state on the lower part.
+    #[test]
+    fn a_split_keeps_sizes_locks_and_the_mamba_state_below() {
+        let mut tree = RadixTree::new(TreeConfig::swa(2, 8).with_mamba()).unwrap();
+        let out = tree
+            .insert(InsertRequest::new(&key(8), &row(8)).mamba(MambaSlot(5)))
+            .unwrap();
+        let ix = out.node.index;
+        let lock = tree.lock(out.node).unwrap();
+        let before = tree.sizes();
+        let upper = tree.split(ix, 4);
+        assert_eq!(tree.sizes(), before);
+        let (u, l) = (&tree.nodes[upper as usize], &tree.nodes[ix as usize]);
+        assert_eq!((u.key.len(), l.key.len()), (4, 4));
+        assert_eq!((u.full_lock, u.swa_lock, u.mamba_lock), (1, 1, 0));
+        assert_eq!((l.full_lock, l.swa_lock, l.mamba_lock), (1, 1, 1));
+        assert_eq!((u.mamba, l.mamba), (None, Some(MambaSlot(5))));
+        assert_eq!(l.parent, upper);
+        assert_eq!(tree.prefix_values(out.node).unwrap(), row(8));
+        tree.sanity_check().unwrap();
+        tree.unlock(lock).unwrap();
+        assert_eq!(tree.sizes().full_protected, Tokens(0));
+        tree.sanity_check().unwrap();
+    }
+
+    /// A removed node's id goes stale even when its arena entry is reused.
+    #[test]
+    fn an_evicted_node_id_is_stale_after_reuse() {
+        let mut tree = RadixTree::new(TreeConfig::swa(1, 4)).unwrap();
+        let out = tree.insert(InsertRequest::new(&key(3), &row(3))).unwrap();
+        while tree.evict_one(crate::Component::Full).is_some() {}
+        let again = tree.insert(InsertRequest::new(&key(3), &row(3))).unwrap();
+        assert_eq!(again.node.index(), out.node.index());
+        assert_ne!(again.node, out.node);
+        assert!(tree.node(out.node).is_err());
+        assert!(tree.node(again.node).is_ok());
+    }
+
+    /// Child keys hash whole pages (two tokens per word) and find pages that differ only
+    /// in their last token apart.
+    #[test]
+    fn children_are_found_by_whole_first_pages() {
+        let mut tree = RadixTree::new(TreeConfig::swa(3, 3)).unwrap();
+        for last in 0..50 {
+            let k = [TokenId(7), TokenId(7), TokenId(last)];
+            tree.insert(InsertRequest::new(&k, &row(3))).unwrap();
+        }
+        assert_eq!(tree.nodes[ROOT as usize].children.len(), 50);
+        let hit = tree.match_prefix(&[TokenId(7), TokenId(7), TokenId(31), TokenId(1)]);
+        assert_eq!(hit.len, Tokens(3));
+        tree.sanity_check().unwrap();
+    }
+}

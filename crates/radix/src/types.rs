@@ -1,0 +1,196 @@
+//! Newtypes of the tree's vocabulary: token ids (keys), virtual token ids (values), token
+//! and slot counts, Mamba slots, node ids and lock handles, plus the tree's configuration.
+//!
+//! A token count is never silently a slot count or a page count: every quantity the public
+//! API hands out carries its unit in its type.
+
+use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::ops::{Add, AddAssign, Sub, SubAssign};
+
+/// A token of the model's vocabulary: what the tree's keys are made of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct TokenId(pub u32);
+
+impl Hash for TokenId {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u32(self.0);
+    }
+
+    /// Two tokens per `write_u64`: child keys are whole pages, hashed on every lookup.
+    fn hash_slice<H: Hasher>(data: &[Self], state: &mut H) {
+        let mut pairs = data.chunks_exact(2);
+        for pair in &mut pairs {
+            state.write_u64((pair[0].0 as u64) << 32 | pair[1].0 as u64);
+        }
+        if let [last] = pairs.remainder() {
+            state.write_u32(last.0);
+        }
+    }
+}
+
+/// A virtual token id (virtual page × page size + offset): what the tree's values hold and
+/// what every action names. Never a physical location.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct VirtualToken(pub u32);
+
+/// A number of tokens, or a position counted in tokens from the start of a sequence.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Tokens(pub usize);
+
+impl Tokens {
+    /// Zero tokens.
+    pub const ZERO: Tokens = Tokens(0);
+
+    /// The count as a plain integer.
+    pub const fn get(self) -> usize {
+        self.0
+    }
+}
+
+impl Add for Tokens {
+    type Output = Tokens;
+    fn add(self, rhs: Tokens) -> Tokens {
+        Tokens(self.0 + rhs.0)
+    }
+}
+
+impl AddAssign for Tokens {
+    fn add_assign(&mut self, rhs: Tokens) {
+        self.0 += rhs.0;
+    }
+}
+
+impl Sub for Tokens {
+    type Output = Tokens;
+    fn sub(self, rhs: Tokens) -> Tokens {
+        Tokens(self.0 - rhs.0)
+    }
+}
+
+impl SubAssign for Tokens {
+    fn sub_assign(&mut self, rhs: Tokens) {
+        self.0 -= rhs.0;
+    }
+}
+
+impl fmt::Display for Tokens {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} tokens", self.0)
+    }
+}
+
+/// A number of Mamba state slots.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Slots(pub usize);
+
+impl Slots {
+    /// Zero slots.
+    pub const ZERO: Slots = Slots(0);
+
+    /// The count as a plain integer.
+    pub const fn get(self) -> usize {
+        self.0
+    }
+}
+
+impl Add for Slots {
+    type Output = Slots;
+    fn add(self, rhs: Slots) -> Slots {
+        Slots(self.0 + rhs.0)
+    }
+}
+
+impl AddAssign for Slots {
+    fn add_assign(&mut self, rhs: Slots) {
+        self.0 += rhs.0;
+    }
+}
+
+impl fmt::Display for Slots {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} slots", self.0)
+    }
+}
+
+/// A Mamba state slot (the Mamba sub-allocator's own virtual id).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MambaSlot(pub u32);
+
+/// A node of the tree. Carries a generation so that an id kept past its node's eviction
+/// is recognised as stale instead of naming whatever node reuses the arena entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId {
+    pub(crate) index: u32,
+    pub(crate) generation: u32,
+}
+
+impl NodeId {
+    /// The arena index (stable while the node lives; shown in dumps as `n<index>`).
+    pub const fn index(self) -> u32 {
+        self.index
+    }
+}
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "n{}", self.index)
+    }
+}
+
+/// A lock taken by [`crate::RadixTree::lock`]; released exactly once by
+/// [`crate::RadixTree::unlock`]. Handles are never reused, so a second release is an error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LockHandle(pub(crate) u64);
+
+impl fmt::Display for LockHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "lock#{}", self.0)
+    }
+}
+
+/// Which component an eviction targets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Component {
+    /// FULL: evicts least recently used unlocked leaves whole (SWA and Mamba cascade).
+    Full,
+    /// SWA: tombstones least recently used internal nodes, evicts such leaves whole.
+    Swa,
+    /// MAMBA: frees least recently used unlocked states.
+    Mamba,
+}
+
+/// How a tree is built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TreeConfig {
+    /// Page size `ps` ≥ 1: every key length and every cursor the tree takes is a multiple.
+    pub page_size: u32,
+    /// Sliding window `W` ≥ 1 in tokens, or `None` for a model without SWA layers.
+    pub window: Option<Tokens>,
+    /// Whether the model has Mamba (recurrent state) layers.
+    pub mamba: bool,
+}
+
+impl TreeConfig {
+    /// FULL + SWA with window `window` at page size `page_size`.
+    pub const fn swa(page_size: u32, window: usize) -> Self {
+        TreeConfig {
+            page_size,
+            window: Some(Tokens(window)),
+            mamba: false,
+        }
+    }
+
+    /// The same configuration with the Mamba component switched on.
+    pub const fn with_mamba(mut self) -> Self {
+        self.mamba = true;
+        self
+    }
+
+    /// One page-aligned window, `ceil(W / ps) × ps`: the length a fresh live leaf is
+    /// capped at (none without SWA).
+    pub fn leaf_window(&self) -> Option<Tokens> {
+        let ps = self.page_size as usize;
+        self.window.map(|w| Tokens(w.0.div_ceil(ps) * ps))
+    }
+}

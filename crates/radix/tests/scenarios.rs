@@ -1,0 +1,649 @@
+//! Scenarios 23–29 of the reference list (sglang-unified-memory.md §7) and the issue's
+//! extra cases, at every page size of `unikv_invariants::testing::page_sizes()`.
+//! Every action is applied to the page-ownership ledger of `common`, which fails on a page
+//! freed twice or on the wrong side; each scenario ends by draining the tree and checking
+//! that no page or slot leaked.
+
+mod common;
+
+use common::{Sim, tokens};
+use unikv_invariants::testing::page_sizes;
+use unikv_radix::{
+    Action, Component, InsertRequest, MambaSlot, RadixError, RadixTree, SwaSide, TokenId, Tokens,
+    TreeConfig, VirtualToken,
+};
+
+/// Page symbols `0, 1, .., n-1`: a key of `n` distinct pages.
+fn pages(n: u32) -> Vec<u32> {
+    (0..n).collect()
+}
+
+fn slice(row: &[VirtualToken], lo: usize, hi: usize) -> Vec<VirtualToken> {
+    row[lo..hi].to_vec()
+}
+
+/// Scenario 24: a duplicate insert is split at the request's cursor: FULL-only below it,
+/// two-sided above it, one action each, no page in both (at most one action when the
+/// cursor is at either end).
+#[test]
+fn scenario_24_duplicate_insert_splits_at_the_cursor() {
+    for ps in page_sizes() {
+        // (cursor in pages, expect FULL-only, expect two-sided). The tree holds [0, 6) and
+        // the capped leaf [6, 8) (in pages), so a cursor at 7 crosses a node boundary.
+        for (cursor_pages, full_only, two_sided) in [
+            (0, false, true),
+            (3, true, true),
+            (6, true, true),
+            (7, true, true),
+            (8, true, false),
+        ] {
+            let mut sim = Sim::new(TreeConfig::swa(ps, 2 * ps as usize));
+            let key = tokens(&pages(8), ps as usize);
+            let a = sim.start_fresh(key.clone());
+            let b = sim.start_fresh(key);
+            sim.finish(a); // b is now index 0
+            let b = b - 1;
+            let c = cursor_pages * ps as usize;
+            sim.slide_to(b, c);
+            let row = sim.reqs[b].row.clone();
+            let actions = sim.finish(b);
+            let mut expected = Vec::new();
+            if full_only {
+                expected.push(Action::FreeDeviceKvFullOnly {
+                    tokens: slice(&row, 0, c),
+                });
+            }
+            if two_sided {
+                expected.push(Action::FreeDeviceKv {
+                    tokens: slice(&row, c, row.len()),
+                });
+            }
+            assert_eq!(actions, expected, "ps {ps} cursor {c}");
+            sim.check();
+            sim.drain();
+        }
+    }
+}
+
+/// Scenario 25: an unlocked tombstone adopts live incoming KV: the old FULL is freed
+/// FULL-only, SWA is rebuilt from the incoming value, and live SWA drops by exactly the
+/// request's two-sided release.
+#[test]
+fn scenario_25_unlocked_tombstone_adopts_the_incoming_value() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let mut sim = Sim::new(TreeConfig::swa(ps, 2 * p));
+        let key = tokens(&pages(6), p);
+        let a = sim.start_fresh(key.clone());
+        let b = sim.start_fresh(key.clone()) - 1;
+        let a_row = sim.reqs[a].row.clone();
+        sim.finish(a); // nodes [0, 4p) and the capped leaf [4p, 6p)
+        let evicted = sim.evict(Component::Swa, 1);
+        let internal = sim.tree.match_prefix(&key[..4 * p]).full_hit_node;
+        assert_eq!(
+            evicted,
+            vec![Action::TombstoneSwa {
+                node: internal,
+                tokens: slice(&a_row, 0, 4 * p)
+            }]
+        );
+        sim.check();
+
+        let b_row = sim.reqs[b].row.clone();
+        let live_before = sim.ledger.live_pages();
+        let actions = sim.finish(b);
+        assert_eq!(
+            actions,
+            vec![
+                Action::FreeDeviceKvFullOnly {
+                    tokens: slice(&a_row, 0, 4 * p)
+                },
+                Action::SwaRebuild {
+                    node: internal,
+                    tokens: slice(&b_row, 0, 4 * p)
+                },
+                Action::FreeDeviceKv {
+                    tokens: slice(&b_row, 4 * p, 6 * p)
+                },
+            ]
+        );
+        assert_eq!(sim.ledger.live_pages(), live_before - 2);
+        assert_eq!(sim.tree.node(internal).unwrap().value, &b_row[..4 * p]);
+        assert!(sim.tree.node(internal).unwrap().swa_live);
+        sim.check();
+        sim.drain();
+    }
+}
+
+/// Scenario 26: a tombstone whose FULL is locked by another request recovers by moving SWA
+/// ownership: the locked FULL value is untouched, and applying the recovery allocates and
+/// frees no SWA page.
+#[test]
+fn scenario_26_locked_full_recovery_moves_swa_ownership() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let mut sim = Sim::new(TreeConfig::swa(ps, 2 * p));
+        let key = tokens(&pages(6), p);
+        let a = sim.start_fresh(key.clone());
+        let b = sim.start_fresh(key.clone()) - 1;
+        let a_row = sim.reqs[a].row.clone();
+        sim.finish(a);
+        let c = sim.start(key.clone()); // locks the whole path, SWA on the leaf only
+        assert_eq!(sim.reqs[c].ppl, 6 * p);
+        let evicted = sim.evict(Component::Swa, 1);
+        let internal = sim.tree.match_prefix(&key[..4 * p]).full_hit_node;
+        assert!(matches!(&evicted[..], [Action::TombstoneSwa { node, .. }] if *node == internal));
+        assert_eq!(sim.tree.node(internal).unwrap().full_lock, 1);
+
+        let b_row = sim.reqs[b].row.clone();
+        let req = &sim.reqs[b];
+        let out = sim
+            .tree
+            .insert(InsertRequest::new(&req.key, &req.row))
+            .unwrap();
+        assert_eq!(
+            out.actions,
+            vec![
+                Action::RecoverSwaWithLockedFull {
+                    node: internal,
+                    kept: slice(&a_row, 0, 4 * p),
+                    incoming: slice(&b_row, 0, 4 * p),
+                },
+                Action::FreeDeviceKv {
+                    tokens: slice(&b_row, 4 * p, 6 * p)
+                },
+            ]
+        );
+        let live_before = sim.ledger.live_pages();
+        sim.ledger.apply(&out.actions[0]);
+        assert_eq!(
+            sim.ledger.live_pages(),
+            live_before,
+            "no SWA page allocated or freed"
+        );
+        sim.ledger.apply(&out.actions[1]);
+        sim.reqs.remove(b); // its row is fully handed over
+        let view = sim.tree.node(internal).unwrap();
+        assert_eq!(view.value, &a_row[..4 * p], "the locked FULL value is kept");
+        assert!(view.swa_live);
+        sim.check();
+        sim.drain();
+    }
+}
+
+/// Scenario 27, and "a match that ends below a tombstone needs a whole window":
+/// path A (live, W/2) → B (tombstone) → C (live, W − ps) → D (live, ps), with W = 4 ps.
+/// The match may end at A (from the root, no window needed) or D (a whole window of live
+/// SWA behind it), never at B or C; a FULL-only longer hit is reported as branching.
+#[test]
+fn scenario_27_a_match_below_a_tombstone_needs_a_whole_window() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let w = 4 * p;
+        let mut sim = Sim::new(TreeConfig::swa(ps, w));
+        let key = tokens(&pages(7), p); // A = pages 0..2, B = 2, C = 3..6, D = 6
+        let a = sim.start_fresh(key[..2 * p].to_vec());
+        sim.finish(a);
+        let r = sim.start_fresh(key.clone());
+        sim.slide_to(r, 3 * p);
+        sim.finish(r); // B becomes a tombstone, C+D one live leaf of W tokens
+        sim.probe(&key[..6 * p]); // splits C from D
+        sim.check();
+        // (query length in pages, expected match in pages, expected branching in pages)
+        let table = [
+            (1, 1, None),
+            (2, 2, None),
+            (3, 2, Some(3)),
+            (4, 2, Some(4)),
+            (6, 2, Some(6)),
+            (7, 7, None),
+        ];
+        for (query, matched, branching) in table {
+            assert_eq!(sim.tree.full_hit_len(&key[..query * p]), Tokens(query * p));
+            let m = sim.probe(&key[..query * p]);
+            assert_eq!(m.len, Tokens(matched * p), "ps {ps} query {query}");
+            assert_eq!(m.branching, branching.map(|b| Tokens(b * p)));
+            assert_eq!(m.full_hit, Tokens(query * p));
+        }
+        let end = sim.probe(&key).node;
+        let d = sim.tree.node(end).unwrap();
+        assert_eq!((d.start, d.key.len()), (Tokens(6 * p), p));
+        sim.check();
+        sim.drain();
+    }
+}
+
+/// Scenario 28: a fresh live leaf is capped at `ceil(W / ps) × ps`; locking it protects
+/// exactly that many SWA tokens (and the whole path's FULL); releasing returns protected
+/// sizes to zero.
+#[test]
+fn scenario_28_a_live_leaf_is_capped_at_one_page_aligned_window() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        for w in [1, p.div_ceil(2), p, p + 1, 3 * p] {
+            let mut sim = Sim::new(TreeConfig::swa(ps, w));
+            let tail = w.div_ceil(p) * p;
+            let len = (3 * w).div_ceil(p) * p;
+            let r = sim.start_fresh(tokens(&pages((len / p) as u32), p));
+            sim.finish(r);
+            let leaf = sim
+                .tree
+                .nodes()
+                .into_iter()
+                .find(|v| v.children == 0)
+                .unwrap();
+            assert_eq!(leaf.key.len(), tail.min(len), "ps {ps} W {w}");
+            let lock = sim.tree.lock(leaf.id).unwrap();
+            let sizes = sim.tree.sizes();
+            assert_eq!(sizes.swa_protected, Tokens(tail.min(len)));
+            assert_eq!(sizes.full_protected, Tokens(len));
+            assert_eq!(sizes.swa_evictable, Tokens(len - tail.min(len)));
+            sim.tree.sanity_check().unwrap();
+            sim.tree.unlock(lock).unwrap();
+            let sizes = sim.tree.sizes();
+            assert_eq!(
+                (sizes.swa_protected, sizes.full_protected),
+                (Tokens(0), Tokens(0))
+            );
+            assert_eq!(sizes.full_evictable, Tokens(len));
+            sim.check();
+            sim.drain();
+        }
+    }
+}
+
+/// What one SWA eviction step did, for scenario 29's table.
+#[derive(Debug, PartialEq)]
+enum Step {
+    Tombstone(usize),
+    RemoveLeaf(usize),
+}
+
+/// Scenario 29: SWA eviction tombstones internal nodes and evicts leaves whole, least
+/// recently used first; FULL KV leaves the tree only with whole leaves (the only
+/// KV-removed events).
+#[test]
+fn scenario_29_swa_eviction_tombstones_internal_nodes_in_lru_order() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let mut sim = Sim::new(TreeConfig::swa(ps, 2 * p));
+        // P = pages [0, 1], Q1 = [2, 3], Q2 = [4, 5]: P is shared.
+        let first = sim.start_fresh(tokens(&[0, 1, 2, 3], p));
+        sim.finish(first);
+        let second = sim.start(tokens(&[0, 1, 4, 5], p));
+        sim.finish(second);
+        sim.check();
+        let start_of = |sim: &Sim, node| sim.tree.node(node).unwrap().start.get() / p;
+        let mut steps = Vec::new();
+        while let Some(actions) = sim.tree.evict_one(Component::Swa) {
+            sim.ledger.apply_all(&actions);
+            for a in &actions {
+                match a {
+                    Action::TombstoneSwa { node, .. } => {
+                        steps.push((Step::Tombstone(start_of(&sim, *node)), None))
+                    }
+                    Action::EvictNode { tokens, swa, .. } => {
+                        assert_eq!(*swa, SwaSide::Live);
+                        steps.push((Step::RemoveLeaf(tokens.len() / p), None))
+                    }
+                    other => steps.push((Step::Tombstone(usize::MAX), Some(other.clone()))),
+                }
+            }
+            sim.check();
+        }
+        // Q1 (least recently used) whole, then P (internal: tombstone), then Q2 whole.
+        assert_eq!(
+            steps,
+            vec![
+                (Step::RemoveLeaf(2), None),
+                (Step::Tombstone(0), None),
+                (Step::RemoveLeaf(2), None),
+            ],
+            "ps {ps}"
+        );
+        // P stays as a FULL-only leaf: FULL eviction removes it.
+        let nodes = sim.tree.nodes();
+        assert_eq!(nodes.len(), 2);
+        assert!(!nodes[1].swa_live);
+        assert_eq!(sim.tree.sizes().full_evictable, Tokens(2 * p));
+        let full = sim.evict(Component::Full, 1);
+        assert!(matches!(
+            &full[..],
+            [Action::EvictNode {
+                swa: SwaSide::Tombstone,
+                ..
+            }]
+        ));
+        sim.check();
+        sim.drain();
+    }
+}
+
+/// Scenario 23: with a page larger than the window, window eviction plus insert never
+/// leaves an all-tombstone leaf: the last page stays live and matchable.
+#[test]
+fn scenario_23_a_page_larger_than_the_window_never_leaves_an_all_tombstone_leaf() {
+    let mut sizes: Vec<u32> = page_sizes().into_iter().filter(|&ps| ps > 1).collect();
+    if !sizes.contains(&16) {
+        sizes.push(16);
+    }
+    for ps in sizes {
+        let p = ps as usize;
+        let w = (p / 4).max(1);
+        let mut sim = Sim::new(TreeConfig::swa(ps, w));
+        let key = tokens(&pages(5), p);
+        let r = sim.start_fresh(key.clone());
+        sim.slide(r, 100); // as far as the ratchet allows: len − max(W, ps)
+        assert_eq!(sim.reqs[r].cursor, 4 * p);
+        sim.finish(r);
+        // Even a cursor at the very end (beyond the ratchet) caches no tombstone leaf.
+        let other = tokens(&[9, 9, 9], p);
+        let r = sim.start_fresh(other.clone());
+        sim.slide_to(r, 3 * p);
+        sim.finish(r);
+        for v in sim.tree.nodes().iter().skip(1) {
+            if v.children == 0 {
+                assert!(v.swa_live, "ps {ps}: all-tombstone leaf {:?}", v.id);
+            }
+        }
+        assert_eq!(sim.probe(&key).len, Tokens(5 * p));
+        assert_eq!(sim.probe(&other).len, Tokens(0));
+        sim.check();
+        sim.drain();
+    }
+}
+
+/// Mamba: only nodes with a state end a match; a duplicate state is freed; states are
+/// evicted least recently used first (with their leaf when they sit on an unlocked leaf,
+/// alone on an internal node).
+#[test]
+fn mamba_states_end_matches_and_are_evicted_lru() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let mut sim = Sim::new(TreeConfig::swa(ps, p).with_mamba());
+        let short = tokens(&[0, 1], p);
+        let long = tokens(&[0, 1, 2, 3], p);
+        let a = sim.start(long.clone());
+        sim.finish(a);
+        // The state sits at the end of `long` only: `short` matches nothing.
+        let m = sim.probe(&short);
+        assert_eq!((m.len, m.branching), (Tokens(0), Some(Tokens(2 * p))));
+        assert_eq!(sim.probe(&long).len, Tokens(4 * p));
+        let b = sim.start(short.clone());
+        sim.finish(b); // state at the end of `short` now
+        assert_eq!(sim.probe(&short).len, Tokens(2 * p));
+        // A duplicate state at the same position is freed.
+        let c = sim.start(short.clone());
+        let slot = sim.reqs[c].mamba.unwrap();
+        let actions = sim.finish(c);
+        assert_eq!(actions, vec![Action::FreeMambaSlot { slot }]);
+        sim.check();
+        // LRU: `long`'s state was used before `short`'s; it sits on an unlocked leaf,
+        // which goes whole (a leaf without a state could never end a match).
+        let long_node = node_ending(&sim, &long);
+        let evicted = sim.evict(Component::Mamba, 1);
+        assert!(matches!(
+            &evicted[..],
+            [Action::EvictNode { node, .. }, Action::EvictMambaState { node: n2, .. }]
+                if *node == long_node && *n2 == long_node
+        ));
+        assert_eq!(sim.probe(&long).len, Tokens(2 * p));
+        assert_eq!(sim.tree.sizes().mamba_evictable.get(), 1);
+        // Once a longer request extends it, `short`'s state is internal: only it goes.
+        let e = sim.start(long.clone());
+        sim.finish(e);
+        sim.check();
+        let short_node = node_ending(&sim, &short);
+        let evicted = sim.evict(Component::Mamba, 1);
+        assert!(matches!(
+            &evicted[..],
+            [Action::EvictMambaState { node, .. }] if *node == short_node
+        ));
+        assert_eq!(sim.probe(&short).len, Tokens(0));
+        assert_eq!(sim.probe(&long).len, Tokens(4 * p));
+        sim.check();
+        sim.drain();
+    }
+}
+
+/// The node that ends exactly at the end of `key`, found without a match (which would
+/// refresh LRU positions).
+fn node_ending(sim: &Sim, key: &[TokenId]) -> unikv_radix::NodeId {
+    sim.tree
+        .nodes()
+        .into_iter()
+        .find(|v| v.start.get() + v.key.len() == key.len() && v.key == &key[v.start.get()..])
+        .unwrap()
+        .id
+}
+
+/// A locked Mamba state is protected until the lock is released.
+#[test]
+fn mamba_lock_protects_the_state() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let mut sim = Sim::new(TreeConfig::swa(ps, p).with_mamba());
+        let key = tokens(&[3, 4], p);
+        let a = sim.start(key.clone());
+        sim.finish(a);
+        let b = sim.start(key.clone());
+        assert_eq!(sim.tree.sizes().mamba_protected.get(), 1);
+        assert!(sim.tree.evict_one(Component::Mamba).is_none());
+        sim.check();
+        sim.finish(b);
+        assert_eq!(sim.tree.sizes().mamba_evictable.get(), 1);
+        sim.check();
+        sim.drain();
+    }
+}
+
+/// `release_window` drops the SWA part of a lock early; FULL stays locked, and the node's
+/// SWA becomes evictable (a tombstone, since its FULL is still locked).
+#[test]
+fn releasing_the_window_keeps_full_locked() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let mut sim = Sim::new(TreeConfig::swa(ps, 2 * p));
+        let key = tokens(&pages(4), p);
+        let a = sim.start(key.clone());
+        sim.finish(a);
+        let b = sim.start(key.clone());
+        assert_eq!(sim.tree.sizes().swa_protected, Tokens(2 * p));
+        sim.release_window(b);
+        let s = sim.tree.sizes();
+        assert_eq!(
+            (s.swa_protected, s.full_protected),
+            (Tokens(0), Tokens(4 * p))
+        );
+        assert_eq!(
+            sim.tree.release_window(sim.reqs[b].lock.unwrap()),
+            Err(RadixError::WindowAlreadyReleased(sim.reqs[b].lock.unwrap()))
+        );
+        let actions = sim.evict(Component::Swa, usize::MAX);
+        assert!(
+            actions
+                .iter()
+                .all(|a| matches!(a, Action::TombstoneSwa { .. }))
+        );
+        assert_eq!(sim.tree.sizes().full_protected, Tokens(4 * p));
+        sim.check();
+        sim.drain();
+    }
+}
+
+/// A lock survives splits of the nodes it covers (a later insert that diverges inside
+/// them): releasing it returns every protected size to zero.
+#[test]
+fn locks_survive_node_splits() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let mut sim = Sim::new(TreeConfig::swa(ps, 3 * p));
+        let a = sim.start_fresh(tokens(&pages(6), p));
+        sim.finish(a);
+        let b = sim.start(tokens(&pages(6), p));
+        for split_at in [1, 4, 5] {
+            let mut k: Vec<u32> = (0..split_at).collect();
+            k.extend([7, 8]);
+            let r = sim.start(tokens(&k, p));
+            sim.finish(r);
+            sim.check();
+        }
+        sim.finish(b);
+        let s = sim.tree.sizes();
+        assert_eq!(
+            (s.full_protected, s.swa_protected, s.mamba_protected.get()),
+            (Tokens(0), Tokens(0), 0)
+        );
+        sim.check();
+        sim.drain();
+    }
+}
+
+/// `evict_until` checks its predicate before each step and stops as soon as it holds.
+#[test]
+fn evict_until_stops_as_soon_as_the_predicate_holds() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let mut sim = Sim::new(TreeConfig::swa(ps, 2 * p));
+        for s in 0..4 {
+            let r = sim.start(tokens(&[s, s], p));
+            sim.finish(r);
+        }
+        let (none, released) = sim.tree.evict_until(Component::Full, |_| true);
+        assert!(none.is_empty() && released.full == Tokens(0));
+        let actions = sim.evict(Component::Full, 3 * p);
+        let leaves = actions
+            .iter()
+            .filter(|a| matches!(a, Action::EvictNode { .. }))
+            .count();
+        assert_eq!(
+            leaves, 2,
+            "ps {ps}: 3 pages need two 2-page leaves ({actions:?})"
+        );
+        sim.check();
+        sim.drain();
+    }
+}
+
+/// Without SWA, duplicates are freed two-sided (FULL only exists) and eviction removes
+/// leaves.
+#[test]
+fn a_tree_without_swa_frees_duplicates_and_evicts_leaves() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let config = TreeConfig {
+            page_size: ps,
+            window: None,
+            mamba: false,
+        };
+        let mut sim = Sim::new(config);
+        let key = tokens(&pages(5), p);
+        let a = sim.start_fresh(key.clone());
+        let b = sim.start_fresh(key.clone()) - 1;
+        sim.finish(a);
+        let row = sim.reqs[b].row.clone();
+        assert_eq!(sim.finish(b), vec![Action::FreeDeviceKv { tokens: row }]);
+        assert_eq!(sim.tree.nodes().len(), 2, "no window cap without SWA");
+        assert!(sim.tree.evict_one(Component::Swa).is_none());
+        sim.check();
+        sim.drain();
+    }
+}
+
+/// Bad input is a typed error and leaves the tree exactly as it was.
+#[test]
+fn bad_input_is_a_typed_error_and_changes_nothing() {
+    let ps = 4u32;
+    let mut tree = RadixTree::new(TreeConfig::swa(ps, 8)).unwrap();
+    let key = tokens(&pages(4), 4);
+    let row: Vec<VirtualToken> = (16..32).map(VirtualToken).collect();
+    let out = tree.insert(InsertRequest::new(&key, &row)).unwrap();
+    let lock = tree.lock(out.node).unwrap();
+    let other_key = tokens(&[0, 1, 5, 6], 4);
+    // Shares the first two pages (and their values) with `key`, then diverges.
+    let other_row: Vec<VirtualToken> = (16..24).chain(40..48).map(VirtualToken).collect();
+    let before = tree.dump();
+    let cases: Vec<(InsertRequest<'_>, RadixError)> = vec![
+        (
+            InsertRequest::new(&key, &row[..12]),
+            RadixError::KeyValueLengthMismatch { key: 16, value: 12 },
+        ),
+        (
+            InsertRequest::new(&key[..6], &row[..6]),
+            RadixError::NotPageAligned {
+                what: "key length",
+                len: 6,
+                page_size: 4,
+            },
+        ),
+        (
+            InsertRequest::new(&key, &row).window_cursor(2),
+            RadixError::NotPageAligned {
+                what: "window cursor",
+                len: 2,
+                page_size: 4,
+            },
+        ),
+        (
+            InsertRequest::new(&other_key, &other_row).prev_prefix_len(12),
+            RadixError::PrefixNotInTree {
+                claimed: 12,
+                cached: 8,
+            },
+        ),
+        (
+            InsertRequest::new(&key, &other_row).prev_prefix_len(12),
+            RadixError::PrefixValueMismatch { position: 8 },
+        ),
+        (
+            InsertRequest::new(&key, &row).mamba(MambaSlot(1)),
+            RadixError::MambaDisabled,
+        ),
+    ];
+    for (request, error) in cases {
+        assert_eq!(tree.insert(request), Err(error));
+        assert_eq!(tree.dump(), before);
+    }
+    tree.unlock(lock).unwrap();
+    assert_eq!(tree.unlock(lock), Err(RadixError::UnknownLock(lock)));
+    assert_eq!(
+        tree.release_window(lock),
+        Err(RadixError::UnknownLock(lock))
+    );
+    let stale = out.node;
+    while tree.evict_one(Component::Full).is_some() {}
+    assert_eq!(tree.lock(stale), Err(RadixError::UnknownNode(stale)));
+    assert!(tree.node(stale).is_err());
+    assert!(matches!(
+        RadixTree::new(TreeConfig::swa(0, 8)),
+        Err(RadixError::InvalidConfig { .. })
+    ));
+    assert!(matches!(
+        RadixTree::new(TreeConfig::swa(4, 0)),
+        Err(RadixError::InvalidConfig { .. })
+    ));
+    tree.sanity_check().unwrap();
+    unikv_invariants::poll().unwrap();
+}
+
+/// The root is a valid lock target (a request that matched nothing): locking it protects
+/// nothing. Empty keys cache nothing and hand a Mamba slot back.
+#[test]
+fn empty_matches_and_inserts_are_harmless() {
+    let mut tree = RadixTree::new(TreeConfig::swa(2, 4).with_mamba()).unwrap();
+    let lock = tree.lock(tree.root()).unwrap();
+    assert_eq!(tree.sizes(), Default::default());
+    tree.unlock(lock).unwrap();
+    let out = tree
+        .insert(InsertRequest::new(&[], &[]).mamba(MambaSlot(3)))
+        .unwrap();
+    assert_eq!(out.cached_len, Tokens(0));
+    assert_eq!(
+        out.actions,
+        vec![Action::FreeMambaSlot { slot: MambaSlot(3) }]
+    );
+    let m = tree.match_prefix(&[TokenId(1)]); // less than a page
+    assert_eq!((m.len, m.full_hit), (Tokens(0), Tokens(0)));
+    tree.sanity_check().unwrap();
+    unikv_invariants::poll().unwrap();
+}
