@@ -1,1 +1,92 @@
-//! unikv-pools (skeleton).
+//! unikv-pools: one byte buffer holding FULL and SWA KV of a hybrid model, with
+//! host-authoritative sub-allocators, segment frees with no host sync, and the static
+//! paged baseline.
+//!
+//! Two allocators implement one trait, [`KvAllocator`]:
+//! - [`UnifiedSwa`]: one buffer; FULL grows down from the high end and mints virtual
+//!   pages, SWA grows up from the sink floor and binds its physical pages to the same
+//!   virtual pages (`swa.v2p` *is* the FULL→SWA map: > 0 live, -1 tombstone, 0 unbound).
+//!   Capacity is bytes at the frontier; compaction is lazy (a free leaves a hole, an
+//!   alloc drains holes first, a flush moves survivors into holes with one
+//!   `Device::move_spans` per side and rewrites only `v2p`/`p2v`).
+//! - [`StaticSwa`]: two fixed pools sized by a SWA:FULL token ratio and a FULL→SWA index
+//!   map, the baseline every comparison runs against.
+//!
+//! Building blocks for other composites (FULL/Mamba and the tri-pool in `unikv-mamba`):
+//! [`SubAllocator`] (one span — an `Up` end, a `Down` end or a `Float` between them — with
+//! its `v2p`/`p2v`, holes, lazy compaction and dirty mirror entries), [`VirtualIds`] (an
+//! id owner's free ids), [`Grid`], [`SubPoolSpec`] and [`sink_floor`].
+//!
+//! ```
+//! use std::sync::Arc;
+//! use unikv_kernels::CpuDevice;
+//! use unikv_pools::{ExtendRequest, KvAllocator, Segment, SubPoolSpec, UnifiedSwa, UnifiedSwaConfig};
+//!
+//! let device = Arc::new(CpuDevice::new());
+//! let mut pool = UnifiedSwa::new(device, UnifiedSwaConfig {
+//!     total_bytes: 1 << 20,
+//!     page_size: 4,
+//!     window: 8,
+//!     full: SubPoolSpec::mha("full", 2, 1, 8, 2),
+//!     swa: SubPoolSpec::mha("swa", 2, 1, 8, 2),
+//!     zero_on_handout: false,
+//! })?;
+//! let mut row = Vec::new();
+//! pool.alloc_extend(&[ExtendRequest { prefix_len: 0, seq_len: 10, last_token: None }], &mut row)?;
+//! // Window eviction: the first page leaves the window (SWA only, fixed shape).
+//! pool.free_swa_segment(Segment::of_row(&row, 0..4))?;
+//! // Finish: [0, 4) FULL-only, [4, 10) two-sided.
+//! pool.free_kv_row_segments(&row, 0, 4, 10)?;
+//! assert_eq!(pool.capacity().full.allocated_pages, 0);
+//! # Ok::<(), unikv_pools::Error>(())
+//! ```
+//!
+//! # Invariants this crate keeps
+//! - **No host sync on the scheduling path.** All bookkeeping (free lists, `v2p`/`p2v`,
+//!   frontiers, holes, groups) is host data; the allocators hold an `Arc<dyn Device>`,
+//!   whose trait has no waiting op. Device work is limited to zeroing envelopes on
+//!   hand-out (optional), moving envelopes on a compaction flush and the per-step mirror
+//!   upload ([`KvAllocator::upload_mirror`]).
+//! - **Fixed-shape segment frees.** `free_segment`, `free_swa_segment`,
+//!   `free_full_segment` and `free_kv_row_segments` take page representatives by stride
+//!   from host arithmetic; they never filter by liveness and never de-duplicate. They
+//!   check their premise as named invariants (`swa.peer_mapped`, `swa.peer_released`,
+//!   `swa.window_ratchet`, `pool.double_free`, `pool.sink_reserved`,
+//!   `pool.one_free_per_page_per_group`) and contain a breach: a page that is not live on
+//!   the side being freed never reaches a free list. Set-shaped `free`/`free_swa` keep
+//!   the liveness filter.
+//! - **The sink** (virtual page 0 ↔ physical page 0, inside the reserved floor) is never
+//!   handed out and never freed.
+//! - **One flush of deferred frees.** Every deferred list of a free group (tokens, page
+//!   reps, FULL-only tokens, FULL-only page reps) is enumerated in one place and drained
+//!   by one function that every flush site uses (group end, `flush_deferred`, `flush`,
+//!   `ensure_capacity`, `reclaim_plan`, which flushes **before** sizing).
+//! - **Typed errors change nothing.** A failing operation (capacity, bad ids, unaligned
+//!   segments, shared pages, split pages, nested groups) leaves the allocator as it was.
+//! - **Conservation** (`pool.conservation`): per sub-pool live + holes = span; free ids +
+//!   live FULL = ids; SWA live + tombstones ≤ FULL live; frontiers never cross and stay
+//!   above the sink floor. Checked at every flush from `Warn` up, and in full by
+//!   [`KvAllocator::verify`].
+//! - Kernel ids (`physical page × stride + offset`) fit in i32, checked at boot; the
+//!   buffer holds at least the sink plus one request's window (the batch-size-1 floor).
+
+mod api;
+mod error;
+mod frees;
+mod ids;
+pub mod invariants;
+mod spec;
+mod static_paged;
+mod sub;
+mod unified;
+
+pub use api::{
+    Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, KvAllocator, MoveGate,
+    PageDemand, PoolMap, ReclaimPlan, Reclaimable, Segment, SideCapacity, SpanInfo, SwaState,
+};
+pub use error::Error;
+pub use ids::{Bytes, PageSize, PhysicalPage, VirtualPage, VirtualToken};
+pub use spec::{Grid, Grow, Side, SubPoolSpec, sink_floor};
+pub use static_paged::{StaticSwa, StaticSwaConfig};
+pub use sub::{Edge, SubAllocator, VirtualIds};
+pub use unified::{UnifiedSwa, UnifiedSwaConfig};

@@ -1,0 +1,471 @@
+//! The operations every FULL/SWA allocator offers ([`KvAllocator`]) and the values they
+//! take and return: requests, segments, demands, reclaim plans, capacity views, move gates.
+
+use crate::error::Error;
+use crate::ids::{PageSize, VirtualPage, VirtualToken};
+use crate::spec::{Grid, Side};
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use unikv_kernels::{BytesId, TableId};
+
+/// One request of an extend batch: its row grows from `prefix_len` to `seq_len` tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExtendRequest {
+    /// Tokens the request already holds (its row's length before this extend).
+    pub prefix_len: usize,
+    /// Tokens it holds after this extend (`>= prefix_len`).
+    pub seq_len: usize,
+    /// The last token of the prefix (`row[prefix_len - 1]`); `None` when `prefix_len` is
+    /// 0. Its page's free tail is filled before new pages are taken.
+    pub last_token: Option<VirtualToken>,
+}
+
+/// One request of a decode batch: it grows by one token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeRequest {
+    /// Tokens the request holds before this step.
+    pub prefix_len: usize,
+    /// Its last token (`row[prefix_len - 1]`); `None` when `prefix_len` is 0.
+    pub last_token: Option<VirtualToken>,
+}
+
+impl From<DecodeRequest> for ExtendRequest {
+    fn from(d: DecodeRequest) -> ExtendRequest {
+        ExtendRequest {
+            prefix_len: d.prefix_len,
+            seq_len: d.prefix_len + 1,
+            last_token: d.last_token,
+        }
+    }
+}
+
+impl ExtendRequest {
+    /// New pages this request needs: `ceil(seq_len / ps) − ceil(prefix_len / ps)`, from
+    /// host lengths only.
+    #[inline]
+    pub fn new_pages(&self, ps: PageSize) -> usize {
+        ps.pages_for(self.seq_len) - ps.pages_for(self.prefix_len)
+    }
+}
+
+/// A contiguous slice `row[start..start + tokens.len()]` of one request's row, with
+/// `start` page-aligned: its pages are every page-size-th token (the page
+/// representatives), known from host arithmetic, so freeing it needs no de-duplication.
+/// The last page may be partly covered; it is released whole.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment<'a> {
+    /// The row's tokens `start..start + len`.
+    pub tokens: &'a [VirtualToken],
+    /// Row position of `tokens[0]` (a multiple of the page size).
+    pub start: usize,
+}
+
+impl<'a> Segment<'a> {
+    /// The segment `row[range]`.
+    pub fn of_row(row: &'a [VirtualToken], range: Range<usize>) -> Segment<'a> {
+        Segment {
+            start: range.start,
+            tokens: &row[range],
+        }
+    }
+
+    /// Row positions it covers.
+    pub fn range(&self) -> Range<usize> {
+        self.start..self.start + self.tokens.len()
+    }
+
+    /// Its page representatives: one token per page, by stride (no filter, no dedup).
+    pub fn reps(&self, ps: PageSize) -> impl Iterator<Item = VirtualToken> + 'a {
+        self.tokens.iter().copied().step_by(ps.get() as usize)
+    }
+
+    /// Its pages, in row order.
+    pub fn pages(&self, ps: PageSize) -> impl Iterator<Item = VirtualPage> + 'a {
+        self.reps(ps).map(move |t| t.page(ps))
+    }
+
+    /// How many pages it touches.
+    pub fn page_count(&self, ps: PageSize) -> usize {
+        ps.pages_for(self.tokens.len())
+    }
+}
+
+/// Pages an operation needs on each side.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PageDemand {
+    /// New FULL pages (each mints a virtual page).
+    pub full_pages: usize,
+    /// New SWA pages.
+    pub swa_pages: usize,
+}
+
+impl PageDemand {
+    /// The same number of pages on both sides (what an allocation binds).
+    pub const fn joint(pages: usize) -> PageDemand {
+        PageDemand {
+            full_pages: pages,
+            swa_pages: pages,
+        }
+    }
+}
+
+/// Pages the caller (the tree) could release by eviction, per side.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Reclaimable {
+    /// FULL pages evictable.
+    pub full_pages: usize,
+    /// SWA pages evictable.
+    pub swa_pages: usize,
+}
+
+/// What to evict so that a demand fits: the minimum SWA reclaim (with all FULL reclaim
+/// allowed), then the minimum FULL reclaim given that SWA reclaim.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReclaimPlan {
+    /// FULL pages to evict.
+    pub full_pages: usize,
+    /// SWA pages to evict.
+    pub swa_pages: usize,
+}
+
+/// One side's capacity views, in pages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SideCapacity {
+    /// Pages this side alone could get now, without compaction.
+    pub available_pages: usize,
+    /// Pages this side alone could get after compacting every sub-pool (equal to
+    /// `available_pages` while moves are gated).
+    pub schedulable_pages: usize,
+    /// Pages bound (live) on this side.
+    pub allocated_pages: usize,
+    /// The side's static cap (conservation view: `cap − allocated` is its leak-check
+    /// availability).
+    pub total_pages: usize,
+    /// Freed pages inside the span not yet compacted (unified) — always 0 for static.
+    pub hole_pages: usize,
+    /// SWA only: pages whose SWA was released while FULL stays (tombstones).
+    pub tombstones: usize,
+}
+
+/// The capacity views of a FULL/SWA allocator, in pages. Exact host integers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Capacity {
+    /// The page size.
+    pub page_size: u32,
+    /// FULL side.
+    pub full: SideCapacity,
+    /// SWA side.
+    pub swa: SideCapacity,
+    /// Pages a joint allocation (one FULL + one SWA page each) could get now.
+    pub joint_available_pages: usize,
+    /// The same after compaction (what schedulers should plan with).
+    pub joint_schedulable_pages: usize,
+}
+
+/// Which deferred list of a free group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DeferredKind {
+    /// Set-shaped two-sided frees (tokens).
+    Tokens,
+    /// Two-sided segment frees (page representatives).
+    PageReps,
+    /// Set-shaped FULL-only frees (tokens).
+    FullOnlyTokens,
+    /// FULL-only segment frees (page representatives).
+    FullOnlyPageReps,
+}
+
+/// A hold on physical addresses: while any gate of an allocator is alive, no compaction
+/// moves a page of any of its sub-pools (one counter shared by every member, so a gate
+/// cannot reach only some of them). Dropping it reopens.
+#[derive(Debug)]
+#[must_use = "the gate reopens when it is dropped"]
+pub struct MoveGate {
+    count: Arc<AtomicUsize>,
+}
+
+impl MoveGate {
+    pub(crate) fn close(count: &Arc<AtomicUsize>) -> MoveGate {
+        count.fetch_add(1, Ordering::AcqRel);
+        MoveGate {
+            count: Arc::clone(count),
+        }
+    }
+}
+
+impl Drop for MoveGate {
+    fn drop(&mut self) {
+        self.count.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// What a flush did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlushReport {
+    /// Whether deferred frees were applied.
+    pub deferred_flushed: bool,
+    /// Page envelopes moved by compaction (both sides).
+    pub pages_moved: usize,
+    /// Whether compaction was skipped because a move gate is closed.
+    pub gated: bool,
+}
+
+/// One sub-pool's region of the buffer, for [`PoolMap`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpanInfo {
+    /// Which side.
+    pub side: Side,
+    /// Byte range `[low, high)` the side occupies (live pages and holes).
+    pub bytes: (u64, u64),
+    /// Bytes of one page envelope.
+    pub envelope: u64,
+    /// Pages the span holds (live + holes for unified; the fixed pool for static).
+    pub pages: usize,
+    /// Live pages.
+    pub live: usize,
+    /// Holes inside the span.
+    pub holes: usize,
+    /// SWA tombstones (0 for FULL).
+    pub tombstones: usize,
+}
+
+/// Where each side lives in the buffer: a human-readable pool map (its `Display` is a
+/// small table, low bytes first).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolMap {
+    /// `unified` or `static`.
+    pub layout: &'static str,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// Bytes of the buffer.
+    pub total_bytes: u64,
+    /// Bytes of the reserved sink floor.
+    pub sink_floor: u64,
+    /// Each side's region, by ascending byte offset.
+    pub spans: Vec<SpanInfo>,
+}
+
+impl std::fmt::Display for PoolMap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "{} pool, page size {}, {} B (sink floor {} B)",
+            self.layout, self.page_size, self.total_bytes, self.sink_floor
+        )?;
+        let mut at = self.sink_floor;
+        for s in &self.spans {
+            if s.bytes.0 > at {
+                writeln!(f, "  free  [{:>10}, {:>10})", at, s.bytes.0)?;
+            }
+            write!(
+                f,
+                "  {:<5} [{:>10}, {:>10})  {} pages: {} live, {} holes",
+                s.side.as_str(),
+                s.bytes.0,
+                s.bytes.1,
+                s.pages,
+                s.live,
+                s.holes
+            )?;
+            if s.side == Side::Swa {
+                write!(f, ", {} tombstones", s.tombstones)?;
+            }
+            writeln!(f, ", {} B/page", s.envelope)?;
+            at = at.max(s.bytes.1);
+        }
+        if self.total_bytes > at {
+            writeln!(f, "  free  [{:>10}, {:>10})", at, self.total_bytes)?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether a virtual page is bound on SWA.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SwaState {
+    /// Bound to a live SWA page.
+    Live,
+    /// SWA released while FULL stays (`v2p = -1`).
+    Tombstone,
+    /// Never bound (or both sides freed) (`v2p = 0`).
+    Unbound,
+}
+
+/// The operations of a FULL/SWA allocator, shared by the unified one-buffer allocator
+/// ([`crate::UnifiedSwa`]) and the static paged baseline ([`crate::StaticSwa`]), so the
+/// facade and the replay drive either through one interface. Everything here is host
+/// bookkeeping: no method waits for the device.
+///
+/// Errors are for the caller's mistakes and shortfalls, and leave the allocator exactly
+/// as it was. Breaches of a free's premise are invariants (see [`crate::invariants`]):
+/// they are reported and contained, never filtered silently.
+pub trait KvAllocator: std::fmt::Debug + Send {
+    /// Tokens per page.
+    fn page_size(&self) -> PageSize;
+
+    /// Virtual pages of the id space (including the sink, page 0).
+    fn virtual_pages(&self) -> u32;
+
+    /// Extends each request from `prefix_len` to `seq_len`, appending the new tokens' ids
+    /// to `out` request by request. Each request's tail page is filled first; the count
+    /// of new pages comes from host lengths; FULL and SWA are bound under the same new
+    /// virtual pages. Short capacity: [`Error::OutOfCapacity`], nothing allocated, `out`
+    /// untouched.
+    fn alloc_extend(
+        &mut self,
+        requests: &[ExtendRequest],
+        out: &mut Vec<VirtualToken>,
+    ) -> Result<(), Error>;
+
+    /// One token per request (tail reuse: most steps need no new page).
+    fn alloc_decode(
+        &mut self,
+        requests: &[DecodeRequest],
+        out: &mut Vec<VirtualToken>,
+    ) -> Result<(), Error>;
+
+    /// Set-shaped two-sided free (any ids, several per page): frees FULL, and SWA where it
+    /// is live (the filter recovery paths rely on). Deferred inside a free group.
+    fn free(&mut self, ids: &[VirtualToken]) -> Result<(), Error>;
+
+    /// Set-shaped SWA-only free: tombstones the pages whose SWA is live, skips the rest
+    /// (filter kept). Never deferred.
+    fn free_swa(&mut self, ids: &[VirtualToken]) -> Result<(), Error>;
+
+    /// Set-shaped FULL-only free: every page's SWA must already be released
+    /// (`swa.peer_released`). Deferred inside a group.
+    fn free_full(&mut self, ids: &[VirtualToken]) -> Result<(), Error>;
+
+    /// Two-sided segment free: every page's SWA is live (`swa.peer_mapped`), FULL released
+    /// too. Fixed shape: page representatives by stride, no filter, no de-duplication.
+    /// Deferred inside a group.
+    fn free_segment(&mut self, segment: Segment<'_>) -> Result<(), Error>;
+
+    /// SWA-only segment free (window eviction): every page must be live on SWA
+    /// (`swa.peer_mapped`); a page already released is a second ratchet
+    /// (`swa.window_ratchet`). Fixed shape; never deferred.
+    fn free_swa_segment(&mut self, segment: Segment<'_>) -> Result<(), Error>;
+
+    /// FULL-only segment free: every page must have no live SWA peer
+    /// (`swa.peer_released`). Fixed shape; deferred inside a group through its own list.
+    fn free_full_segment(&mut self, segment: Segment<'_>) -> Result<(), Error>;
+
+    /// Two-sided frees of ascending, page-disjoint segments of one row; two segments that
+    /// touch one page are refused ([`Error::SegmentsShareAPage`]) before anything is freed.
+    fn free_segments(&mut self, segments: &[Segment<'_>]) -> Result<(), Error>;
+
+    /// Frees `row[dead_lo..len]` of a finishing request, split at its window `cursor`:
+    /// `[dead_lo, cursor)` FULL-only (its SWA is already released), `[cursor, len)`
+    /// two-sided. `cursor` is clamped into `[dead_lo, len]`; a cursor that splits a page
+    /// between two non-empty halves is [`Error::SplitPage`].
+    fn free_kv_row_segments(
+        &mut self,
+        row: &[VirtualToken],
+        dead_lo: usize,
+        cursor: usize,
+        len: usize,
+    ) -> Result<(), Error>;
+
+    /// Moves SWA ownership page by page from `from` (live on SWA) to `to` (an SWA
+    /// tombstone with live FULL): `to` takes `from`'s SWA page and `from` becomes a
+    /// tombstone. No SWA page is allocated or freed (tombstone recovery under a locked
+    /// FULL).
+    fn transfer_swa(&mut self, from: Segment<'_>, to: Segment<'_>) -> Result<(), Error>;
+
+    /// Opens a free group: two-sided and FULL-only frees are deferred (cloned at enqueue)
+    /// until the group ends or a flush exposes them. Groups do not nest.
+    fn free_group_begin(&mut self) -> Result<(), Error>;
+
+    /// Applies every deferred free and closes the group.
+    fn free_group_end(&mut self) -> Result<(), Error>;
+
+    /// Whether a free group is open.
+    fn in_free_group(&self) -> bool;
+
+    /// Pending deferred frees per list (the one enumeration every flush site uses).
+    fn pending_frees(&self) -> [(DeferredKind, usize); 4];
+
+    /// Applies every deferred free now and keeps the group open; returns whether anything
+    /// was pending.
+    fn flush_deferred(&mut self) -> bool;
+
+    /// The step-boundary flush: applies deferred frees (group stays open), compacts holes
+    /// (moving page envelopes on the device, unless a move gate is closed) and checks
+    /// conservation from `Warn` up. With no holes it issues no device work.
+    fn flush(&mut self) -> Result<FlushReport, Error>;
+
+    /// Whether `demand` fits now or after compaction. Pure: changes nothing.
+    fn allocation_fits(&self, demand: PageDemand) -> bool;
+
+    /// Makes `demand` allocatable: flushes deferred frees, then compacts if that makes it
+    /// fit. [`Error::OutOfCapacity`] when it cannot fit (deferred frees stay applied).
+    fn ensure_capacity(&mut self, demand: PageDemand) -> Result<(), Error>;
+
+    /// Flushes every deferred list **first**, then sizes the eviction that makes `demand`
+    /// fit: `Some` of the minimum SWA reclaim (all FULL reclaim allowed), then the minimum
+    /// FULL reclaim given it; `Some(0, 0)` when it already fits; `None` when even
+    /// reclaiming everything evictable would not do.
+    fn reclaim_plan(&mut self, demand: PageDemand, evictable: Reclaimable) -> Option<ReclaimPlan>;
+
+    /// The capacity views.
+    fn capacity(&self) -> Capacity;
+
+    /// Where each side lives in the buffer (for reports and debugging).
+    fn pool_map(&self) -> PoolMap;
+
+    /// Freezes compaction on every sub-pool until the gate drops.
+    fn move_gate(&self) -> MoveGate;
+
+    /// The step boundary's mirror upload: one `scatter_table` per side with the dirty
+    /// translation entries (none when nothing changed).
+    fn upload_mirror(&mut self) -> Result<(), Error>;
+
+    /// The device table that mirrors `side`'s translation (virtual page → physical page).
+    fn mirror_table(&self, side: Side) -> TableId;
+
+    /// Kernel rows per page envelope of `side`.
+    fn stride(&self, side: Side) -> u32;
+
+    /// The kernel id of `token` on `side`, from host tables: `v2p[page] × stride + offset`,
+    /// or 0 (the sink) when the page is unbound, tombstoned, 0 or out of range.
+    fn kernel_id(&self, side: Side, token: VirtualToken) -> i32;
+
+    /// Issues the device translate of `n` virtual ids in `ids` to kernel ids in `out`
+    /// (zero-filled up to `out_width`) against `side`'s mirror.
+    fn translate(
+        &self,
+        side: Side,
+        ids: TableId,
+        n: usize,
+        out: TableId,
+        out_width: usize,
+    ) -> Result<(), Error>;
+
+    /// The device byte buffer both sides live in.
+    fn buffer(&self) -> BytesId;
+
+    /// The grid of `side`: envelope bytes, pages, first page above the sink floor, stride.
+    fn grid(&self, side: Side) -> Grid;
+
+    /// Bytes of the reserved sink floor at the low end of the buffer.
+    fn sink_floor(&self) -> u64;
+
+    /// The physical page bound to `page` on `side` (`None` when unbound, tombstoned, the
+    /// sink or out of range). Its envelope is at byte `page × grid(side).envelope`.
+    fn physical_page(&self, side: Side, page: VirtualPage) -> Option<u32>;
+
+    /// Whether FULL is live for `page`.
+    fn full_live(&self, page: VirtualPage) -> bool;
+
+    /// `page`'s SWA state.
+    fn swa_state(&self, page: VirtualPage) -> SwaState;
+
+    /// The O(1) conservation checks (also run at every flush from `Warn` up); records
+    /// `pool.conservation` and returns whether they held.
+    fn check_conservation(&self) -> bool;
+
+    /// A full scan of every table against every counter (idle diagnostic, O(pool)):
+    /// `Err` names the first discrepancy.
+    fn verify(&self) -> Result<(), String>;
+}

@@ -1,0 +1,121 @@
+//! The crate's error type: every failure a caller can cause, each leaving the allocator
+//! exactly as it was.
+
+use crate::ids::{Bytes, VirtualPage, VirtualToken};
+
+/// Everything the pools report. An operation that returns one of these changed nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A configuration that cannot describe a pool (zero sizes, a ratio out of range).
+    #[error("bad pool configuration: {0}")]
+    BadConfig(String),
+    /// The buffer cannot hold the sink plus one request's window of SWA (and its FULL
+    /// pages): the batch-size-1 floor. Failing at boot avoids a retract loop at run time.
+    #[error(
+        "buffer of {have} cannot hold one request's window: the sink floor and {window_tokens} tokens of SWA and FULL need {needed}"
+    )]
+    BufferTooSmall {
+        /// Bytes needed.
+        needed: Bytes,
+        /// Bytes given.
+        have: Bytes,
+        /// Tokens of the window (window + one page).
+        window_tokens: usize,
+    },
+    /// A kernel id (`physical page × stride + offset`) of this layout would not fit in i32.
+    #[error("{side}: {pages} pages × stride {stride} do not fit kernel ids in i32")]
+    KernelIdOverflow {
+        /// `full` or `swa`.
+        side: &'static str,
+        /// Pages of the grid.
+        pages: u64,
+        /// Rows per page envelope.
+        stride: u64,
+    },
+    /// Not enough capacity for the demand; nothing was allocated.
+    #[error(
+        "out of capacity: {full_pages} FULL and {swa_pages} SWA pages requested, {available_pages} joint pages available now"
+    )]
+    OutOfCapacity {
+        /// FULL pages asked for.
+        full_pages: usize,
+        /// SWA pages asked for.
+        swa_pages: usize,
+        /// Pages a symmetric allocation could get now (after compaction).
+        available_pages: usize,
+    },
+    /// A virtual token id outside this allocator's id space.
+    #[error("virtual token {token} is outside the id space ({pages} virtual pages)")]
+    TokenOutOfRange {
+        /// The token.
+        token: VirtualToken,
+        /// Virtual pages of the id space.
+        pages: u32,
+    },
+    /// A segment whose start is not page-aligned, or whose first token is not the first
+    /// token of a page.
+    #[error("segment at row position {start} is not page-aligned (page size {page_size})")]
+    UnalignedSegment {
+        /// Row position of the segment's first token.
+        start: usize,
+        /// The page size.
+        page_size: u32,
+    },
+    /// Two segments of one call touch the same page (or are not ascending).
+    #[error("segments touch one page twice: row positions {first:?} and {second:?}")]
+    SegmentsShareAPage {
+        /// The earlier segment's row range.
+        first: std::ops::Range<usize>,
+        /// The later segment's row range.
+        second: std::ops::Range<usize>,
+    },
+    /// A kv-row free whose window cursor splits a page between its FULL-only and its
+    /// two-sided half.
+    #[error(
+        "kv row split at cursor {cursor} is not page-aligned (page size {page_size}): a page would be freed by two calls"
+    )]
+    SplitPage {
+        /// The cursor.
+        cursor: usize,
+        /// The page size.
+        page_size: u32,
+    },
+    /// A row range outside the row, or `dead_lo` after the row's length.
+    #[error("row range {start}..{end} is outside a row of {len} tokens")]
+    RowRange {
+        /// Start.
+        start: usize,
+        /// End.
+        end: usize,
+        /// Row length.
+        len: usize,
+    },
+    /// An extend/decode request whose lengths or last token disagree.
+    #[error("request {index}: {reason}")]
+    BadRequest {
+        /// Index of the request in the batch.
+        index: usize,
+        /// What is wrong.
+        reason: String,
+    },
+    /// `free_group_begin` while a group is open.
+    #[error("a free group is already open: groups do not nest")]
+    NestedFreeGroup,
+    /// `free_group_end` with no group open.
+    #[error("no free group is open")]
+    NoFreeGroup,
+    /// An SWA transfer whose source is not live on SWA or whose target is not an
+    /// SWA tombstone with live FULL.
+    #[error("cannot transfer SWA from {from} to {to}: {reason}")]
+    BadTransfer {
+        /// Source page.
+        from: VirtualPage,
+        /// Target page.
+        to: VirtualPage,
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// The device refused an op (a bug in the layout or a failing device).
+    #[error("device: {0}")]
+    Device(#[from] unikv_kernels::Error),
+}

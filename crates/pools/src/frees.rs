@@ -1,0 +1,668 @@
+//! The free family, written once over the page tables of either layout: fixed-shape
+//! segment frees that check their premise as invariants, set-shaped frees that keep the
+//! liveness filter, free groups with their deferred lists, and the one flush every
+//! flush site calls.
+
+use crate::api::{DeferredKind, Segment};
+use crate::error::Error;
+use crate::ids::{PageSize, VirtualPage, VirtualToken};
+use crate::invariants::{
+    DOUBLE_FREE, ONE_FREE_PER_GROUP, PEER_MAPPED, PEER_RELEASED, SEGMENT_SHAPE, SINK_RESERVED,
+    WINDOW_RATCHET,
+};
+use unikv_invariants::{enabled, expect};
+
+/// The page tables a layout exposes to the free family.
+pub(crate) trait PageTables {
+    /// Tokens per page.
+    fn ps(&self) -> PageSize;
+    /// Virtual pages of the id space, sink included.
+    fn virtual_pages(&self) -> u32;
+    /// Whether FULL is live for virtual page `v` (`v` in range).
+    fn full_live(&self, v: u32) -> bool;
+    /// SWA entry of `v`: > 0 live, -1 tombstone, 0 unbound.
+    fn swa_entry(&self, v: u32) -> i32;
+    /// Releases `v`'s live SWA page; `tombstone` when FULL stays.
+    fn release_swa(&mut self, v: u32, tombstone: bool);
+    /// Releases `v`'s live FULL page and recycles the id (clears a tombstone).
+    fn release_full(&mut self, v: u32);
+    /// Moves the SWA page of `from` (live) to `to` (tombstone); `from` becomes a tombstone.
+    fn move_swa(&mut self, from: u32, to: u32);
+    /// The free group state.
+    fn group(&mut self) -> &mut FreeGroup;
+    /// The free group state, shared.
+    fn group_ref(&self) -> &FreeGroup;
+}
+
+/// The deferred lists of a free group. Every use of them goes through
+/// [`DeferredFrees::lists`] or [`flush_deferred`], both of which destructure the struct,
+/// so a new list cannot be forgotten by a flush site (the reviewed bug of the seed).
+#[derive(Debug, Default)]
+pub(crate) struct DeferredFrees {
+    /// Set-shaped two-sided frees.
+    tokens: Vec<VirtualToken>,
+    /// Two-sided segment frees, by page.
+    page_reps: Vec<VirtualPage>,
+    /// Set-shaped FULL-only frees.
+    full_only_tokens: Vec<VirtualToken>,
+    /// FULL-only segment frees, by page.
+    full_only_page_reps: Vec<VirtualPage>,
+}
+
+impl DeferredFrees {
+    /// The one enumeration of every deferred list with its length.
+    pub(crate) fn lists(&self) -> [(DeferredKind, usize); 4] {
+        let DeferredFrees {
+            tokens,
+            page_reps,
+            full_only_tokens,
+            full_only_page_reps,
+        } = self;
+        [
+            (DeferredKind::Tokens, tokens.len()),
+            (DeferredKind::PageReps, page_reps.len()),
+            (DeferredKind::FullOnlyTokens, full_only_tokens.len()),
+            (DeferredKind::FullOnlyPageReps, full_only_page_reps.len()),
+        ]
+    }
+
+    /// Whether no list holds anything.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.lists().iter().all(|&(_, n)| n == 0)
+    }
+}
+
+/// A free group: open or not, its deferred lists, and (when checks are enabled) the
+/// pages freed in it since the last flush, as epoch stamps per virtual page (O(1) per
+/// page, no hashing; forgetting them all is one increment).
+#[derive(Debug, Default)]
+pub(crate) struct FreeGroup {
+    open: bool,
+    deferred: DeferredFrees,
+    /// `stamps[v] == epoch`: page `v` was freed since the last flush. Grown on demand,
+    /// only while checks are enabled.
+    stamps: Vec<u32>,
+    epoch: u32,
+    /// Page list of the set-shaped free in progress.
+    scratch: Vec<u32>,
+    /// Pages of one call being noted.
+    noted: Vec<u32>,
+}
+
+impl FreeGroup {
+    /// Whether a group is open.
+    pub(crate) fn is_open(&self) -> bool {
+        self.open
+    }
+
+    /// The deferred lists.
+    pub(crate) fn deferred(&self) -> &DeferredFrees {
+        &self.deferred
+    }
+
+    /// Records the pages of one free call (one call frees each page once), reporting a
+    /// page freed twice in this group.
+    fn note_pages(&mut self, pages: impl Iterator<Item = u32>, set_shaped: bool) {
+        if !enabled() {
+            return;
+        }
+        self.noted.clear();
+        self.noted.extend(pages);
+        if set_shaped {
+            self.noted.sort_unstable();
+            self.noted.dedup();
+        }
+        if self.epoch == 0 {
+            self.epoch = 1;
+        }
+        for &v in &self.noted {
+            let v = v as usize;
+            if v >= self.stamps.len() {
+                self.stamps.resize((v + 1).next_power_of_two(), 0);
+            }
+            let fresh = self.stamps[v] != self.epoch;
+            self.stamps[v] = self.epoch;
+            expect(&ONE_FREE_PER_GROUP, fresh, || {
+                format!("virtual page {v} is freed twice in one free group")
+            });
+        }
+    }
+
+    /// Forgets which pages were freed (a flush applied them, or a new group begins).
+    fn forget_freed(&mut self) {
+        self.epoch = self.epoch.wrapping_add(1);
+        if self.epoch == 0 {
+            self.stamps.fill(0);
+            self.epoch = 1;
+        }
+    }
+}
+
+/// Refuses a token outside the id space.
+pub(crate) fn check_tokens<T: PageTables + ?Sized>(
+    t: &T,
+    ids: &[VirtualToken],
+) -> Result<(), Error> {
+    let limit = t.virtual_pages() as u64 * t.ps().get() as u64;
+    match ids.iter().find(|id| id.0 as u64 >= limit) {
+        Some(&token) => Err(Error::TokenOutOfRange {
+            token,
+            pages: t.virtual_pages(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Refuses a segment that is not page-aligned or holds an out-of-range id; reports (from
+/// `Warn` up) a representative that is not the first token of its page.
+pub(crate) fn check_segment<T: PageTables + ?Sized>(t: &T, seg: &Segment<'_>) -> Result<(), Error> {
+    let ps = t.ps();
+    if seg.tokens.is_empty() {
+        return Ok(());
+    }
+    if !ps.is_aligned(seg.start) || seg.tokens[0].offset(ps) != 0 {
+        return Err(Error::UnalignedSegment {
+            start: seg.start,
+            page_size: ps.get(),
+        });
+    }
+    let limit = t.virtual_pages() as u64 * ps.get() as u64;
+    for token in seg.reps(ps) {
+        if token.0 as u64 >= limit {
+            return Err(Error::TokenOutOfRange {
+                token,
+                pages: t.virtual_pages(),
+            });
+        }
+    }
+    if enabled() && ps.get() > 1 {
+        for (i, token) in seg.reps(ps).enumerate() {
+            expect(&SEGMENT_SHAPE, token.offset(ps) == 0, || {
+                format!(
+                    "segment at {}: representative {i} ({token}) is not the first token of its page",
+                    seg.start
+                )
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Whether `v` is the sink; reports it (the sink is never freed).
+#[inline]
+fn is_sink(v: u32, op: &'static str) -> bool {
+    !expect(&SINK_RESERVED, v != 0, || {
+        format!("{op}: the sink page was handed to a free")
+    })
+}
+
+/// How a two-sided page free treats a page whose SWA is not live.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SwaPremise {
+    /// Set-shaped: filter silently (recovery paths rely on it).
+    Filter,
+    /// Segment: the SWA must be live (`swa.peer_mapped`).
+    MustBeLive,
+}
+
+/// Frees both sides of `v` (containment always; reports only when `report`).
+#[inline]
+fn two_sided_page<T: PageTables + ?Sized>(t: &mut T, v: u32, premise: SwaPremise, report: bool) {
+    if v == 0 {
+        if report {
+            is_sink(v, "two-sided free");
+        }
+        return;
+    }
+    if !t.full_live(v) {
+        if report {
+            expect(&DOUBLE_FREE, false, || {
+                format!("two-sided free of virtual page {v}, which is not live on FULL")
+            });
+        }
+        return;
+    }
+    let swa = t.swa_entry(v);
+    if swa > 0 {
+        t.release_swa(v, false);
+    } else if report && premise == SwaPremise::MustBeLive {
+        expect(&PEER_MAPPED, false, || {
+            format!(
+                "two-sided segment free of virtual page {v}, whose SWA is not live ({swa}): the caller wants a FULL-only free"
+            )
+        });
+    }
+    t.release_full(v);
+}
+
+/// Frees only FULL of `v`; a live SWA peer is reported and released too (containment).
+#[inline]
+fn full_only_page<T: PageTables + ?Sized>(t: &mut T, v: u32, report: bool) {
+    if v == 0 {
+        if report {
+            is_sink(v, "FULL-only free");
+        }
+        return;
+    }
+    if !t.full_live(v) {
+        if report {
+            expect(&DOUBLE_FREE, false, || {
+                format!("FULL-only free of virtual page {v}, which is not live on FULL")
+            });
+        }
+        return;
+    }
+    if t.swa_entry(v) > 0 {
+        if report {
+            expect(&PEER_RELEASED, false, || {
+                format!("FULL-only free of virtual page {v}, whose SWA page is still bound")
+            });
+        }
+        t.release_swa(v, false);
+    }
+    t.release_full(v);
+}
+
+/// Checks (without freeing) the premises a deferred free will rely on, at enqueue.
+fn check_at_enqueue<T: PageTables + ?Sized>(t: &T, v: u32, kind: DeferredKind) {
+    if is_sink(v, "deferred free") {
+        return;
+    }
+    if !expect(&DOUBLE_FREE, t.full_live(v), || {
+        format!("deferred free of virtual page {v}, which is not live on FULL")
+    }) {
+        return;
+    }
+    let swa = t.swa_entry(v);
+    match kind {
+        DeferredKind::PageReps => {
+            expect(&PEER_MAPPED, swa > 0, || {
+                format!(
+                    "two-sided segment free of virtual page {v}, whose SWA is not live ({swa}): the caller wants a FULL-only free"
+                )
+            });
+        }
+        DeferredKind::FullOnlyTokens | DeferredKind::FullOnlyPageReps => {
+            expect(&PEER_RELEASED, swa <= 0, || {
+                format!("FULL-only free of virtual page {v}, whose SWA page is still bound")
+            });
+        }
+        DeferredKind::Tokens => {}
+    }
+}
+
+fn sorted_pages(ps: PageSize, ids: &[VirtualToken], scratch: &mut Vec<u32>) {
+    scratch.clear();
+    scratch.extend(ids.iter().map(|t| t.page(ps).0));
+    scratch.sort_unstable();
+    scratch.dedup();
+}
+
+/// Borrows the group's scratch buffer (so set-shaped frees do not allocate per call).
+fn take_scratch<T: PageTables + ?Sized>(t: &mut T) -> Vec<u32> {
+    std::mem::take(&mut t.group().scratch)
+}
+
+fn put_scratch<T: PageTables + ?Sized>(t: &mut T, scratch: Vec<u32>) {
+    t.group().scratch = scratch;
+}
+
+/// Set-shaped two-sided free.
+pub(crate) fn free<T: PageTables + ?Sized>(t: &mut T, ids: &[VirtualToken]) -> Result<(), Error> {
+    check_tokens(t, ids)?;
+    let ps = t.ps();
+    let mut pages = take_scratch(t);
+    sorted_pages(ps, ids, &mut pages);
+    if t.group_ref().open {
+        if enabled() {
+            for &v in &pages {
+                check_at_enqueue(t, v, DeferredKind::Tokens);
+            }
+            t.group().note_pages(pages.iter().copied(), true);
+        }
+        t.group().deferred.tokens.extend_from_slice(ids);
+    } else {
+        for &v in &pages {
+            two_sided_page(t, v, SwaPremise::Filter, true);
+        }
+    }
+    put_scratch(t, pages);
+    Ok(())
+}
+
+/// Set-shaped SWA-only free, filtered by liveness; never deferred.
+pub(crate) fn free_swa<T: PageTables + ?Sized>(
+    t: &mut T,
+    ids: &[VirtualToken],
+) -> Result<(), Error> {
+    check_tokens(t, ids)?;
+    let mut pages = take_scratch(t);
+    sorted_pages(t.ps(), ids, &mut pages);
+    for &v in &pages {
+        if is_sink(v, "free_swa") {
+            continue;
+        }
+        if t.swa_entry(v) > 0 {
+            t.release_swa(v, true);
+        }
+    }
+    put_scratch(t, pages);
+    Ok(())
+}
+
+/// Set-shaped FULL-only free.
+pub(crate) fn free_full<T: PageTables + ?Sized>(
+    t: &mut T,
+    ids: &[VirtualToken],
+) -> Result<(), Error> {
+    check_tokens(t, ids)?;
+    let mut pages = take_scratch(t);
+    sorted_pages(t.ps(), ids, &mut pages);
+    if t.group_ref().open {
+        if enabled() {
+            for &v in &pages {
+                check_at_enqueue(t, v, DeferredKind::FullOnlyTokens);
+            }
+            t.group().note_pages(pages.iter().copied(), true);
+        }
+        t.group().deferred.full_only_tokens.extend_from_slice(ids);
+    } else {
+        for &v in &pages {
+            full_only_page(t, v, true);
+        }
+    }
+    put_scratch(t, pages);
+    Ok(())
+}
+
+/// Two-sided segment free (fixed shape).
+pub(crate) fn free_segment<T: PageTables + ?Sized>(
+    t: &mut T,
+    seg: Segment<'_>,
+) -> Result<(), Error> {
+    check_segment(t, &seg)?;
+    let ps = t.ps();
+    if t.group_ref().open {
+        if enabled() {
+            for v in seg.pages(ps) {
+                check_at_enqueue(t, v.0, DeferredKind::PageReps);
+            }
+            t.group().note_pages(seg.pages(ps).map(|v| v.0), false);
+        }
+        t.group().deferred.page_reps.extend(seg.pages(ps));
+        return Ok(());
+    }
+    for v in seg.pages(ps) {
+        two_sided_page(t, v.0, SwaPremise::MustBeLive, true);
+    }
+    Ok(())
+}
+
+/// FULL-only segment free (fixed shape), deferred through its own list.
+pub(crate) fn free_full_segment<T: PageTables + ?Sized>(
+    t: &mut T,
+    seg: Segment<'_>,
+) -> Result<(), Error> {
+    check_segment(t, &seg)?;
+    let ps = t.ps();
+    if t.group_ref().open {
+        if enabled() {
+            for v in seg.pages(ps) {
+                check_at_enqueue(t, v.0, DeferredKind::FullOnlyPageReps);
+            }
+            t.group().note_pages(seg.pages(ps).map(|v| v.0), false);
+        }
+        t.group().deferred.full_only_page_reps.extend(seg.pages(ps));
+        return Ok(());
+    }
+    for v in seg.pages(ps) {
+        full_only_page(t, v.0, true);
+    }
+    Ok(())
+}
+
+/// SWA-only segment free (fixed shape, window eviction); never deferred.
+pub(crate) fn free_swa_segment<T: PageTables + ?Sized>(
+    t: &mut T,
+    seg: Segment<'_>,
+) -> Result<(), Error> {
+    check_segment(t, &seg)?;
+    for v in seg.pages(t.ps()) {
+        let v = v.0;
+        if is_sink(v, "free_swa_segment") {
+            continue;
+        }
+        let swa = t.swa_entry(v);
+        if swa > 0 {
+            t.release_swa(v, true);
+        } else if swa < 0 {
+            expect(&WINDOW_RATCHET, false, || {
+                format!(
+                    "out-of-window free of virtual page {v}, whose SWA is already released: the cursor ratcheted twice over it"
+                )
+            });
+        } else {
+            expect(&PEER_MAPPED, false, || {
+                format!("SWA-only free of virtual page {v}, which is not bound on SWA")
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Checks that segments are ascending and page-disjoint.
+pub(crate) fn check_disjoint(ps: PageSize, segments: &[Segment<'_>]) -> Result<(), Error> {
+    for pair in segments.windows(2) {
+        let (a, b) = (&pair[0], &pair[1]);
+        if a.tokens.is_empty() || b.tokens.is_empty() {
+            continue;
+        }
+        let a_last_page = (a.start + a.tokens.len() - 1) / ps.get() as usize;
+        let b_first_page = b.start / ps.get() as usize;
+        if b_first_page <= a_last_page {
+            return Err(Error::SegmentsShareAPage {
+                first: a.range(),
+                second: b.range(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Two-sided frees of page-disjoint segments.
+pub(crate) fn free_segments<T: PageTables + ?Sized>(
+    t: &mut T,
+    segments: &[Segment<'_>],
+) -> Result<(), Error> {
+    check_disjoint(t.ps(), segments)?;
+    for seg in segments {
+        check_segment(t, seg)?;
+    }
+    for seg in segments {
+        free_segment(t, *seg)?;
+    }
+    Ok(())
+}
+
+/// `row[dead_lo..len]` split at the cursor: FULL-only below, two-sided above.
+pub(crate) fn free_kv_row_segments<T: PageTables + ?Sized>(
+    t: &mut T,
+    row: &[VirtualToken],
+    dead_lo: usize,
+    cursor: usize,
+    len: usize,
+) -> Result<(), Error> {
+    let ps = t.ps();
+    if len > row.len() || dead_lo > len {
+        return Err(Error::RowRange {
+            start: dead_lo,
+            end: len,
+            len: row.len(),
+        });
+    }
+    if !ps.is_aligned(dead_lo) {
+        return Err(Error::UnalignedSegment {
+            start: dead_lo,
+            page_size: ps.get(),
+        });
+    }
+    let cursor = cursor.clamp(dead_lo, len);
+    if dead_lo < cursor && cursor < len && !ps.is_aligned(cursor) {
+        return Err(Error::SplitPage {
+            cursor,
+            page_size: ps.get(),
+        });
+    }
+    let full_only = Segment::of_row(row, dead_lo..cursor);
+    let two_sided = Segment::of_row(row, cursor..len);
+    check_segment(t, &full_only)?;
+    check_segment(t, &two_sided)?;
+    free_full_segment(t, full_only)?;
+    free_segment(t, two_sided)
+}
+
+/// Moves SWA ownership from `from`'s pages to `to`'s pages.
+pub(crate) fn transfer_swa<T: PageTables + ?Sized>(
+    t: &mut T,
+    from: Segment<'_>,
+    to: Segment<'_>,
+) -> Result<(), Error> {
+    check_segment(t, &from)?;
+    check_segment(t, &to)?;
+    let ps = t.ps();
+    if from.page_count(ps) != to.page_count(ps) {
+        return Err(Error::BadTransfer {
+            from: from.pages(ps).next().unwrap_or_default(),
+            to: to.pages(ps).next().unwrap_or_default(),
+            reason: "the segments cover different numbers of pages",
+        });
+    }
+    for (f, d) in from.pages(ps).zip(to.pages(ps)) {
+        let reason = if f.0 == 0 || d.0 == 0 {
+            Some("the sink cannot be transferred")
+        } else if t.swa_entry(f.0) <= 0 {
+            Some("the source is not live on SWA")
+        } else if t.swa_entry(d.0) != -1 || !t.full_live(d.0) {
+            Some("the target is not an SWA tombstone with live FULL")
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            return Err(Error::BadTransfer {
+                from: f,
+                to: d,
+                reason,
+            });
+        }
+    }
+    for (f, d) in from.pages(ps).zip(to.pages(ps)) {
+        t.move_swa(f.0, d.0);
+    }
+    Ok(())
+}
+
+/// Opens a group.
+pub(crate) fn group_begin<T: PageTables + ?Sized>(t: &mut T) -> Result<(), Error> {
+    let g = t.group();
+    if g.open {
+        return Err(Error::NestedFreeGroup);
+    }
+    g.open = true;
+    g.forget_freed();
+    Ok(())
+}
+
+/// Flushes and closes a group.
+pub(crate) fn group_end<T: PageTables + ?Sized>(t: &mut T) -> Result<(), Error> {
+    if !t.group_ref().open {
+        return Err(Error::NoFreeGroup);
+    }
+    flush_deferred(t);
+    let g = t.group();
+    g.open = false;
+    g.forget_freed();
+    Ok(())
+}
+
+/// **The** flush of deferred frees: every list, every flush site. Applies the frees
+/// (containment only: their premises were checked at enqueue) and keeps the group open.
+/// Returns whether anything was pending.
+pub(crate) fn flush_deferred<T: PageTables + ?Sized>(t: &mut T) -> bool {
+    if t.group_ref().deferred.is_empty() {
+        return false;
+    }
+    let DeferredFrees {
+        mut tokens,
+        mut page_reps,
+        mut full_only_tokens,
+        mut full_only_page_reps,
+    } = std::mem::take(&mut t.group().deferred);
+    let ps = t.ps();
+    let mut pages = std::mem::take(&mut t.group().scratch);
+    sorted_pages(ps, &tokens, &mut pages);
+    for &v in &pages {
+        two_sided_page(t, v, SwaPremise::Filter, false);
+    }
+    for v in &page_reps {
+        two_sided_page(t, v.0, SwaPremise::MustBeLive, false);
+    }
+    sorted_pages(ps, &full_only_tokens, &mut pages);
+    for &v in &pages {
+        full_only_page(t, v, false);
+    }
+    for v in &full_only_page_reps {
+        full_only_page(t, v.0, false);
+    }
+    // Hand the emptied buffers back so the next group reuses their capacity.
+    tokens.clear();
+    page_reps.clear();
+    full_only_tokens.clear();
+    full_only_page_reps.clear();
+    let g = t.group();
+    g.deferred = DeferredFrees {
+        tokens,
+        page_reps,
+        full_only_tokens,
+        full_only_page_reps,
+    };
+    g.scratch = pages;
+    g.forget_freed();
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_enumeration_names_every_list() {
+        let d = DeferredFrees {
+            tokens: vec![VirtualToken(1)],
+            page_reps: vec![VirtualPage(1); 2],
+            full_only_tokens: vec![VirtualToken(2); 3],
+            full_only_page_reps: vec![VirtualPage(2); 4],
+        };
+        assert_eq!(
+            d.lists(),
+            [
+                (DeferredKind::Tokens, 1),
+                (DeferredKind::PageReps, 2),
+                (DeferredKind::FullOnlyTokens, 3),
+                (DeferredKind::FullOnlyPageReps, 4),
+            ]
+        );
+        assert!(!d.is_empty());
+        assert!(DeferredFrees::default().is_empty());
+    }
+
+    #[test]
+    fn segments_must_be_page_disjoint_and_ascending() {
+        let ps = PageSize::new(4).unwrap();
+        let row: Vec<VirtualToken> = (4..20).map(VirtualToken).collect();
+        let seg = |r: std::ops::Range<usize>| Segment::of_row(&row, r);
+        assert!(check_disjoint(ps, &[seg(0..4), seg(4..8), seg(12..13)]).is_ok());
+        assert!(check_disjoint(ps, &[seg(0..5), seg(4..8)]).is_err());
+        assert!(check_disjoint(ps, &[seg(8..12), seg(0..4)]).is_err());
+        assert!(check_disjoint(ps, &[seg(0..4), seg(4..4), seg(4..8)]).is_ok());
+    }
+}

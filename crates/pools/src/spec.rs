@@ -1,0 +1,168 @@
+//! Sub-pool specs and the byte layout of the one buffer: page envelopes, grids anchored at
+//! byte 0, the reserved sink floor, kernel-id strides and the batch-size-1 floor.
+
+use crate::error::Error;
+use crate::ids::{Bytes, PageSize};
+
+/// Which side of a FULL/SWA allocator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Side {
+    /// Full-attention KV: mints the virtual pages.
+    Full,
+    /// Sliding-window KV: binds its pages to FULL's virtual pages.
+    Swa,
+}
+
+impl Side {
+    /// `full` or `swa`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Side::Full => "full",
+            Side::Swa => "swa",
+        }
+    }
+}
+
+/// Where a sub-pool's span grows from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Grow {
+    /// From the low end of the buffer (above the sink floor) upward.
+    Up,
+    /// From the high end of the buffer downward.
+    Down,
+    /// Between the two ends; placed by its composite, grows at either edge.
+    Float,
+}
+
+/// One sub-pool of the buffer: its layers and the bytes and kernel rows one token costs
+/// across all of them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SubPoolSpec {
+    /// A short name for reports.
+    pub name: &'static str,
+    /// Attention layers of this kind.
+    pub layers: u32,
+    /// Bytes of one token across all layers (K and V rows of every layer).
+    pub bytes_per_token: u64,
+    /// Kernel rows of one token across all layers (`2 × layers` for MHA: a K and a V row
+    /// per layer). The kernel-id stride is `rows_per_token × page size`.
+    pub rows_per_token: u32,
+}
+
+impl SubPoolSpec {
+    /// An MHA sub-pool: `layers × 2 × kv_heads × head_dim × dtype_bytes` bytes per token,
+    /// `2 × layers` rows per token.
+    pub const fn mha(
+        name: &'static str,
+        layers: u32,
+        kv_heads: u32,
+        head_dim: u32,
+        dtype_bytes: u32,
+    ) -> SubPoolSpec {
+        SubPoolSpec {
+            name,
+            layers,
+            bytes_per_token: layers as u64
+                * 2
+                * kv_heads as u64
+                * head_dim as u64
+                * dtype_bytes as u64,
+            rows_per_token: 2 * layers,
+        }
+    }
+
+    fn validate(&self) -> Result<(), Error> {
+        if self.layers == 0 || self.bytes_per_token == 0 || self.rows_per_token == 0 {
+            return Err(Error::BadConfig(format!(
+                "sub-pool {:?} needs layers, bytes per token and rows per token > 0",
+                self.name
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The geometry of one sub-pool's grid inside the buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grid {
+    /// Bytes of one page envelope (`page size × bytes per token`).
+    pub envelope: u64,
+    /// Pages of the grid (`total bytes / envelope`); physical page `p` is at byte
+    /// `p × envelope`.
+    pub pages: u32,
+    /// First page above the sink floor (`ceil(floor / envelope)`, at least 1).
+    pub min_page: u32,
+    /// Kernel rows per page envelope (`rows per token × page size`).
+    pub stride: u32,
+}
+
+impl Grid {
+    /// The grid of `spec` in a buffer of `total` bytes with a sink floor of `floor` bytes;
+    /// `side` names it in errors. Fails when kernel ids would not fit in i32.
+    pub fn new(
+        spec: &SubPoolSpec,
+        ps: PageSize,
+        total: u64,
+        floor: u64,
+        side: &'static str,
+    ) -> Result<Grid, Error> {
+        spec.validate()?;
+        let envelope = spec.bytes_per_token * ps.get() as u64;
+        let pages = total / envelope;
+        let stride = spec.rows_per_token as u64 * ps.get() as u64;
+        if pages.saturating_mul(stride) > i32::MAX as u64 || pages > i32::MAX as u64 {
+            return Err(Error::KernelIdOverflow {
+                side,
+                pages,
+                stride,
+            });
+        }
+        let min_page = floor.div_ceil(envelope).max(1);
+        Ok(Grid {
+            envelope,
+            pages: pages as u32,
+            min_page: min_page.min(pages) as u32,
+            stride: stride as u32,
+        })
+    }
+
+    /// Byte offset of physical page `page`.
+    #[inline]
+    pub const fn offset(&self, page: u32) -> u64 {
+        page as u64 * self.envelope
+    }
+}
+
+/// The sink floor: the bottom bytes reserved for padded-token writes, one page envelope
+/// of the largest sub-pool (`max(page size × bytes per token)`).
+pub fn sink_floor(specs: &[&SubPoolSpec], ps: PageSize) -> u64 {
+    specs
+        .iter()
+        .map(|s| s.bytes_per_token * ps.get() as u64)
+        .max()
+        .unwrap_or(0)
+}
+
+/// The batch-size-1 floor: the sink plus one request's window (`window + page size`
+/// tokens, in whole pages) on both sides. `room` is the bytes between the sink floor and
+/// the top of the FULL grid; a buffer whose room is below the window fails at boot.
+pub(crate) fn check_bs1_floor(
+    total: u64,
+    floor: u64,
+    room: u64,
+    ps: PageSize,
+    window: u32,
+    envelopes: u64,
+) -> Result<(), Error> {
+    let window_tokens = window as usize + ps.get() as usize;
+    let pages = ps.pages_for(window_tokens) as u64;
+    let window_bytes = pages * envelopes;
+    if room < window_bytes {
+        return Err(Error::BufferTooSmall {
+            needed: Bytes(floor + window_bytes + (total - floor).saturating_sub(room)),
+            have: Bytes(total),
+            window_tokens,
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,728 @@
+//! `StaticSwa`: the static paged FULL/SWA baseline. Two fixed pools in the same buffer,
+//! sized at boot by a SWA:FULL token ratio, and a FULL→SWA index map. FULL pages are the
+//! virtual pages (they never move); SWA pages are bound to them through the map (> 0
+//! live, -1 tombstone, 0 unbound). Same operations and invariants as [`crate::UnifiedSwa`].
+
+use crate::api::{
+    Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, KvAllocator, MoveGate,
+    PageDemand, PoolMap, ReclaimPlan, Reclaimable, Segment, SideCapacity, SpanInfo, SwaState,
+};
+use crate::error::Error;
+use crate::frees::{self, FreeGroup, PageTables};
+use crate::ids::{PageSize, VirtualPage, VirtualToken};
+use crate::invariants::{CONSERVATION, SINK_RESERVED};
+use crate::spec::{Grid, Side, SubPoolSpec, check_bs1_floor, sink_floor};
+use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
+use unikv_invariants::{enabled, expect};
+use unikv_kernels::{ByteSpan, BytesId, Device, TableId, Translate};
+
+/// How to build a [`StaticSwa`].
+#[derive(Clone, Debug)]
+pub struct StaticSwaConfig {
+    /// Bytes of the buffer both pools live in.
+    pub total_bytes: u64,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// The sliding window, in tokens (sizes the batch-size-1 floor).
+    pub window: u32,
+    /// The FULL pool.
+    pub full: SubPoolSpec,
+    /// The SWA pool.
+    pub swa: SubPoolSpec,
+    /// SWA tokens per FULL token (the reference engine's default is 0.8).
+    pub swa_full_ratio: f64,
+    /// Zero page envelopes when they are handed out.
+    pub zero_on_handout: bool,
+}
+
+/// The static paged FULL/SWA allocator.
+#[derive(Debug)]
+pub struct StaticSwa {
+    device: Arc<dyn Device>,
+    buffer: BytesId,
+    ps: PageSize,
+    full_grid: Grid,
+    swa_grid: Grid,
+    floor: u64,
+    total_bytes: u64,
+    /// FULL physical page of virtual page `v` is `full_base + v - 1`.
+    full_base: u32,
+    /// SWA physical pages are `swa_base .. swa_base + swa_pages`.
+    swa_base: u32,
+    full_pages: u32,
+    swa_pages: u32,
+    /// FULL liveness by virtual page.
+    full_live: Vec<bool>,
+    /// Free virtual pages (a stack).
+    free_full: Vec<u32>,
+    /// FULL→SWA map by virtual page: > 0 live SWA physical page, -1 tombstone, 0 none.
+    swa_of: Vec<i32>,
+    /// SWA physical page → virtual page (0 = free), indexed from `swa_base`.
+    swa_owner: Vec<u32>,
+    /// Free SWA physical pages (a stack).
+    free_swa: Vec<u32>,
+    swa_live: u32,
+    tombstones: u32,
+    group: FreeGroup,
+    gates: Arc<AtomicUsize>,
+    mirrors: [TableId; 2],
+    zero_on_handout: bool,
+    spans: [Vec<ByteSpan>; 2],
+    dirty: Vec<u32>,
+    dirty_flag: Vec<bool>,
+    entries: Vec<(u32, i32)>,
+}
+
+impl StaticSwa {
+    /// Sizes the two pools from the ratio and allocates the buffer and the mirror tables.
+    pub fn new(device: Arc<dyn Device>, config: StaticSwaConfig) -> Result<StaticSwa, Error> {
+        let ps = PageSize::new(config.page_size)
+            .ok_or_else(|| Error::BadConfig("page size must be at least 1".into()))?;
+        if !(config.swa_full_ratio > 0.0 && config.swa_full_ratio.is_finite()) {
+            return Err(Error::BadConfig(format!(
+                "swa_full_ratio must be positive, got {}",
+                config.swa_full_ratio
+            )));
+        }
+        let total = config.total_bytes;
+        let floor = sink_floor(&[&config.full, &config.swa], ps);
+        let full_grid = Grid::new(&config.full, ps, total, floor, "full")?;
+        let swa_grid = Grid::new(&config.swa, ps, total, floor, "swa")?;
+        let (ef, es) = (full_grid.envelope, swa_grid.envelope);
+        let full_base = full_grid.min_page;
+        let usable = total.saturating_sub(full_grid.offset(full_base));
+        check_bs1_floor(
+            total,
+            floor,
+            usable.saturating_sub(es),
+            ps,
+            config.window,
+            ef + es,
+        )?;
+        // N_f FULL pages then N_s = ratio × N_f SWA pages (aligned to the SWA grid).
+        let per_full = ef as f64 + config.swa_full_ratio * es as f64;
+        let mut full_pages = ((usable.saturating_sub(es)) as f64 / per_full) as u64;
+        let layout = |nf: u64| {
+            let ns = (nf as f64 * config.swa_full_ratio) as u64;
+            let swa_base = (full_grid.offset(full_base) + nf * ef).div_ceil(es);
+            (ns, swa_base, (swa_base + ns) * es <= total)
+        };
+        while full_pages > 0 && !layout(full_pages).2 {
+            full_pages -= 1;
+        }
+        let (swa_pages, swa_base, _) = layout(full_pages);
+        let window_pages = ps.pages_for(config.window as usize + ps.get() as usize) as u64;
+        if full_pages < window_pages || swa_pages < window_pages {
+            return Err(Error::BufferTooSmall {
+                needed: crate::ids::Bytes(floor + window_pages * (ef + es) * 2),
+                have: crate::ids::Bytes(total),
+                window_tokens: config.window as usize + ps.get() as usize,
+            });
+        }
+        let (full_pages, swa_pages, swa_base) =
+            (full_pages as u32, swa_pages as u32, swa_base as u32);
+        let virtual_pages = full_pages + 1;
+        if virtual_pages as u64 * ps.get() as u64 > i32::MAX as u64 {
+            return Err(Error::BadConfig(format!(
+                "{virtual_pages} virtual pages × page size {ps} overflow i32 token ids"
+            )));
+        }
+        let buffer = device.alloc_bytes(total, 0)?;
+        let full_mirror = device.alloc_table(virtual_pages as usize, 0)?;
+        let swa_mirror = device.alloc_table(virtual_pages as usize, 0)?;
+        Ok(StaticSwa {
+            device,
+            buffer,
+            ps,
+            full_grid,
+            swa_grid,
+            floor,
+            total_bytes: total,
+            full_base,
+            swa_base,
+            full_pages,
+            swa_pages,
+            full_live: vec![false; virtual_pages as usize],
+            free_full: (1..virtual_pages).rev().collect(),
+            swa_of: vec![0; virtual_pages as usize],
+            swa_owner: vec![0; swa_pages as usize],
+            free_swa: (swa_base..swa_base + swa_pages).rev().collect(),
+            swa_live: 0,
+            tombstones: 0,
+            group: FreeGroup::default(),
+            gates: Arc::new(AtomicUsize::new(0)),
+            mirrors: [full_mirror, swa_mirror],
+            zero_on_handout: config.zero_on_handout,
+            spans: [Vec::new(), Vec::new()],
+            dirty: Vec::new(),
+            dirty_flag: vec![false; virtual_pages as usize],
+            entries: Vec::new(),
+        })
+    }
+
+    /// FULL pages and SWA pages of the two fixed pools.
+    pub fn pool_pages(&self) -> (u32, u32) {
+        (self.full_pages, self.swa_pages)
+    }
+
+    #[inline]
+    fn mark(&mut self, v: u32) {
+        let flag = &mut self.dirty_flag[v as usize];
+        if !*flag {
+            *flag = true;
+            self.dirty.push(v);
+        }
+    }
+
+    fn fits(&self, d: PageDemand, r_f: usize, r_s: usize) -> bool {
+        d.full_pages <= self.free_full.len() + r_f && d.swa_pages <= self.free_swa.len() + r_s
+    }
+
+    fn validate(&self, requests: impl Iterator<Item = ExtendRequest>) -> Result<usize, Error> {
+        let ps = self.ps;
+        let mut pages = 0;
+        for (index, r) in requests.enumerate() {
+            if r.seq_len < r.prefix_len {
+                return Err(Error::BadRequest {
+                    index,
+                    reason: format!("seq_len {} < prefix_len {}", r.seq_len, r.prefix_len),
+                });
+            }
+            if !ps.is_aligned(r.prefix_len) {
+                let ok = r.last_token.is_some_and(|last| {
+                    let v = last.page(ps).0 as usize;
+                    last.offset(ps) as usize == (r.prefix_len - 1) % ps.get() as usize
+                        && v != 0
+                        && v < self.full_live.len()
+                        && self.full_live[v]
+                });
+                if !ok {
+                    return Err(Error::BadRequest {
+                        index,
+                        reason: format!(
+                            "last token {:?} is not a live token at row position {}",
+                            r.last_token,
+                            r.prefix_len - 1
+                        ),
+                    });
+                }
+            }
+            pages += r.new_pages(ps);
+        }
+        Ok(pages)
+    }
+
+    fn alloc(
+        &mut self,
+        requests: impl Iterator<Item = ExtendRequest> + Clone,
+        out: &mut Vec<VirtualToken>,
+    ) -> Result<(), Error> {
+        let pages = self.validate(requests.clone())?;
+        if !self.fits(PageDemand::joint(pages), 0, 0) {
+            return Err(Error::OutOfCapacity {
+                full_pages: pages,
+                swa_pages: pages,
+                available_pages: self.free_full.len().min(self.free_swa.len()),
+            });
+        }
+        let ps = self.ps.get() as usize;
+        for r in requests {
+            let mut pos = r.prefix_len;
+            if pos % ps != 0
+                && let Some(last) = r.last_token
+            {
+                let tail_end = (pos - pos % ps + ps).min(r.seq_len);
+                let mut t = last.0;
+                while pos < tail_end {
+                    t += 1;
+                    out.push(VirtualToken(t));
+                    pos += 1;
+                }
+            }
+            while pos < r.seq_len {
+                let (Some(v), Some(s)) = (self.free_full.pop(), self.free_swa.pop()) else {
+                    expect(&SINK_RESERVED, false, || {
+                        "an allocation ran out of pages past its room check".to_string()
+                    });
+                    break;
+                };
+                self.full_live[v as usize] = true;
+                if self.swa_of[v as usize] == -1 {
+                    self.tombstones -= 1;
+                }
+                self.swa_of[v as usize] = s as i32;
+                self.swa_owner[(s - self.swa_base) as usize] = v;
+                self.swa_live += 1;
+                self.mark(v);
+                if self.zero_on_handout {
+                    self.spans[0].push(ByteSpan {
+                        offset: self.full_grid.offset(self.full_base + v - 1),
+                        len: self.full_grid.envelope,
+                    });
+                    self.spans[1].push(ByteSpan {
+                        offset: self.swa_grid.offset(s),
+                        len: self.swa_grid.envelope,
+                    });
+                }
+                let n = (r.seq_len - pos).min(ps);
+                let base = v * ps as u32;
+                out.extend((0..n as u32).map(|o| VirtualToken(base + o)));
+                pos += n;
+            }
+        }
+        if self.zero_on_handout {
+            for spans in &mut self.spans {
+                if !spans.is_empty() {
+                    self.device.fill_spans(self.buffer, spans, 0)?;
+                    spans.clear();
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl PageTables for StaticSwa {
+    fn ps(&self) -> PageSize {
+        self.ps
+    }
+    fn virtual_pages(&self) -> u32 {
+        self.full_pages + 1
+    }
+    #[inline]
+    fn full_live(&self, v: u32) -> bool {
+        self.full_live[v as usize]
+    }
+    #[inline]
+    fn swa_entry(&self, v: u32) -> i32 {
+        self.swa_of[v as usize]
+    }
+    #[inline]
+    fn release_swa(&mut self, v: u32, tombstone: bool) {
+        let s = self.swa_of[v as usize] as u32;
+        self.swa_owner[(s - self.swa_base) as usize] = 0;
+        self.free_swa.push(s);
+        self.swa_live -= 1;
+        self.swa_of[v as usize] = if tombstone { -1 } else { 0 };
+        self.tombstones += tombstone as u32;
+        self.mark(v);
+    }
+    #[inline]
+    fn release_full(&mut self, v: u32) {
+        self.full_live[v as usize] = false;
+        if self.swa_of[v as usize] == -1 {
+            self.swa_of[v as usize] = 0;
+            self.tombstones -= 1;
+        }
+        self.mark(v);
+        self.free_full.push(v);
+    }
+    fn move_swa(&mut self, from: u32, to: u32) {
+        let s = self.swa_of[from as usize];
+        self.swa_of[to as usize] = s;
+        self.swa_owner[(s as u32 - self.swa_base) as usize] = to;
+        self.swa_of[from as usize] = -1;
+        self.mark(from);
+        self.mark(to);
+    }
+    fn group(&mut self) -> &mut FreeGroup {
+        &mut self.group
+    }
+    fn group_ref(&self) -> &FreeGroup {
+        &self.group
+    }
+}
+
+impl KvAllocator for StaticSwa {
+    fn page_size(&self) -> PageSize {
+        self.ps
+    }
+
+    fn virtual_pages(&self) -> u32 {
+        self.full_pages + 1
+    }
+
+    fn alloc_extend(
+        &mut self,
+        requests: &[ExtendRequest],
+        out: &mut Vec<VirtualToken>,
+    ) -> Result<(), Error> {
+        self.alloc(requests.iter().copied(), out)
+    }
+
+    fn alloc_decode(
+        &mut self,
+        requests: &[DecodeRequest],
+        out: &mut Vec<VirtualToken>,
+    ) -> Result<(), Error> {
+        self.alloc(requests.iter().map(|&d| ExtendRequest::from(d)), out)
+    }
+
+    fn free(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
+        frees::free(self, ids)
+    }
+
+    fn free_swa(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
+        frees::free_swa(self, ids)
+    }
+
+    fn free_full(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
+        frees::free_full(self, ids)
+    }
+
+    fn free_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
+        frees::free_segment(self, segment)
+    }
+
+    fn free_swa_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
+        frees::free_swa_segment(self, segment)
+    }
+
+    fn free_full_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
+        frees::free_full_segment(self, segment)
+    }
+
+    fn free_segments(&mut self, segments: &[Segment<'_>]) -> Result<(), Error> {
+        frees::free_segments(self, segments)
+    }
+
+    fn free_kv_row_segments(
+        &mut self,
+        row: &[VirtualToken],
+        dead_lo: usize,
+        cursor: usize,
+        len: usize,
+    ) -> Result<(), Error> {
+        frees::free_kv_row_segments(self, row, dead_lo, cursor, len)
+    }
+
+    fn transfer_swa(&mut self, from: Segment<'_>, to: Segment<'_>) -> Result<(), Error> {
+        frees::transfer_swa(self, from, to)
+    }
+
+    fn free_group_begin(&mut self) -> Result<(), Error> {
+        frees::group_begin(self)
+    }
+
+    fn free_group_end(&mut self) -> Result<(), Error> {
+        frees::group_end(self)
+    }
+
+    fn in_free_group(&self) -> bool {
+        self.group.is_open()
+    }
+
+    fn pending_frees(&self) -> [(DeferredKind, usize); 4] {
+        self.group.deferred().lists()
+    }
+
+    fn flush_deferred(&mut self) -> bool {
+        frees::flush_deferred(self)
+    }
+
+    fn flush(&mut self) -> Result<FlushReport, Error> {
+        let deferred_flushed = frees::flush_deferred(self);
+        if enabled() {
+            self.check_conservation();
+        }
+        Ok(FlushReport {
+            deferred_flushed,
+            pages_moved: 0,
+            gated: false,
+        })
+    }
+
+    fn allocation_fits(&self, demand: PageDemand) -> bool {
+        self.fits(demand, 0, 0)
+    }
+
+    fn ensure_capacity(&mut self, demand: PageDemand) -> Result<(), Error> {
+        frees::flush_deferred(self);
+        if self.fits(demand, 0, 0) {
+            Ok(())
+        } else {
+            Err(Error::OutOfCapacity {
+                full_pages: demand.full_pages,
+                swa_pages: demand.swa_pages,
+                available_pages: self.free_full.len().min(self.free_swa.len()),
+            })
+        }
+    }
+
+    fn reclaim_plan(&mut self, demand: PageDemand, evictable: Reclaimable) -> Option<ReclaimPlan> {
+        // Deferred frees first: bytes waiting in any list must be visible before sizing.
+        frees::flush_deferred(self);
+        let rf_max = evictable
+            .full_pages
+            .min(self.full_pages as usize - self.free_full.len());
+        let rs_max = evictable.swa_pages.min(self.swa_live as usize);
+        if !self.fits(demand, rf_max, rs_max) {
+            return None;
+        }
+        Some(ReclaimPlan {
+            swa_pages: demand.swa_pages.saturating_sub(self.free_swa.len()),
+            full_pages: demand.full_pages.saturating_sub(self.free_full.len()),
+        })
+    }
+
+    fn capacity(&self) -> Capacity {
+        let full_alloc = self.full_pages as usize - self.free_full.len();
+        let joint = self.free_full.len().min(self.free_swa.len());
+        Capacity {
+            page_size: self.ps.get(),
+            full: SideCapacity {
+                available_pages: self.free_full.len(),
+                schedulable_pages: self.free_full.len(),
+                allocated_pages: full_alloc,
+                total_pages: self.full_pages as usize,
+                hole_pages: 0,
+                tombstones: 0,
+            },
+            swa: SideCapacity {
+                available_pages: self.free_swa.len(),
+                schedulable_pages: self.free_swa.len(),
+                allocated_pages: self.swa_live as usize,
+                total_pages: self.swa_pages as usize,
+                hole_pages: 0,
+                tombstones: self.tombstones as usize,
+            },
+            joint_available_pages: joint,
+            joint_schedulable_pages: joint,
+        }
+    }
+
+    fn pool_map(&self) -> PoolMap {
+        let full_live = self.full_pages as usize - self.free_full.len();
+        PoolMap {
+            layout: "static",
+            page_size: self.ps.get(),
+            total_bytes: self.total_bytes,
+            sink_floor: self.floor,
+            spans: vec![
+                SpanInfo {
+                    side: Side::Full,
+                    bytes: (
+                        self.full_grid.offset(self.full_base),
+                        self.full_grid.offset(self.full_base + self.full_pages),
+                    ),
+                    envelope: self.full_grid.envelope,
+                    pages: self.full_pages as usize,
+                    live: full_live,
+                    holes: 0,
+                    tombstones: 0,
+                },
+                SpanInfo {
+                    side: Side::Swa,
+                    bytes: (
+                        self.swa_grid.offset(self.swa_base),
+                        self.swa_grid.offset(self.swa_base + self.swa_pages),
+                    ),
+                    envelope: self.swa_grid.envelope,
+                    pages: self.swa_pages as usize,
+                    live: self.swa_live as usize,
+                    holes: 0,
+                    tombstones: self.tombstones as usize,
+                },
+            ],
+        }
+    }
+
+    fn move_gate(&self) -> MoveGate {
+        // Static pages never move; the gate is honoured trivially.
+        MoveGate::close(&self.gates)
+    }
+
+    fn upload_mirror(&mut self) -> Result<(), Error> {
+        if self.dirty.is_empty() {
+            return Ok(());
+        }
+        // FULL's entry follows liveness too (unbound reads as the sink, as in the unified
+        // layout), so one dirty list serves both tables.
+        self.entries.clear();
+        for &v in &self.dirty {
+            let full = if self.full_live[v as usize] {
+                (self.full_base + v - 1) as i32
+            } else {
+                0
+            };
+            self.entries.push((v, full));
+        }
+        self.device.scatter_table(self.mirrors[0], &self.entries)?;
+        self.entries.clear();
+        for &v in &self.dirty {
+            self.dirty_flag[v as usize] = false;
+            self.entries.push((v, self.swa_of[v as usize]));
+        }
+        self.dirty.clear();
+        self.device.scatter_table(self.mirrors[1], &self.entries)?;
+        Ok(())
+    }
+
+    fn mirror_table(&self, side: Side) -> TableId {
+        match side {
+            Side::Full => self.mirrors[0],
+            Side::Swa => self.mirrors[1],
+        }
+    }
+
+    fn stride(&self, side: Side) -> u32 {
+        self.grid(side).stride
+    }
+
+    fn kernel_id(&self, side: Side, token: VirtualToken) -> i32 {
+        match self.physical_page(side, token.page(self.ps)) {
+            Some(p) if token.0 != 0 => {
+                p as i32 * self.stride(side) as i32 + token.offset(self.ps) as i32
+            }
+            _ => 0,
+        }
+    }
+
+    fn translate(
+        &self,
+        side: Side,
+        ids: TableId,
+        n: usize,
+        out: TableId,
+        out_width: usize,
+    ) -> Result<(), Error> {
+        self.device.translate(&Translate {
+            v2p: self.mirror_table(side),
+            ids,
+            n,
+            page_size: self.ps.get(),
+            stride: self.stride(side),
+            out,
+            out_width,
+        })?;
+        Ok(())
+    }
+
+    fn buffer(&self) -> BytesId {
+        self.buffer
+    }
+
+    fn grid(&self, side: Side) -> Grid {
+        match side {
+            Side::Full => self.full_grid,
+            Side::Swa => self.swa_grid,
+        }
+    }
+
+    fn sink_floor(&self) -> u64 {
+        self.floor
+    }
+
+    fn physical_page(&self, side: Side, page: VirtualPage) -> Option<u32> {
+        let v = page.0 as usize;
+        match side {
+            Side::Full => {
+                (v != 0 && *self.full_live.get(v)?).then(|| self.full_base + v as u32 - 1)
+            }
+            Side::Swa => self.swa_of.get(v).filter(|&&p| p > 0).map(|&p| p as u32),
+        }
+    }
+
+    fn full_live(&self, page: VirtualPage) -> bool {
+        self.full_live
+            .get(page.0 as usize)
+            .copied()
+            .unwrap_or(false)
+    }
+
+    fn swa_state(&self, page: VirtualPage) -> SwaState {
+        match self.swa_of.get(page.0 as usize) {
+            Some(&p) if p > 0 => SwaState::Live,
+            Some(-1) => SwaState::Tombstone,
+            _ => SwaState::Unbound,
+        }
+    }
+
+    fn check_conservation(&self) -> bool {
+        let full_live = self.full_pages as usize - self.free_full.len();
+        let holds = self.free_swa.len() + self.swa_live as usize == self.swa_pages as usize
+            && self.free_full.len() <= self.full_pages as usize
+            && (self.swa_live + self.tombstones) as usize <= full_live
+            && self.full_grid.offset(self.full_base + self.full_pages)
+                <= self.swa_grid.offset(self.swa_base);
+        expect(&CONSERVATION, holds, || {
+            format!(
+                "static: full {} free of {}; swa {} live {} free of {}; {} tombstones",
+                self.free_full.len(),
+                self.full_pages,
+                self.swa_live,
+                self.free_swa.len(),
+                self.swa_pages,
+                self.tombstones
+            )
+        })
+    }
+
+    fn verify(&self) -> Result<(), String> {
+        if !self.check_conservation() {
+            return Err("conservation does not hold".into());
+        }
+        if self.full_live[0] || self.swa_of[0] != 0 {
+            return Err("the sink is bound".into());
+        }
+        let mut free = self.free_full.clone();
+        free.sort_unstable();
+        if free.windows(2).any(|w| w[0] == w[1]) || free.first() == Some(&0) {
+            return Err("free FULL list holds a duplicate or the sink".into());
+        }
+        if let Some(&v) = free.iter().find(|&&v| self.full_live[v as usize]) {
+            return Err(format!("free FULL page v{v} is live"));
+        }
+        let live = self.full_live.iter().filter(|&&l| l).count();
+        if live + free.len() != self.full_pages as usize {
+            return Err(format!(
+                "{live} live + {} free FULL pages != {}",
+                free.len(),
+                self.full_pages
+            ));
+        }
+        let mut free_swa = self.free_swa.clone();
+        free_swa.sort_unstable();
+        if free_swa.windows(2).any(|w| w[0] == w[1]) {
+            return Err("free SWA list holds a duplicate".into());
+        }
+        if let Some(&s) = free_swa
+            .iter()
+            .find(|&&s| self.swa_owner[(s - self.swa_base) as usize] != 0)
+        {
+            return Err(format!("free SWA page {s} is owned"));
+        }
+        let (mut swa_live, mut tomb) = (0, 0);
+        for (v, &s) in self.swa_of.iter().enumerate() {
+            if s > 0 {
+                swa_live += 1;
+                if self.swa_owner[(s as u32 - self.swa_base) as usize] != v as u32 {
+                    return Err(format!("v{v} → swa {s} whose owner differs"));
+                }
+            } else if s == -1 {
+                tomb += 1;
+            }
+            if s != 0 && !self.full_live[v] {
+                return Err(format!("v{v} has SWA entry {s} without live FULL"));
+            }
+        }
+        if swa_live != self.swa_live || tomb != self.tombstones {
+            return Err(format!(
+                "{swa_live} SWA live and {tomb} tombstones in the map, counters say {} and {}",
+                self.swa_live, self.tombstones
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for StaticSwa {
+    fn drop(&mut self) {
+        // Tear-down; a failure here has nobody to report to.
+        let _ = self.device.free_bytes(self.buffer);
+        for t in self.mirrors {
+            let _ = self.device.free_table(t);
+        }
+    }
+}

@@ -1,0 +1,734 @@
+//! `UnifiedSwa`: FULL and SWA KV in one byte buffer. FULL grows down from the high end
+//! and mints virtual pages; SWA grows up from the sink floor and binds its pages to the
+//! same virtual pages, so `swa.v2p` is the FULL→SWA map. Capacity is bytes at the
+//! frontier; compaction is lazy.
+
+use crate::api::{
+    Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, KvAllocator, MoveGate,
+    PageDemand, PoolMap, ReclaimPlan, Reclaimable, Segment, SideCapacity, SpanInfo, SwaState,
+};
+use crate::error::Error;
+use crate::frees::{self, FreeGroup, PageTables};
+use crate::ids::{PageSize, VirtualPage, VirtualToken};
+use crate::invariants::{CONSERVATION, SINK_RESERVED};
+use crate::spec::{Grid, Grow, Side, SubPoolSpec, check_bs1_floor, sink_floor};
+use crate::sub::{SubAllocator, VirtualIds};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use unikv_invariants::{enabled, expect};
+use unikv_kernels::{ByteSpan, BytesId, Device, SpanMove, TableId, Translate};
+
+/// How to build a [`UnifiedSwa`].
+#[derive(Clone, Debug)]
+pub struct UnifiedSwaConfig {
+    /// Bytes of the one buffer.
+    pub total_bytes: u64,
+    /// Tokens per page (FULL and SWA share it).
+    pub page_size: u32,
+    /// The sliding window, in tokens (sizes the batch-size-1 floor).
+    pub window: u32,
+    /// The FULL sub-pool (grows down from the high end).
+    pub full: SubPoolSpec,
+    /// The SWA sub-pool (grows up from the sink floor).
+    pub swa: SubPoolSpec,
+    /// Zero page envelopes when they are handed out (one `fill_spans` per side per alloc).
+    pub zero_on_handout: bool,
+}
+
+/// The unified FULL/SWA allocator over one byte buffer on a [`Device`].
+#[derive(Debug)]
+pub struct UnifiedSwa {
+    device: Arc<dyn Device>,
+    buffer: BytesId,
+    ps: PageSize,
+    total_bytes: u64,
+    floor: u64,
+    full: SubAllocator,
+    swa: SubAllocator,
+    /// Free virtual pages (FULL mints them).
+    free_ids: VirtualIds,
+    virtual_pages: u32,
+    group: FreeGroup,
+    gates: Arc<AtomicUsize>,
+    mirrors: [TableId; 2],
+    zero_on_handout: bool,
+    spans: [Vec<ByteSpan>; 2],
+    moves: Vec<SpanMove>,
+    dirty: Vec<(u32, i32)>,
+}
+
+impl UnifiedSwa {
+    /// Lays out the buffer, allocates it (zeroed) and the two mirror tables on `device`.
+    /// Fails when the buffer cannot hold the sink plus one request's window on both sides
+    /// ([`Error::BufferTooSmall`]) or kernel ids would overflow i32.
+    pub fn new(device: Arc<dyn Device>, config: UnifiedSwaConfig) -> Result<UnifiedSwa, Error> {
+        let ps = PageSize::new(config.page_size)
+            .ok_or_else(|| Error::BadConfig("page size must be at least 1".into()))?;
+        let total = config.total_bytes;
+        let floor = sink_floor(&[&config.full, &config.swa], ps);
+        let full_grid = Grid::new(&config.full, ps, total, floor, "full")?;
+        let swa_grid = Grid::new(&config.swa, ps, total, floor, "swa")?;
+        let room = full_grid
+            .offset(full_grid.pages)
+            .saturating_sub(swa_grid.offset(swa_grid.min_page));
+        check_bs1_floor(
+            total,
+            floor,
+            room,
+            ps,
+            config.window,
+            full_grid.envelope + swa_grid.envelope,
+        )?;
+        let virtual_pages = full_grid.pages - full_grid.min_page + 1;
+        if virtual_pages as u64 * ps.get() as u64 > i32::MAX as u64 {
+            return Err(Error::BadConfig(format!(
+                "{virtual_pages} virtual pages × page size {ps} overflow i32 token ids"
+            )));
+        }
+        let buffer = device.alloc_bytes(total, 0)?;
+        let full_mirror = device.alloc_table(virtual_pages as usize, 0)?;
+        let swa_mirror = device.alloc_table(virtual_pages as usize, 0)?;
+        Ok(UnifiedSwa {
+            device,
+            buffer,
+            ps,
+            total_bytes: total,
+            floor,
+            full: SubAllocator::new(full_grid, Grow::Down, virtual_pages),
+            swa: SubAllocator::new(swa_grid, Grow::Up, virtual_pages),
+            free_ids: VirtualIds::new(virtual_pages),
+            virtual_pages,
+            group: FreeGroup::default(),
+            gates: Arc::new(AtomicUsize::new(0)),
+            mirrors: [full_mirror, swa_mirror],
+            zero_on_handout: config.zero_on_handout,
+            spans: [Vec::new(), Vec::new()],
+            moves: Vec::new(),
+            dirty: Vec::new(),
+        })
+    }
+
+    /// Byte range `[low, high)` of `side`'s span.
+    pub fn span_bytes(&self, side: Side) -> (u64, u64) {
+        self.side(side).span_bytes()
+    }
+
+    fn side(&self, side: Side) -> &SubAllocator {
+        match side {
+            Side::Full => &self.full,
+            Side::Swa => &self.swa,
+        }
+    }
+
+    fn gated(&self) -> bool {
+        self.gates.load(Ordering::Acquire) > 0
+    }
+
+    /// Whether `d_f` FULL and `d_s` SWA pages fit after reclaiming `r_f`/`r_s` live pages,
+    /// now (holes, then the frontier) or after compaction.
+    fn fits(&self, d_f: usize, d_s: usize, r_f: usize, r_s: usize, compacted: bool) -> bool {
+        if d_f > self.free_ids.available() + r_f {
+            return false;
+        }
+        let (ef, es) = (self.full.grid.envelope, self.swa.grid.envelope);
+        if compacted {
+            let span_f = (self.full.live as usize).saturating_sub(r_f) + d_f;
+            let span_s = (self.swa.live as usize).saturating_sub(r_s) + d_s;
+            let Some(low_f) = (self.full.grid.pages as u64).checked_sub(span_f as u64) else {
+                return false;
+            };
+            low_f * ef >= (self.swa.grid.min_page as u64 + span_s as u64) * es
+        } else {
+            let ext_f = d_f.saturating_sub(self.full.holes.len() + r_f) as u64;
+            let ext_s = d_s.saturating_sub(self.swa.holes.len() + r_s) as u64;
+            let Some(low_f) = (self.full.frontier() as u64).checked_sub(ext_f) else {
+                return false;
+            };
+            low_f * ef >= (self.swa.frontier() as u64 + ext_s) * es
+        }
+    }
+
+    fn fits_any(&self, d: PageDemand, r_f: usize, r_s: usize) -> bool {
+        self.fits(d.full_pages, d.swa_pages, r_f, r_s, false)
+            || (!self.gated() && self.fits(d.full_pages, d.swa_pages, r_f, r_s, true))
+    }
+
+    /// Largest `k` in `[0, hi]` with `ok(k)`, for monotone `ok`.
+    fn max_fitting(hi: usize, ok: impl Fn(usize) -> bool) -> usize {
+        let (mut lo, mut hi) = (0usize, hi);
+        if ok(hi) {
+            return hi;
+        }
+        while lo + 1 < hi {
+            let mid = lo + (hi - lo) / 2;
+            if ok(mid) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    /// Smallest `r` in `[0, hi]` with `ok(r)` (`ok(hi)` holds), for monotone `ok`.
+    fn min_fitting(hi: usize, ok: impl Fn(usize) -> bool) -> usize {
+        if ok(0) {
+            return 0;
+        }
+        let (mut lo, mut hi) = (0usize, hi);
+        while lo + 1 < hi {
+            let mid = lo + (hi - lo) / 2;
+            if ok(mid) {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        hi
+    }
+
+    fn compact(&mut self) -> Result<usize, Error> {
+        if self.full.holes.is_empty() && self.swa.holes.is_empty() {
+            return Ok(0);
+        }
+        let mut moved = 0;
+        for side in [Side::Swa, Side::Full] {
+            self.moves.clear();
+            let sub = match side {
+                Side::Full => &mut self.full,
+                Side::Swa => &mut self.swa,
+            };
+            moved += sub.compact(&mut self.moves);
+            if !self.moves.is_empty() {
+                self.device.move_spans(self.buffer, &self.moves)?;
+            }
+        }
+        Ok(moved)
+    }
+
+    /// Room for `pages` new joint pages: now, or after compaction (which then runs).
+    fn make_room(&mut self, pages: usize) -> Result<(), Error> {
+        if self.fits(pages, pages, 0, 0, false) {
+            return Ok(());
+        }
+        if !self.gated() && self.fits(pages, pages, 0, 0, true) {
+            self.compact()?;
+            return Ok(());
+        }
+        Err(Error::OutOfCapacity {
+            full_pages: pages,
+            swa_pages: pages,
+            available_pages: self.joint_pages(!self.gated()),
+        })
+    }
+
+    fn joint_pages(&self, compacted: bool) -> usize {
+        Self::max_fitting(self.free_ids.available(), |k| {
+            self.fits(k, k, 0, 0, compacted)
+        })
+    }
+
+    fn validate(&self, requests: impl Iterator<Item = ExtendRequest>) -> Result<usize, Error> {
+        let ps = self.ps;
+        let mut pages = 0usize;
+        for (index, r) in requests.enumerate() {
+            if r.seq_len < r.prefix_len {
+                return Err(Error::BadRequest {
+                    index,
+                    reason: format!("seq_len {} < prefix_len {}", r.seq_len, r.prefix_len),
+                });
+            }
+            if !ps.is_aligned(r.prefix_len) {
+                let Some(last) = r.last_token else {
+                    return Err(Error::BadRequest {
+                        index,
+                        reason: format!("prefix of {} tokens without a last token", r.prefix_len),
+                    });
+                };
+                let v = last.page(ps).0;
+                if last.offset(ps) as usize != (r.prefix_len - 1) % ps.get() as usize
+                    || v == 0
+                    || v >= self.virtual_pages
+                    || self.full.v2p[v as usize] <= 0
+                {
+                    return Err(Error::BadRequest {
+                        index,
+                        reason: format!(
+                            "last token {last} is not a live token at row position {}",
+                            r.prefix_len - 1
+                        ),
+                    });
+                }
+            }
+            pages += r.new_pages(ps);
+        }
+        Ok(pages)
+    }
+
+    fn extend_unchecked(
+        &mut self,
+        requests: impl Iterator<Item = ExtendRequest>,
+        out: &mut Vec<VirtualToken>,
+    ) {
+        let ps = self.ps.get() as usize;
+        let zero = self.zero_on_handout;
+        for r in requests {
+            let mut pos = r.prefix_len;
+            if pos % ps != 0
+                && let Some(last) = r.last_token
+            {
+                let tail_end = (pos - pos % ps + ps).min(r.seq_len);
+                let mut t = last.0;
+                while pos < tail_end {
+                    t += 1;
+                    out.push(VirtualToken(t));
+                    pos += 1;
+                }
+            }
+            while pos < r.seq_len {
+                // The caller checked the room, which covers the virtual ids.
+                let Some(v) = self.free_ids.pop().filter(|&v| v != 0) else {
+                    expect(&SINK_RESERVED, false, || {
+                        "an allocation ran out of virtual ids past its room check".to_string()
+                    });
+                    break;
+                };
+                let pf = self.full.take();
+                self.full.bind(v, pf);
+                let psw = self.swa.take();
+                self.swa.bind(v, psw);
+                if zero {
+                    self.spans[0].push(self.full.envelope(pf));
+                    self.spans[1].push(self.swa.envelope(psw));
+                }
+                let n = (r.seq_len - pos).min(ps);
+                let base = v * ps as u32;
+                out.extend((0..n as u32).map(|o| VirtualToken(base + o)));
+                pos += n;
+            }
+        }
+    }
+
+    fn alloc(
+        &mut self,
+        requests: impl Iterator<Item = ExtendRequest> + Clone,
+        out: &mut Vec<VirtualToken>,
+    ) -> Result<(), Error> {
+        let pages = self.validate(requests.clone())?;
+        self.make_room(pages)?;
+        self.extend_unchecked(requests, out);
+        if self.zero_on_handout {
+            self.zero_handed_out()?;
+        }
+        Ok(())
+    }
+
+    fn zero_handed_out(&mut self) -> Result<(), Error> {
+        for spans in &mut self.spans {
+            if !spans.is_empty() {
+                self.device.fill_spans(self.buffer, spans, 0)?;
+                spans.clear();
+            }
+        }
+        Ok(())
+    }
+
+    fn side_capacity(&self, side: Side) -> SideCapacity {
+        let gated = self.gated();
+        let (sub, total, avail, sched) = match side {
+            Side::Full => {
+                let hi = self.free_ids.available();
+                (
+                    &self.full,
+                    self.virtual_pages as usize - 1,
+                    Self::max_fitting(hi, |k| self.fits(k, 0, 0, 0, false)),
+                    Self::max_fitting(hi, |k| self.fits(k, 0, 0, 0, !gated)),
+                )
+            }
+            Side::Swa => {
+                let hi = self.swa.grid.pages as usize;
+                (
+                    &self.swa,
+                    (self.swa.grid.pages - self.swa.grid.min_page) as usize,
+                    Self::max_fitting(hi, |k| self.fits(0, k, 0, 0, false)),
+                    Self::max_fitting(hi, |k| self.fits(0, k, 0, 0, !gated)),
+                )
+            }
+        };
+        SideCapacity {
+            available_pages: avail,
+            schedulable_pages: sched.max(avail),
+            allocated_pages: sub.live as usize,
+            total_pages: total,
+            hole_pages: sub.holes.len(),
+            tombstones: sub.tombstones as usize,
+        }
+    }
+}
+
+impl PageTables for UnifiedSwa {
+    fn ps(&self) -> PageSize {
+        self.ps
+    }
+    fn virtual_pages(&self) -> u32 {
+        self.virtual_pages
+    }
+    #[inline]
+    fn full_live(&self, v: u32) -> bool {
+        self.full.v2p[v as usize] > 0
+    }
+    #[inline]
+    fn swa_entry(&self, v: u32) -> i32 {
+        self.swa.v2p[v as usize]
+    }
+    #[inline]
+    fn release_swa(&mut self, v: u32, tombstone: bool) {
+        self.swa.unbind(v, tombstone);
+    }
+    #[inline]
+    fn release_full(&mut self, v: u32) {
+        self.full.unbind(v, false);
+        self.swa.clear_tombstone(v);
+        self.free_ids.push(v);
+    }
+    fn move_swa(&mut self, from: u32, to: u32) {
+        self.swa.rebind(from, to);
+    }
+    fn group(&mut self) -> &mut FreeGroup {
+        &mut self.group
+    }
+    fn group_ref(&self) -> &FreeGroup {
+        &self.group
+    }
+}
+
+impl KvAllocator for UnifiedSwa {
+    fn page_size(&self) -> PageSize {
+        self.ps
+    }
+
+    fn virtual_pages(&self) -> u32 {
+        self.virtual_pages
+    }
+
+    fn alloc_extend(
+        &mut self,
+        requests: &[ExtendRequest],
+        out: &mut Vec<VirtualToken>,
+    ) -> Result<(), Error> {
+        self.alloc(requests.iter().copied(), out)
+    }
+
+    fn alloc_decode(
+        &mut self,
+        requests: &[DecodeRequest],
+        out: &mut Vec<VirtualToken>,
+    ) -> Result<(), Error> {
+        self.alloc(requests.iter().map(|&d| ExtendRequest::from(d)), out)
+    }
+
+    fn free(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
+        frees::free(self, ids)
+    }
+
+    fn free_swa(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
+        frees::free_swa(self, ids)
+    }
+
+    fn free_full(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
+        frees::free_full(self, ids)
+    }
+
+    fn free_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
+        frees::free_segment(self, segment)
+    }
+
+    fn free_swa_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
+        frees::free_swa_segment(self, segment)
+    }
+
+    fn free_full_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
+        frees::free_full_segment(self, segment)
+    }
+
+    fn free_segments(&mut self, segments: &[Segment<'_>]) -> Result<(), Error> {
+        frees::free_segments(self, segments)
+    }
+
+    fn free_kv_row_segments(
+        &mut self,
+        row: &[VirtualToken],
+        dead_lo: usize,
+        cursor: usize,
+        len: usize,
+    ) -> Result<(), Error> {
+        frees::free_kv_row_segments(self, row, dead_lo, cursor, len)
+    }
+
+    fn transfer_swa(&mut self, from: Segment<'_>, to: Segment<'_>) -> Result<(), Error> {
+        frees::transfer_swa(self, from, to)
+    }
+
+    fn free_group_begin(&mut self) -> Result<(), Error> {
+        frees::group_begin(self)
+    }
+
+    fn free_group_end(&mut self) -> Result<(), Error> {
+        frees::group_end(self)
+    }
+
+    fn in_free_group(&self) -> bool {
+        self.group.is_open()
+    }
+
+    fn pending_frees(&self) -> [(DeferredKind, usize); 4] {
+        self.group.deferred().lists()
+    }
+
+    fn flush_deferred(&mut self) -> bool {
+        frees::flush_deferred(self)
+    }
+
+    fn flush(&mut self) -> Result<FlushReport, Error> {
+        let deferred_flushed = frees::flush_deferred(self);
+        let gated = self.gated();
+        let pages_moved = if gated { 0 } else { self.compact()? };
+        if enabled() {
+            self.check_conservation();
+        }
+        Ok(FlushReport {
+            deferred_flushed,
+            pages_moved,
+            gated,
+        })
+    }
+
+    fn allocation_fits(&self, demand: PageDemand) -> bool {
+        self.fits_any(demand, 0, 0)
+    }
+
+    fn ensure_capacity(&mut self, demand: PageDemand) -> Result<(), Error> {
+        frees::flush_deferred(self);
+        if self.fits(demand.full_pages, demand.swa_pages, 0, 0, false) {
+            return Ok(());
+        }
+        if !self.gated() && self.fits(demand.full_pages, demand.swa_pages, 0, 0, true) {
+            self.compact()?;
+            return Ok(());
+        }
+        Err(Error::OutOfCapacity {
+            full_pages: demand.full_pages,
+            swa_pages: demand.swa_pages,
+            available_pages: self.joint_pages(!self.gated()),
+        })
+    }
+
+    fn reclaim_plan(&mut self, demand: PageDemand, evictable: Reclaimable) -> Option<ReclaimPlan> {
+        // Deferred frees first: bytes waiting in any list must be visible before sizing.
+        frees::flush_deferred(self);
+        if self.fits_any(demand, 0, 0) {
+            return Some(ReclaimPlan::default());
+        }
+        let rf_max = evictable.full_pages.min(self.full.live as usize);
+        let rs_max = evictable.swa_pages.min(self.swa.live as usize);
+        if !self.fits_any(demand, rf_max, rs_max) {
+            return None;
+        }
+        let swa_pages = Self::min_fitting(rs_max, |r| self.fits_any(demand, rf_max, r));
+        let full_pages = Self::min_fitting(rf_max, |r| self.fits_any(demand, r, swa_pages));
+        Some(ReclaimPlan {
+            full_pages,
+            swa_pages,
+        })
+    }
+
+    fn capacity(&self) -> Capacity {
+        let available = self.joint_pages(false);
+        Capacity {
+            page_size: self.ps.get(),
+            full: self.side_capacity(Side::Full),
+            swa: self.side_capacity(Side::Swa),
+            joint_available_pages: available,
+            joint_schedulable_pages: if self.gated() {
+                available
+            } else {
+                self.joint_pages(true)
+            },
+        }
+    }
+
+    fn pool_map(&self) -> PoolMap {
+        let info = |side: Side| {
+            let sub = self.side(side);
+            SpanInfo {
+                side,
+                bytes: sub.span_bytes(),
+                envelope: sub.grid.envelope,
+                pages: sub.span_pages() as usize,
+                live: sub.live as usize,
+                holes: sub.holes.len(),
+                tombstones: sub.tombstones as usize,
+            }
+        };
+        PoolMap {
+            layout: "unified",
+            page_size: self.ps.get(),
+            total_bytes: self.total_bytes,
+            sink_floor: self.floor,
+            spans: vec![info(Side::Swa), info(Side::Full)],
+        }
+    }
+
+    fn move_gate(&self) -> MoveGate {
+        MoveGate::close(&self.gates)
+    }
+
+    fn upload_mirror(&mut self) -> Result<(), Error> {
+        for (i, side) in [Side::Full, Side::Swa].into_iter().enumerate() {
+            let sub = match side {
+                Side::Full => &mut self.full,
+                Side::Swa => &mut self.swa,
+            };
+            if sub.has_dirty() {
+                sub.take_dirty(&mut self.dirty);
+                self.device.scatter_table(self.mirrors[i], &self.dirty)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn mirror_table(&self, side: Side) -> TableId {
+        match side {
+            Side::Full => self.mirrors[0],
+            Side::Swa => self.mirrors[1],
+        }
+    }
+
+    fn stride(&self, side: Side) -> u32 {
+        self.side(side).grid.stride
+    }
+
+    fn kernel_id(&self, side: Side, token: VirtualToken) -> i32 {
+        let sub = self.side(side);
+        match sub.v2p.get(token.page(self.ps).0 as usize) {
+            Some(&p) if p > 0 && token.0 != 0 => {
+                p * sub.grid.stride as i32 + token.offset(self.ps) as i32
+            }
+            _ => 0,
+        }
+    }
+
+    fn translate(
+        &self,
+        side: Side,
+        ids: TableId,
+        n: usize,
+        out: TableId,
+        out_width: usize,
+    ) -> Result<(), Error> {
+        self.device.translate(&Translate {
+            v2p: self.mirror_table(side),
+            ids,
+            n,
+            page_size: self.ps.get(),
+            stride: self.stride(side),
+            out,
+            out_width,
+        })?;
+        Ok(())
+    }
+
+    fn buffer(&self) -> BytesId {
+        self.buffer
+    }
+
+    fn grid(&self, side: Side) -> Grid {
+        self.side(side).grid
+    }
+
+    fn sink_floor(&self) -> u64 {
+        self.floor
+    }
+
+    fn physical_page(&self, side: Side, page: VirtualPage) -> Option<u32> {
+        let p = *self.side(side).v2p.get(page.0 as usize)?;
+        (p > 0).then_some(p as u32)
+    }
+
+    fn full_live(&self, page: VirtualPage) -> bool {
+        (page.0 as usize) < self.full.v2p.len() && self.full.v2p[page.0 as usize] > 0
+    }
+
+    fn swa_state(&self, page: VirtualPage) -> SwaState {
+        match self.swa.v2p.get(page.0 as usize) {
+            Some(&p) if p > 0 => SwaState::Live,
+            Some(-1) => SwaState::Tombstone,
+            _ => SwaState::Unbound,
+        }
+    }
+
+    fn check_conservation(&self) -> bool {
+        let (swa_lo, _) = self.swa.span_bytes();
+        let (_, full_hi) = self.full.span_bytes();
+        let holds = self.full.accounting_holds()
+            && self.swa.accounting_holds()
+            && self.free_ids.available() + self.full.live as usize
+                == self.virtual_pages as usize - 1
+            && self.swa.live + self.swa.tombstones <= self.full.live
+            && self.full.tombstones == 0
+            && self.swa.facing_byte() <= self.full.facing_byte()
+            && swa_lo >= self.floor
+            && full_hi <= self.total_bytes;
+        expect(&CONSERVATION, holds, || {
+            format!(
+                "unified: full live {} holes {} span {} frontier {}; swa live {} holes {} tomb {} span {} frontier {}; free ids {} of {}",
+                self.full.live,
+                self.full.holes.len(),
+                self.full.span_pages(),
+                self.full.frontier(),
+                self.swa.live,
+                self.swa.holes.len(),
+                self.swa.tombstones,
+                self.swa.span_pages(),
+                self.swa.frontier(),
+                self.free_ids.available(),
+                self.virtual_pages - 1
+            )
+        })
+    }
+
+    fn verify(&self) -> Result<(), String> {
+        self.full.verify("full")?;
+        self.swa.verify("swa")?;
+        if !self.check_conservation() {
+            return Err("conservation does not hold".into());
+        }
+        let mut ids = self.free_ids.as_slice().to_vec();
+        ids.sort_unstable();
+        if ids.windows(2).any(|w| w[0] == w[1]) || ids.first() == Some(&0) {
+            return Err("free virtual ids hold a duplicate or the sink".into());
+        }
+        if let Some(&v) = ids.iter().find(|&&v| self.full.v2p[v as usize] != 0) {
+            return Err(format!("free virtual id {v} is bound on FULL"));
+        }
+        for v in 0..self.virtual_pages as usize {
+            if self.swa.v2p[v] != 0 && self.full.v2p[v] <= 0 {
+                return Err(format!(
+                    "v{v} has SWA entry {} without live FULL",
+                    self.swa.v2p[v]
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for UnifiedSwa {
+    fn drop(&mut self) {
+        // Tear-down; a failure here has nobody to report to.
+        let _ = self.device.free_bytes(self.buffer);
+        for t in self.mirrors {
+            let _ = self.device.free_table(t);
+        }
+    }
+}
