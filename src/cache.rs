@@ -1,0 +1,897 @@
+//! `HybridCache`: the allocator and the prefix tree behind one API that owns a request's
+//! lifecycle, applies the tree's actions in one place and runs the eviction loop.
+
+use crate::error::Error;
+use crate::invariants_decl::{CONSERVATION, CURSOR_RATCHET};
+use crate::model::ModelSpec;
+use crate::request::{PrefixMatch, Request};
+use crate::stats::{CacheStats, EvictionCounts, SideStats, StepReport};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use unikv_invariants::expect;
+use unikv_kernels::{CpuDevice, Device};
+use unikv_pools::{
+    DecodeRequest, ExtendRequest, KvAllocator, PageDemand, Reclaimable, Segment, Side, StaticSwa,
+    StaticSwaConfig, SubPoolSpec, UnifiedSwa, UnifiedSwaConfig, VirtualToken as PoolToken,
+};
+use unikv_radix::{
+    Action, Component, InsertRequest, RadixTree, SwaSide, TokenId, TreeConfig,
+    VirtualToken as TreeToken,
+};
+
+/// How the FULL and SWA KV share the memory budget.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Layout {
+    /// The baseline: two fixed pools. `swa_full_tokens_ratio` is SWA tokens per FULL
+    /// token (the reference engine's `--swa-full-tokens-ratio`, default 0.8).
+    Static {
+        /// SWA token capacity per FULL token capacity (> 0).
+        swa_full_tokens_ratio: f64,
+    },
+    /// One byte buffer whose split follows the workload.
+    Unified,
+}
+
+impl Layout {
+    /// `static` or `unified`.
+    pub const fn as_str(&self) -> &'static str {
+        match self {
+            Layout::Static { .. } => "static",
+            Layout::Unified => "unified",
+        }
+    }
+}
+
+/// Distinguishes caches so a request handle cannot be used on another one.
+static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Builds a [`HybridCache`]; see [`HybridCache::builder`].
+#[derive(Debug)]
+pub struct HybridCacheBuilder {
+    model: ModelSpec,
+    page_size: u32,
+    memory_bytes: u64,
+    layout: Layout,
+    device: Option<Arc<dyn Device>>,
+    eviction_interval: Option<u32>,
+    zero_on_handout: bool,
+}
+
+impl HybridCacheBuilder {
+    /// The model whose KV the cache holds (default [`ModelSpec::GPT_OSS_20B`]).
+    pub fn model(mut self, model: ModelSpec) -> Self {
+        self.model = model;
+        self
+    }
+
+    /// Tokens per page (default 1).
+    pub fn page_size(mut self, page_size: u32) -> Self {
+        self.page_size = page_size;
+        self
+    }
+
+    /// The KV memory budget in bytes (required).
+    pub fn memory_bytes(mut self, bytes: u64) -> Self {
+        self.memory_bytes = bytes;
+        self
+    }
+
+    /// Static or unified (default unified).
+    pub fn layout(mut self, layout: Layout) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    /// The device the buffer lives on (default a [`CpuDevice`]).
+    pub fn device(mut self, device: Arc<dyn Device>) -> Self {
+        self.device = Some(device);
+        self
+    }
+
+    /// How many tokens past the window a request's cursor may lag before its SWA is
+    /// released (default: one page). Larger values free less often, in bigger segments.
+    pub fn eviction_interval(mut self, tokens: u32) -> Self {
+        self.eviction_interval = Some(tokens);
+        self
+    }
+
+    /// Zero page envelopes when they are handed out (default off; kernels that read
+    /// whole pages need it when neighbours may hold NaN bytes).
+    pub fn zero_on_handout(mut self, zero: bool) -> Self {
+        self.zero_on_handout = zero;
+        self
+    }
+
+    /// Checks the configuration and lays out the buffer.
+    pub fn build(self) -> Result<HybridCache, Error> {
+        crate::init()?;
+        let m = &self.model;
+        let config_error = |reason: String| Err(Error::Config(reason));
+        if self.page_size == 0 {
+            return config_error("page size must be at least 1 token".into());
+        }
+        if m.full_layers == 0 {
+            return config_error(format!("model {} has no full-attention layer", m.name));
+        }
+        if m.swa_layers == 0 {
+            return config_error(format!(
+                "model {} has no sliding-window layer; unikv's FULL/SWA pools need one",
+                m.name
+            ));
+        }
+        if m.window == 0 {
+            return config_error(format!("model {}: a sliding window of 0 tokens", m.name));
+        }
+        if m.mamba_layers != 0 {
+            return config_error(format!(
+                "model {} has Mamba layers, which this version of the cache does not hold yet",
+                m.name
+            ));
+        }
+        if m.kv_heads == 0 || m.head_dim == 0 || m.dtype_bytes == 0 {
+            return config_error(format!(
+                "model {}: KV heads, head dim and dtype bytes must be > 0",
+                m.name
+            ));
+        }
+        if self.memory_bytes == 0 {
+            return config_error("a memory budget of 0 bytes (set memory_bytes)".into());
+        }
+        if let Layout::Static {
+            swa_full_tokens_ratio,
+        } = self.layout
+            && !(swa_full_tokens_ratio.is_finite() && swa_full_tokens_ratio > 0.0)
+        {
+            return config_error(format!(
+                "static layout: the SWA:FULL token ratio must be a positive number, not {swa_full_tokens_ratio}"
+            ));
+        }
+        let device = self.device.unwrap_or_else(|| Arc::new(CpuDevice::new()));
+        let full = SubPoolSpec::mha("full", m.full_layers, m.kv_heads, m.head_dim, m.dtype_bytes);
+        let swa = SubPoolSpec::mha("swa", m.swa_layers, m.kv_heads, m.head_dim, m.dtype_bytes);
+        let mut alloc: Box<dyn KvAllocator> = match self.layout {
+            Layout::Unified => Box::new(UnifiedSwa::new(
+                device,
+                UnifiedSwaConfig {
+                    total_bytes: self.memory_bytes,
+                    page_size: self.page_size,
+                    window: m.window,
+                    full,
+                    swa,
+                    zero_on_handout: self.zero_on_handout,
+                },
+            )?),
+            Layout::Static {
+                swa_full_tokens_ratio,
+            } => Box::new(StaticSwa::new(
+                device,
+                StaticSwaConfig {
+                    total_bytes: self.memory_bytes,
+                    page_size: self.page_size,
+                    window: m.window,
+                    full,
+                    swa,
+                    swa_full_ratio: swa_full_tokens_ratio,
+                    zero_on_handout: self.zero_on_handout,
+                },
+            )?),
+        };
+        let window = m.window as usize;
+        let tree = RadixTree::new(TreeConfig::swa(self.page_size, window))?;
+        // Frees are grouped per step: nothing recycles a virtual id before the boundary.
+        alloc.free_group_begin()?;
+        Ok(HybridCache {
+            id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
+            alloc,
+            tree,
+            model: self.model,
+            layout: self.layout,
+            ps: self.page_size as usize,
+            window,
+            interval: self.eviction_interval.unwrap_or(self.page_size) as usize,
+            next_request: 0,
+            epoch: 0,
+            step: 0,
+            live_requests: 0,
+            held_full_pages: 0,
+            held_swa_pages: 0,
+            hit_tokens: 0,
+            admitted_prompt_tokens: 0,
+            evictions: EvictionCounts::default(),
+            scratch: Vec::new(),
+        })
+    }
+}
+
+/// The one object an engine holds: FULL and SWA KV of a hybrid model in one allocator,
+/// a radix prefix cache over it, and every rule of a request's life written once.
+///
+/// A scheduler step looks like this:
+///
+/// ```
+/// use unikv::{HybridCache, Layout, ModelSpec, TokenId};
+///
+/// let mut cache = HybridCache::builder()
+///     .model(ModelSpec::GPT_OSS_20B)
+///     .page_size(16)
+///     .memory_bytes(64 << 20)
+///     .layout(Layout::Unified)
+///     .build()?;
+///
+/// // Admission: match the prompt against the prefix cache, then take the hit.
+/// let prompt: Vec<TokenId> = (0..300).map(TokenId).collect();
+/// let hit = cache.match_prefix(prompt);
+/// assert!(cache.can_admit(&hit, 16));
+/// let mut req = cache.admit(hit)?;
+///
+/// // Prefill in two chunks, then decode; SWA that leaves the window is released on the way.
+/// cache.alloc_extend(&mut req, 200)?;
+/// cache.alloc_extend(&mut req, 100)?;
+/// for t in 0..40 {
+///     cache.alloc_decode(&mut [&mut req], &[TokenId(1000 + t)])?;
+///     cache.step_boundary()?; // flush, invariants, mirror upload, conservation
+/// }
+///
+/// // Finish: the tree keeps the KV for the next request with the same prefix.
+/// let conversation = req.tokens().to_vec(); // 340 tokens
+/// cache.cache_finished(req)?;
+/// cache.step_boundary()?;
+/// // A follow-up turn reuses every whole page: a window of live SWA ends the match.
+/// let again = cache.match_prefix(conversation);
+/// assert_eq!(again.cached_tokens(), 336);
+/// // The bare prompt does not: its SWA left the window while the request decoded, and a
+/// // match may only end where a whole window of live SWA precedes it.
+/// assert_eq!(cache.match_prefix((0..300).map(TokenId).collect()).cached_tokens(), 0);
+/// # Ok::<(), unikv::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct HybridCache {
+    id: u64,
+    alloc: Box<dyn KvAllocator>,
+    tree: RadixTree,
+    model: ModelSpec,
+    layout: Layout,
+    ps: usize,
+    window: usize,
+    interval: usize,
+    next_request: u64,
+    /// Bumped by every tree change, so a stale [`PrefixMatch`] is matched again.
+    epoch: u64,
+    step: u64,
+    live_requests: usize,
+    /// Pages held by live requests (their rows past the tree-owned prefix).
+    held_full_pages: usize,
+    held_swa_pages: usize,
+    hit_tokens: u64,
+    admitted_prompt_tokens: u64,
+    evictions: EvictionCounts,
+    scratch: Vec<PoolToken>,
+}
+
+impl HybridCache {
+    /// A builder with the defaults: gpt-oss-20b, page size 1, unified, CPU device.
+    pub fn builder() -> HybridCacheBuilder {
+        HybridCacheBuilder {
+            model: ModelSpec::GPT_OSS_20B,
+            page_size: 1,
+            memory_bytes: 0,
+            layout: Layout::Unified,
+            device: None,
+            eviction_interval: None,
+            zero_on_handout: false,
+        }
+    }
+
+    /// The model.
+    pub fn model(&self) -> &ModelSpec {
+        &self.model
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// Tokens per page.
+    pub fn page_size(&self) -> usize {
+        self.ps
+    }
+
+    /// Steps completed (calls of [`HybridCache::step_boundary`]).
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The allocator, for read-only inspection (capacity views, translation).
+    pub fn allocator(&self) -> &dyn KvAllocator {
+        self.alloc.as_ref()
+    }
+
+    /// The prefix tree, for read-only inspection (sizes, dumps).
+    pub fn tree(&self) -> &RadixTree {
+        &self.tree
+    }
+
+    // ----- admission -------------------------------------------------------------------
+
+    /// Matches `prompt` against the prefix cache. Nothing is locked or allocated: drop the
+    /// result to abort; pass it to [`HybridCache::admit`] to take the hit.
+    pub fn match_prefix(&mut self, prompt: Vec<TokenId>) -> PrefixMatch {
+        let result = self.tree.match_prefix(&prompt);
+        PrefixMatch {
+            tokens: prompt,
+            result,
+            epoch: self.epoch,
+            cache: self.id,
+        }
+    }
+
+    /// Whether the request could be admitted now and grow by `reserve_tokens` past its
+    /// prompt, counting what eviction of unlocked prefixes could free. Pure: changes
+    /// nothing.
+    pub fn can_admit(&self, hit: &PrefixMatch, reserve_tokens: usize) -> bool {
+        let cached = hit.cached_tokens();
+        let target = hit.tokens.len() + reserve_tokens;
+        let pages = target.div_ceil(self.ps) - cached / self.ps;
+        let demand = PageDemand::joint(pages);
+        if self.alloc.allocation_fits(demand) {
+            return true;
+        }
+        let cap = self.alloc.capacity();
+        let sizes = self.tree.sizes();
+        // The hit itself will be locked, so it cannot be evicted for this request.
+        let full_evictable = (sizes.full_evictable.0 / self.ps).saturating_sub(cached / self.ps);
+        let swa_evictable = sizes.swa_evictable.0 / self.ps;
+        cap.full.schedulable_pages + full_evictable >= pages
+            && cap.swa.schedulable_pages
+                + swa_evictable
+                + full_evictable.min(sizes.swa_evictable.0 / self.ps)
+                >= pages
+            && cap.joint_schedulable_pages + full_evictable + swa_evictable >= pages
+    }
+
+    /// Admits a matched prompt: locks the hit so no eviction takes it, and returns the
+    /// request, which starts with the hit's KV. A match made before the tree changed is
+    /// matched again first. Nothing is allocated here; prefill with
+    /// [`HybridCache::alloc_extend`].
+    pub fn admit(&mut self, hit: PrefixMatch) -> Result<Request, Error> {
+        if hit.cache != self.id {
+            return Err(Error::ForeignRequest { request: u64::MAX });
+        }
+        let hit = if hit.epoch == self.epoch {
+            hit
+        } else {
+            self.match_prefix(hit.tokens)
+        };
+        let cached = hit.result.len.0;
+        let lock = if cached > 0 {
+            Some(self.tree.lock(hit.result.node)?)
+        } else {
+            None
+        };
+        let id = self.next_request;
+        self.next_request += 1;
+        self.live_requests += 1;
+        self.hit_tokens += cached as u64;
+        self.admitted_prompt_tokens += hit.tokens.len() as u64;
+        let row = hit.result.values.iter().map(|v| PoolToken(v.0)).collect();
+        Ok(Request {
+            id,
+            cache: self.id,
+            tokens: hit.tokens,
+            row,
+            protected: cached,
+            cursor: cached,
+            lock,
+            window_lock_released: false,
+            cached_at_admission: cached,
+        })
+    }
+
+    // ----- allocation ------------------------------------------------------------------
+
+    /// Allocates KV for the next `tokens` prompt tokens of `req` (a prefill chunk). SWA
+    /// that left the window is released first; when memory is short, unlocked prefixes
+    /// are evicted. On error nothing changed.
+    pub fn alloc_extend(&mut self, req: &mut Request, tokens: usize) -> Result<(), Error> {
+        self.check_owner(req)?;
+        let len = req.len();
+        if len + tokens > req.tokens.len() {
+            return Err(Error::BadRequest {
+                request: req.id,
+                reason: format!(
+                    "extend by {tokens} tokens past {len} but the request has only {} tokens",
+                    req.tokens.len()
+                ),
+            });
+        }
+        self.release_out_of_window(req)?;
+        let extend = ExtendRequest {
+            prefix_len: len,
+            seq_len: len + tokens,
+            last_token: req.row.last().copied(),
+        };
+        let pages = extend.new_pages(self.alloc.page_size());
+        self.make_room(PageDemand::joint(pages))?;
+        let before = self.held(req);
+        self.scratch.clear();
+        self.alloc
+            .alloc_extend(&[extend], &mut self.scratch)
+            .map_err(|e| self.out_of_memory(e))?;
+        req.row.extend_from_slice(&self.scratch);
+        self.account(before, self.held(req));
+        Ok(())
+    }
+
+    /// Appends one generated token to each request of the batch and allocates its KV
+    /// (one allocator call for the batch; most steps need no new page). SWA that left the
+    /// window is released first. On error nothing changed.
+    pub fn alloc_decode(
+        &mut self,
+        batch: &mut [&mut Request],
+        next_tokens: &[TokenId],
+    ) -> Result<(), Error> {
+        if batch.len() != next_tokens.len() {
+            return Err(Error::BadRequest {
+                request: batch.first().map_or(u64::MAX, |r| r.id),
+                reason: format!(
+                    "{} requests but {} next tokens",
+                    batch.len(),
+                    next_tokens.len()
+                ),
+            });
+        }
+        let mut requests = Vec::with_capacity(batch.len());
+        for req in batch.iter() {
+            self.check_owner(req)?;
+            if req.len() != req.tokens.len() {
+                return Err(Error::BadRequest {
+                    request: req.id,
+                    reason: format!(
+                        "decode before prefill finished ({} of {} tokens)",
+                        req.len(),
+                        req.tokens.len()
+                    ),
+                });
+            }
+        }
+        for req in batch.iter_mut() {
+            self.release_out_of_window(req)?;
+            requests.push(DecodeRequest {
+                prefix_len: req.len(),
+                last_token: req.row.last().copied(),
+            });
+        }
+        let ps = self.alloc.page_size();
+        let pages = requests
+            .iter()
+            .map(|d| ExtendRequest::from(*d).new_pages(ps))
+            .sum();
+        self.make_room(PageDemand::joint(pages))?;
+        let before: Vec<(usize, usize)> = batch.iter().map(|r| self.held(r)).collect();
+        self.scratch.clear();
+        self.alloc
+            .alloc_decode(&requests, &mut self.scratch)
+            .map_err(|e| self.out_of_memory(e))?;
+        for (i, req) in batch.iter_mut().enumerate() {
+            req.row.push(self.scratch[i]);
+            req.tokens.push(next_tokens[i]);
+            let after = self.held(req);
+            self.account(before[i], after);
+        }
+        Ok(())
+    }
+
+    /// Releases the SWA KV of `req`'s rows that left the window: the cursor moves up to the
+    /// page below `len − max(W, ps)` once it lags by at least the eviction interval. The
+    /// cursor only moves up, stays page-aligned and never goes below the tree-owned prefix.
+    /// Returns the tokens released. Called by the alloc methods; engines may call it too.
+    pub fn release_out_of_window(&mut self, req: &mut Request) -> Result<usize, Error> {
+        self.check_owner(req)?;
+        let len = req.len();
+        let dead_lo = req.protected;
+        let evicted = req.cursor.max(dead_lo);
+        let keep = self.window.max(self.ps);
+        if len < evicted + keep + self.interval {
+            return Ok(0);
+        }
+        let new_cursor = (len - keep) / self.ps * self.ps;
+        if new_cursor <= evicted {
+            return Ok(0);
+        }
+        let before = self.held(req);
+        self.alloc
+            .free_swa_segment(Segment::of_row(&req.row, evicted..new_cursor))?;
+        expect(
+            &CURSOR_RATCHET,
+            new_cursor > req.cursor && new_cursor % self.ps == 0,
+            || {
+                format!(
+                    "request {}: cursor {} -> {new_cursor} (page size {})",
+                    req.id, req.cursor, self.ps
+                )
+            },
+        );
+        req.cursor = new_cursor;
+        self.account(before, self.held(req));
+        // Once the window has left the cached prefix, the prefix's SWA may be evicted.
+        if let Some(lock) = req.lock
+            && !req.window_lock_released
+            && new_cursor >= req.protected
+        {
+            self.tree.release_window(lock)?;
+            req.window_lock_released = true;
+            self.epoch += 1;
+        }
+        Ok(new_cursor - evicted)
+    }
+
+    // ----- finishing, caching, releasing -------------------------------------------------
+
+    /// Caches what `req` computed so far and keeps it running: its whole pages enter the
+    /// tree (duplicates of what the tree already had are freed), the tree's copy is locked
+    /// for it, and its row now reads the tree's values.
+    pub fn cache_unfinished(&mut self, req: &mut Request) -> Result<(), Error> {
+        self.check_owner(req)?;
+        let before = self.held(req);
+        let outcome = self.insert(req, true)?;
+        let cached = outcome.cached_len.0;
+        if let Some(old) = req.lock.take() {
+            self.tree.unlock(old)?;
+        }
+        req.lock = outcome.lock;
+        req.window_lock_released = false;
+        let values = self.tree.prefix_values(outcome.node)?;
+        for (slot, v) in req.row[..cached].iter_mut().zip(&values) {
+            *slot = PoolToken(v.0);
+        }
+        req.protected = cached;
+        req.cursor = req.cursor.max(cached);
+        self.account(before, self.held(req));
+        Ok(())
+    }
+
+    /// Finishes `req`: its whole pages enter the tree for future requests, duplicates and
+    /// the partial last page are freed, and its lock is released.
+    pub fn cache_finished(&mut self, req: Request) -> Result<(), Error> {
+        self.check_owner(&req)?;
+        let before = self.held(&req);
+        let outcome = self.insert(&req, false)?;
+        let cached = outcome.cached_len.0;
+        let len = req.len();
+        self.alloc
+            .free_kv_row_segments(&req.row, cached, req.cursor.max(cached), len)?;
+        if let Some(lock) = req.lock {
+            self.tree.unlock(lock)?;
+        }
+        self.account(before, (0, 0));
+        self.live_requests -= 1;
+        Ok(())
+    }
+
+    /// Releases `req` without caching (abort, or retraction under memory pressure): its
+    /// own KV is freed, its lock released. Returns its tokens (prompt and generated), so a
+    /// retracted request can be matched and admitted again later.
+    pub fn release(&mut self, req: Request) -> Result<Vec<TokenId>, Error> {
+        self.check_owner(&req)?;
+        let before = self.held(&req);
+        let len = req.len();
+        let dead_lo = req.protected;
+        self.alloc
+            .free_kv_row_segments(&req.row, dead_lo, req.cursor.max(dead_lo), len)?;
+        if let Some(lock) = req.lock {
+            self.tree.unlock(lock)?;
+            self.epoch += 1;
+        }
+        self.account(before, (0, 0));
+        self.live_requests -= 1;
+        Ok(req.tokens)
+    }
+
+    fn insert(&mut self, req: &Request, lock: bool) -> Result<unikv_radix::InsertOutcome, Error> {
+        let key_len = req.len() / self.ps * self.ps;
+        let values: Vec<TreeToken> = req.row[..key_len].iter().map(|v| TreeToken(v.0)).collect();
+        let mut insert = InsertRequest::new(&req.tokens[..key_len], &values)
+            .prev_prefix_len(req.protected)
+            .window_cursor(req.cursor.max(req.protected));
+        if lock {
+            insert = insert.locked();
+        }
+        let outcome = self.tree.insert(insert)?;
+        self.epoch += 1;
+        self.apply(&outcome.actions)?;
+        Ok(outcome)
+    }
+
+    // ----- actions and eviction ----------------------------------------------------------
+
+    /// Applies the tree's actions to the allocator, in the tree's order. This is the one
+    /// place actions turn into frees. Ordering against virtual-id recycling is safe by
+    /// construction: the cache keeps a free group open for the whole step, so two-sided
+    /// and FULL-only frees (the only ones that recycle virtual ids) take effect at the
+    /// next flush, after every action that names those ids has been applied; SWA-only
+    /// frees and transfers, which act at once, never recycle an id.
+    fn apply(&mut self, actions: &[Action]) -> Result<(), Error> {
+        let seg = |tokens: &[TreeToken], scratch: &mut Vec<PoolToken>| {
+            scratch.clear();
+            scratch.extend(tokens.iter().map(|t| PoolToken(t.0)));
+        };
+        let mut other = Vec::new();
+        for action in actions {
+            match action {
+                Action::FreeDeviceKv { tokens } => {
+                    seg(tokens, &mut self.scratch);
+                    self.alloc.free_segment(Segment {
+                        tokens: &self.scratch,
+                        start: 0,
+                    })?;
+                }
+                Action::FreeDeviceKvFullOnly { tokens } => {
+                    seg(tokens, &mut self.scratch);
+                    self.alloc.free_full_segment(Segment {
+                        tokens: &self.scratch,
+                        start: 0,
+                    })?;
+                }
+                // The node's new value already has live SWA in both layouts.
+                Action::SwaRebuild { .. } => {}
+                Action::RecoverSwaWithLockedFull { kept, incoming, .. } => {
+                    seg(incoming, &mut self.scratch);
+                    seg(kept, &mut other);
+                    let from = Segment {
+                        tokens: &self.scratch,
+                        start: 0,
+                    };
+                    self.alloc.transfer_swa(
+                        from,
+                        Segment {
+                            tokens: &other,
+                            start: 0,
+                        },
+                    )?;
+                    self.alloc.free_full_segment(from)?;
+                }
+                Action::EvictNode { tokens, swa, .. } => {
+                    seg(tokens, &mut self.scratch);
+                    let s = Segment {
+                        tokens: &self.scratch,
+                        start: 0,
+                    };
+                    match swa {
+                        SwaSide::Live => self.alloc.free_segment(s)?,
+                        SwaSide::Tombstone => self.alloc.free_full_segment(s)?,
+                    }
+                    self.evictions.full_nodes += 1;
+                    self.evictions.full_tokens += tokens.len() as u64;
+                }
+                Action::TombstoneSwa { tokens, .. } => {
+                    seg(tokens, &mut self.scratch);
+                    self.alloc.free_swa_segment(Segment {
+                        tokens: &self.scratch,
+                        start: 0,
+                    })?;
+                    self.evictions.swa_tombstones += 1;
+                    self.evictions.swa_tokens += tokens.len() as u64;
+                }
+                // The tree is built without the Mamba component, so it emits no slot frees.
+                Action::EvictMambaState { .. } | Action::FreeMambaSlot { .. } => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Evicts unlocked prefixes until `full_pages` FULL and `swa_pages` SWA pages can be
+    /// allocated together: deferred frees are flushed first (so freed memory is not
+    /// evicted for again), then the allocator's minimum reclaim plan is evicted from the
+    /// tree, FULL before SWA, and the fit is checked again.
+    pub fn evict_to_free(&mut self, full_pages: usize, swa_pages: usize) -> Result<(), Error> {
+        self.make_room(PageDemand {
+            full_pages,
+            swa_pages,
+        })
+    }
+
+    fn make_room(&mut self, demand: PageDemand) -> Result<(), Error> {
+        if self.alloc.allocation_fits(demand) {
+            return Ok(());
+        }
+        let ps = self.ps;
+        loop {
+            let sizes = self.tree.sizes();
+            let evictable = Reclaimable {
+                full_pages: sizes.full_evictable.0 / ps,
+                swa_pages: sizes.swa_evictable.0 / ps,
+            };
+            let Some(plan) = self.alloc.reclaim_plan(demand, evictable) else {
+                return Err(self.oom(demand));
+            };
+            if plan.full_pages == 0 && plan.swa_pages == 0 {
+                return self
+                    .alloc
+                    .ensure_capacity(demand)
+                    .map_err(|e| self.out_of_memory(e));
+            }
+            // One node at a time, FULL before SWA, and the plan and the fit checked again
+            // after each: the plan prices SWA and FULL reclaim separately, but evicting a
+            // FULL leaf frees its SWA too, so evicting the plan's counts whole over-evicts.
+            let first = if plan.full_pages > 0 {
+                Component::Full
+            } else {
+                Component::Swa
+            };
+            let Some(actions) = self
+                .tree
+                .evict_one(first)
+                .or_else(|| self.tree.evict_one(Component::Swa))
+            else {
+                return Err(self.oom(demand));
+            };
+            self.epoch += 1;
+            self.apply(&actions)?;
+            self.alloc.flush_deferred();
+        }
+    }
+
+    /// Evicts every unlocked prefix from the cache (an engine's "flush cache"), applying
+    /// the frees at once. Returns the tokens evicted.
+    pub fn evict_all(&mut self) -> Result<usize, Error> {
+        let (actions, released) = self.tree.evict_until(Component::Full, |_| false);
+        self.epoch += 1;
+        self.apply(&actions)?;
+        self.alloc.flush_deferred();
+        Ok(released.full.0)
+    }
+
+    fn oom(&self, demand: PageDemand) -> Error {
+        let cap = self.alloc.capacity();
+        Error::OutOfMemory {
+            full_pages: demand.full_pages,
+            swa_pages: demand.swa_pages,
+            full_available: cap.full.schedulable_pages,
+            swa_available: cap.swa.schedulable_pages,
+        }
+    }
+
+    fn out_of_memory(&self, e: unikv_pools::Error) -> Error {
+        match e {
+            unikv_pools::Error::OutOfCapacity { .. } => {
+                let cap = self.alloc.capacity();
+                Error::OutOfMemory {
+                    full_pages: 0,
+                    swa_pages: 0,
+                    full_available: cap.full.schedulable_pages,
+                    swa_available: cap.swa.schedulable_pages,
+                }
+            }
+            other => Error::Pool(other),
+        }
+    }
+
+    // ----- the step boundary -------------------------------------------------------------
+
+    /// Ends the step: closes the step's free group (every deferred free takes effect),
+    /// compacts, checks conservation exactly, uploads the translation mirror (one device
+    /// op per side, none when nothing changed), polls the invariants and opens the next
+    /// step's group. Nothing here waits for the device.
+    pub fn step_boundary(&mut self) -> Result<StepReport, Error> {
+        if self.alloc.in_free_group() {
+            self.alloc.free_group_end()?;
+        }
+        let flush = self.alloc.flush()?;
+        let conservation = self.check_conservation();
+        self.alloc.upload_mirror()?;
+        self.alloc.free_group_begin()?;
+        self.step += 1;
+        conservation?;
+        unikv_invariants::poll()?;
+        Ok(StepReport {
+            step: self.step,
+            pages_moved: flush.pages_moved,
+        })
+    }
+
+    /// Conservation per side, in pages: available + evictable + protected + held by live
+    /// requests = total. Deferred frees must have been applied (step boundary).
+    fn check_conservation(&self) -> Result<(), Error> {
+        let stats = self.stats();
+        for side in [&stats.full, &stats.swa] {
+            let sum = side.available_pages
+                + side.evictable_pages
+                + side.protected_pages
+                + side.held_pages;
+            let holds = sum == side.total_pages;
+            let detail = || {
+                format!(
+                    "{}: available {} + evictable {} + protected {} + held {} = {} != total {}",
+                    side.name,
+                    side.available_pages,
+                    side.evictable_pages,
+                    side.protected_pages,
+                    side.held_pages,
+                    sum,
+                    side.total_pages
+                )
+            };
+            if !expect(&CONSERVATION, holds, detail) {
+                return Err(Error::Conservation {
+                    step: self.step,
+                    detail: detail(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    // ----- accounting ---------------------------------------------------------------------
+
+    /// Pages `req` holds itself: FULL for rows `[protected, len)`, SWA for rows
+    /// `[max(cursor, protected), len)`.
+    fn held(&self, req: &Request) -> (usize, usize) {
+        let end = req.len().div_ceil(self.ps);
+        let full = end - req.protected / self.ps;
+        let swa = end.saturating_sub(req.cursor.max(req.protected) / self.ps);
+        (full, swa)
+    }
+
+    fn account(&mut self, before: (usize, usize), after: (usize, usize)) {
+        self.held_full_pages = self.held_full_pages + after.0 - before.0;
+        self.held_swa_pages = self.held_swa_pages + after.1 - before.1;
+    }
+
+    fn check_owner(&self, req: &Request) -> Result<(), Error> {
+        if req.cache == self.id {
+            Ok(())
+        } else {
+            Err(Error::ForeignRequest { request: req.id })
+        }
+    }
+
+    /// What an engine exports: per side, pages and bytes available, evictable, protected
+    /// and held; prefix hits; evictions by kind.
+    pub fn stats(&self) -> CacheStats {
+        let cap = self.alloc.capacity();
+        let sizes = self.tree.sizes();
+        let ps = self.ps;
+        let side = |name: &'static str,
+                    side: Side,
+                    c: &unikv_pools::SideCapacity,
+                    evictable: usize,
+                    protected: usize,
+                    held: usize| {
+            let envelope = self.alloc.grid(side).envelope;
+            SideStats {
+                name,
+                total_pages: c.total_pages,
+                available_pages: c.total_pages - c.allocated_pages,
+                evictable_pages: evictable / ps,
+                protected_pages: protected / ps,
+                held_pages: held,
+                page_bytes: envelope,
+                schedulable_pages: c.schedulable_pages,
+            }
+        };
+        CacheStats {
+            step: self.step,
+            full: side(
+                "full",
+                Side::Full,
+                &cap.full,
+                sizes.full_evictable.0,
+                sizes.full_protected.0,
+                self.held_full_pages,
+            ),
+            swa: side(
+                "swa",
+                Side::Swa,
+                &cap.swa,
+                sizes.swa_evictable.0,
+                sizes.swa_protected.0,
+                self.held_swa_pages,
+            ),
+            live_requests: self.live_requests,
+            hit_tokens: self.hit_tokens,
+            admitted_prompt_tokens: self.admitted_prompt_tokens,
+            evictions: self.evictions,
+        }
+    }
+}

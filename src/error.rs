@@ -1,0 +1,59 @@
+//! The facade's error type.
+
+/// Everything `HybridCache` can report. Every operation that returns an error leaves the
+/// cache and the request it was given exactly as they were.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The builder was given an unusable combination.
+    #[error("invalid cache configuration: {0}")]
+    Config(String),
+    /// Not enough memory even after evicting everything the prefix cache may give up.
+    #[error(
+        "out of memory: need {full_pages} FULL and {swa_pages} SWA pages, \
+         {full_available} and {swa_available} free after evicting every unlocked prefix"
+    )]
+    OutOfMemory {
+        /// FULL pages asked for.
+        full_pages: usize,
+        /// SWA pages asked for.
+        swa_pages: usize,
+        /// FULL pages free after eviction.
+        full_available: usize,
+        /// SWA pages free after eviction.
+        swa_available: usize,
+    },
+    /// A request handle of another cache.
+    #[error("request {request} belongs to another cache")]
+    ForeignRequest {
+        /// The request's id.
+        request: u64,
+    },
+    /// Arguments that do not fit the request (more tokens than the prompt has, ...).
+    #[error("request {request}: {reason}")]
+    BadRequest {
+        /// The request's id.
+        request: u64,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Conservation failed at a step boundary: pages were lost or counted twice.
+    #[error("conservation broken at step {step}: {detail}")]
+    Conservation {
+        /// The step boundary that found it.
+        step: u64,
+        /// Which side and which numbers.
+        detail: String,
+    },
+    /// The allocator refused an operation.
+    #[error(transparent)]
+    Pool(#[from] unikv_pools::Error),
+    /// The tree refused an operation.
+    #[error(transparent)]
+    Radix(#[from] unikv_radix::RadixError),
+    /// Start-up configuration or an invariant failing at the step boundary.
+    #[error(transparent)]
+    Invariants(#[from] unikv_invariants::Error),
+    /// The device layer failed.
+    #[error(transparent)]
+    Device(#[from] unikv_kernels::Error),
+}

@@ -1,0 +1,16 @@
+//! The facade's invariants: request lifecycle rules that only the facade can see.
+
+use unikv_invariants::declare_invariant;
+
+declare_invariant! {
+    /// Per side, at every step boundary: available + evictable + protected + held by live
+    /// requests = total, in pages.
+    pub static CONSERVATION: "cache.conservation", FatalUncontainable,
+        "per side at each step boundary: available + evictable + protected + held = total pages";
+    /// A request's window cursor only moves up, in whole pages.
+    pub static CURSOR_RATCHET: "cache.cursor_ratchet", Guard,
+        "a request's window cursor only moves up and stays page-aligned";
+}
+
+/// Every invariant this crate declares.
+pub const DECLARED: [&unikv_invariants::Invariant; 2] = [&CONSERVATION, &CURSOR_RATCHET];

@@ -1,0 +1,102 @@
+//! A request's state, held by the engine: a value that the cache's finishing methods
+//! consume, so it cannot be used after release.
+
+use unikv_pools::VirtualToken as PoolToken;
+use unikv_radix::{LockHandle, MatchResult, TokenId};
+
+/// The result of [`crate::HybridCache::match_prefix`]: how much of a prompt the prefix
+/// cache holds. Nothing is locked yet — dropping it aborts with nothing to undo.
+#[derive(Debug)]
+pub struct PrefixMatch {
+    pub(crate) tokens: Vec<TokenId>,
+    pub(crate) result: MatchResult,
+    pub(crate) epoch: u64,
+    pub(crate) cache: u64,
+}
+
+impl PrefixMatch {
+    /// Tokens of the prompt whose KV the cache already holds (whole pages).
+    pub fn cached_tokens(&self) -> usize {
+        self.result.len.0
+    }
+
+    /// The prompt's length.
+    pub fn prompt_len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Gives the prompt back (abort).
+    pub fn into_tokens(self) -> Vec<TokenId> {
+        self.tokens
+    }
+}
+
+/// One admitted request. The engine holds it; every cache method that changes it takes
+/// it by `&mut`, and [`crate::HybridCache::cache_finished`] and
+/// [`crate::HybridCache::release`] consume it. Dropping it without either leaks its KV
+/// (the cache's stats keep counting it as held).
+#[derive(Debug)]
+#[must_use = "a request must be finished or released, or its KV leaks"]
+pub struct Request {
+    pub(crate) id: u64,
+    pub(crate) cache: u64,
+    /// Prompt and generated tokens; the first `row.len()` have KV.
+    pub(crate) tokens: Vec<TokenId>,
+    /// Virtual token ids of the rows that have KV.
+    pub(crate) row: Vec<PoolToken>,
+    /// The tree owns rows `[0, protected)` (page-aligned).
+    pub(crate) protected: usize,
+    /// SWA of rows below the cursor is released (page-aligned, only moves up).
+    pub(crate) cursor: usize,
+    /// The lock on the tree node whose prefix the request uses.
+    pub(crate) lock: Option<LockHandle>,
+    pub(crate) window_lock_released: bool,
+    pub(crate) cached_at_admission: usize,
+}
+
+impl Request {
+    /// The cache-assigned id.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Tokens with KV.
+    pub fn len(&self) -> usize {
+        self.row.len()
+    }
+
+    /// Whether no token has KV yet.
+    pub fn is_empty(&self) -> bool {
+        self.row.is_empty()
+    }
+
+    /// Prompt and generated tokens (the first [`Request::len`] have KV).
+    pub fn tokens(&self) -> &[TokenId] {
+        &self.tokens
+    }
+
+    /// Tokens still to prefill.
+    pub fn remaining_prefill(&self) -> usize {
+        self.tokens.len() - self.row.len()
+    }
+
+    /// The virtual token ids of its rows (what attention metadata is built from).
+    pub fn row(&self) -> &[PoolToken] {
+        &self.row
+    }
+
+    /// The window cursor: SWA of rows below it is released.
+    pub fn window_cursor(&self) -> usize {
+        self.cursor
+    }
+
+    /// Rows the prefix cache owns (`[0, protected)`).
+    pub fn protected_len(&self) -> usize {
+        self.protected
+    }
+
+    /// Tokens reused from the prefix cache when it was admitted.
+    pub fn cached_at_admission(&self) -> usize {
+        self.cached_at_admission
+    }
+}

@@ -1,0 +1,71 @@
+//! What an engine exports about the cache.
+
+/// One side's (sub-pool's) accounting, in pages. At a step boundary
+/// `available + evictable + protected + held = total` exactly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SideStats {
+    /// `full` or `swa`.
+    pub name: &'static str,
+    /// The side's page capacity (conservation view).
+    pub total_pages: usize,
+    /// Pages not allocated.
+    pub available_pages: usize,
+    /// Pages the prefix cache holds unlocked (evictable).
+    pub evictable_pages: usize,
+    /// Pages the prefix cache holds locked by running requests.
+    pub protected_pages: usize,
+    /// Pages live requests hold outside the prefix cache.
+    pub held_pages: usize,
+    /// Bytes of one page envelope of this side.
+    pub page_bytes: u64,
+    /// Pages this side alone could get now, after compaction (what schedulers plan with).
+    pub schedulable_pages: usize,
+}
+
+impl SideStats {
+    /// Bytes in use (allocated pages × page bytes).
+    pub fn used_bytes(&self) -> u64 {
+        (self.total_pages - self.available_pages) as u64 * self.page_bytes
+    }
+}
+
+/// Evictions by kind since the cache was built.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EvictionCounts {
+    /// Whole nodes evicted (FULL, and SWA with them).
+    pub full_nodes: u64,
+    /// Tokens of those nodes.
+    pub full_tokens: u64,
+    /// Nodes whose SWA was released (tombstoned) while FULL stayed.
+    pub swa_tombstones: u64,
+    /// Tokens of those nodes.
+    pub swa_tokens: u64,
+}
+
+/// A snapshot of the cache's accounting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Step boundaries passed.
+    pub step: u64,
+    /// The FULL side.
+    pub full: SideStats,
+    /// The SWA side.
+    pub swa: SideStats,
+    /// Requests admitted and not yet finished or released.
+    pub live_requests: usize,
+    /// Prompt tokens served from the prefix cache at admission.
+    pub hit_tokens: u64,
+    /// Prompt tokens admitted.
+    pub admitted_prompt_tokens: u64,
+    /// Evictions by kind.
+    pub evictions: EvictionCounts,
+}
+
+/// What [`crate::HybridCache::step_boundary`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepReport {
+    /// The step that just ended (1-based).
+    pub step: u64,
+    /// Page envelopes moved by compaction.
+    pub pages_moved: usize,
+}
