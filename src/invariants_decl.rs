@@ -13,4 +13,4 @@ declare_invariant! {
 }
 
 /// Every invariant this crate declares.
-pub const DECLARED: [&unikv_invariants::Invariant; 2] = [&CONSERVATION, &CURSOR_RATCHET];
+pub const ALL: [&unikv_invariants::Invariant; 2] = [&CONSERVATION, &CURSOR_RATCHET];

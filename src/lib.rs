@@ -51,23 +51,12 @@ pub fn init() -> Result<&'static invariants::Registry, invariants::Error> {
 
 /// Every invariant the workspace's crates declare, as each crate lists them.
 fn declared() -> Vec<&'static invariants::Invariant> {
-    use unikv_pools::invariants as pool;
-    use unikv_radix as radix;
-    let mut all: Vec<&'static invariants::Invariant> = vec![
-        &pool::PEER_MAPPED,
-        &pool::PEER_RELEASED,
-        &pool::WINDOW_RATCHET,
-        &pool::DOUBLE_FREE,
-        &pool::SINK_RESERVED,
-        &pool::ONE_FREE_PER_GROUP,
-        &pool::SEGMENT_SHAPE,
-        &pool::CONSERVATION,
-        &radix::FULL_LOCKS_COVER_SWA_LOCKS,
-        &radix::LOCK_UNDERFLOW,
-        &radix::SANITY,
-    ];
-    all.extend(invariants_decl::DECLARED);
-    all
+    [
+        &unikv_pools::invariants::ALL[..],
+        &unikv_radix::INVARIANTS[..],
+        &invariants_decl::ALL[..],
+    ]
+    .concat()
 }
 
 /// The names of every invariant declared by the workspace's crates. The registry seen

@@ -53,3 +53,16 @@ declare_invariant! {
     pub static CONSERVATION: "pool.conservation", FatalUncontainable,
         "available + allocated = total per sub-pool, and frontiers and spans account for every byte";
 }
+
+/// Every invariant this crate declares (the facade names them so that `inventory` keeps
+/// every registration, and checks the registry against this list).
+pub const ALL: [&unikv_invariants::Invariant; 8] = [
+    &PEER_MAPPED,
+    &PEER_RELEASED,
+    &WINDOW_RATCHET,
+    &DOUBLE_FREE,
+    &SINK_RESERVED,
+    &ONE_FREE_PER_GROUP,
+    &SEGMENT_SHAPE,
+    &CONSERVATION,
+];

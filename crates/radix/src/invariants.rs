@@ -15,3 +15,8 @@ declare_invariant! {
     pub static SANITY: "radix.sanity", Guard,
         "recomputing sizes, LRU sets, structure and lock counts from the tree matches what it recorded";
 }
+
+/// Every invariant this crate declares (the facade names them so that `inventory` keeps
+/// every registration, and checks the registry against this list).
+pub const ALL: [&unikv_invariants::Invariant; 3] =
+    [&FULL_LOCKS_COVER_SWA_LOCKS, &LOCK_UNDERFLOW, &SANITY];

@@ -82,7 +82,7 @@ mod types;
 pub use action::{Action, Released, SwaSide};
 pub use error::RadixError;
 pub use insert::{InsertOutcome, InsertRequest};
-pub use invariants::{FULL_LOCKS_COVER_SWA_LOCKS, LOCK_UNDERFLOW, SANITY};
+pub use invariants::{ALL as INVARIANTS, FULL_LOCKS_COVER_SWA_LOCKS, LOCK_UNDERFLOW, SANITY};
 pub use matching::MatchResult;
 pub use tree::{NodeView, RadixTree, Sizes};
 pub use types::{
