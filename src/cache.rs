@@ -46,7 +46,6 @@ impl Layout {
 static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(1);
 
 /// Builds a [`HybridCache`]; see [`HybridCache::builder`].
-#[derive(Debug)]
 pub struct HybridCacheBuilder {
     model: ModelSpec,
     page_size: u32,
@@ -55,6 +54,26 @@ pub struct HybridCacheBuilder {
     device: Option<Arc<dyn Device>>,
     eviction_interval: Option<u32>,
     zero_on_handout: bool,
+    wrap: Option<AllocatorWrapper>,
+}
+
+/// A function that wraps the allocator the builder made (see
+/// [`HybridCacheBuilder::wrap_allocator`]).
+type AllocatorWrapper = Box<dyn FnOnce(Box<dyn KvAllocator>) -> Box<dyn KvAllocator>>;
+
+impl std::fmt::Debug for HybridCacheBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HybridCacheBuilder")
+            .field("model", &self.model.name)
+            .field("page_size", &self.page_size)
+            .field("memory_bytes", &self.memory_bytes)
+            .field("layout", &self.layout)
+            .field("device", &self.device.as_ref().map(|d| d.name()))
+            .field("eviction_interval", &self.eviction_interval)
+            .field("zero_on_handout", &self.zero_on_handout)
+            .field("wrapped", &self.wrap.is_some())
+            .finish()
+    }
 }
 
 impl HybridCacheBuilder {
@@ -99,6 +118,17 @@ impl HybridCacheBuilder {
     /// whole pages need it when neighbours may hold NaN bytes).
     pub fn zero_on_handout(mut self, zero: bool) -> Self {
         self.zero_on_handout = zero;
+        self
+    }
+
+    /// Wraps the allocator the builder makes, e.g. in a recorder of every allocator-level
+    /// operation (the replay's `--record-ops`) or a fault injector in tests. The wrapper
+    /// must forward every call.
+    pub fn wrap_allocator(
+        mut self,
+        wrap: impl FnOnce(Box<dyn KvAllocator>) -> Box<dyn KvAllocator> + 'static,
+    ) -> Self {
+        self.wrap = Some(Box::new(wrap));
         self
     }
 
@@ -177,6 +207,9 @@ impl HybridCacheBuilder {
             )?),
         };
         let window = m.window as usize;
+        if let Some(wrap) = self.wrap {
+            alloc = wrap(alloc);
+        }
         let tree = RadixTree::new(TreeConfig::swa(self.page_size, window))?;
         // Frees are grouped per step: nothing recycles a virtual id before the boundary.
         alloc.free_group_begin()?;
@@ -279,6 +312,7 @@ impl HybridCache {
             device: None,
             eviction_interval: None,
             zero_on_handout: false,
+            wrap: None,
         }
     }
 
