@@ -373,15 +373,22 @@ impl HybridCache {
         }
         let cap = self.alloc.capacity();
         let sizes = self.tree.sizes();
-        // The hit itself will be locked, so it cannot be evicted for this request.
+        // The hit itself will be locked, so it cannot be evicted for this request. (The
+        // SWA of an evictable FULL leaf is already counted as evictable SWA.)
         let full_evictable = (sizes.full_evictable.0 / self.ps).saturating_sub(cached / self.ps);
-        let swa_evictable = sizes.swa_evictable.0 / self.ps;
-        cap.full.schedulable_pages + full_evictable >= pages
-            && cap.swa.schedulable_pages
-                + swa_evictable
-                + full_evictable.min(sizes.swa_evictable.0 / self.ps)
-                >= pages
-            && cap.joint_schedulable_pages + full_evictable + swa_evictable >= pages
+        let swa_evictable = (sizes.swa_evictable.0 / self.ps).saturating_sub(cached / self.ps);
+        let per_side = cap.full.schedulable_pages + full_evictable >= pages
+            && cap.swa.schedulable_pages + swa_evictable >= pages;
+        match self.layout {
+            Layout::Static { .. } => per_side,
+            // One buffer: evicted pages add their bytes to the gap, and a joint page needs
+            // a FULL and an SWA envelope of it (not one joint page per evicted page).
+            Layout::Unified => {
+                let (ef, es) = (self.alloc.grid(Side::Full).envelope, self.alloc.grid(Side::Swa).envelope);
+                let freed = full_evictable as u64 * ef + swa_evictable as u64 * es;
+                per_side && cap.joint_schedulable_pages as u64 + freed / (ef + es) >= pages as u64
+            }
+        }
     }
 
     /// Admits a matched prompt: locks the hit so no eviction takes it, and returns the
@@ -538,7 +545,7 @@ impl HybridCache {
             .free_swa_segment(Segment::of_row(&req.row, evicted..new_cursor))?;
         expect(
             &CURSOR_RATCHET,
-            new_cursor > req.cursor && new_cursor % self.ps == 0,
+            new_cursor > req.cursor && new_cursor.is_multiple_of(self.ps),
             || {
                 format!(
                     "request {}: cursor {} -> {new_cursor} (page size {})",

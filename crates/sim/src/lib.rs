@@ -1,8 +1,46 @@
 //! The deterministic scheduler simulator behind `unikv replay`.
 //!
-//! Skeleton: the workloads, the scheduler and the report arrive with the replay issue.
+//! `unikv replay` runs serving workloads (named presets from the seed PR's load tests and
+//! `bench_serving` shapes, or a user's `--trace`) through a seeded scheduler that drives
+//! the cache the way an engine would, once with the static paged FULL/SWA pools and once
+//! with the unified pool, and prints a side-by-side report (DESIGN.md §9).
 //!
-//! # Invariants this crate keeps (planned)
-//! - Determinism: the same seed gives the same report, byte for byte (no wall-clock
-//!   input to any decision).
+//! | module | what it holds |
+//! |---|---|
+//! | [`rng`] | SplitMix64, the only source of randomness |
+//! | [`model`] | model KV shapes (`--model`) |
+//! | [`workload`] | [`Workload`], [`RequestSpec`], the presets ([`Preset`]) |
+//! | [`trace`] | `--trace FILE` (JSON Lines) → [`Workload`] |
+//! | [`cli`] | the hand-written command line and help texts |
+//! | [`scheduler`] | the seam: [`scheduler::run`], [`RunConfig`], [`Layout`], [`StepProgress`] |
+//! | [`report`] | [`RunStats`], the table, the JSON object, the verdict |
+//! | [`svg`] | one plot per run of each sub-pool's bytes over steps |
+//! | [`progress`] | the progress bar on stderr |
+//! | [`replay`] | the commands end to end |
+//! | [`units`] | memory sizes in and out |
+//!
+//! # Invariants this crate keeps
+//! - Determinism: the same seed gives the same workloads and the same report, byte for
+//!   byte, except the CPU time per step (`--no-timing` leaves it out). No wall-clock input
+//!   reaches any decision.
+//! - No panics on any input: bad options, traces and files are [`SimError`]s.
 //! - Nothing imports `unikv-sim`; it drives the facade like an engine would.
+
+pub mod cli;
+mod error;
+pub mod model;
+pub mod progress;
+pub mod replay;
+pub mod report;
+pub mod rng;
+pub mod scheduler;
+pub mod svg;
+pub mod trace;
+pub mod units;
+pub mod workload;
+
+pub use error::{SimError, TraceProblem};
+pub use model::ModelShape;
+pub use report::{Report, RunStats, StepSample};
+pub use scheduler::{Layout, RunConfig, StepProgress};
+pub use workload::{Preset, RequestSpec, Workload};

@@ -37,3 +37,87 @@ fn every_accepted_spelling_starts() {
         );
     }
 }
+
+/// Runs the binary with `args` (and a valid invariant level) and returns (status, stdout,
+/// stderr).
+fn unikv(args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_unikv"))
+        .args(args)
+        .env("UNIKV_INVARIANT_CHECK", "off")
+        .output()
+        .expect("the binary runs");
+    (
+        out.status.code(),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    )
+}
+
+#[test]
+fn replay_help_documents_the_options_the_defaults_and_the_trace_format() {
+    let (status, stdout, stderr) = unikv(&["replay", "--help"]);
+    assert_eq!(status, Some(0), "{stderr}");
+    for needle in [
+        "--workload",
+        "--page-size",
+        "--memory",
+        "--layout",
+        "--seed",
+        "--json",
+        "--svg DIR",
+        "--trace FILE",
+        "--record-ops FILE",
+        "[default: 1,256]",
+        "TRACE FORMAT",
+        "shared-prefix",
+        "EXIT STATUS",
+    ] {
+        assert!(stdout.contains(needle), "{needle} missing from:\n{stdout}");
+    }
+    let (status, stdout, _) = unikv(&["help"]);
+    assert_eq!(status, Some(0));
+    assert!(stdout.contains("unikv replay") && stdout.contains("unikv bench-ops"));
+}
+
+#[test]
+fn bad_options_are_one_line_errors_with_status_2() {
+    for args in [
+        &["replay", "--memory", "24G"][..],
+        &["replay", "--workload", "nope"],
+        &["replay", "--page-size", "0"],
+        &["replay", "--layout", "paged"],
+        &["replay", "--frobnicate"],
+        &["replay", "--record-ops", "ops.jsonl"],
+        &["bench-ops"],
+        &["rerun"],
+    ] {
+        let (status, stdout, stderr) = unikv(args);
+        assert_eq!(status, Some(2), "{args:?}: {stderr}");
+        assert!(stdout.is_empty(), "{args:?}: {stdout}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.starts_with("unikv: "), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn a_malformed_trace_line_is_reported_with_its_file_and_line() {
+    let dir = std::env::temp_dir().join(format!("unikv-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bad.jsonl");
+    std::fs::write(
+        &path,
+        "{\"arrival_step\": 0, \"prompt_len\": 64, \"output_len\": 8}\n\
+         \n\
+         {\"arrival_step\": 1, \"prompt_len\": 64, \"output_len\": 0}\n",
+    )
+    .unwrap();
+    let (status, stdout, stderr) = unikv(&["replay", "--trace", path.to_str().unwrap()]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(status, Some(2), "{stderr}");
+    assert!(stdout.is_empty());
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("bad.jsonl:3: output_len must be at least 1"),
+        "{stderr}"
+    );
+}

@@ -1,0 +1,820 @@
+//! The command line, parsed by hand (std only): `unikv replay [options]`,
+//! `unikv bench-ops FILE [options]` and the help texts.
+//!
+//! Options take their value as the next argument or after `=` (`--seed 7`, `--seed=7`);
+//! a value never starts with `--`. `--workload` and `--page-size` may be repeated and
+//! take comma-separated lists; any other option given twice keeps its last value.
+
+use crate::error::SimError;
+use crate::model::ModelShape;
+use crate::report::group_digits;
+use crate::scheduler::Layout;
+use crate::trace;
+use crate::units::{format_bytes, parse_memory};
+use crate::workload::Preset;
+use std::ffi::OsString;
+use std::path::PathBuf;
+use unikv_invariants::Level;
+
+/// The default KV budget of `unikv replay`: **16 GiB**, chosen so that the static split
+/// is under pressure while the unified pool is not.
+///
+/// gpt-oss-20b costs 24,576 bytes per token on each side. The static pools split the
+/// budget 1 : 0.8 (FULL : SWA tokens), so 16 GiB gives FULL 16 GiB / (24,576 B × 1.8) ≈
+/// 388,000 tokens. At full concurrency the FULL side needs, per preset:
+///
+/// | preset | FULL tokens at the end of a full batch | static (≈ 388k) | unified (≈ 699k, less SWA's windows) |
+/// |---|---|---|---|
+/// | `shared-prefix` | 4,096 + 192 × 2,176 = 421,888 | short: retracts | fits |
+/// | `long-outputs` | 100 × 4,608 = 460,800 | short: retracts | fits |
+/// | `random-8192-64` | 64 × 8,256 = 528,384 | short | fits |
+/// | `random-2048-512` | 64 × 2,560 = 163,840 | fits | fits |
+///
+/// SWA needs only a window (128 tokens, rounded up to pages) per running request plus
+/// the prefill chunk, so the static pools' 44 % on SWA mostly sits idle — the case the
+/// unified pool exists for. 16 GiB is also about what a 32 GB GPU leaves for KV next to
+/// gpt-oss-20b's ~13 GB of weights.
+pub const DEFAULT_MEMORY_BYTES: u64 = 16 << 30;
+
+/// The default page sizes: 1 and 256 (DESIGN.md §9).
+pub const DEFAULT_PAGE_SIZES: [u32; 2] = [1, 256];
+
+/// The default seed.
+pub const DEFAULT_SEED: u64 = 1;
+
+/// A parsed command line.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Command {
+    /// Print a help text and exit successfully.
+    Help(HelpTopic),
+    /// `unikv replay`.
+    Replay(ReplayArgs),
+    /// `unikv bench-ops FILE`.
+    BenchOps(BenchOpsArgs),
+}
+
+/// Which help text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HelpTopic {
+    /// `unikv --help`: the commands.
+    Main,
+    /// `unikv replay --help`.
+    Replay,
+    /// `unikv bench-ops --help`.
+    BenchOps,
+}
+
+impl HelpTopic {
+    /// The help text.
+    pub fn text(self) -> String {
+        match self {
+            HelpTopic::Main => MAIN_HELP.to_string(),
+            HelpTopic::Replay => replay_help(),
+            HelpTopic::BenchOps => BENCH_OPS_HELP.to_string(),
+        }
+    }
+}
+
+/// The options of `unikv replay`, resolved (defaults filled in).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReplayArgs {
+    /// The presets to run, in order, without duplicates. Empty only when a trace is given
+    /// alone.
+    pub workloads: Vec<Preset>,
+    /// A trace file to run after the presets (`--trace`).
+    pub trace: Option<PathBuf>,
+    /// The model (`--model`, default gpt-oss-20b).
+    pub model: ModelShape,
+    /// Page sizes, in order, without duplicates (`--page-size`, default 1 and 256).
+    pub page_sizes: Vec<u32>,
+    /// The KV budget in bytes (`--memory`, default [`DEFAULT_MEMORY_BYTES`]).
+    pub memory_bytes: u64,
+    /// Layouts, static first (`--layout`, default both).
+    pub layouts: Vec<Layout>,
+    /// The seed of workload generation and of the scheduler (`--seed`).
+    pub seed: u64,
+    /// The invariant level of the runs (`--invariants`, default strict).
+    pub invariant_level: Level,
+    /// Print one JSON object instead of the table (`--json`).
+    pub json: bool,
+    /// Write one SVG per run into this directory (`--svg`).
+    pub svg_dir: Option<PathBuf>,
+    /// Record the run's allocator operations into this file (`--record-ops`).
+    pub record_ops: Option<PathBuf>,
+    /// Report CPU time per step (off with `--no-timing`, for byte-identical output).
+    pub timing: bool,
+}
+
+impl Default for ReplayArgs {
+    /// `unikv replay` with no options.
+    fn default() -> ReplayArgs {
+        ReplayArgs {
+            workloads: Preset::DEFAULTS.to_vec(),
+            trace: None,
+            model: ModelShape::GPT_OSS_20B,
+            page_sizes: DEFAULT_PAGE_SIZES.to_vec(),
+            memory_bytes: DEFAULT_MEMORY_BYTES,
+            layouts: Layout::BOTH.to_vec(),
+            seed: DEFAULT_SEED,
+            invariant_level: Level::Strict,
+            json: false,
+            svg_dir: None,
+            record_ops: None,
+            timing: true,
+        }
+    }
+}
+
+impl ReplayArgs {
+    /// How many runs these options give: workloads (presets and trace) × page sizes ×
+    /// layouts.
+    pub fn runs(&self) -> usize {
+        let workloads = self.workloads.len() + usize::from(self.trace.is_some());
+        workloads * self.page_sizes.len() * self.layouts.len()
+    }
+}
+
+/// The options of `unikv bench-ops`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BenchOpsArgs {
+    /// The ops file written by `unikv replay --record-ops`.
+    pub file: PathBuf,
+    /// The invariant levels to measure at, in order (`--invariants`, repeatable; default
+    /// off and strict, the two levels of the throughput targets in DESIGN.md §10).
+    pub levels: Vec<Level>,
+    /// Print one JSON object instead of the table.
+    pub json: bool,
+}
+
+/// Parses the process's arguments (without the program name).
+pub fn parse_os_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, SimError> {
+    let args = args
+        .into_iter()
+        .map(|a| {
+            a.into_string().map_err(|bad| SimError::NotUtf8 {
+                arg: bad.to_string_lossy().into_owned(),
+            })
+        })
+        .collect::<Result<Vec<String>, SimError>>()?;
+    parse_args(&args)
+}
+
+/// Parses arguments (without the program name).
+pub fn parse_args<S: AsRef<str>>(args: &[S]) -> Result<Command, SimError> {
+    let args: Vec<&str> = args.iter().map(AsRef::as_ref).collect();
+    match args.first().copied() {
+        None | Some("--help" | "-h") => Ok(Command::Help(HelpTopic::Main)),
+        Some("help") => match args.get(1).copied() {
+            None => Ok(Command::Help(HelpTopic::Main)),
+            Some("replay") => Ok(Command::Help(HelpTopic::Replay)),
+            Some("bench-ops") => Ok(Command::Help(HelpTopic::BenchOps)),
+            Some(other) => Err(SimError::UnknownCommand {
+                command: other.to_string(),
+            }),
+        },
+        Some("replay") => parse_replay(&args[1..]),
+        Some("bench-ops") => parse_bench_ops(&args[1..]),
+        Some(other) => Err(SimError::UnknownCommand {
+            command: other.to_string(),
+        }),
+    }
+}
+
+/// Walks `--name value`, `--name=value` and positional arguments.
+struct Args<'a> {
+    command: &'static str,
+    rest: std::slice::Iter<'a, &'a str>,
+}
+
+enum Arg<'a> {
+    /// An option, with its `=value` if it had one.
+    Option(&'a str, Option<&'a str>),
+    Positional(&'a str),
+}
+
+impl<'a> Args<'a> {
+    fn next(&mut self) -> Option<Arg<'a>> {
+        let arg = *self.rest.next()?;
+        if arg.starts_with('-') && arg.len() > 1 {
+            Some(match arg.split_once('=') {
+                Some((name, value)) => Arg::Option(name, Some(value)),
+                None => Arg::Option(arg, None),
+            })
+        } else {
+            Some(Arg::Positional(arg))
+        }
+    }
+
+    /// The option's value: after `=`, or the next argument (which must not be an option).
+    fn value(
+        &mut self,
+        option: &'static str,
+        inline: Option<&'a str>,
+    ) -> Result<&'a str, SimError> {
+        let value = match inline {
+            Some(v) => v,
+            None => match self.rest.clone().next() {
+                Some(next) if !next.starts_with("--") => {
+                    self.rest.next();
+                    *next
+                }
+                _ => return Err(SimError::MissingValue { option }),
+            },
+        };
+        if value.trim().is_empty() {
+            return Err(SimError::MissingValue { option });
+        }
+        Ok(value)
+    }
+
+    fn flag(option: &'static str, inline: Option<&str>) -> Result<(), SimError> {
+        match inline {
+            None => Ok(()),
+            Some(value) => Err(SimError::UnexpectedValue {
+                option,
+                value: value.to_string(),
+            }),
+        }
+    }
+
+    fn unknown(&self, option: &str) -> SimError {
+        SimError::UnknownOption {
+            command: self.command,
+            option: option.to_string(),
+        }
+    }
+}
+
+fn parse_replay(args: &[&str]) -> Result<Command, SimError> {
+    let mut parsed = ReplayArgs {
+        workloads: Vec::new(),
+        ..ReplayArgs::default()
+    };
+    let mut page_sizes: Vec<u32> = Vec::new();
+    let mut args = Args {
+        command: "replay",
+        rest: args.iter(),
+    };
+    while let Some(arg) = args.next() {
+        let (name, inline) = match arg {
+            Arg::Positional(p) => {
+                return Err(SimError::UnexpectedArgument {
+                    command: "replay",
+                    arg: p.to_string(),
+                });
+            }
+            Arg::Option(name, inline) => (name, inline),
+        };
+        match name {
+            "--help" | "-h" => return Ok(Command::Help(HelpTopic::Replay)),
+            "--workload" => {
+                for name in list(args.value("--workload", inline)?) {
+                    let presets = if name.eq_ignore_ascii_case("all") {
+                        Preset::DEFAULTS.to_vec()
+                    } else {
+                        vec![
+                            Preset::from_name(name).ok_or_else(|| SimError::UnknownWorkload {
+                                name: name.to_string(),
+                                known: known_workloads(),
+                            })?,
+                        ]
+                    };
+                    for preset in presets {
+                        if !parsed.workloads.contains(&preset) {
+                            parsed.workloads.push(preset);
+                        }
+                    }
+                }
+            }
+            "--model" => {
+                let name = args.value("--model", inline)?;
+                parsed.model = ModelShape::by_name(name).ok_or_else(|| SimError::UnknownModel {
+                    name: name.to_string(),
+                    known: ModelShape::ALL.map(|m| m.name).join(", "),
+                })?;
+            }
+            "--page-size" => {
+                for value in list(args.value("--page-size", inline)?) {
+                    let ps = parse_page_size(value)?;
+                    if !page_sizes.contains(&ps) {
+                        page_sizes.push(ps);
+                    }
+                }
+            }
+            "--memory" => parsed.memory_bytes = parse_memory(args.value("--memory", inline)?)?,
+            "--layout" => {
+                let value = args.value("--layout", inline)?;
+                parsed.layouts = match value.trim().to_ascii_lowercase().as_str() {
+                    "static" => vec![Layout::Static],
+                    "unified" => vec![Layout::Unified],
+                    "both" => Layout::BOTH.to_vec(),
+                    _ => {
+                        return Err(SimError::UnknownLayout {
+                            value: value.to_string(),
+                        });
+                    }
+                };
+            }
+            "--seed" => {
+                let value = args.value("--seed", inline)?;
+                parsed.seed = value.trim().parse().map_err(|_| SimError::BadNumber {
+                    option: "--seed",
+                    value: value.to_string(),
+                    reason: "expected an integer from 0 to 2^64-1",
+                })?;
+            }
+            "--invariants" => {
+                parsed.invariant_level = parse_level(args.value("--invariants", inline)?)?
+            }
+            "--json" => {
+                Args::flag("--json", inline)?;
+                parsed.json = true;
+            }
+            "--no-timing" => {
+                Args::flag("--no-timing", inline)?;
+                parsed.timing = false;
+            }
+            "--svg" => parsed.svg_dir = Some(PathBuf::from(args.value("--svg", inline)?)),
+            "--trace" => parsed.trace = Some(PathBuf::from(args.value("--trace", inline)?)),
+            "--record-ops" => {
+                parsed.record_ops = Some(PathBuf::from(args.value("--record-ops", inline)?));
+            }
+            other => return Err(args.unknown(other)),
+        }
+    }
+    if parsed.workloads.is_empty() && parsed.trace.is_none() {
+        parsed.workloads = Preset::DEFAULTS.to_vec();
+    }
+    if !page_sizes.is_empty() {
+        parsed.page_sizes = page_sizes;
+    }
+    if parsed.record_ops.is_some() && parsed.runs() != 1 {
+        return Err(SimError::RecordOpsNeedsOneRun {
+            runs: parsed.runs(),
+        });
+    }
+    Ok(Command::Replay(parsed))
+}
+
+fn parse_bench_ops(args: &[&str]) -> Result<Command, SimError> {
+    let mut file: Option<PathBuf> = None;
+    let mut levels: Vec<Level> = Vec::new();
+    let mut json = false;
+    let mut args = Args {
+        command: "bench-ops",
+        rest: args.iter(),
+    };
+    while let Some(arg) = args.next() {
+        match arg {
+            Arg::Positional(p) if file.is_none() => file = Some(PathBuf::from(p)),
+            Arg::Positional(p) => {
+                return Err(SimError::UnexpectedArgument {
+                    command: "bench-ops",
+                    arg: p.to_string(),
+                });
+            }
+            Arg::Option("--help" | "-h", _) => return Ok(Command::Help(HelpTopic::BenchOps)),
+            Arg::Option("--invariants", inline) => {
+                let level = parse_level(args.value("--invariants", inline)?)?;
+                if !levels.contains(&level) {
+                    levels.push(level);
+                }
+            }
+            Arg::Option("--json", inline) => {
+                Args::flag("--json", inline)?;
+                json = true;
+            }
+            Arg::Option(other, _) => return Err(args.unknown(other)),
+        }
+    }
+    let file = file.ok_or(SimError::MissingArgument {
+        command: "bench-ops",
+        what: "the ops FILE written by `unikv replay --record-ops`",
+    })?;
+    if levels.is_empty() {
+        levels = vec![Level::Off, Level::Strict];
+    }
+    Ok(Command::BenchOps(BenchOpsArgs { file, levels, json }))
+}
+
+/// Comma-separated items, spaces trimmed, empty items dropped.
+fn list(value: &str) -> impl Iterator<Item = &str> {
+    value.split(',').map(str::trim).filter(|s| !s.is_empty())
+}
+
+fn parse_page_size(value: &str) -> Result<u32, SimError> {
+    let bad = |reason| SimError::BadNumber {
+        option: "--page-size",
+        value: value.to_string(),
+        reason,
+    };
+    let ps: u32 = value
+        .parse()
+        .map_err(|_| bad("expected a whole number of tokens"))?;
+    if ps == 0 {
+        return Err(bad("a page holds at least 1 token"));
+    }
+    if ps > MAX_PAGE_SIZE {
+        return Err(bad("at most 65,536 tokens per page"));
+    }
+    Ok(ps)
+}
+
+/// The largest page size accepted (far above any engine's; keeps page arithmetic small).
+const MAX_PAGE_SIZE: u32 = 1 << 16;
+
+fn parse_level(value: &str) -> Result<Level, SimError> {
+    Level::parse(value).map_err(|_| SimError::UnknownLevel {
+        value: value.to_string(),
+    })
+}
+
+fn known_workloads() -> String {
+    let mut names: Vec<&str> = Preset::ALL.iter().map(|p| p.name()).collect();
+    names.push("all");
+    names.join(", ")
+}
+
+/// `unikv --help`.
+pub const MAIN_HELP: &str = "\
+unikv: GPU memory for hybrid LLMs (FULL, SWA and Mamba state in one buffer), on the CPU
+
+USAGE:
+  unikv replay [OPTIONS]        replay serving workloads through the static and the
+                                unified pool, side by side (try `unikv replay --help`)
+  unikv bench-ops FILE [OPTIONS]
+                                replay a recorded allocator operation trace and report
+                                its throughput (try `unikv bench-ops --help`)
+  unikv help [COMMAND]          this text, or a command's
+
+ENVIRONMENT:
+  UNIKV_INVARIANT_CHECK         off|warn|strict|0|1|2: checked at start-up; the
+                                commands' --invariants option sets the level they run at
+";
+
+/// `unikv bench-ops --help`.
+pub const BENCH_OPS_HELP: &str = "\
+unikv bench-ops: replay only the allocator operations a replay recorded, against a fresh
+allocator, and report throughput (ops/s and tokens/s per operation kind)
+
+USAGE:
+  unikv bench-ops FILE [--invariants LEVEL]... [--json]
+
+ARGUMENTS:
+  FILE                  an ops trace written by `unikv replay --record-ops FILE`
+
+OPTIONS:
+  --invariants LEVEL    off|warn|strict (or 0|1|2); repeat to measure at several levels
+                        [default: off and strict]
+  --json                print one JSON object instead of the table
+  -h, --help            this text
+";
+
+/// `unikv replay --help`.
+pub fn replay_help() -> String {
+    let workloads: String = Preset::ALL
+        .iter()
+        .map(|p| {
+            let default = if Preset::DEFAULTS.contains(p) {
+                ""
+            } else {
+                " [not run by default]"
+            };
+            format!("  {:<18}{}{default}\n", p.name(), p.description())
+        })
+        .collect();
+    let models: String = ModelShape::ALL
+        .iter()
+        .map(|m| {
+            format!(
+                "  {:<18}{} FULL + {} SWA layers (window {}), {} bytes/token/side\n",
+                m.name,
+                m.full_layers,
+                m.swa_layers,
+                m.sliding_window,
+                group_digits(m.full_bytes_per_token())
+            )
+        })
+        .collect();
+    format!(
+        "\
+unikv replay: run serving workloads through a deterministic scheduler, once with the
+static paged FULL/SWA pools and once with the unified pool, and print a side-by-side
+report (on the CPU; no GPU needed)
+
+USAGE:
+  unikv replay [OPTIONS]
+
+OPTIONS:
+  --workload NAME[,NAME]  a preset to run; repeatable; `all` = the four defaults
+                          [default: all, or none when --trace is given]
+  --trace FILE            also run the requests of a JSON Lines trace (format below)
+  --model NAME            the model's KV shapes [default: gpt-oss-20b]
+  --page-size N[,N]       tokens per page; repeatable [default: 1,256]
+  --memory SIZE           the KV budget: 24GiB, 512MiB, 1.5GB, 4096 (bytes)
+                          [default: {memory}, which puts the static split under
+                          pressure on three of the four presets]
+  --layout L              static, unified or both [default: both]
+  --seed N                seed of the workloads and the scheduler [default: {seed}]
+  --invariants LEVEL      off|warn|strict (or 0|1|2) [default: strict]
+  --json                  print one JSON object instead of the table
+  --no-timing             leave out CPU time per step (the one measurement that
+                          varies between runs), for byte-identical output
+  --svg DIR               write one SVG per run: each sub-pool's bytes over steps
+  --record-ops FILE       record every allocator operation of the run (JSON Lines,
+                          for `unikv bench-ops`); needs exactly one run
+  -h, --help              this text
+
+WORKLOADS:
+{workloads}
+MODELS:
+{models}
+{trace}
+
+EXIT STATUS:
+  0  every run finished every request with 0 host syncs, 0 invariant violations and
+     0 leaked pages
+  1  the report was printed, and some run failed one of those checks
+  2  bad options, an unreadable trace, or a run that could not be carried out
+",
+        memory = format_bytes(DEFAULT_MEMORY_BYTES),
+        seed = DEFAULT_SEED,
+        trace = trace::FORMAT_HELP,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn replay(args: &[&str]) -> Result<ReplayArgs, SimError> {
+        let mut all = vec!["replay"];
+        all.extend_from_slice(args);
+        match parse_args(&all)? {
+            Command::Replay(r) => Ok(r),
+            other => panic!("{args:?}: not a replay: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn no_options_give_the_documented_defaults() {
+        let r = replay(&[]).unwrap();
+        assert_eq!(r, ReplayArgs::default());
+        assert_eq!(r.workloads, Preset::DEFAULTS);
+        assert_eq!(r.page_sizes, [1, 256]);
+        assert_eq!(r.layouts, [Layout::Static, Layout::Unified]);
+        assert_eq!(r.model, ModelShape::GPT_OSS_20B);
+        assert_eq!(r.memory_bytes, 16 << 30);
+        assert_eq!(r.invariant_level, Level::Strict);
+        assert!(!r.json && r.timing && r.svg_dir.is_none() && r.trace.is_none());
+        assert_eq!(r.runs(), 16);
+    }
+
+    #[test]
+    fn every_option_is_parsed() {
+        let r = replay(&[
+            "--workload",
+            "smoke",
+            "--workload=shared-prefix,long-outputs",
+            "--workload",
+            "smoke",
+            "--model",
+            "gpt-oss-120b",
+            "--page-size",
+            "16",
+            "--page-size=1,16,64",
+            "--memory",
+            "24GiB",
+            "--layout=unified",
+            "--seed",
+            "42",
+            "--invariants",
+            "warn",
+            "--json",
+            "--no-timing",
+            "--svg",
+            "out/plots",
+            "--trace",
+            "t.jsonl",
+        ])
+        .unwrap();
+        assert_eq!(
+            r.workloads,
+            [Preset::Smoke, Preset::SharedPrefix, Preset::LongOutputs]
+        );
+        assert_eq!(r.model, ModelShape::GPT_OSS_120B);
+        assert_eq!(r.page_sizes, [16, 1, 64]);
+        assert_eq!(r.memory_bytes, 24 << 30);
+        assert_eq!(r.layouts, [Layout::Unified]);
+        assert_eq!(r.seed, 42);
+        assert_eq!(r.invariant_level, Level::Warn);
+        assert!(r.json && !r.timing);
+        assert_eq!(r.svg_dir, Some(PathBuf::from("out/plots")));
+        assert_eq!(r.trace, Some(PathBuf::from("t.jsonl")));
+        assert_eq!(r.runs(), 4 * 3);
+
+        let r = replay(&["--layout", "static", "--layout", "BOTH"]).unwrap();
+        assert_eq!(r.layouts, Layout::BOTH, "the last value wins");
+        let r = replay(&["--workload", "all", "--workload", "smoke"]).unwrap();
+        assert_eq!(r.workloads.len(), 5);
+    }
+
+    #[test]
+    fn a_trace_alone_runs_only_the_trace() {
+        let r = replay(&["--trace", "mine.jsonl"]).unwrap();
+        assert!(r.workloads.is_empty());
+        assert_eq!(r.runs(), 4);
+    }
+
+    #[test]
+    fn record_ops_needs_exactly_one_run() {
+        let err = replay(&["--record-ops", "ops.jsonl"]).unwrap_err();
+        assert!(
+            matches!(err, SimError::RecordOpsNeedsOneRun { runs: 16 }),
+            "{err:?}"
+        );
+        let r = replay(&[
+            "--record-ops",
+            "ops.jsonl",
+            "--workload",
+            "smoke",
+            "--page-size",
+            "1",
+            "--layout",
+            "unified",
+        ])
+        .unwrap();
+        assert_eq!(r.record_ops, Some(PathBuf::from("ops.jsonl")));
+    }
+
+    #[test]
+    fn bad_values_give_typed_errors() {
+        let check = |args: &[&str], expected: &dyn Fn(&SimError) -> bool| {
+            let err = replay(args).unwrap_err();
+            assert!(expected(&err), "{args:?}: {err:?}");
+            assert_eq!(err.to_string().lines().count(), 1, "{err}");
+        };
+        check(
+            &["--workload", "nope"],
+            &|e| matches!(e, SimError::UnknownWorkload { name, known } if name == "nope" && known.contains("shared-prefix")),
+        );
+        check(&["--model", "llama"], &|e| {
+            matches!(e, SimError::UnknownModel { .. })
+        });
+        check(
+            &["--page-size", "0"],
+            &|e| matches!(e, SimError::BadNumber { option: "--page-size", reason, .. } if reason.contains("at least 1")),
+        );
+        check(&["--page-size", "x"], &|e| {
+            matches!(
+                e,
+                SimError::BadNumber {
+                    option: "--page-size",
+                    ..
+                }
+            )
+        });
+        check(&["--page-size", "-4"], &|e| {
+            matches!(
+                e,
+                SimError::MissingValue { .. } | SimError::BadNumber { .. }
+            )
+        });
+        check(&["--page-size", "100000"], &|e| {
+            matches!(e, SimError::BadNumber { .. })
+        });
+        check(&["--memory", "24G"], &|e| {
+            matches!(e, SimError::BadMemory { .. })
+        });
+        check(&["--memory", "0"], &|e| {
+            matches!(e, SimError::BadMemory { .. })
+        });
+        check(&["--layout", "paged"], &|e| {
+            matches!(e, SimError::UnknownLayout { .. })
+        });
+        check(&["--seed", "-1"], &|e| {
+            matches!(
+                e,
+                SimError::BadNumber {
+                    option: "--seed",
+                    ..
+                }
+            )
+        });
+        check(&["--seed", "1.5"], &|e| {
+            matches!(
+                e,
+                SimError::BadNumber {
+                    option: "--seed",
+                    ..
+                }
+            )
+        });
+        check(&["--invariants", "loud"], &|e| {
+            matches!(e, SimError::UnknownLevel { .. })
+        });
+        check(&["--seed"], &|e| {
+            matches!(e, SimError::MissingValue { option: "--seed" })
+        });
+        check(&["--svg", "--json"], &|e| {
+            matches!(e, SimError::MissingValue { option: "--svg" })
+        });
+        check(&["--memory="], &|e| {
+            matches!(e, SimError::MissingValue { option: "--memory" })
+        });
+        check(&["--json=yes"], &|e| {
+            matches!(
+                e,
+                SimError::UnexpectedValue {
+                    option: "--json",
+                    ..
+                }
+            )
+        });
+        check(
+            &["--frobnicate"],
+            &|e| matches!(e, SimError::UnknownOption { command: "replay", option } if option == "--frobnicate"),
+        );
+        check(&["smoke"], &|e| {
+            matches!(e, SimError::UnexpectedArgument { .. })
+        });
+    }
+
+    #[test]
+    fn commands_and_help() {
+        let none: [&str; 0] = [];
+        assert_eq!(parse_args(&none).unwrap(), Command::Help(HelpTopic::Main));
+        assert_eq!(parse_args(&["-h"]).unwrap(), Command::Help(HelpTopic::Main));
+        assert_eq!(
+            parse_args(&["help", "replay"]).unwrap(),
+            Command::Help(HelpTopic::Replay)
+        );
+        assert_eq!(
+            parse_args(&["replay", "--seed", "3", "--help"]).unwrap(),
+            Command::Help(HelpTopic::Replay)
+        );
+        assert_eq!(
+            parse_args(&["bench-ops", "-h"]).unwrap(),
+            Command::Help(HelpTopic::BenchOps)
+        );
+        assert!(matches!(
+            parse_args(&["rerun"]),
+            Err(SimError::UnknownCommand { .. })
+        ));
+        let help = HelpTopic::Replay.text();
+        for needle in [
+            "--record-ops FILE",
+            "16.00 GiB",
+            "random-8192-64",
+            "prefix_len",
+            "EXIT STATUS",
+        ] {
+            assert!(help.contains(needle), "{needle}");
+        }
+    }
+
+    #[test]
+    fn bench_ops_takes_a_file_and_levels() {
+        let Command::BenchOps(b) = parse_args(&["bench-ops", "ops.jsonl"]).unwrap() else {
+            panic!("not bench-ops");
+        };
+        assert_eq!(b.file, PathBuf::from("ops.jsonl"));
+        assert_eq!(b.levels, [Level::Off, Level::Strict]);
+        let Command::BenchOps(b) =
+            parse_args(&["bench-ops", "--invariants", "2", "ops.jsonl", "--json"]).unwrap()
+        else {
+            panic!("not bench-ops");
+        };
+        assert_eq!((b.levels, b.json), (vec![Level::Strict], true));
+        assert!(matches!(
+            parse_args(&["bench-ops"]),
+            Err(SimError::MissingArgument {
+                command: "bench-ops",
+                ..
+            })
+        ));
+        assert!(matches!(
+            parse_args(&["bench-ops", "a", "b"]),
+            Err(SimError::UnexpectedArgument { .. })
+        ));
+        assert!(matches!(
+            parse_args(&["bench-ops", "a", "--seed", "1"]),
+            Err(SimError::UnknownOption {
+                command: "bench-ops",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn arguments_must_be_utf8() {
+        #[cfg(unix)]
+        {
+            use std::os::unix::ffi::OsStringExt;
+            let bad = OsString::from_vec(vec![b'-', b'-', 0xff]);
+            let err = parse_os_args([OsString::from("replay"), bad]).unwrap_err();
+            assert!(matches!(err, SimError::NotUtf8 { .. }), "{err:?}");
+        }
+        assert!(parse_os_args([OsString::from("replay")]).is_ok());
+    }
+}

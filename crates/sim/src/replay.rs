@@ -1,0 +1,332 @@
+//! The `unikv replay` and `unikv bench-ops` commands, end to end: build the workloads,
+//! run every (workload, page size, layout) through the scheduler, render the report.
+//!
+//! [`replay_with`] takes the scheduler as a parameter ([`RunFn`]) so the whole path can be
+//! tested before [`crate::scheduler::run`] is wired; [`replay`] uses the real one.
+
+use crate::cli::{BenchOpsArgs, ReplayArgs};
+use crate::error::SimError;
+use crate::progress::ReplayProgress;
+use crate::report::Report;
+use crate::scheduler::{self, RunConfig, RunFn};
+use crate::svg;
+use crate::trace;
+use crate::workload::Workload;
+use std::io::Write;
+use std::path::PathBuf;
+use unikv_invariants::scoped_level;
+
+/// What a replay produced.
+#[derive(Debug)]
+pub struct Outcome {
+    /// Every run's statistics and the shared settings.
+    pub report: Report,
+    /// The SVG files written (`--svg`), in run order.
+    pub plots: Vec<PathBuf>,
+}
+
+impl Outcome {
+    /// Whether every run passed (the exit status is 0 exactly then).
+    pub fn pass(&self) -> bool {
+        self.report.pass()
+    }
+}
+
+/// The workloads `args` name, in order: the presets, then the trace. Each is validated.
+pub fn build_workloads(args: &ReplayArgs) -> Result<Vec<Workload>, SimError> {
+    let mut workloads: Vec<Workload> = args.workloads.iter().map(|p| p.build(args.seed)).collect();
+    if let Some(path) = &args.trace {
+        workloads.push(trace::load_trace(path, args.seed)?);
+    }
+    for w in &workloads {
+        w.validate()?;
+    }
+    Ok(workloads)
+}
+
+/// The runs `args` give, in the order they run and are reported: for each workload, for
+/// each page size, static then unified. Each pairs a workload index with its config.
+pub fn plan(args: &ReplayArgs, workloads: &[Workload]) -> Vec<(usize, RunConfig)> {
+    let mut runs = Vec::new();
+    for (w, _) in workloads.iter().enumerate() {
+        for &page_size in &args.page_sizes {
+            for &layout in &args.layouts {
+                let mut config = RunConfig::new(args.model, layout, page_size, args.memory_bytes);
+                config.seed = args.seed;
+                config.invariant_level = args.invariant_level;
+                config.record_ops = args.record_ops.clone();
+                runs.push((w, config));
+            }
+        }
+    }
+    runs
+}
+
+/// Runs the replay `args` describe with the scheduler `run`, drawing `progress`, and
+/// writes the table (or the JSON object) to `out` and the plots to `--svg`'s directory.
+/// Returns the outcome whether the runs passed or not; an error means no report.
+pub fn replay_with(
+    args: &ReplayArgs,
+    run: &RunFn,
+    progress: &ReplayProgress,
+    out: &mut dyn Write,
+) -> Result<Outcome, SimError> {
+    let workloads = build_workloads(args)?;
+    let mut runs = Vec::new();
+    for (w, config) in plan(args, &workloads) {
+        let workload = &workloads[w];
+        let label = format!(
+            "{} · page size {} · {}",
+            workload.name, config.page_size, config.layout
+        );
+        let bar = progress.start_run(
+            &label,
+            workload.total_tokens(),
+            workload.requests.len() as u64,
+        );
+        let result = {
+            let callback = bar.callback();
+            scoped_level(config.invariant_level, || run(workload, &config, &callback))
+        };
+        bar.finish();
+        runs.push(result?);
+    }
+    let report = Report {
+        model: args.model,
+        memory_bytes: args.memory_bytes,
+        seed: args.seed,
+        invariant_level: args.invariant_level,
+        timing: args.timing,
+        runs,
+    };
+    let text = if args.json {
+        report.to_json()?
+    } else {
+        report.render_table()
+    };
+    out.write_all(text.as_bytes()).map_err(SimError::Output)?;
+    out.flush().map_err(SimError::Output)?;
+    let plots = match &args.svg_dir {
+        Some(dir) => svg::write_plots(&report, dir)?,
+        None => Vec::new(),
+    };
+    Ok(Outcome { report, plots })
+}
+
+/// `unikv replay`: [`replay_with`] the real scheduler and a progress bar on stderr.
+pub fn replay(args: &ReplayArgs, out: &mut dyn Write) -> Result<Outcome, SimError> {
+    let progress = ReplayProgress::for_stderr(args.runs());
+    replay_with(args, &scheduler::run, &progress, out)
+}
+
+/// `unikv bench-ops FILE`: replays a recorded operation trace against a fresh allocator.
+///
+/// Not wired yet: checks that the file is readable, then returns
+/// [`SimError::NotYetWired`] (the ops schema and the recorder come with the scheduler).
+pub fn bench_ops(args: &BenchOpsArgs, out: &mut dyn Write) -> Result<(), SimError> {
+    let _ = out;
+    std::fs::File::open(&args.file).map_err(|source| SimError::Io {
+        path: args.file.display().to_string(),
+        source,
+    })?;
+    Err(SimError::NotYetWired {
+        what: "bench-ops (replaying a recorded ops trace)",
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::{RunStats, StepSample};
+    use crate::scheduler::{Layout, StepProgress};
+    use crate::workload::Preset;
+    use std::collections::BTreeMap;
+    use unikv_invariants::Level;
+
+    /// A stand-in scheduler for testing the path around it: it reports every request of
+    /// the workload finished and makes up nothing else, except what a test asks for.
+    fn fake(
+        leak_on: Option<Layout>,
+    ) -> impl Fn(&Workload, &RunConfig, &dyn Fn(StepProgress)) -> Result<RunStats, SimError> {
+        move |workload, config, progress| {
+            assert_eq!(
+                unikv_invariants::level(),
+                config.invariant_level,
+                "the level is in force"
+            );
+            progress(StepProgress {
+                step: 1,
+                tokens_done: workload.total_tokens(),
+                requests_completed: workload.requests.len() as u64,
+            });
+            let mut stats = RunStats::new(workload, config);
+            stats.requests_completed = stats.requests_total;
+            stats.steps = 1;
+            stats.samples = vec![StepSample {
+                step: 1,
+                bytes_by_subpool: BTreeMap::from([("full".to_string(), 4096)]),
+            }];
+            if leak_on == Some(config.layout) {
+                stats.leaked_pages = 1;
+            }
+            Ok(stats)
+        }
+    }
+
+    fn args() -> ReplayArgs {
+        ReplayArgs {
+            workloads: vec![Preset::Smoke],
+            page_sizes: vec![1, 16],
+            invariant_level: Level::Warn,
+            timing: false,
+            ..ReplayArgs::default()
+        }
+    }
+
+    #[test]
+    fn every_run_goes_through_the_scheduler_in_report_order() {
+        let mut out = Vec::new();
+        let outcome =
+            replay_with(&args(), &fake(None), &ReplayProgress::hidden(), &mut out).unwrap();
+        assert!(outcome.pass());
+        let order: Vec<(String, u32, Layout)> = outcome
+            .report
+            .runs
+            .iter()
+            .map(|r| (r.workload.clone(), r.page_size, r.layout))
+            .collect();
+        assert_eq!(
+            order,
+            [
+                ("smoke".into(), 1, Layout::Static),
+                ("smoke".into(), 1, Layout::Unified),
+                ("smoke".into(), 16, Layout::Static),
+                ("smoke".into(), 16, Layout::Unified),
+            ]
+        );
+        let table = String::from_utf8(out).unwrap();
+        assert!(
+            table.contains("smoke · page size 16") && table.contains("verdict: PASS (4 runs"),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn a_failing_run_still_prints_the_report_and_fails_the_outcome() {
+        let mut out = Vec::new();
+        let json = ReplayArgs {
+            json: true,
+            ..args()
+        };
+        let outcome = replay_with(
+            &json,
+            &fake(Some(Layout::Unified)),
+            &ReplayProgress::hidden(),
+            &mut out,
+        )
+        .unwrap();
+        assert!(!outcome.pass());
+        let value: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(value["pass"], false);
+        assert_eq!(value["runs"][1]["failures"][0], "1 leaked pages");
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_json() {
+        let json = ReplayArgs {
+            json: true,
+            ..args()
+        };
+        let once = |args: &ReplayArgs| {
+            let mut out = Vec::new();
+            replay_with(args, &fake(None), &ReplayProgress::hidden(), &mut out).unwrap();
+            out
+        };
+        assert_eq!(once(&json), once(&json));
+    }
+
+    #[test]
+    fn a_scheduler_error_stops_the_replay_with_that_error() {
+        let mut out = Vec::new();
+        let err = replay_with(
+            &args(),
+            &scheduler::run,
+            &ReplayProgress::hidden(),
+            &mut out,
+        )
+        .unwrap_err();
+        assert!(matches!(err, SimError::NotYetWired { .. }), "{err:?}");
+        assert!(out.is_empty(), "no partial report");
+    }
+
+    #[test]
+    fn svgs_are_written_when_asked() {
+        let dir = std::env::temp_dir().join(format!("unikv-sim-{}-replay-svg", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let with_svg = ReplayArgs {
+            svg_dir: Some(dir.clone()),
+            ..args()
+        };
+        let outcome = replay_with(
+            &with_svg,
+            &fake(None),
+            &ReplayProgress::hidden(),
+            &mut Vec::new(),
+        )
+        .unwrap();
+        assert_eq!(outcome.plots.len(), 4);
+        assert!(outcome.plots.iter().all(|p| p.exists()));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_bad_trace_fails_before_any_run() {
+        let dir =
+            std::env::temp_dir().join(format!("unikv-sim-{}-replay-trace", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("bad.jsonl");
+        std::fs::write(
+            &path,
+            "{\"arrival_step\": 0, \"prompt_len\": 4, \"output_len\": 1}\n{\"arrival_step\": 0}\n",
+        )
+        .unwrap();
+        let with_trace = ReplayArgs {
+            trace: Some(path),
+            ..args()
+        };
+        let never = |_: &Workload,
+                     _: &RunConfig,
+                     _: &dyn Fn(StepProgress)|
+         -> Result<RunStats, SimError> { panic!("no run may start") };
+        let err = replay_with(
+            &with_trace,
+            &never,
+            &ReplayProgress::hidden(),
+            &mut Vec::new(),
+        )
+        .unwrap_err();
+        assert!(matches!(err, SimError::Trace { line: 2, .. }), "{err:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn bench_ops_checks_its_file_then_says_it_is_not_wired() {
+        let missing = BenchOpsArgs {
+            file: "/nonexistent/ops.jsonl".into(),
+            levels: vec![Level::Off],
+            json: false,
+        };
+        assert!(matches!(
+            bench_ops(&missing, &mut Vec::new()),
+            Err(SimError::Io { .. })
+        ));
+        let here = BenchOpsArgs {
+            file: "Cargo.toml".into(),
+            ..missing
+        };
+        assert!(matches!(
+            bench_ops(&here, &mut Vec::new()),
+            Err(SimError::NotYetWired { .. })
+        ));
+    }
+}
