@@ -384,7 +384,10 @@ impl HybridCache {
             // One buffer: evicted pages add their bytes to the gap, and a joint page needs
             // a FULL and an SWA envelope of it (not one joint page per evicted page).
             Layout::Unified => {
-                let (ef, es) = (self.alloc.grid(Side::Full).envelope, self.alloc.grid(Side::Swa).envelope);
+                let (ef, es) = (
+                    self.alloc.grid(Side::Full).envelope,
+                    self.alloc.grid(Side::Swa).envelope,
+                );
                 let freed = full_evictable as u64 * ef + swa_evictable as u64 * es;
                 per_side && cap.joint_schedulable_pages as u64 + freed / (ef + es) >= pages as u64
             }
@@ -795,11 +798,15 @@ impl HybridCache {
 
     fn out_of_memory(&self, e: unikv_pools::Error) -> Error {
         match e {
-            unikv_pools::Error::OutOfCapacity { .. } => {
+            unikv_pools::Error::OutOfCapacity {
+                full_pages,
+                swa_pages,
+                ..
+            } => {
                 let cap = self.alloc.capacity();
                 Error::OutOfMemory {
-                    full_pages: 0,
-                    swa_pages: 0,
+                    full_pages,
+                    swa_pages,
                     full_available: cap.full.schedulable_pages,
                     swa_available: cap.swa.schedulable_pages,
                 }
@@ -811,14 +818,17 @@ impl HybridCache {
     // ----- the step boundary -------------------------------------------------------------
 
     /// Ends the step: closes the step's free group (every deferred free takes effect),
-    /// compacts, checks conservation exactly, uploads the translation mirror (one device
-    /// op per side, none when nothing changed), polls the invariants and opens the next
-    /// step's group. Nothing here waits for the device.
+    /// checks conservation exactly, uploads the translation mirror (one device op per
+    /// side, none when nothing changed), opens the next step's group and polls the
+    /// invariants. Nothing here waits for the device, and nothing is compacted:
+    /// compaction is lazy, run by an allocation that fits only after it.
     pub fn step_boundary(&mut self) -> Result<StepReport, Error> {
         if self.alloc.in_free_group() {
             self.alloc.free_group_end()?;
         }
-        let flush = self.alloc.flush()?;
+        if unikv_invariants::enabled() {
+            self.alloc.check_conservation();
+        }
         let conservation = self.check_conservation();
         self.alloc.upload_mirror()?;
         self.alloc.free_group_begin()?;
@@ -827,7 +837,7 @@ impl HybridCache {
         unikv_invariants::poll()?;
         Ok(StepReport {
             step: self.step,
-            pages_moved: flush.pages_moved,
+            pages_moved: 0,
         })
     }
 

@@ -4,7 +4,7 @@ use std::fmt;
 
 /// The shape of a hybrid model's KV state: how many layers of each kind, the KV head
 /// geometry, the element size and the sliding window.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ModelSpec {
     /// A short name (`gpt-oss-20b`).
     pub name: &'static str,
@@ -65,7 +65,7 @@ impl ModelSpec {
 
     /// The named spec called `name`.
     pub fn by_name(name: &str) -> Option<ModelSpec> {
-        ModelSpec::NAMED.iter().find(|m| m.name == name).cloned()
+        ModelSpec::NAMED.iter().find(|m| m.name == name).copied()
     }
 
     /// KV bytes of one token across every full-attention layer (K and V).

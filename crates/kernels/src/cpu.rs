@@ -99,6 +99,25 @@ fn filled<T: Copy>(len: usize, fill: T) -> Result<Vec<T>, Error> {
     Ok(v)
 }
 
+/// `n` zero bytes from the allocator's zeroed memory (`calloc`): the operating system
+/// hands out zero pages lazily, so a large buffer costs memory only where it is written,
+/// as device memory would (a 16 GiB replay buffer is not 16 GiB resident).
+fn zeroed_bytes(n: usize) -> Result<Vec<u8>, Error> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(n).map_err(|_| out_of_memory(n as u64))?;
+    // SAFETY: `layout` has a non-zero size (n > 0), as `alloc_zeroed` requires.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return Err(out_of_memory(n as u64));
+    }
+    // SAFETY: `ptr` was allocated by the global allocator with the layout of `[u8; n]`
+    // (size n, align 1), which is what `Vec<u8>` with capacity `n` deallocates with; all
+    // `n` bytes are initialised (zeroed), so length `n` is valid.
+    Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
+}
+
 impl Device for CpuDevice {
     fn name(&self) -> String {
         "cpu".to_string()
@@ -108,7 +127,11 @@ impl Device for CpuDevice {
         let n = usize::try_from(len).map_err(|_| out_of_memory(len))?;
         let mut st = self.state();
         let id = next_handle(&st.bytes)?;
-        let buf = filled(n, fill)?;
+        let buf = if fill == 0 {
+            zeroed_bytes(n)?
+        } else {
+            filled(n, fill)?
+        };
         st.bytes.push(Some(buf));
         Ok(BytesId(id))
     }

@@ -18,7 +18,9 @@ use crate::{
 };
 use std::fmt;
 use std::panic::Location;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 
 /// One op seen by a [`SyncLedger`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -95,6 +97,7 @@ impl std::error::Error for SyncReport {}
 pub struct SyncLedger {
     inner: Arc<dyn Readback>,
     records: Mutex<Vec<OpRecord>>,
+    device_nanos: AtomicU64,
 }
 
 impl SyncLedger {
@@ -103,6 +106,7 @@ impl SyncLedger {
         SyncLedger {
             inner,
             records: Mutex::new(Vec::new()),
+            device_nanos: AtomicU64::new(0),
         }
     }
 
@@ -146,9 +150,11 @@ impl SyncLedger {
             .count()
     }
 
-    /// Forgets every record (e.g. at a step boundary, before the path under test).
+    /// Forgets every record and the device time (e.g. at a step boundary, before the
+    /// path under test).
     pub fn reset(&self) {
         self.records().clear();
+        self.device_nanos.store(0, Ordering::Relaxed);
     }
 
     /// `Ok` when no recorded op synced or produced a data-dependent shape; otherwise a
@@ -182,6 +188,25 @@ impl SyncLedger {
         }
     }
 
+    /// Runs one op of the wrapped device, adding its duration to
+    /// [`SyncLedger::device_time`].
+    fn timed<T>(&self, op: impl FnOnce() -> T) -> T {
+        let started = Instant::now();
+        let result = op();
+        self.device_nanos
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        result
+    }
+
+    /// Time spent inside the wrapped device's ops since creation or the last
+    /// [`SyncLedger::reset`]. On the CPU backend device work runs synchronously inside
+    /// the caller; subtracting this from a measured interval leaves the host's own
+    /// bookkeeping time, which is what a GPU backend would cost the scheduler (its ops
+    /// are asynchronous launches).
+    pub fn device_time(&self) -> Duration {
+        Duration::from_nanos(self.device_nanos.load(Ordering::Relaxed))
+    }
+
     #[track_caller]
     fn record(&self, op: &'static str, sync: Option<&HostSync>, data_dependent_shape: bool) {
         let record = OpRecord {
@@ -202,32 +227,32 @@ impl Device for SyncLedger {
 
     fn alloc_bytes(&self, len: u64, fill: u8) -> Result<BytesId, Error> {
         self.record("alloc_bytes", None, false);
-        self.inner.alloc_bytes(len, fill)
+        self.timed(|| self.inner.alloc_bytes(len, fill))
     }
 
     fn alloc_table(&self, len: usize, fill: i32) -> Result<TableId, Error> {
         self.record("alloc_table", None, false);
-        self.inner.alloc_table(len, fill)
+        self.timed(|| self.inner.alloc_table(len, fill))
     }
 
     fn free_bytes(&self, buf: BytesId) -> Result<(), Error> {
         self.record("free_bytes", None, false);
-        self.inner.free_bytes(buf)
+        self.timed(|| self.inner.free_bytes(buf))
     }
 
     fn free_table(&self, table: TableId) -> Result<(), Error> {
         self.record("free_table", None, false);
-        self.inner.free_table(table)
+        self.timed(|| self.inner.free_table(table))
     }
 
     fn upload_table(&self, table: TableId, offset: usize, values: &[i32]) -> Result<(), Error> {
         self.record("upload_table", None, false);
-        self.inner.upload_table(table, offset, values)
+        self.timed(|| self.inner.upload_table(table, offset, values))
     }
 
     fn scatter_table(&self, table: TableId, entries: &[(u32, i32)]) -> Result<(), Error> {
         self.record("scatter_table", None, false);
-        self.inner.scatter_table(table, entries)
+        self.timed(|| self.inner.scatter_table(table, entries))
     }
 
     fn gather_table(
@@ -238,22 +263,22 @@ impl Device for SyncLedger {
         out: TableId,
     ) -> Result<(), Error> {
         self.record("gather_table", None, false);
-        self.inner.gather_table(src, indices, n, out)
+        self.timed(|| self.inner.gather_table(src, indices, n, out))
     }
 
     fn fill_spans(&self, buf: BytesId, spans: &[ByteSpan], value: u8) -> Result<(), Error> {
         self.record("fill_spans", None, false);
-        self.inner.fill_spans(buf, spans, value)
+        self.timed(|| self.inner.fill_spans(buf, spans, value))
     }
 
     fn move_spans(&self, buf: BytesId, moves: &[SpanMove]) -> Result<(), Error> {
         self.record("move_spans", None, false);
-        self.inner.move_spans(buf, moves)
+        self.timed(|| self.inner.move_spans(buf, moves))
     }
 
     fn translate(&self, args: &Translate) -> Result<(), Error> {
         self.record("translate", None, false);
-        self.inner.translate(args)
+        self.timed(|| self.inner.translate(args))
     }
 }
 
@@ -266,7 +291,7 @@ impl Readback for SyncLedger {
         len: usize,
     ) -> Result<Vec<i32>, Error> {
         self.record("read_table", Some(sync), true);
-        self.inner.read_table(sync, table, offset, len)
+        self.timed(|| self.inner.read_table(sync, table, offset, len))
     }
 
     fn read_bytes(
@@ -277,12 +302,12 @@ impl Readback for SyncLedger {
         len: u64,
     ) -> Result<Vec<u8>, Error> {
         self.record("read_bytes", Some(sync), true);
-        self.inner.read_bytes(sync, buf, offset, len)
+        self.timed(|| self.inner.read_bytes(sync, buf, offset, len))
     }
 
     fn synchronize(&self, sync: &HostSync) -> Result<(), Error> {
         self.record("synchronize", Some(sync), false);
-        self.inner.synchronize(sync)
+        self.timed(|| self.inner.synchronize(sync))
     }
 }
 

@@ -6,7 +6,6 @@
 //! take comma-separated lists; any other option given twice keeps its last value.
 
 use crate::error::SimError;
-use crate::model::ModelShape;
 use crate::report::group_digits;
 use crate::scheduler::Layout;
 use crate::trace;
@@ -14,6 +13,7 @@ use crate::units::{format_bytes, parse_memory};
 use crate::workload::Preset;
 use std::ffi::OsString;
 use std::path::PathBuf;
+use unikv::ModelSpec;
 use unikv_invariants::Level;
 
 /// The default KV budget of `unikv replay`: **16 GiB**, chosen so that the static split
@@ -84,7 +84,7 @@ pub struct ReplayArgs {
     /// A trace file to run after the presets (`--trace`).
     pub trace: Option<PathBuf>,
     /// The model (`--model`, default gpt-oss-20b).
-    pub model: ModelShape,
+    pub model: ModelSpec,
     /// Page sizes, in order, without duplicates (`--page-size`, default 1 and 256).
     pub page_sizes: Vec<u32>,
     /// The KV budget in bytes (`--memory`, default [`DEFAULT_MEMORY_BYTES`]).
@@ -111,7 +111,7 @@ impl Default for ReplayArgs {
         ReplayArgs {
             workloads: Preset::DEFAULTS.to_vec(),
             trace: None,
-            model: ModelShape::GPT_OSS_20B,
+            model: ModelSpec::GPT_OSS_20B,
             page_sizes: DEFAULT_PAGE_SIZES.to_vec(),
             memory_bytes: DEFAULT_MEMORY_BYTES,
             layouts: Layout::BOTH.to_vec(),
@@ -288,9 +288,9 @@ fn parse_replay(args: &[&str]) -> Result<Command, SimError> {
             }
             "--model" => {
                 let name = args.value("--model", inline)?;
-                parsed.model = ModelShape::by_name(name).ok_or_else(|| SimError::UnknownModel {
+                parsed.model = ModelSpec::by_name(name).ok_or_else(|| SimError::UnknownModel {
                     name: name.to_string(),
-                    known: ModelShape::ALL.map(|m| m.name).join(", "),
+                    known: ModelSpec::NAMED.map(|m| m.name).join(", "),
                 })?;
             }
             "--page-size" => {
@@ -483,7 +483,7 @@ pub fn replay_help() -> String {
             format!("  {:<18}{}{default}\n", p.name(), p.description())
         })
         .collect();
-    let models: String = ModelShape::ALL
+    let models: String = ModelSpec::NAMED
         .iter()
         .map(|m| {
             format!(
@@ -491,7 +491,7 @@ pub fn replay_help() -> String {
                 m.name,
                 m.full_layers,
                 m.swa_layers,
-                m.sliding_window,
+                m.window,
                 group_digits(m.full_bytes_per_token())
             )
         })
@@ -563,7 +563,7 @@ mod tests {
         assert_eq!(r.workloads, Preset::DEFAULTS);
         assert_eq!(r.page_sizes, [1, 256]);
         assert_eq!(r.layouts, [Layout::Static, Layout::Unified]);
-        assert_eq!(r.model, ModelShape::GPT_OSS_20B);
+        assert_eq!(r.model, ModelSpec::GPT_OSS_20B);
         assert_eq!(r.memory_bytes, 16 << 30);
         assert_eq!(r.invariant_level, Level::Strict);
         assert!(!r.json && r.timing && r.svg_dir.is_none() && r.trace.is_none());
@@ -602,7 +602,7 @@ mod tests {
             r.workloads,
             [Preset::Smoke, Preset::SharedPrefix, Preset::LongOutputs]
         );
-        assert_eq!(r.model, ModelShape::GPT_OSS_120B);
+        assert_eq!(r.model, ModelSpec::GPT_OSS_120B);
         assert_eq!(r.page_sizes, [16, 1, 64]);
         assert_eq!(r.memory_bytes, 24 << 30);
         assert_eq!(r.layouts, [Layout::Unified]);

@@ -9,6 +9,16 @@ use std::fmt;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum SimError {
+    /// The cache refused an operation the scheduler made (a bug, not memory pressure:
+    /// running out of memory is handled by retraction).
+    #[error("cache: {0}")]
+    Cache(#[from] unikv::Error),
+    /// An ops trace (`--record-ops`, `bench-ops`) could not be written, read or replayed.
+    #[error("ops trace: {reason}")]
+    OpsTrace {
+        /// What went wrong, with the file and line.
+        reason: String,
+    },
     /// A command-line argument is not valid UTF-8.
     #[error("argument {arg:?} is not valid UTF-8")]
     NotUtf8 {
@@ -159,12 +169,6 @@ pub enum SimError {
         path: String,
         /// The plotting library's message.
         message: String,
-    },
-    /// A part of the simulator that needs the cache (`HybridCache`) is not connected yet.
-    #[error("{what} is not wired yet: it needs the HybridCache facade (issue 5)")]
-    NotYetWired {
-        /// What is missing (e.g. "the replay scheduler").
-        what: &'static str,
     },
     /// The memory budget cannot hold what one request needs alone, so the run could
     /// never finish (reported up front instead of hanging).

@@ -28,7 +28,7 @@
 
 pub mod cli;
 mod error;
-pub mod model;
+pub mod ops;
 pub mod progress;
 pub mod replay;
 pub mod report;
@@ -40,7 +40,6 @@ pub mod units;
 pub mod workload;
 
 pub use error::{SimError, TraceProblem};
-pub use model::ModelShape;
 pub use report::{Report, RunStats, StepSample};
 pub use scheduler::{Layout, RunConfig, StepProgress};
 pub use workload::{Preset, RequestSpec, Workload};

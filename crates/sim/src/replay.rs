@@ -12,6 +12,7 @@ use crate::scheduler::{self, RunConfig, RunFn};
 use crate::svg;
 use crate::trace;
 use crate::workload::Workload;
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
 use unikv_invariants::scoped_level;
@@ -121,17 +122,59 @@ pub fn replay(args: &ReplayArgs, out: &mut dyn Write) -> Result<Outcome, SimErro
 
 /// `unikv bench-ops FILE`: replays a recorded operation trace against a fresh allocator.
 ///
-/// Not wired yet: checks that the file is readable, then returns
-/// [`SimError::NotYetWired`] (the ops schema and the recorder come with the scheduler).
+/// Reads the trace once, then replays it against a fresh allocator at each level and
+/// prints ops/s and tokens/s per op kind (a table, or one JSON object with `--json`).
 pub fn bench_ops(args: &BenchOpsArgs, out: &mut dyn Write) -> Result<(), SimError> {
-    let _ = out;
     std::fs::File::open(&args.file).map_err(|source| SimError::Io {
         path: args.file.display().to_string(),
         source,
     })?;
-    Err(SimError::NotYetWired {
-        what: "bench-ops (replaying a recorded ops trace)",
-    })
+    let trace = crate::ops::load(&args.file)?;
+    let mut results = Vec::new();
+    for &level in &args.levels {
+        let by_kind = scoped_level(level, || crate::ops::replay(&trace))?;
+        results.push((level, by_kind));
+    }
+    let write = SimError::Output;
+    if args.json {
+        let json: BTreeMap<&str, &BTreeMap<&str, crate::ops::OpThroughput>> = results
+            .iter()
+            .map(|(level, r)| (level.as_str(), r))
+            .collect();
+        let text = serde_json::to_string_pretty(&json)?;
+        writeln!(out, "{text}").map_err(write)?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "bench-ops {}: {} operations",
+        args.file.display(),
+        trace.ops.len()
+    )
+    .map_err(write)?;
+    for (level, by_kind) in &results {
+        writeln!(out, "\ninvariants {level}").map_err(write)?;
+        writeln!(
+            out,
+            "{:<22} {:>10} {:>13} {:>12} {:>14} {:>14}",
+            "op", "calls", "tokens", "time", "ops/s", "tokens/s"
+        )
+        .map_err(write)?;
+        for (name, t) in by_kind {
+            writeln!(
+                out,
+                "{:<22} {:>10} {:>13} {:>12} {:>14.3e} {:>14.3e}",
+                name,
+                t.calls,
+                t.tokens,
+                crate::units::format_ns(t.nanos),
+                t.ops_per_second(),
+                t.tokens_per_second()
+            )
+            .map_err(write)?;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -248,14 +291,18 @@ mod tests {
     #[test]
     fn a_scheduler_error_stops_the_replay_with_that_error() {
         let mut out = Vec::new();
-        let err = replay_with(
-            &args(),
-            &scheduler::run,
-            &ReplayProgress::hidden(),
-            &mut out,
-        )
-        .unwrap_err();
-        assert!(matches!(err, SimError::NotYetWired { .. }), "{err:?}");
+        let stalls =
+            |w: &Workload, c: &RunConfig, _: &dyn Fn(StepProgress)| -> Result<RunStats, SimError> {
+                Err(SimError::Stalled {
+                    workload: w.name.clone(),
+                    layout: c.layout,
+                    page_size: c.page_size,
+                    steps: 7,
+                    reason: "test".into(),
+                })
+            };
+        let err = replay_with(&args(), &stalls, &ReplayProgress::hidden(), &mut out).unwrap_err();
+        assert!(matches!(err, SimError::Stalled { steps: 7, .. }), "{err:?}");
         assert!(out.is_empty(), "no partial report");
     }
 
@@ -310,7 +357,43 @@ mod tests {
     }
 
     #[test]
-    fn bench_ops_checks_its_file_then_says_it_is_not_wired() {
+    fn bench_ops_replays_a_recorded_run_and_reports_every_op_kind() {
+        let file = std::env::temp_dir().join(format!("unikv-sim-{}-ops.jsonl", std::process::id()));
+        let mut config = RunConfig::new(unikv::ModelSpec::GPT_OSS_20B, Layout::Unified, 4, 1 << 30);
+        config.record_ops = Some(file.clone());
+        let stats = scheduler::run(&Preset::Smoke.build(1), &config, &|_| {}).unwrap();
+        assert_eq!(stats.requests_completed, stats.requests_total);
+        let args = BenchOpsArgs {
+            file: file.clone(),
+            levels: vec![Level::Off, Level::Strict],
+            json: false,
+        };
+        let mut out = Vec::new();
+        bench_ops(&args, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        for op in [
+            "alloc_extend",
+            "alloc_decode",
+            "free_swa_segment",
+            "free_kv_row_segments",
+            "flush",
+            "all",
+        ] {
+            assert!(text.contains(op), "{op} missing:\n{text}");
+        }
+        assert!(
+            text.contains("invariants off") && text.contains("invariants strict"),
+            "{text}"
+        );
+        // A trace that does not start with its header is refused with the file named.
+        std::fs::write(&file, "{\"op\":\"flush\"}\n").unwrap();
+        let err = bench_ops(&args, &mut Vec::new()).unwrap_err();
+        assert!(err.to_string().contains("header"), "{err}");
+        let _ = std::fs::remove_file(&file);
+    }
+
+    #[test]
+    fn bench_ops_needs_a_readable_file() {
         let missing = BenchOpsArgs {
             file: "/nonexistent/ops.jsonl".into(),
             levels: vec![Level::Off],
@@ -326,7 +409,7 @@ mod tests {
         };
         assert!(matches!(
             bench_ops(&here, &mut Vec::new()),
-            Err(SimError::NotYetWired { .. })
+            Err(SimError::OpsTrace { .. })
         ));
     }
 }

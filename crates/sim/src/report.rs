@@ -43,13 +43,13 @@
 //! seed prints the same bytes.
 
 use crate::error::SimError;
-use crate::model::ModelShape;
 use crate::scheduler::{Layout, RunConfig};
 use crate::units::{format_bytes, format_ns};
 use crate::workload::Workload;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::{self, Write as _};
+use unikv::ModelSpec;
 use unikv_invariants::Level;
 
 /// The bytes each sub-pool held at one step.
@@ -93,8 +93,10 @@ pub struct RunStats {
     pub host_syncs: u64,
     /// Steps run.
     pub steps: u64,
-    /// Allocator and tree CPU time of each step, in nanoseconds (the only wall-clock
-    /// field; may be empty).
+    /// Allocator and tree CPU time of each step, in nanoseconds: the host's bookkeeping,
+    /// without the time the CPU backend spends executing device ops (page moves, the
+    /// mirror upload), which a GPU would run asynchronously. The only wall-clock field;
+    /// may be empty.
     pub step_cpu_ns: Vec<u64>,
     /// Invariant violations counted by `unikv::invariants::poll` over the run (must be 0).
     pub invariant_violations: u64,
@@ -314,7 +316,7 @@ impl SampleRecorder {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Report {
     /// The model.
-    pub model: ModelShape,
+    pub model: ModelSpec,
     /// The KV budget of every run.
     pub memory_bytes: u64,
     /// The seed.
@@ -477,7 +479,13 @@ impl Report {
         let doc = JsonReport {
             schema: "unikv.replay.v1",
             model: JsonModel {
-                shape: self.model,
+                name: self.model.name,
+                full_layers: self.model.full_layers,
+                swa_layers: self.model.swa_layers,
+                sliding_window: self.model.window,
+                kv_heads: self.model.kv_heads,
+                head_dim: self.model.head_dim,
+                dtype_bytes: self.model.dtype_bytes,
                 full_bytes_per_token: self.model.full_bytes_per_token(),
                 swa_bytes_per_token: self.model.swa_bytes_per_token(),
             },
@@ -535,8 +543,13 @@ struct JsonReport<'a> {
 
 #[derive(Serialize)]
 struct JsonModel {
-    #[serde(flatten)]
-    shape: ModelShape,
+    name: &'static str,
+    full_layers: u32,
+    swa_layers: u32,
+    sliding_window: u32,
+    kv_heads: u32,
+    head_dim: u32,
+    dtype_bytes: u32,
     full_bytes_per_token: u64,
     swa_bytes_per_token: u64,
 }
@@ -748,7 +761,7 @@ pub(crate) mod tests {
 
     pub(crate) fn sample_report() -> Report {
         Report {
-            model: ModelShape::GPT_OSS_20B,
+            model: ModelSpec::GPT_OSS_20B,
             memory_bytes: 16 << 30,
             seed: 1,
             invariant_level: Level::Strict,

@@ -1,12 +1,25 @@
-//! The seam where the deterministic scheduler plugs in: [`run`] replays one workload
-//! through one layout at one page size and returns its [`RunStats`].
+//! The deterministic scheduler behind `unikv replay`: [`run`] replays one workload
+//! through one layout at one page size, driving `HybridCache` as an engine's scheduler
+//! would, and returns its [`RunStats`].
 //!
-//! Everything around it — presets and traces, the command line, the progress bar, the
-//! table, the JSON and the SVGs, the verdict — is built and tested; [`run`] itself needs
-//! the `HybridCache` facade and returns [`SimError::NotYetWired`] until it exists. It
-//! never fabricates results.
+//! # Policy (modelled on the reference engine's scheduler)
+//! - Each step has a prefill budget of `chunk_tokens`. It first continues the requests
+//!   still prefilling, then admits waiting requests in arrival order while the
+//!   concurrency cap, the budget and memory allow (`can_admit`, reserving the prompt and
+//!   up to 128 output tokens). Each admission matches the prompt against the prefix cache
+//!   at that moment, and every prefill chunk is cached at once (`cache_unfinished`), so a
+//!   prefix prefilled earlier in the same step is already a hit.
+//! - Every request that was decoding when the step began decodes one token
+//!   (`alloc_decode`, one call for the batch; SWA that left the window is released on
+//!   the way). A prefill's last chunk samples the first output token.
+//! - Out of memory, the most recently admitted request is retracted (its KV released, its
+//!   tokens back at the front of the queue) and the allocation retried; a request that
+//!   cannot fit alone is [`SimError::BudgetTooSmall`].
+//! - Finished requests enter the prefix cache (`cache_finished`); then `step_boundary`
+//!   flushes, checks conservation and polls the invariants. When every request is done
+//!   the prefix cache is cleared and every page must be free again (leaks).
 //!
-//! # Contract for the implementation
+//! # Contract
 //! - Deterministic: the same `(workload, config)` gives the same [`RunStats`] except
 //!   `step_cpu_ns`, the only wall-clock field (no wall-clock input to any decision).
 //! - It runs at [`RunConfig::invariant_level`]: the caller ([`crate::replay`]) puts that
@@ -20,12 +33,17 @@
 //! - It fills `samples` through [`crate::report::SampleRecorder`] (bounded, evenly spaced).
 
 use crate::error::SimError;
-use crate::model::ModelShape;
-use crate::report::RunStats;
+use crate::report::{RunStats, SampleRecorder};
+use crate::rng::SplitMix64;
 use crate::workload::Workload;
 use serde::Serialize;
+use std::collections::VecDeque;
 use std::fmt;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+use unikv::kernels::SyncLedger;
+use unikv::{HybridCache, ModelSpec, Request, TokenId};
 use unikv_invariants::Level;
 
 /// How the KV memory is organised.
@@ -64,7 +82,7 @@ impl fmt::Display for Layout {
 #[derive(Clone, Debug, PartialEq)]
 pub struct RunConfig {
     /// The model whose KV shapes size the sub-pools.
-    pub model: ModelShape,
+    pub model: ModelSpec,
     /// Static or unified.
     pub layout: Layout,
     /// Tokens per page (≥ 1).
@@ -103,7 +121,7 @@ impl RunConfig {
     pub const DEFAULT_MAX_STEPS: u64 = 10_000_000;
 
     /// A configuration with the defaults for everything but the run's identity.
-    pub fn new(model: ModelShape, layout: Layout, page_size: u32, memory_bytes: u64) -> RunConfig {
+    pub fn new(model: ModelSpec, layout: Layout, page_size: u32, memory_bytes: u64) -> RunConfig {
         RunConfig {
             model,
             layout,
@@ -139,19 +157,499 @@ pub struct StepProgress {
 pub type RunFn = dyn Fn(&Workload, &RunConfig, &dyn Fn(StepProgress)) -> Result<RunStats, SimError>;
 
 /// Replays `workload` through `config.layout` at `config.page_size` and reports what
-/// happened, calling `progress` after every step.
-///
-/// Not wired yet: returns [`SimError::NotYetWired`] until the `HybridCache` facade
-/// exists (see the module documentation for the contract an implementation keeps).
+/// happened, calling `progress` after every step. See the module documentation for the
+/// scheduling policy.
 pub fn run(
     workload: &Workload,
     config: &RunConfig,
     progress: &dyn Fn(StepProgress),
 ) -> Result<RunStats, SimError> {
-    let _ = (workload, config, progress);
-    Err(SimError::NotYetWired {
-        what: "the replay scheduler",
-    })
+    Simulation::new(workload, config)?.run(progress)
+}
+
+/// Decode-token reserve charged at admission, on top of the prompt: the request's whole
+/// remaining output, capped here (the reference engine reserves a decaying fraction of
+/// `max_new_tokens`; a fixed cap keeps admission deterministic and simple).
+const ADMISSION_DECODE_RESERVE: usize = 128;
+
+/// Vocabulary that generated tokens are drawn from (disjoint from nothing: generated
+/// tokens only need to be deterministic, and shared outputs are not a goal).
+const VOCAB: u64 = 200_000;
+
+/// A request waiting for admission (first time, or after a retraction).
+#[derive(Debug)]
+struct Waiting {
+    spec: usize,
+    /// Prompt and the generated tokens that had KV when it was retracted.
+    tokens: Vec<TokenId>,
+    /// Output tokens sampled so far (the last one has no KV yet).
+    sampled: u32,
+}
+
+/// A request holding KV.
+#[derive(Debug)]
+struct Running {
+    spec: usize,
+    req: Request,
+    sampled: u32,
+}
+
+/// One run's state.
+struct Simulation<'a> {
+    workload: &'a Workload,
+    config: &'a RunConfig,
+    cache: HybridCache,
+    ledger: Arc<SyncLedger>,
+    waiting: VecDeque<Waiting>,
+    running: Vec<Running>,
+    next_arrival: usize,
+    arrivals: Vec<usize>,
+    stats: RunStats,
+    samples: SampleRecorder,
+    tokens_done: u64,
+    violations_before: u64,
+    record_status: Option<crate::ops::RecordStatus>,
+}
+
+impl<'a> Simulation<'a> {
+    fn new(workload: &'a Workload, config: &'a RunConfig) -> Result<Self, SimError> {
+        let ledger = Arc::new(SyncLedger::cpu());
+        let layout = match config.layout {
+            Layout::Static => unikv::Layout::Static {
+                swa_full_tokens_ratio: config.swa_full_ratio,
+            },
+            Layout::Unified => unikv::Layout::Unified,
+        };
+        let mut builder = HybridCache::builder()
+            .model(config.model)
+            .page_size(config.page_size)
+            .memory_bytes(config.memory_bytes)
+            .layout(layout)
+            .device(ledger.clone());
+        let mut record_status = None;
+        if let Some(path) = &config.record_ops {
+            let header = crate::ops::Op::Header {
+                schema: crate::ops::SCHEMA.to_string(),
+                layout: config.layout.as_str().to_string(),
+                model: config.model.name.to_string(),
+                page_size: config.page_size,
+                memory_bytes: config.memory_bytes,
+                swa_full_ratio: config.swa_full_ratio,
+            };
+            let (recorder, status) = crate::ops::Recorder::create(path, header)?;
+            record_status = Some(status);
+            builder = builder.wrap_allocator(move |inner| Box::new(recorder.wrap(inner)));
+        }
+        let cache = builder.build().map_err(|e| match e {
+            unikv::Error::Pool(unikv::pools::Error::BufferTooSmall { needed, .. }) => {
+                SimError::BudgetTooSmall {
+                    workload: workload.name.clone(),
+                    layout: config.layout,
+                    page_size: config.page_size,
+                    budget_bytes: config.memory_bytes,
+                    needed_bytes: needed.0,
+                    reason: "the buffer cannot hold the sink and one window on both sides".into(),
+                }
+            }
+            other => SimError::Cache(other),
+        })?;
+        let mut arrivals: Vec<usize> = (0..workload.requests.len()).collect();
+        arrivals.sort_by_key(|&i| (workload.requests[i].arrival_step, i));
+        let violations_before = violations();
+        Ok(Simulation {
+            workload,
+            config,
+            cache,
+            ledger,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_arrival: 0,
+            arrivals,
+            stats: RunStats::new(workload, config),
+            samples: SampleRecorder::new(config.max_samples),
+            tokens_done: 0,
+            violations_before,
+            record_status,
+        })
+    }
+
+    fn run(mut self, progress: &dyn Fn(StepProgress)) -> Result<RunStats, SimError> {
+        let total = self.workload.requests.len() as u64;
+        let mut step = 0u64;
+        while self.stats.requests_completed < total {
+            if step >= self.config.max_steps {
+                return Err(self.stalled(
+                    step,
+                    format!("passed the step limit of {}", self.config.max_steps),
+                ));
+            }
+            self.arrive(step);
+            let started = Instant::now();
+            let moved = self.step()?;
+            let report = self.cache.step_boundary();
+            // Host bookkeeping only: the CPU backend runs device ops (page moves, the
+            // mirror upload) synchronously, where a GPU would launch them asynchronously.
+            let elapsed = started
+                .elapsed()
+                .saturating_sub(self.ledger.device_time())
+                .as_nanos() as u64;
+            self.step_boundary_result(report)?;
+            step += 1;
+            self.stats.steps = step;
+            self.stats.step_cpu_ns.push(elapsed);
+            self.observe(step);
+            progress(StepProgress {
+                step,
+                tokens_done: self.tokens_done,
+                requests_completed: self.stats.requests_completed,
+            });
+            if !moved && self.next_arrival == self.arrivals.len() {
+                return Err(self.stalled(step, "no request could make progress".into()));
+            }
+        }
+        self.finish(step)
+    }
+
+    /// Queues the requests that arrive at `step`.
+    fn arrive(&mut self, step: u64) {
+        while let Some(&i) = self.arrivals.get(self.next_arrival) {
+            if self.workload.requests[i].arrival_step > step {
+                break;
+            }
+            let tokens = self.workload.requests[i]
+                .prompt
+                .iter()
+                .map(|&t| TokenId(t))
+                .collect();
+            self.waiting.push_back(Waiting {
+                spec: i,
+                tokens,
+                sampled: 0,
+            });
+            self.next_arrival += 1;
+        }
+    }
+
+    /// One scheduler step, in the reference engine's order: the step's prefill budget
+    /// (`chunk_tokens`) first continues the requests still prefilling, then admits new
+    /// ones (matching each against the prefix cache when it is admitted, so a prefix
+    /// cached earlier in the step is a hit); every request that was decoding when the
+    /// step began decodes one token; finished requests enter the cache. Returns whether
+    /// anything moved.
+    fn step(&mut self) -> Result<bool, SimError> {
+        let decoders: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].req.remaining_prefill() == 0)
+            .collect();
+        let mut budget = self.config.chunk_tokens as usize;
+        let mut moved = false;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            if self.running[i].req.remaining_prefill() > 0 {
+                moved |= self.prefill_chunk(i, &mut budget)?;
+            }
+            i += 1;
+        }
+        moved |= self.admit(&mut budget)?;
+        moved |= self.decode(decoders)?;
+        moved |= self.finish_requests()?;
+        Ok(moved)
+    }
+
+    /// Admits waiting requests in order while the concurrency cap, the prefill budget and
+    /// memory allow, and prefills their first chunk.
+    fn admit(&mut self, budget: &mut usize) -> Result<bool, SimError> {
+        let mut admitted = false;
+        while self.running.len() < self.workload.concurrency as usize && *budget > 0 {
+            let Some(w) = self.waiting.pop_front() else {
+                break;
+            };
+            let spec = &self.workload.requests[w.spec];
+            let output_left = (spec.output_len - w.sampled.min(spec.output_len)) as usize;
+            let hit = self.cache.match_prefix(w.tokens);
+            let reserve = output_left.min(ADMISSION_DECODE_RESERVE);
+            if !self.cache.can_admit(&hit, reserve) {
+                if self.running.is_empty() {
+                    // Nothing else holds memory: clear the prefix cache and try once more,
+                    // else this request can never run.
+                    let len = hit.prompt_len();
+                    self.cache.evict_all()?;
+                    if !self.cache.can_admit(&hit, reserve.min(1)) {
+                        return Err(self.too_small(len + output_left));
+                    }
+                } else {
+                    self.waiting.push_front(Waiting {
+                        spec: w.spec,
+                        tokens: hit.into_tokens(),
+                        sampled: w.sampled,
+                    });
+                    break;
+                }
+            }
+            let req = self.cache.admit(hit)?;
+            self.stats.prompt_tokens += req.tokens().len() as u64;
+            self.stats.prefix_hit_tokens += req.cached_at_admission() as u64;
+            self.running.push(Running {
+                spec: w.spec,
+                req,
+                sampled: w.sampled,
+            });
+            self.stats.peak_admitted = self.stats.peak_admitted.max(self.running.len() as u64);
+            admitted = true;
+            let i = self.running.len() - 1;
+            if self.running[i].req.remaining_prefill() > 0 {
+                self.prefill_chunk(i, budget)?;
+            } else {
+                // The whole prompt was cached: the admission's forward samples a token.
+                self.first_token(i);
+            }
+        }
+        Ok(admitted)
+    }
+
+    /// Prefills the next chunk of `running[i]` within `budget` and caches what it has so
+    /// far (the reference engine caches unfinished requests after every chunk, so that
+    /// later requests with the same prefix hit it while its SWA is still live). Out of
+    /// memory, the newest request is retracted (maybe this one) and the step goes on.
+    fn prefill_chunk(&mut self, i: usize, budget: &mut usize) -> Result<bool, SimError> {
+        loop {
+            if i >= self.running.len() {
+                return Ok(false); // it was retracted
+            }
+            let n = self.running[i].req.remaining_prefill().min(*budget);
+            match self.cache.alloc_extend(&mut self.running[i].req, n) {
+                Ok(()) => {
+                    *budget -= n;
+                    self.tokens_done += n as u64;
+                    self.cache.cache_unfinished(&mut self.running[i].req)?;
+                    if self.running[i].req.remaining_prefill() == 0 {
+                        self.first_token(i);
+                    }
+                    return Ok(true);
+                }
+                Err(unikv::Error::OutOfMemory { .. }) => {
+                    if self.retract_newest()?.is_none() {
+                        return Err(self.too_small(self.running[i].req.tokens().len()));
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// The forward that completes a prefill samples the first output token (a request
+    /// re-admitted after retraction already has its pending token).
+    fn first_token(&mut self, i: usize) {
+        let r = &mut self.running[i];
+        if r.sampled == 0 {
+            r.sampled = 1;
+            self.tokens_done += 1;
+        }
+    }
+
+    /// One decode token for each request that had finished prefill when the step began
+    /// (`decoders`, ascending indices into `running`).
+    fn decode(&mut self, mut decoders: Vec<usize>) -> Result<bool, SimError> {
+        loop {
+            decoders.retain(|&i| {
+                let r = &self.running[i];
+                r.sampled < self.workload.requests[r.spec].output_len
+            });
+            if decoders.is_empty() {
+                return Ok(false);
+            }
+            let tokens: Vec<TokenId> = decoders
+                .iter()
+                .map(|&i| {
+                    let r = &self.running[i];
+                    generated_token(
+                        self.config.seed,
+                        self.workload.requests[r.spec].id,
+                        r.sampled,
+                    )
+                })
+                .collect();
+            let mut in_batch = vec![false; self.running.len()];
+            for &i in &decoders {
+                in_batch[i] = true;
+            }
+            let mut batch: Vec<&mut Request> = self
+                .running
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| in_batch[*i])
+                .map(|(_, r)| &mut r.req)
+                .collect();
+            match self.cache.alloc_decode(&mut batch, &tokens) {
+                Ok(()) => {
+                    for &i in &decoders {
+                        self.running[i].sampled += 1;
+                    }
+                    self.tokens_done += decoders.len() as u64;
+                    return Ok(true);
+                }
+                Err(unikv::Error::OutOfMemory { .. }) => {
+                    let need = self.running[decoders[0]].req.len() + 1;
+                    match self.retract_newest()? {
+                        Some(retracted) => decoders.retain(|&i| i != retracted),
+                        None => return Err(self.too_small(need)),
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Sends the most recently admitted request back to the front of the queue, its KV
+    /// released (the reference engine's retraction). Returns its index in `running`, or
+    /// `None` when it is the only running request (nothing else could make room).
+    fn retract_newest(&mut self) -> Result<Option<usize>, SimError> {
+        if self.running.len() < 2 {
+            return Ok(None);
+        }
+        let r = self.running.pop().expect("two or more running");
+        let tokens = self.cache.release(r.req)?;
+        self.waiting.push_front(Waiting {
+            spec: r.spec,
+            tokens,
+            sampled: r.sampled,
+        });
+        self.stats.retractions += 1;
+        Ok(Some(self.running.len()))
+    }
+
+    /// Finishes the requests that sampled their last token: their KV enters the tree.
+    fn finish_requests(&mut self) -> Result<bool, SimError> {
+        let mut finished = false;
+        let mut i = 0;
+        while i < self.running.len() {
+            let r = &self.running[i];
+            if r.sampled >= self.workload.requests[r.spec].output_len {
+                let r = self.running.remove(i);
+                self.cache.cache_finished(r.req)?;
+                self.stats.requests_completed += 1;
+                finished = true;
+            } else {
+                i += 1;
+            }
+        }
+        Ok(finished)
+    }
+
+    /// Counts what poll found at the step boundary; anything else is fatal.
+    fn step_boundary_result(
+        &mut self,
+        result: Result<unikv::StepReport, unikv::Error>,
+    ) -> Result<(), SimError> {
+        match result {
+            Ok(_) => Ok(()),
+            Err(unikv::Error::Invariants(unikv::invariants::Error::Violated(v))) => {
+                // Counted from the registry at the end; the run goes on so the report shows it.
+                let _ = v;
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Samples bytes per sub-pool and tracks their peaks.
+    fn observe(&mut self, step: u64) {
+        let stats = self.cache.stats();
+        let bytes = [
+            ("full", stats.full.used_bytes()),
+            ("swa", stats.swa.used_bytes()),
+        ];
+        for (name, b) in bytes {
+            let peak = self
+                .stats
+                .peak_bytes_by_subpool
+                .entry(name.to_string())
+                .or_insert(0);
+            *peak = (*peak).max(b);
+        }
+        self.samples.record(step, || {
+            bytes.iter().map(|(n, b)| (n.to_string(), *b)).collect()
+        });
+        // Keep the ledger small: count its syncs, then forget its op records.
+        self.stats.host_syncs += self.ledger.syncs() as u64;
+        self.ledger.reset();
+    }
+
+    /// After the last request: clear the prefix cache and count what was not given back.
+    fn finish(mut self, step: u64) -> Result<RunStats, SimError> {
+        self.cache.evict_all()?;
+        let report = self.cache.step_boundary();
+        self.step_boundary_result(report)?;
+        let stats = self.cache.stats();
+        self.stats.leaked_pages = [stats.full, stats.swa]
+            .iter()
+            .map(|s| (s.total_pages - s.available_pages) as u64)
+            .sum::<u64>()
+            + stats.live_requests as u64;
+        let e = stats.evictions;
+        self.stats.evictions_by_kind = [
+            ("full".to_string(), e.full_tokens),
+            ("swa".to_string(), e.swa_tokens),
+        ]
+        .into();
+        self.stats.host_syncs += self.ledger.syncs() as u64;
+        self.stats.invariant_violations = violations() - self.violations_before;
+        let Simulation {
+            cache,
+            samples,
+            stats: mut run,
+            record_status,
+            ..
+        } = self;
+        run.samples = samples.finish(step, || {
+            [
+                ("full".to_string(), stats.full.used_bytes()),
+                ("swa".to_string(), stats.swa.used_bytes()),
+            ]
+            .into()
+        });
+        // Dropping the cache flushes an ops recorder; then its status is final.
+        drop(cache);
+        if let Some(status) = record_status {
+            status.check()?;
+        }
+        Ok(run)
+    }
+
+    fn stalled(&self, steps: u64, reason: String) -> SimError {
+        SimError::Stalled {
+            workload: self.workload.name.clone(),
+            layout: self.config.layout,
+            page_size: self.config.page_size,
+            steps,
+            reason,
+        }
+    }
+
+    fn too_small(&self, tokens: usize) -> SimError {
+        let m = &self.config.model;
+        let per_token = m.full_bytes_per_token() + m.swa_bytes_per_token();
+        SimError::BudgetTooSmall {
+            workload: self.workload.name.clone(),
+            layout: self.config.layout,
+            page_size: self.config.page_size,
+            budget_bytes: self.config.memory_bytes,
+            needed_bytes: tokens as u64 * per_token,
+            reason: format!("one request of {tokens} tokens does not fit alone"),
+        }
+    }
+}
+
+/// The token a request samples as its `index`-th output: deterministic in the seed.
+fn generated_token(seed: u64, request: u32, index: u32) -> TokenId {
+    let mut rng = SplitMix64::new(
+        seed ^ ((request as u64) << 32 | index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+    );
+    TokenId(rng.below(VOCAB) as u32)
+}
+
+/// Violations recorded by every invariant of the process so far.
+fn violations() -> u64 {
+    unikv::invariants::report().map_or(0, |r| r.total_violations())
 }
 
 #[cfg(test)]
@@ -159,13 +657,72 @@ mod tests {
     use super::*;
     use crate::workload::Preset;
 
+    fn smoke(layout: Layout, page_size: u32, memory_bytes: u64) -> Result<RunStats, SimError> {
+        let config = RunConfig::new(ModelSpec::GPT_OSS_20B, layout, page_size, memory_bytes);
+        run(&Preset::Smoke.build(3), &config, &|_| {})
+    }
+
     #[test]
-    fn run_says_it_is_not_wired_instead_of_inventing_numbers() {
-        let w = Preset::Smoke.build(0);
-        let config = RunConfig::new(ModelShape::GPT_OSS_20B, Layout::Unified, 1, 1 << 30);
-        let err = run(&w, &config, &|_| {}).unwrap_err();
-        assert!(matches!(err, SimError::NotYetWired { .. }), "{err:?}");
-        assert!(err.to_string().contains("HybridCache"), "{err}");
+    fn every_request_finishes_with_no_sync_violation_or_leak() {
+        for layout in Layout::BOTH {
+            for ps in unikv_invariants::testing::page_sizes() {
+                let stats = smoke(layout, ps, 1 << 30).unwrap();
+                assert_eq!(
+                    stats.requests_completed, stats.requests_total,
+                    "{layout} ps {ps}"
+                );
+                assert_eq!(
+                    (
+                        stats.host_syncs,
+                        stats.invariant_violations,
+                        stats.leaked_pages
+                    ),
+                    (0, 0, 0)
+                );
+                assert!(stats.steps > 0 && stats.step_cpu_ns.len() as u64 == stats.steps);
+                assert!(
+                    stats.peak_bytes_by_subpool["full"] > 0
+                        && stats.peak_bytes_by_subpool["swa"] > 0
+                );
+                assert!(!stats.samples.is_empty());
+            }
+        }
+    }
+
+    #[test]
+    fn a_shared_prefix_is_a_hit_once_it_is_cached() {
+        let stats = smoke(Layout::Unified, 1, 1 << 30).unwrap();
+        assert!(stats.prefix_hit_tokens > 0, "{stats:?}");
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_run() {
+        let strip = |mut s: RunStats| {
+            s.step_cpu_ns.clear();
+            s
+        };
+        for layout in Layout::BOTH {
+            let a = strip(smoke(layout, 4, 1 << 30).unwrap());
+            let b = strip(smoke(layout, 4, 1 << 30).unwrap());
+            assert_eq!(a, b);
+        }
+    }
+
+    #[test]
+    fn memory_pressure_retracts_and_still_finishes_everything() {
+        // Enough for a few requests at once, not for the whole batch.
+        let stats = smoke(Layout::Static, 4, 48 << 20).unwrap();
+        assert_eq!(stats.requests_completed, stats.requests_total);
+        assert_eq!(stats.leaked_pages, 0);
+    }
+
+    #[test]
+    fn an_impossible_budget_is_a_clear_error_not_a_hang() {
+        for budget in [1 << 20, 8 << 20] {
+            let err = smoke(Layout::Unified, 4, budget).unwrap_err();
+            assert!(matches!(err, SimError::BudgetTooSmall { .. }), "{err:?}");
+            assert!(err.to_string().contains("cannot run it"), "{err}");
+        }
     }
 
     #[test]

@@ -121,3 +121,56 @@ fn a_malformed_trace_line_is_reported_with_its_file_and_line() {
         "{stderr}"
     );
 }
+
+#[test]
+fn the_smoke_report_is_stable() {
+    let (status, stdout, stderr) = unikv(&["replay", "--workload", "smoke", "--no-timing"]);
+    assert_eq!(status, Some(0), "{stderr}");
+    insta::assert_snapshot!(stdout);
+}
+
+#[test]
+fn the_same_seed_gives_identical_json_twice() {
+    let args = [
+        "replay",
+        "--workload",
+        "smoke",
+        "--page-size",
+        "4",
+        "--seed",
+        "9",
+        "--json",
+        "--no-timing",
+    ];
+    let (s1, first, e1) = unikv(&args);
+    let (s2, second, e2) = unikv(&args);
+    assert_eq!((s1, s2), (Some(0), Some(0)), "{e1}{e2}");
+    assert!(
+        first.starts_with('{') && first.contains("\"schema\": \"unikv.replay.v1\""),
+        "{first}"
+    );
+    assert_eq!(first, second);
+    let (_, other_seed, _) = unikv(&[
+        "replay",
+        "--workload",
+        "smoke",
+        "--page-size",
+        "4",
+        "--seed",
+        "10",
+        "--json",
+        "--no-timing",
+    ]);
+    assert_ne!(first, other_seed, "the seed changes the workload");
+}
+
+#[test]
+fn an_impossible_budget_is_a_clear_error_instead_of_a_hang() {
+    let (status, stdout, stderr) = unikv(&["replay", "--workload", "smoke", "--memory", "1MiB"]);
+    assert_eq!(status, Some(2), "{stdout}{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("1048576") || stderr.contains("1 MiB") || stderr.contains("budget"),
+        "{stderr}"
+    );
+}
