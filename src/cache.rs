@@ -262,7 +262,7 @@ impl HybridCacheBuilder {
 /// cache.alloc_extend(&mut req, 100)?;
 /// for t in 0..40 {
 ///     cache.alloc_decode(&mut [&mut req], &[TokenId(1000 + t)])?;
-///     cache.step_boundary()?; // flush, invariants, mirror upload, conservation
+///     cache.step_boundary()?; // deferred frees, conservation, mirror upload, invariants
 /// }
 ///
 /// // Finish: the tree keeps the KV for the next request with the same prefix.
@@ -350,8 +350,13 @@ impl HybridCache {
 
     /// Matches `prompt` against the prefix cache. Nothing is locked or allocated: drop the
     /// result to abort; pass it to [`HybridCache::admit`] to take the hit.
+    ///
+    /// The last prompt token is never served from the cache: its forward pass produces the
+    /// logits of the first output token, so at least one token is always left to prefill.
     pub fn match_prefix(&mut self, prompt: Vec<TokenId>) -> PrefixMatch {
-        let result = self.tree.match_prefix(&prompt);
+        let result = self
+            .tree
+            .match_prefix(&prompt[..prompt.len().saturating_sub(1)]);
         PrefixMatch {
             tokens: prompt,
             result,
@@ -361,9 +366,12 @@ impl HybridCache {
     }
 
     /// Whether the request could be admitted now and grow by `reserve_tokens` past its
-    /// prompt, counting what eviction of unlocked prefixes could free. Pure: changes
-    /// nothing.
-    pub fn can_admit(&self, hit: &PrefixMatch, reserve_tokens: usize) -> bool {
+    /// prompt, counting what evicting unlocked prefixes could free. The allocator prices
+    /// the joint FULL + SWA demand itself (in the unified layout, evicting SWA makes room
+    /// for FULL), so the answer is exact up to the hit's own pages, which admission locks.
+    /// Takes `&mut self` because pricing first applies the step's deferred frees (as any
+    /// allocation would); nothing else changes.
+    pub fn can_admit(&mut self, hit: &PrefixMatch, reserve_tokens: usize) -> bool {
         let cached = hit.cached_tokens();
         let target = hit.tokens.len() + reserve_tokens;
         let pages = target.div_ceil(self.ps) - cached / self.ps;
@@ -371,27 +379,14 @@ impl HybridCache {
         if self.alloc.allocation_fits(demand) {
             return true;
         }
-        let cap = self.alloc.capacity();
         let sizes = self.tree.sizes();
-        // The hit itself will be locked, so it cannot be evicted for this request. (The
-        // SWA of an evictable FULL leaf is already counted as evictable SWA.)
-        let full_evictable = (sizes.full_evictable.0 / self.ps).saturating_sub(cached / self.ps);
-        let swa_evictable = (sizes.swa_evictable.0 / self.ps).saturating_sub(cached / self.ps);
-        let per_side = cap.full.schedulable_pages + full_evictable >= pages
-            && cap.swa.schedulable_pages + swa_evictable >= pages;
-        match self.layout {
-            Layout::Static { .. } => per_side,
-            // One buffer: evicted pages add their bytes to the gap, and a joint page needs
-            // a FULL and an SWA envelope of it (not one joint page per evicted page).
-            Layout::Unified => {
-                let (ef, es) = (
-                    self.alloc.grid(Side::Full).envelope,
-                    self.alloc.grid(Side::Swa).envelope,
-                );
-                let freed = full_evictable as u64 * ef + swa_evictable as u64 * es;
-                per_side && cap.joint_schedulable_pages as u64 + freed / (ef + es) >= pages as u64
-            }
-        }
+        // The hit itself will be locked (FULL, and SWA over its last window), so it cannot
+        // be evicted for this request.
+        let evictable = Reclaimable {
+            full_pages: (sizes.full_evictable.0 / self.ps).saturating_sub(cached / self.ps),
+            swa_pages: (sizes.swa_evictable.0 / self.ps).saturating_sub(cached / self.ps),
+        };
+        self.alloc.reclaim_plan(demand, evictable).is_some()
     }
 
     /// Admits a matched prompt: locks the hit so no eviction takes it, and returns the
@@ -835,10 +830,7 @@ impl HybridCache {
         self.step += 1;
         conservation?;
         unikv_invariants::poll()?;
-        Ok(StepReport {
-            step: self.step,
-            pages_moved: 0,
-        })
+        Ok(StepReport { step: self.step })
     }
 
     /// Conservation per side, in pages: available + evictable + protected + held by live

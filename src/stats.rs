@@ -66,6 +66,4 @@ pub struct CacheStats {
 pub struct StepReport {
     /// The step that just ended (1-based).
     pub step: u64,
-    /// Page envelopes moved by compaction.
-    pub pages_moved: usize,
 }

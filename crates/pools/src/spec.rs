@@ -159,7 +159,7 @@ pub(crate) fn check_bs1_floor(
     let window_bytes = pages * envelopes;
     if room < window_bytes {
         return Err(Error::BufferTooSmall {
-            needed: Bytes(floor + window_bytes + (total - floor).saturating_sub(room)),
+            needed: Bytes(floor + window_bytes + total.saturating_sub(floor).saturating_sub(room)),
             have: Bytes(total),
             window_tokens,
         });

@@ -395,13 +395,8 @@ impl<'a> Simulation<'a> {
             });
             self.stats.peak_admitted = self.stats.peak_admitted.max(self.running.len() as u64);
             admitted = true;
-            let i = self.running.len() - 1;
-            if self.running[i].req.remaining_prefill() > 0 {
-                self.prefill_chunk(i, budget)?;
-            } else {
-                // The whole prompt was cached: the admission's forward samples a token.
-                self.first_token(i);
-            }
+            // A match never covers the prompt's last token, so there is always a chunk.
+            self.prefill_chunk(self.running.len() - 1, budget)?;
         }
         Ok(admitted)
     }

@@ -1,0 +1,261 @@
+//! No host sync on the scheduling path: a whole scheduler step through `HybridCache` —
+//! admission with a prefix hit, chunked prefill under memory pressure (eviction), decode
+//! with an out-of-window SWA release, finishing, explicit eviction and the step boundary —
+//! issues zero host syncs and zero data-dependent shapes on a recording device. The only
+//! device work is at the step boundary: the translation mirror upload (and compaction).
+
+mod common;
+
+use common::*;
+use std::sync::Arc;
+use unikv::kernels::SyncLedger;
+use unikv::{HybridCache, TokenId};
+
+const W: u32 = 8;
+
+#[test]
+fn a_full_scheduler_step_issues_no_host_sync_and_uploads_the_mirror_once() {
+    for_each_layout_and_page_size(|layout, ps| {
+        let config = Config::tokens(layout, ps, W, 40 * (W as u64).max(ps as u64), 8);
+        let ledger = Arc::new(SyncLedger::cpu());
+        let cache = HybridCache::builder()
+            .model(config.model)
+            .page_size(ps)
+            .memory_bytes(config.memory_bytes())
+            .layout(layout)
+            .device(ledger.clone())
+            .build()
+            .unwrap();
+        let mut fx = Fixture::new(&config);
+        fx.cache = cache;
+        fx.empty = fx.cache.allocator().capacity();
+        let keep = fx.keep();
+        let ps = fx.ps;
+
+        // Before the step: a cached prefix, filler prefixes that pressure will evict, and
+        // a request decoding right below its next window release.
+        let prefix = text(0, 2 * keep);
+        let mut p = fx.admit(prefix.clone());
+        fx.prefill(&mut p, 2 * keep);
+        fx.cache.cache_finished(p).unwrap();
+        fx.step();
+        let mut finishing = fx.admit(text(300_000, keep + 1));
+        fx.prefill(&mut finishing, keep + 1);
+        let mut decoding = fx.admit(text(400_000, keep + 1));
+        fx.prefill(&mut decoding, keep + 1);
+        let mut i = 0;
+        while fx.cache.allocator().capacity().joint_schedulable_pages >= 3 * keep / ps {
+            let mut filler = fx.admit(text(1_000_000 * (i + 1), ps));
+            fx.prefill(&mut filler, ps);
+            fx.cache.cache_finished(filler).unwrap();
+            fx.step();
+            i += 1;
+        }
+        // Decode until one more token moves the window.
+        while decoding.len() < decoding.window_cursor() + keep + fx.interval {
+            let token = 500_000 + decoding.len() as u32;
+            fx.decode(&mut decoding, 1, token);
+        }
+        let evictions_before = fx.cache.stats().evictions;
+        ledger.reset();
+
+        // The step.
+        let mut admitted = fx.admit(concat(&prefix, &text(600_000, 3 * keep)));
+        assert_eq!(admitted.cached_at_admission(), 2 * keep, "{}", fx.label);
+        fx.cache.alloc_extend(&mut admitted, 3 * keep).unwrap();
+        let cursor = decoding.window_cursor();
+        fx.cache
+            .alloc_decode(&mut [&mut decoding], &[TokenId(7)])
+            .unwrap();
+        assert!(
+            decoding.window_cursor() > cursor,
+            "{}: the window release ran",
+            fx.label
+        );
+        fx.cache.cache_finished(finishing).unwrap();
+        fx.cache.evict_to_free(1, 1).unwrap();
+        assert_ne!(
+            fx.cache.stats().evictions,
+            evictions_before,
+            "{}: pressure evicted",
+            fx.label
+        );
+        // The scheduling path issues no device work but asynchronous page moves (lazy
+        // compaction inside an allocation that needs it).
+        let scheduling_ops = ledger.ops();
+        assert!(
+            scheduling_ops.iter().all(|r| r.op == "move_spans"),
+            "{}: device work on the scheduling path: {scheduling_ops:?}",
+            fx.label
+        );
+        let before_boundary = scheduling_ops.len();
+        fx.step();
+
+        ledger
+            .check_no_syncs()
+            .unwrap_or_else(|report| panic!("{}: {report}", fx.label));
+        assert_eq!((ledger.syncs(), ledger.data_dependent_shapes()), (0, 0));
+        // The boundary's own device work: the mirror upload, one scatter per changed side.
+        let ops = ledger.ops()[before_boundary..].to_vec();
+        let uploads = ops.iter().filter(|r| r.op == "scatter_table").count();
+        assert!(
+            (1..=2).contains(&uploads),
+            "{}: the boundary uploads the mirror once per side: {ops:?}",
+            fx.label
+        );
+        assert!(
+            ops.iter()
+                .all(|r| matches!(r.op, "scatter_table" | "move_spans")),
+            "{}: unexpected device ops at the boundary: {ops:?}",
+            fx.label
+        );
+        // A step that changed no table uploads nothing.
+        ledger.reset();
+        fx.step();
+        assert_eq!(ledger.op_count(), 0, "{}: {:?}", fx.label, ledger.ops());
+        fx.teardown(vec![admitted, decoding]);
+        ledger.assert_no_syncs();
+    });
+}
+
+/// What the device sees after a step boundary is what the host decided: both mirrors
+/// equal the host's translation tables entry by entry (live, tombstone, unbound), and
+/// the device translation of each running request's row gives the host's kernel ids —
+/// the sink for rows whose SWA left the window — through window releases, tombstoning,
+/// finishing, eviction and compaction. (The read-backs are the test's, with a permit,
+/// outside the step.)
+#[test]
+fn the_uploaded_mirror_and_device_translation_match_the_host_after_every_step() {
+    use unikv::kernels::HostSync;
+    use unikv::pools::{Side, SwaState, VirtualPage};
+
+    for_each_layout_and_page_size(|layout, ps| {
+        let config = Config::tokens(layout, ps, W, 24 * (W as u64).max(ps as u64), 8);
+        let ledger = Arc::new(SyncLedger::cpu());
+        let mut fx = Fixture::new(&config);
+        fx.cache = HybridCache::builder()
+            .model(config.model)
+            .page_size(ps)
+            .memory_bytes(config.memory_bytes())
+            .layout(layout)
+            .device(ledger.clone())
+            .build()
+            .unwrap();
+        fx.empty = fx.cache.allocator().capacity();
+        let keep = fx.keep();
+        let sync = HostSync::acquire("test: compare the device mirror with the host");
+        let device = ledger.inner().clone();
+
+        let check = |fx: &Fixture, running: &[&unikv::Request]| {
+            let alloc = fx.cache.allocator();
+            let pages = alloc.virtual_pages() as usize;
+            for side in [Side::Full, Side::Swa] {
+                let mirror = device
+                    .read_table(&sync, alloc.mirror_table(side), 0, pages)
+                    .unwrap();
+                for (v, &entry) in mirror.iter().enumerate() {
+                    let page = VirtualPage(v as u32);
+                    let expected = match alloc.physical_page(side, page) {
+                        Some(p) => p as i32,
+                        None if side == Side::Swa
+                            && alloc.swa_state(page) == SwaState::Tombstone =>
+                        {
+                            -1
+                        }
+                        None => 0,
+                    };
+                    let ok = entry == expected || (expected == 0 && entry <= 0 && v == 0);
+                    assert!(
+                        ok,
+                        "{}: {side:?} mirror of v{v} is {entry}, host says {expected}",
+                        fx.label
+                    );
+                }
+                for r in running {
+                    let ids: Vec<i32> = r.row().iter().map(|t| t.0 as i32).collect();
+                    let width = ids.len() + 3;
+                    let ids_table = device.alloc_table(ids.len().max(1), 0).unwrap();
+                    device.upload_table(ids_table, 0, &ids).unwrap();
+                    let out = device.alloc_table(width, -7).unwrap();
+                    alloc
+                        .translate(side, ids_table, ids.len(), out, width)
+                        .unwrap();
+                    let kernel = device.read_table(&sync, out, 0, width).unwrap();
+                    for (i, &t) in r.row().iter().enumerate() {
+                        assert_eq!(
+                            kernel[i],
+                            alloc.kernel_id(side, t),
+                            "{}: {side:?} row {i}",
+                            fx.label
+                        );
+                    }
+                    assert_eq!(
+                        &kernel[ids.len()..],
+                        &[0, 0, 0],
+                        "{}: the tail is zero-filled",
+                        fx.label
+                    );
+                    if side == Side::Swa {
+                        for (i, &k) in kernel[..r.window_cursor().min(ids.len())]
+                            .iter()
+                            .enumerate()
+                        {
+                            if i >= r.protected_len() {
+                                assert_eq!(
+                                    k, 0,
+                                    "{}: row {i} below the cursor reads the sink",
+                                    fx.label
+                                );
+                            }
+                        }
+                    }
+                    device.free_table(ids_table).unwrap();
+                    device.free_table(out).unwrap();
+                }
+            }
+        };
+
+        let prefix = text(0, 2 * keep);
+        let mut a = fx.admit(prefix.clone());
+        fx.prefill(&mut a, fx.ps);
+        fx.cache.cache_finished(a).unwrap();
+        fx.step();
+        check(&fx, &[]);
+        let mut b = fx.admit(concat(&prefix, &text(10_000, keep + 1)));
+        let mut c = fx.admit(text(20_000, keep + 3));
+        let chunk = fx.ps;
+        for _ in 0..3 * keep {
+            for r in [&mut b, &mut c] {
+                if r.remaining_prefill() > 0 {
+                    let n = chunk.min(r.remaining_prefill());
+                    fx.cache.alloc_extend(r, n).unwrap();
+                } else {
+                    let t = 30_000 + r.len() as u32;
+                    fx.cache
+                        .alloc_decode(&mut [r], &[unikv::TokenId(t)])
+                        .unwrap();
+                }
+            }
+            fx.step();
+            check(&fx, &[&b, &c]);
+        }
+        // Tombstone what can be, finish one request (compaction follows its frees).
+        let swa_free = fx.cache.allocator().capacity().swa.schedulable_pages;
+        let _ = fx.cache.evict_to_free(0, swa_free + 1);
+        fx.step();
+        check(&fx, &[&b, &c]);
+        fx.cache.cache_finished(c).unwrap();
+        fx.cache.step_boundary().unwrap();
+        check(&fx, &[&b]);
+        fx.cache.evict_all().unwrap();
+        fx.step();
+        check(&fx, &[&b]);
+        assert_eq!(
+            ledger.syncs(),
+            0,
+            "{}: the cache itself never synced",
+            fx.label
+        );
+        fx.teardown(vec![b]);
+    });
+}
