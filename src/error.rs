@@ -1,7 +1,12 @@
 //! The facade's error type.
 
-/// Everything `HybridCache` can report. Every operation that returns an error leaves the
-/// cache and the request it was given exactly as they were.
+/// Everything `HybridCache` can report. An operation that returns an error leaves the
+/// request it was given as it was and loses no KV; work that is valid on its own and was
+/// done before the failure stays done (a window release, evicting unlocked prefixes,
+/// applying deferred frees). The finishing methods (`cache_finished`, `release`) check the
+/// request's cache before anything else; a request of another cache is refused with
+/// [`Error::ForeignRequest`] and, having been moved in, is dropped: its KV stays held in
+/// the cache it came from.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The builder was given an unusable combination.

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use unikv::ModelSpec;
-use unikv::kernels::{BytesId, CpuDevice, TableId};
+use unikv::kernels::{BytesId, SyncLedger, TableId};
 use unikv::pools::{
     Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, Grid, KvAllocator, MoveGate,
     PageDemand, PageSize, PoolMap, ReclaimPlan, Reclaimable, Segment, Side, StaticSwa,
@@ -557,8 +557,11 @@ pub fn load(path: &Path) -> Result<Trace, SimError> {
     Ok(Trace { header, ops })
 }
 
-/// Builds the allocator a header describes, on a fresh CPU device.
-pub fn allocator_for(header: &Op) -> Result<Box<dyn KvAllocator>, SimError> {
+/// Builds the allocator a header describes, on `device`.
+pub fn allocator_for(
+    header: &Op,
+    device: Arc<dyn unikv::kernels::Device>,
+) -> Result<Box<dyn KvAllocator>, SimError> {
     let Op::Header {
         schema,
         layout,
@@ -582,7 +585,6 @@ pub fn allocator_for(header: &Op) -> Result<Box<dyn KvAllocator>, SimError> {
     })?;
     let full = SubPoolSpec::mha("full", m.full_layers, m.kv_heads, m.head_dim, m.dtype_bytes);
     let swa = SubPoolSpec::mha("swa", m.swa_layers, m.kv_heads, m.head_dim, m.dtype_bytes);
-    let device = Arc::new(CpuDevice::new());
     let built: Result<Box<dyn KvAllocator>, unikv::pools::Error> = match layout.as_str() {
         "unified" => UnifiedSwa::new(
             device,
@@ -644,8 +646,21 @@ impl OpThroughput {
 /// Replays `trace` against a fresh allocator and times every op. Returns the throughput
 /// per op kind (plus `all`). The ids each alloc returns are checked against the trace, so
 /// a replay that diverged is an error, not a number.
+///
+/// The allocator runs on a CPU device behind a [`SyncLedger`], and the time the device
+/// spends executing ops (page moves, uploads: asynchronous launches on a GPU) is taken
+/// out of each op's time, so the figures are the allocator's host bookkeeping.
 pub fn replay(trace: &Trace) -> Result<BTreeMap<&'static str, OpThroughput>, SimError> {
-    let mut alloc = allocator_for(&trace.header)?;
+    let ledger = Arc::new(SyncLedger::cpu());
+    let mut alloc = allocator_for(&trace.header, ledger.clone())?;
+    let host_nanos = |started: Instant| {
+        let nanos = started
+            .elapsed()
+            .saturating_sub(ledger.device_time())
+            .as_nanos() as u64;
+        ledger.reset();
+        nanos
+    };
     let mut by_kind: BTreeMap<&'static str, OpThroughput> = BTreeMap::new();
     let mut out = Vec::new();
     let diverged = |i: usize, what: String| SimError::OpsTrace {
@@ -689,7 +704,7 @@ pub fn replay(trace: &Trace) -> Result<BTreeMap<&'static str, OpThroughput>, Sim
                 } else {
                     alloc.alloc_extend(&reqs, &mut out).map_err(pool)?;
                 }
-                let nanos = started.elapsed().as_nanos() as u64;
+                let nanos = host_nanos(started);
                 if to_runs(&out) != *expected {
                     return Err(diverged(
                         i,
@@ -827,12 +842,7 @@ pub fn replay(trace: &Trace) -> Result<BTreeMap<&'static str, OpThroughput>, Sim
                 alloc.upload_mirror().map_err(pool)?;
             }
         }
-        add(
-            &mut by_kind,
-            op.name(),
-            tokens,
-            started.elapsed().as_nanos() as u64,
-        );
+        add(&mut by_kind, op.name(), tokens, host_nanos(started));
     }
     let all = by_kind
         .values()
