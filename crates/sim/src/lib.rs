@@ -8,11 +8,11 @@
 //! | module | what it holds |
 //! |---|---|
 //! | [`rng`] | SplitMix64, the only source of randomness |
-//! | [`model`] | model KV shapes (`--model`) |
 //! | [`workload`] | [`Workload`], [`RequestSpec`], the presets ([`Preset`]) |
 //! | [`trace`] | `--trace FILE` (JSON Lines) → [`Workload`] |
 //! | [`cli`] | the hand-written command line and help texts |
-//! | [`scheduler`] | the seam: [`scheduler::run`], [`RunConfig`], [`Layout`], [`StepProgress`] |
+//! | [`scheduler`] | the scheduler: [`scheduler::run`], [`RunConfig`], [`Layout`], [`StepProgress`] |
+//! | [`ops`] | allocator op traces: `--record-ops` and `bench-ops` |
 //! | [`report`] | [`RunStats`], the table, the JSON object, the verdict |
 //! | [`svg`] | one plot per run of each sub-pool's bytes over steps |
 //! | [`progress`] | the progress bar on stderr |

@@ -1,0 +1,97 @@
+//! Facade benchmarks: the allocator + tree CPU time of one scheduler step
+//! (DESIGN.md §10: a decode step of a batch of 256 at page size 1 within 20 µs), and the
+//! lifecycle operations around it. Run with `cargo bench -p unikv --bench step`.
+
+use divan::Bencher;
+use unikv::{HybridCache, Layout, ModelSpec, Request, TokenId};
+
+fn main() {
+    divan::main();
+}
+
+const BATCH: usize = 256;
+const PROMPT: usize = 512;
+
+/// A cache with `BATCH` requests past prefill, decoding.
+fn decoding(layout: Layout, page_size: u32) -> (HybridCache, Vec<Request>) {
+    let mut cache = HybridCache::builder()
+        .model(ModelSpec::GPT_OSS_20B)
+        .page_size(page_size)
+        .memory_bytes(16 << 30)
+        .layout(layout)
+        .build()
+        .expect("the cache builds");
+    let mut requests = Vec::with_capacity(BATCH);
+    for r in 0..BATCH as u32 {
+        let prompt: Vec<TokenId> = (0..PROMPT as u32)
+            .map(|t| TokenId(r * 1_000_000 + t))
+            .collect();
+        let hit = cache.match_prefix(prompt);
+        let mut req = cache.admit(hit).expect("admitted");
+        cache.alloc_extend(&mut req, PROMPT).expect("prefilled");
+        requests.push(req);
+    }
+    cache.step_boundary().expect("a clean step");
+    (cache, requests)
+}
+
+const LAYOUTS: [(&str, Layout); 2] = [
+    (
+        "static",
+        Layout::Static {
+            swa_full_tokens_ratio: 0.8,
+        },
+    ),
+    ("unified", Layout::Unified),
+];
+
+/// One decode step of 256 requests: `alloc_decode` for the batch (with each request's
+/// window release) and the step boundary (deferred frees, conservation, mirror upload,
+/// invariant poll).
+#[divan::bench(args = [("static", 1), ("unified", 1), ("static", 256), ("unified", 256)], sample_count = 200)]
+fn decode_step_batch_256(bencher: Bencher, (layout, page_size): (&str, u32)) {
+    let layout = LAYOUTS
+        .iter()
+        .find(|(name, _)| *name == layout)
+        .expect("a layout")
+        .1;
+    let (mut cache, mut requests) = decoding(layout, page_size);
+    let tokens = vec![TokenId(7); BATCH];
+    bencher.bench_local(|| {
+        let mut batch: Vec<&mut Request> = requests.iter_mut().collect();
+        cache.alloc_decode(&mut batch, &tokens).expect("decoded");
+        cache.step_boundary().expect("a clean step");
+    });
+}
+
+/// Admission of a 4,096-token prompt whose first 4,032 tokens are cached: match, admit,
+/// prefill the rest, release.
+#[divan::bench(args = ["static", "unified"], sample_count = 100)]
+fn admit_with_hit_and_release(bencher: Bencher, layout: &str) {
+    let layout = LAYOUTS
+        .iter()
+        .find(|(name, _)| *name == layout)
+        .expect("a layout")
+        .1;
+    let mut cache = HybridCache::builder()
+        .memory_bytes(4 << 30)
+        .layout(layout)
+        .build()
+        .expect("the cache builds");
+    let system: Vec<TokenId> = (0..4_032).map(TokenId).collect();
+    let hit = cache.match_prefix(system.clone());
+    let mut seed = cache.admit(hit).expect("admitted");
+    cache.alloc_extend(&mut seed, 4_032).expect("prefilled");
+    cache.cache_finished(seed).expect("cached");
+    cache.step_boundary().expect("a clean step");
+    let mut prompt = system;
+    prompt.extend((0..64).map(|t| TokenId(900_000 + t)));
+    bencher.bench_local(|| {
+        let hit = cache.match_prefix(prompt.clone());
+        let mut req = cache.admit(hit).expect("admitted");
+        let rest = req.remaining_prefill();
+        cache.alloc_extend(&mut req, rest).expect("prefilled");
+        cache.release(req).expect("released");
+        cache.step_boundary().expect("a clean step");
+    });
+}
