@@ -27,7 +27,7 @@ mod model;
 mod request;
 mod stats;
 
-pub use cache::{HybridCache, HybridCacheBuilder, Layout};
+pub use cache::{DEFAULT_EVICTION_INTERVAL, HybridCache, HybridCacheBuilder, Layout};
 pub use error::Error;
 pub use model::ModelSpec;
 pub use request::{PrefixMatch, Request};

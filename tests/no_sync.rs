@@ -23,6 +23,7 @@ fn a_full_scheduler_step_issues_no_host_sync_and_uploads_the_mirror_once() {
             .page_size(ps)
             .memory_bytes(config.memory_bytes())
             .layout(layout)
+            .eviction_interval(ps)
             .device(ledger.clone())
             .build()
             .unwrap();
@@ -138,6 +139,7 @@ fn the_uploaded_mirror_and_device_translation_match_the_host_after_every_step() 
             .page_size(ps)
             .memory_bytes(config.memory_bytes())
             .layout(layout)
+            .eviction_interval(ps)
             .device(ledger.clone())
             .build()
             .unwrap();

@@ -102,9 +102,9 @@ impl Config {
             .page_size(self.page_size)
             .memory_bytes(self.memory_bytes())
             .layout(self.layout);
-        if let Some(interval) = self.interval {
-            builder = builder.eviction_interval(interval);
-        }
+        // The tightest interval, one page, unless a test asks for another: the ratchet
+        // then moves at every page boundary, which the scenarios count on.
+        builder = builder.eviction_interval(self.interval.unwrap_or(self.page_size));
         builder
             .build()
             .unwrap_or_else(|e| panic!("building {self:?}: {e}"))
