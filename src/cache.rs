@@ -243,6 +243,7 @@ impl HybridCacheBuilder {
             admitted_prompt_tokens: 0,
             evictions: EvictionCounts::default(),
             scratch: Vec::new(),
+            decode_scratch: Vec::new(),
         })
     }
 }
@@ -309,7 +310,10 @@ pub struct HybridCache {
     hit_tokens: u64,
     admitted_prompt_tokens: u64,
     evictions: EvictionCounts,
+    /// Ids an allocation returned (reused across calls).
     scratch: Vec<PoolToken>,
+    /// The decode batch handed to the allocator (reused across calls).
+    decode_scratch: Vec<DecodeRequest>,
 }
 
 impl HybridCache {
@@ -442,7 +446,7 @@ impl HybridCache {
 
     /// Allocates KV for the next `tokens` prompt tokens of `req` (a prefill chunk). SWA
     /// that left the window is released first; when memory is short, unlocked prefixes
-    /// are evicted. On error nothing changed.
+    /// are evicted. On error the request is as it was (see [`Error`]).
     pub fn alloc_extend(&mut self, req: &mut Request, tokens: usize) -> Result<(), Error> {
         self.check_owner(req)?;
         let len = req.len();
@@ -475,7 +479,7 @@ impl HybridCache {
 
     /// Appends one generated token to each request of the batch and allocates its KV
     /// (one allocator call for the batch; most steps need no new page). SWA that left the
-    /// window is released first. On error nothing changed.
+    /// window is released first. On error every request is as it was (see [`Error`]).
     pub fn alloc_decode(
         &mut self,
         batch: &mut [&mut Request],
@@ -491,7 +495,6 @@ impl HybridCache {
                 ),
             });
         }
-        let mut requests = Vec::with_capacity(batch.len());
         for req in batch.iter() {
             self.check_owner(req)?;
             if req.len() != req.tokens.len() {
@@ -505,6 +508,8 @@ impl HybridCache {
                 });
             }
         }
+        let mut requests = std::mem::take(&mut self.decode_scratch);
+        requests.clear();
         for req in batch.iter_mut() {
             self.release_out_of_window(req)?;
             requests.push(DecodeRequest {
@@ -517,17 +522,20 @@ impl HybridCache {
             .iter()
             .map(|d| ExtendRequest::from(*d).new_pages(ps))
             .sum();
-        self.make_room(PageDemand::joint(pages))?;
-        let before: Vec<(usize, usize)> = batch.iter().map(|r| self.held(r)).collect();
-        self.scratch.clear();
-        self.alloc
-            .alloc_decode(&requests, &mut self.scratch)
-            .map_err(|e| self.out_of_memory(e))?;
+        let result = self.make_room(PageDemand::joint(pages)).and_then(|()| {
+            self.scratch.clear();
+            self.alloc
+                .alloc_decode(&requests, &mut self.scratch)
+                .map_err(|e| self.out_of_memory(e))
+        });
+        self.decode_scratch = requests;
+        result?;
         for (i, req) in batch.iter_mut().enumerate() {
+            let before = self.held(req);
             req.row.push(self.scratch[i]);
             req.tokens.push(next_tokens[i]);
             let after = self.held(req);
-            self.account(before[i], after);
+            self.account(before, after);
         }
         Ok(())
     }
