@@ -8,28 +8,20 @@ mod common;
 
 use common::*;
 use std::sync::Arc;
+use unikv::TokenId;
 use unikv::kernels::SyncLedger;
-use unikv::{HybridCache, TokenId};
 
 const W: u32 = 8;
 
 #[test]
 fn a_full_scheduler_step_issues_no_host_sync_and_uploads_the_mirror_once() {
     for_each_layout_and_page_size(|layout, ps| {
-        let config = Config::tokens(layout, ps, W, 40 * (W as u64).max(ps as u64), 8);
         let ledger = Arc::new(SyncLedger::cpu());
-        let cache = HybridCache::builder()
-            .model(config.model)
-            .page_size(ps)
-            .memory_bytes(config.memory_bytes())
-            .layout(layout)
-            .eviction_interval(ps)
-            .device(ledger.clone())
-            .build()
-            .unwrap();
+        let config = Config {
+            device: Some(ledger.clone()),
+            ..Config::tokens(layout, ps, W, 40 * (W as u64).max(ps as u64), 8)
+        };
         let mut fx = Fixture::new(&config);
-        fx.cache = cache;
-        fx.empty = fx.cache.allocator().capacity();
         let keep = fx.keep();
         let ps = fx.ps;
 
@@ -131,19 +123,12 @@ fn the_uploaded_mirror_and_device_translation_match_the_host_after_every_step() 
     use unikv::pools::{Side, SwaState, VirtualPage};
 
     for_each_layout_and_page_size(|layout, ps| {
-        let config = Config::tokens(layout, ps, W, 24 * (W as u64).max(ps as u64), 8);
         let ledger = Arc::new(SyncLedger::cpu());
+        let config = Config {
+            device: Some(ledger.clone()),
+            ..Config::tokens(layout, ps, W, 24 * (W as u64).max(ps as u64), 8)
+        };
         let mut fx = Fixture::new(&config);
-        fx.cache = HybridCache::builder()
-            .model(config.model)
-            .page_size(ps)
-            .memory_bytes(config.memory_bytes())
-            .layout(layout)
-            .eviction_interval(ps)
-            .device(ledger.clone())
-            .build()
-            .unwrap();
-        fx.empty = fx.cache.allocator().capacity();
         let keep = fx.keep();
         let sync = HostSync::acquire("test: compare the device mirror with the host");
         let device = ledger.inner().clone();

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)] // each test binary uses a different part of this module
 
+use std::sync::Arc;
+use unikv::kernels::Device;
 use unikv::pools::{Capacity, Side, SwaState, VirtualPage, VirtualToken};
 use unikv::{HybridCache, Layout, ModelSpec, Request, TokenId};
 
@@ -48,6 +50,8 @@ pub struct Config {
     pub joint_pages: u64,
     /// The window eviction interval, when not the default (one page).
     pub interval: Option<u32>,
+    /// The device, when not a fresh CPU device (e.g. a `SyncLedger` to inspect).
+    pub device: Option<Arc<dyn Device>>,
 }
 
 impl Config {
@@ -59,6 +63,7 @@ impl Config {
             model: tiny_model(window, 1),
             joint_pages,
             interval: None,
+            device: None,
         }
     }
 
@@ -105,6 +110,9 @@ impl Config {
         // The tightest interval, one page, unless a test asks for another: the ratchet
         // then moves at every page boundary, which the scenarios count on.
         builder = builder.eviction_interval(self.interval.unwrap_or(self.page_size));
+        if let Some(device) = &self.device {
+            builder = builder.device(device.clone());
+        }
         builder
             .build()
             .unwrap_or_else(|e| panic!("building {self:?}: {e}"))
