@@ -93,6 +93,27 @@ impl Cmd {
         }
     }
 
+    /// Runs it, capturing stdout and stderr, then prints both and returns them together
+    /// (stdout first); an error names the command and its status.
+    pub fn run_captured(&self) -> Result<String, String> {
+        eprintln!("$ {}", self.describe());
+        let out = self
+            .command()
+            .output()
+            .map_err(|e| format!("cannot start {}: {e}", self.describe()))?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        eprint!("{text}");
+        if out.status.success() {
+            Ok(text)
+        } else {
+            Err(format!("`{}` failed ({})", self.describe(), out.status))
+        }
+    }
+
     /// Runs it and returns its stdout (stderr passes through unless quiet).
     pub fn output(&self) -> Result<String, String> {
         if !self.quiet {

@@ -126,7 +126,7 @@ pub fn ci() -> Result<(), String> {
         .run()?;
     let lib_dir = nvrtc::install()?;
     let library_path = nvrtc::library_path_with(&lib_dir);
-    nvrtc_test(&library_path)?;
+    nvrtc_test(&library_path, false)?;
     // The matrix runs with libnvrtc on the library path, so the cuda cells compile the
     // kernels for real instead of skipping.
     run_matrix(false, &[("LD_LIBRARY_PATH", library_path)])?;
@@ -138,8 +138,9 @@ pub fn ci() -> Result<(), String> {
     Ok(())
 }
 
-/// The NVRTC compile check of every `.cu`, required to run (not skip).
-fn nvrtc_test(library_path: &str) -> Result<(), String> {
+/// The NVRTC compile check of every `.cu`, required to run (not skip). With
+/// `show_output` the test's lines (NVRTC version, PTX sizes) are printed.
+fn nvrtc_test(library_path: &str, show_output: bool) -> Result<(), String> {
     Cmd::cargo(&[
         "nextest",
         "run",
@@ -152,6 +153,7 @@ fn nvrtc_test(library_path: &str) -> Result<(), String> {
         "--test",
         "nvrtc",
     ])
+    .args(show_output.then_some("--no-capture"))
     .env("LD_LIBRARY_PATH", library_path)
     .env("UNIKV_REQUIRE_NVRTC", "1")
     .run()
@@ -161,7 +163,7 @@ fn nvrtc_test(library_path: &str) -> Result<(), String> {
 pub fn nvrtc_check() -> Result<(), String> {
     let lib_dir = nvrtc::install()?;
     eprintln!("libnvrtc: {}", lib_dir.display());
-    nvrtc_test(&nvrtc::library_path_with(&lib_dir))
+    nvrtc_test(&nvrtc::library_path_with(&lib_dir), true)
 }
 
 /// Every loom model: files named `loom_*.rs` under a crate's `tests/`, built with
@@ -225,7 +227,7 @@ pub fn gpu() -> Result<(), String> {
     let lib_dir = nvrtc::install()?;
     let library_path = nvrtc::library_path_with(&lib_dir);
     println!("NVRTC: {}", lib_dir.display());
-    nvrtc_test(&library_path)?;
+    nvrtc_test(&library_path, true)?;
     let mut parity = Cmd::cargo(&[
         "nextest",
         "run",
@@ -243,8 +245,20 @@ pub fn gpu() -> Result<(), String> {
     if require {
         parity = parity.env("UNIKV_REQUIRE_GPU", "1");
     }
-    parity.run()?;
-    println!("gpu: done (tests that found no device printed SKIPPED above)");
+    let output = parity.run_captured()?;
+    // Each parity test that found no device says so on a line of its own, tagged with
+    // its op; count each tag once.
+    let mut skipped: Vec<&str> = output
+        .lines()
+        .filter(|l| l.starts_with("SKIPPED:"))
+        .collect();
+    skipped.sort_unstable();
+    skipped.dedup();
+    let ran = output.lines().filter(|l| l.contains("PASS [")).count();
+    println!(
+        "gpu: {ran} parity tests passed, {} skipped (no CUDA device)",
+        skipped.len()
+    );
     Ok(())
 }
 
