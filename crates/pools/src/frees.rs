@@ -28,6 +28,16 @@ pub(crate) trait PageTables {
     fn release_full(&mut self, v: u32);
     /// Moves the SWA page of `from` (live) to `to` (tombstone); `from` becomes a tombstone.
     fn move_swa(&mut self, from: u32, to: u32);
+    /// A flush's release of `pages`, in order: every page that is live on FULL loses both
+    /// sides, whatever its SWA state (a live SWA page is released, a tombstone cleared);
+    /// the sink and pages not live on FULL are skipped. Exactly
+    /// [`release_page_silently`] per page; a layout may override it with a batch form
+    /// that has the same effect on every table and list, in the same order per list.
+    fn release_pages(&mut self, pages: impl ExactSizeIterator<Item = u32> + Clone) {
+        for v in pages {
+            release_page_silently(self, v);
+        }
+    }
     /// The free group state.
     fn group(&mut self) -> &mut FreeGroup;
     /// The free group state, shared.
@@ -85,11 +95,23 @@ pub(crate) struct FreeGroup {
     epoch: u32,
     /// Page list of the set-shaped free in progress.
     scratch: Vec<u32>,
-    /// Pages of one call being noted.
-    noted: Vec<u32>,
 }
 
 impl FreeGroup {
+    /// A closed group over `virtual_pages` pages. With checks enabled at construction,
+    /// its stamps are sized and mapped now rather than grown (and faulted in) by the
+    /// first groups; with checks off they stay empty and grow only if checks are raised.
+    pub(crate) fn new(virtual_pages: u32) -> FreeGroup {
+        FreeGroup {
+            stamps: if enabled() {
+                crate::sub::resident_table(virtual_pages as usize)
+            } else {
+                Vec::new()
+            },
+            ..FreeGroup::default()
+        }
+    }
+
     /// Whether a group is open.
     pub(crate) fn is_open(&self) -> bool {
         self.open
@@ -101,21 +123,16 @@ impl FreeGroup {
     }
 
     /// Records the pages of one free call (one call frees each page once), reporting a
-    /// page freed twice in this group.
-    fn note_pages(&mut self, pages: impl Iterator<Item = u32>, set_shaped: bool) {
+    /// page freed twice in this group. A set-shaped call passes its pages sorted and
+    /// de-duplicated (`sorted_pages`), so each page is noted once per call.
+    fn note_pages(&mut self, pages: impl Iterator<Item = u32>) {
         if !enabled() {
             return;
-        }
-        self.noted.clear();
-        self.noted.extend(pages);
-        if set_shaped {
-            self.noted.sort_unstable();
-            self.noted.dedup();
         }
         if self.epoch == 0 {
             self.epoch = 1;
         }
-        for &v in &self.noted {
+        for v in pages {
             let v = v as usize;
             if v >= self.stamps.len() {
                 self.stamps.resize((v + 1).next_power_of_two(), 0);
@@ -167,13 +184,18 @@ pub(crate) fn check_segment<T: PageTables + ?Sized>(t: &T, seg: &Segment<'_>) ->
         });
     }
     let limit = t.virtual_pages() as u64 * ps.get() as u64;
-    for token in seg.reps(ps) {
-        if token.0 as u64 >= limit {
-            return Err(Error::TokenOutOfRange {
-                token,
-                pages: t.virtual_pages(),
-            });
-        }
+    // At page size 1 every token is a representative: one branch-free maximum (which
+    // vectorises) decides, and only a failing segment looks for its first offender.
+    let out_of_range = if ps.get() == 1 {
+        seg.tokens.iter().map(|t| t.0).max().unwrap_or(0) as u64 >= limit
+    } else {
+        seg.reps(ps).any(|token| token.0 as u64 >= limit)
+    };
+    if out_of_range && let Some(token) = seg.reps(ps).find(|token| token.0 as u64 >= limit) {
+        return Err(Error::TokenOutOfRange {
+            token,
+            pages: t.virtual_pages(),
+        });
     }
     if enabled() && ps.get() > 1 {
         for (i, token) in seg.reps(ps).enumerate() {
@@ -263,6 +285,20 @@ fn full_only_page<T: PageTables + ?Sized>(t: &mut T, v: u32, report: bool) {
     t.release_full(v);
 }
 
+/// A flush's release of one page: containment only (its premises were checked at
+/// enqueue). With `report` off, [`two_sided_page`] under either premise and
+/// [`full_only_page`] are this same transition.
+#[inline(always)]
+pub(crate) fn release_page_silently<T: PageTables + ?Sized>(t: &mut T, v: u32) {
+    if v == 0 || !t.full_live(v) {
+        return;
+    }
+    if t.swa_entry(v) > 0 {
+        t.release_swa(v, false);
+    }
+    t.release_full(v);
+}
+
 /// Checks (without freeing) the premises a deferred free will rely on, at enqueue.
 fn check_at_enqueue<T: PageTables + ?Sized>(t: &T, v: u32, kind: DeferredKind) {
     if is_sink(v, "deferred free") {
@@ -318,7 +354,7 @@ pub(crate) fn free<T: PageTables + ?Sized>(t: &mut T, ids: &[VirtualToken]) -> R
             for &v in &pages {
                 check_at_enqueue(t, v, DeferredKind::Tokens);
             }
-            t.group().note_pages(pages.iter().copied(), true);
+            t.group().note_pages(pages.iter().copied());
         }
         t.group().deferred.tokens.extend_from_slice(ids);
     } else {
@@ -363,7 +399,7 @@ pub(crate) fn free_full<T: PageTables + ?Sized>(
             for &v in &pages {
                 check_at_enqueue(t, v, DeferredKind::FullOnlyTokens);
             }
-            t.group().note_pages(pages.iter().copied(), true);
+            t.group().note_pages(pages.iter().copied());
         }
         t.group().deferred.full_only_tokens.extend_from_slice(ids);
     } else {
@@ -373,6 +409,16 @@ pub(crate) fn free_full<T: PageTables + ?Sized>(
     }
     put_scratch(t, pages);
     Ok(())
+}
+
+/// Appends `seg`'s pages to a deferred list; at page size 1 a token is its page, and the
+/// exact-size copy needs no capacity check per page.
+fn extend_pages(ps: PageSize, seg: &Segment<'_>, list: &mut Vec<VirtualPage>) {
+    if ps.get() == 1 {
+        list.extend(seg.tokens.iter().map(|t| VirtualPage(t.0)));
+    } else {
+        list.extend(seg.pages(ps));
+    }
 }
 
 /// Two-sided segment free (fixed shape).
@@ -387,9 +433,9 @@ pub(crate) fn free_segment<T: PageTables + ?Sized>(
             for v in seg.pages(ps) {
                 check_at_enqueue(t, v.0, DeferredKind::PageReps);
             }
-            t.group().note_pages(seg.pages(ps).map(|v| v.0), false);
+            t.group().note_pages(seg.pages(ps).map(|v| v.0));
         }
-        t.group().deferred.page_reps.extend(seg.pages(ps));
+        extend_pages(ps, &seg, &mut t.group().deferred.page_reps);
         return Ok(());
     }
     for v in seg.pages(ps) {
@@ -410,9 +456,9 @@ pub(crate) fn free_full_segment<T: PageTables + ?Sized>(
             for v in seg.pages(ps) {
                 check_at_enqueue(t, v.0, DeferredKind::FullOnlyPageReps);
             }
-            t.group().note_pages(seg.pages(ps).map(|v| v.0), false);
+            t.group().note_pages(seg.pages(ps).map(|v| v.0));
         }
-        t.group().deferred.full_only_page_reps.extend(seg.pages(ps));
+        extend_pages(ps, &seg, &mut t.group().deferred.full_only_page_reps);
         return Ok(());
     }
     for v in seg.pages(ps) {
@@ -599,20 +645,14 @@ pub(crate) fn flush_deferred<T: PageTables + ?Sized>(t: &mut T) -> bool {
     } = std::mem::take(&mut t.group().deferred);
     let ps = t.ps();
     let mut pages = std::mem::take(&mut t.group().scratch);
+    // Without reports, a two-sided free (either premise) and a FULL-only free are the same
+    // transition: both sides go, whatever the SWA state (see `release_page_silently`).
     sorted_pages(ps, &tokens, &mut pages);
-    for &v in &pages {
-        two_sided_page(t, v, SwaPremise::Filter, false);
-    }
-    for v in &page_reps {
-        two_sided_page(t, v.0, SwaPremise::MustBeLive, false);
-    }
+    t.release_pages(pages.iter().copied());
+    t.release_pages(page_reps.iter().map(|v| v.0));
     sorted_pages(ps, &full_only_tokens, &mut pages);
-    for &v in &pages {
-        full_only_page(t, v, false);
-    }
-    for v in &full_only_page_reps {
-        full_only_page(t, v.0, false);
-    }
+    t.release_pages(pages.iter().copied());
+    t.release_pages(full_only_page_reps.iter().map(|v| v.0));
     // Hand the emptied buffers back so the next group reuses their capacity.
     tokens.clear();
     page_reps.clear();

@@ -69,22 +69,42 @@ impl PageSize {
         }
     }
 
+    /// `tokens % ps` for a row position or token count (a mask for a power of two).
+    #[inline]
+    const fn rem_tokens(self, tokens: usize) -> usize {
+        if self.1 != NO_SHIFT {
+            tokens & (self.0 as usize - 1)
+        } else {
+            tokens % self.0 as usize
+        }
+    }
+
     /// The number of pages that hold `tokens` tokens (rounded up).
     #[inline]
     pub const fn pages_for(self, tokens: usize) -> usize {
-        tokens.div_ceil(self.0 as usize)
+        if self.1 != NO_SHIFT {
+            (tokens >> self.1) + (self.rem_tokens(tokens) != 0) as usize
+        } else {
+            tokens.div_ceil(self.0 as usize)
+        }
     }
 
     /// Whether a row position or token count is a multiple of the page size.
     #[inline]
     pub const fn is_aligned(self, tokens: usize) -> bool {
-        tokens.is_multiple_of(self.0 as usize)
+        self.rem_tokens(tokens) == 0
     }
 
     /// `tokens` rounded down to a page boundary.
     #[inline]
     pub const fn floor(self, tokens: usize) -> usize {
-        tokens - tokens % self.0 as usize
+        tokens - self.rem_tokens(tokens)
+    }
+
+    /// The offset of row position `tokens` inside its page (`tokens % ps`).
+    #[inline]
+    pub(crate) const fn offset_of(self, tokens: usize) -> usize {
+        self.rem_tokens(tokens)
     }
 }
 
@@ -170,6 +190,15 @@ mod tests {
             }
         }
         assert!(PageSize::new(0).is_none());
+        for ps in [1usize, 2, 3, 4, 16, 100, 256] {
+            let p = PageSize::new(ps as u32).unwrap();
+            for n in [0, 1, 2, 3, 255, 256, 257, 1000, usize::MAX - 1, usize::MAX] {
+                assert_eq!(p.pages_for(n), n.div_ceil(ps), "ps {ps} n {n}");
+                assert_eq!(p.is_aligned(n), n % ps == 0, "ps {ps} n {n}");
+                assert_eq!(p.floor(n), n - n % ps, "ps {ps} n {n}");
+                assert_eq!(p.offset_of(n), n % ps, "ps {ps} n {n}");
+            }
+        }
         let p = PageSize::new(4).unwrap();
         assert_eq!((p.pages_for(0), p.pages_for(1), p.pages_for(8)), (0, 1, 2));
         assert_eq!(

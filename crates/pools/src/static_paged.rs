@@ -12,6 +12,7 @@ use crate::frees::{self, FreeGroup, PageTables};
 use crate::ids::{PageSize, VirtualPage, VirtualToken};
 use crate::invariants::{CONSERVATION, SINK_RESERVED};
 use crate::spec::{Grid, Side, SubPoolSpec, check_bs1_floor, sink_floor};
+use crate::sub::{resident_list, resident_table};
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 use unikv_invariants::{enabled, expect};
@@ -143,21 +144,26 @@ impl StaticSwa {
             swa_base,
             full_pages,
             swa_pages,
-            full_live: vec![false; virtual_pages as usize],
+            full_live: resident_table(virtual_pages as usize),
             free_full: (1..virtual_pages).rev().collect(),
-            swa_of: vec![0; virtual_pages as usize],
-            swa_owner: vec![0; swa_pages as usize],
+            swa_of: resident_table(virtual_pages as usize),
+            swa_owner: resident_table(swa_pages as usize),
             free_swa: (swa_base..swa_base + swa_pages).rev().collect(),
             swa_live: 0,
             tombstones: 0,
-            group: FreeGroup::default(),
+            group: FreeGroup::new(virtual_pages),
             gates: Arc::new(AtomicUsize::new(0)),
             mirrors: [full_mirror, swa_mirror],
             zero_on_handout: config.zero_on_handout,
             spans: [Vec::new(), Vec::new()],
-            dirty: Vec::new(),
-            dirty_flag: vec![false; virtual_pages as usize],
-            entries: Vec::new(),
+            dirty: resident_list(virtual_pages as usize),
+            dirty_flag: resident_table(virtual_pages as usize),
+            entries: {
+                let mut entries = Vec::with_capacity(virtual_pages as usize);
+                entries.resize(virtual_pages as usize, std::hint::black_box((0, 0)));
+                entries.clear();
+                entries
+            },
         })
     }
 
@@ -290,15 +296,15 @@ impl PageTables for StaticSwa {
     fn virtual_pages(&self) -> u32 {
         self.full_pages + 1
     }
-    #[inline]
+    #[inline(always)]
     fn full_live(&self, v: u32) -> bool {
         self.full_live[v as usize]
     }
-    #[inline]
+    #[inline(always)]
     fn swa_entry(&self, v: u32) -> i32 {
         self.swa_of[v as usize]
     }
-    #[inline]
+    #[inline(always)]
     fn release_swa(&mut self, v: u32, tombstone: bool) {
         let s = self.swa_of[v as usize] as u32;
         self.swa_owner[(s - self.swa_base) as usize] = 0;
@@ -308,7 +314,7 @@ impl PageTables for StaticSwa {
         self.tombstones += tombstone as u32;
         self.mark(v);
     }
-    #[inline]
+    #[inline(always)]
     fn release_full(&mut self, v: u32) {
         self.full_live[v as usize] = false;
         if self.swa_of[v as usize] == -1 {
@@ -317,6 +323,72 @@ impl PageTables for StaticSwa {
         }
         self.mark(v);
         self.free_full.push(v);
+    }
+    /// One pass with the same effect, in the same order, as `release_page_silently` page
+    /// by page: the lists are written through slices reserved up front (a few stores per
+    /// page instead of three `Vec::push`es), and the counters are settled once.
+    fn release_pages(&mut self, pages: impl ExactSizeIterator<Item = u32> + Clone) {
+        let n = pages.len();
+        let StaticSwa {
+            full_live,
+            swa_of,
+            swa_owner,
+            free_full,
+            free_swa,
+            dirty,
+            dirty_flag,
+            swa_live,
+            tombstones,
+            swa_base,
+            ..
+        } = self;
+        let swa_base = *swa_base;
+        let (full_base, swa_free_base, dirty_base) = (free_full.len(), free_swa.len(), dirty.len());
+        free_full.resize(full_base + n, 0);
+        free_swa.resize(swa_free_base + n, 0);
+        dirty.resize(dirty_base + n, 0);
+        let (new_full, new_swa, new_dirty) = (
+            &mut free_full[full_base..],
+            &mut free_swa[swa_free_base..],
+            &mut dirty[dirty_base..],
+        );
+        let (full_live, swa_of, swa_owner, flags) = (
+            &mut full_live[..],
+            &mut swa_of[..],
+            &mut swa_owner[..],
+            &mut dirty_flag[..],
+        );
+        let (mut freed, mut swa_freed, mut marked, mut cleared) = (0usize, 0usize, 0usize, 0u32);
+        for v in pages {
+            if v == 0 || !full_live[v as usize] {
+                continue;
+            }
+            let entry = &mut swa_of[v as usize];
+            if *entry > 0 {
+                // `release_swa(v, false)`.
+                swa_owner[(*entry as u32 - swa_base) as usize] = 0;
+                new_swa[swa_freed] = *entry as u32;
+                swa_freed += 1;
+            } else if *entry == -1 {
+                // `release_full` clears the tombstone.
+                cleared += 1;
+            }
+            *entry = 0;
+            // `release_full(v)`.
+            full_live[v as usize] = false;
+            new_full[freed] = v;
+            freed += 1;
+            // `mark(v)` (both releases mark the same page; the second is a no-op).
+            let flag = &mut flags[v as usize];
+            new_dirty[marked] = v;
+            marked += !*flag as usize;
+            *flag = true;
+        }
+        free_full.truncate(full_base + freed);
+        free_swa.truncate(swa_free_base + swa_freed);
+        dirty.truncate(dirty_base + marked);
+        *swa_live -= swa_freed as u32;
+        *tombstones -= cleared;
     }
     fn move_swa(&mut self, from: u32, to: u32) {
         let s = self.swa_of[from as usize];
@@ -539,21 +611,24 @@ impl KvAllocator for StaticSwa {
         }
         // FULL's entry follows liveness too (unbound reads as the sink, as in the unified
         // layout), so one dirty list serves both tables.
+        // Exact-size extends: no capacity check per entry.
+        let (full_live, full_base) = (&self.full_live, self.full_base);
         self.entries.clear();
-        for &v in &self.dirty {
-            let full = if self.full_live[v as usize] {
-                (self.full_base + v - 1) as i32
+        self.entries.extend(self.dirty.iter().map(|&v| {
+            let full = if full_live[v as usize] {
+                (full_base + v - 1) as i32
             } else {
                 0
             };
-            self.entries.push((v, full));
-        }
+            (v, full)
+        }));
         self.device.scatter_table(self.mirrors[0], &self.entries)?;
+        let (flags, swa_of) = (&mut self.dirty_flag, &self.swa_of);
         self.entries.clear();
-        for &v in &self.dirty {
-            self.dirty_flag[v as usize] = false;
-            self.entries.push((v, self.swa_of[v as usize]));
-        }
+        self.entries.extend(self.dirty.iter().map(|&v| {
+            flags[v as usize] = false;
+            (v, swa_of[v as usize])
+        }));
         self.dirty.clear();
         self.device.scatter_table(self.mirrors[1], &self.entries)?;
         Ok(())

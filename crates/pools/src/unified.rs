@@ -98,13 +98,19 @@ impl UnifiedSwa {
             swa: SubAllocator::new(swa_grid, Grow::Up, virtual_pages),
             free_ids: VirtualIds::new(virtual_pages),
             virtual_pages,
-            group: FreeGroup::default(),
+            group: FreeGroup::new(virtual_pages),
             gates: Arc::new(AtomicUsize::new(0)),
             mirrors: [full_mirror, swa_mirror],
             zero_on_handout: config.zero_on_handout,
             spans: [Vec::new(), Vec::new()],
             moves: Vec::new(),
-            dirty: Vec::new(),
+            // At most one entry per virtual page per upload: sized and mapped at boot.
+            dirty: {
+                let mut entries = Vec::with_capacity(virtual_pages as usize);
+                entries.resize(virtual_pages as usize, std::hint::black_box((0, 0)));
+                entries.clear();
+                entries
+            },
         })
     }
 
@@ -228,9 +234,13 @@ impl UnifiedSwa {
         })
     }
 
-    fn validate(&self, requests: impl Iterator<Item = ExtendRequest>) -> Result<usize, Error> {
+    /// Checks every request; returns the new pages and the tokens the batch hands out.
+    fn validate(
+        &self,
+        requests: impl Iterator<Item = ExtendRequest>,
+    ) -> Result<(usize, usize), Error> {
         let ps = self.ps;
-        let mut pages = 0usize;
+        let (mut pages, mut tokens) = (0usize, 0usize);
         for (index, r) in requests.enumerate() {
             if r.seq_len < r.prefix_len {
                 return Err(Error::BadRequest {
@@ -246,7 +256,7 @@ impl UnifiedSwa {
                     });
                 };
                 let v = last.page(ps).0;
-                if last.offset(ps) as usize != (r.prefix_len - 1) % ps.get() as usize
+                if last.offset(ps) as usize != ps.offset_of(r.prefix_len - 1)
                     || v == 0
                     || v >= self.virtual_pages
                     || self.full.v2p[v as usize] <= 0
@@ -261,30 +271,101 @@ impl UnifiedSwa {
                 }
             }
             pages += r.new_pages(ps);
+            tokens += r.seq_len - r.prefix_len;
         }
-        Ok(pages)
+        Ok((pages, tokens))
     }
 
+    /// Hands out the batch's tokens: each request's free tail first, then `pages` new
+    /// joint pages, in the order the id stack pops them. The caller checked the requests
+    /// and the room.
     fn extend_unchecked(
+        &mut self,
+        requests: impl Iterator<Item = ExtendRequest> + Clone,
+        pages: usize,
+        out: &mut Vec<VirtualToken>,
+    ) {
+        let stack = self.free_ids.stack();
+        let Some(first) = stack.len().checked_sub(pages) else {
+            return self.extend_page_by_page(requests, out);
+        };
+        // The ids `pages` pops would return, last on the stack first.
+        let ids = &stack[first..];
+        if ids.contains(&0) {
+            return self.extend_page_by_page(requests, out);
+        }
+        // FULL then SWA, each side's takes and binds in id order: the same tables, holes,
+        // dirty entries and zeroing spans as binding both sides page by page.
+        let [full_spans, swa_spans] = &mut self.spans;
+        let zero = self.zero_on_handout;
+        self.full
+            .bind_each(ids.iter().rev().copied(), zero.then_some(full_spans));
+        self.swa
+            .bind_each(ids.iter().rev().copied(), zero.then_some(swa_spans));
+        let page_size = self.ps;
+        let ps = page_size.get() as usize;
+        let mut next = ids.iter().rev();
+        if ps == 1 {
+            // A page is a token: each request's tokens are its ids, copied in one
+            // exact-size extend.
+            for r in requests {
+                let pos = Self::fill_tail(page_size, &r, out);
+                let tokens = r.seq_len.saturating_sub(pos);
+                out.extend(next.by_ref().take(tokens).map(|&v| VirtualToken(v)));
+            }
+            stack.truncate(first);
+            return;
+        }
+        for r in requests {
+            let mut pos = Self::fill_tail(page_size, &r, out);
+            // `pages` is the sum of the requests' new pages: an id is there for each.
+            while pos < r.seq_len
+                && let Some(&v) = next.next()
+            {
+                let n = (r.seq_len - pos).min(ps);
+                let base = v * ps as u32;
+                if n == 1 {
+                    out.push(VirtualToken(base));
+                } else {
+                    out.extend((0..n as u32).map(|o| VirtualToken(base + o)));
+                }
+                pos += n;
+            }
+        }
+        stack.truncate(first);
+    }
+
+    /// Appends the tokens after `r.last_token` up to the end of its page (or the
+    /// request's end); returns the row position reached.
+    #[inline]
+    fn fill_tail(page_size: PageSize, r: &ExtendRequest, out: &mut Vec<VirtualToken>) -> usize {
+        let pos = r.prefix_len;
+        let offset = page_size.offset_of(pos);
+        match r.last_token {
+            Some(last) if offset != 0 => {
+                let tail_end = (pos - offset + page_size.get() as usize).min(r.seq_len);
+                let first = last.0 + 1;
+                out.extend((0..(tail_end - pos) as u32).map(|i| VirtualToken(first + i)));
+                tail_end
+            }
+            _ => pos,
+        }
+    }
+
+    /// The page-by-page form of [`UnifiedSwa::extend_unchecked`], for a stack that breaks
+    /// the room check's promise (too few ids, or the sink on it): it stops at the breach
+    /// and reports it.
+    #[cold]
+    fn extend_page_by_page(
         &mut self,
         requests: impl Iterator<Item = ExtendRequest>,
         out: &mut Vec<VirtualToken>,
     ) {
-        let ps = self.ps.get() as usize;
+        let page_size = self.ps;
+        let ps = page_size.get() as usize;
         let zero = self.zero_on_handout;
         for r in requests {
-            let mut pos = r.prefix_len;
-            if pos % ps != 0
-                && let Some(last) = r.last_token
-            {
-                let tail_end = (pos - pos % ps + ps).min(r.seq_len);
-                let mut t = last.0;
-                while pos < tail_end {
-                    t += 1;
-                    out.push(VirtualToken(t));
-                    pos += 1;
-                }
-            }
+            let mut pos = Self::fill_tail(page_size, &r, out);
             while pos < r.seq_len {
                 // The caller checked the room, which covers the virtual ids.
                 let Some(v) = self.free_ids.pop().filter(|&v| v != 0) else {
@@ -314,9 +395,10 @@ impl UnifiedSwa {
         requests: impl Iterator<Item = ExtendRequest> + Clone,
         out: &mut Vec<VirtualToken>,
     ) -> Result<(), Error> {
-        let pages = self.validate(requests.clone())?;
+        let (pages, tokens) = self.validate(requests.clone())?;
         self.make_room(pages)?;
-        self.extend_unchecked(requests, out);
+        out.reserve(tokens);
+        self.extend_unchecked(requests, pages, out);
         if self.zero_on_handout {
             self.zero_handed_out()?;
         }
@@ -373,19 +455,19 @@ impl PageTables for UnifiedSwa {
     fn virtual_pages(&self) -> u32 {
         self.virtual_pages
     }
-    #[inline]
+    #[inline(always)]
     fn full_live(&self, v: u32) -> bool {
         self.full.v2p[v as usize] > 0
     }
-    #[inline]
+    #[inline(always)]
     fn swa_entry(&self, v: u32) -> i32 {
         self.swa.v2p[v as usize]
     }
-    #[inline]
+    #[inline(always)]
     fn release_swa(&mut self, v: u32, tombstone: bool) {
         self.swa.unbind(v, tombstone);
     }
-    #[inline]
+    #[inline(always)]
     fn release_full(&mut self, v: u32) {
         self.full.unbind(v, false);
         self.swa.clear_tombstone(v);
@@ -393,6 +475,24 @@ impl PageTables for UnifiedSwa {
     }
     fn move_swa(&mut self, from: u32, to: u32) {
         self.swa.rebind(from, to);
+    }
+    /// Two passes, SWA then FULL, each touching one side's tables and lists. Same effect,
+    /// in the same order per list, as `release_page_silently` page by page: the SWA and
+    /// FULL transitions of a page do not read each other's state, except the FULL
+    /// liveness filter, which the SWA pass reads before the FULL pass changes it. A page
+    /// listed twice is still released once: its second visit finds SWA unbound (0: no
+    /// change) in the first pass and FULL free in the second.
+    fn release_pages(&mut self, pages: impl ExactSizeIterator<Item = u32> + Clone) {
+        let full = &self.full.v2p;
+        self.swa.release_each(
+            pages.clone(),
+            |v| v != 0 && full[v as usize] > 0,
+            true,
+            None,
+        );
+        // FULL has no tombstones; each released id goes back on the stack, in order.
+        self.full
+            .release_each(pages, |v| v != 0, false, Some(self.free_ids.stack()));
     }
     fn group(&mut self) -> &mut FreeGroup {
         &mut self.group
