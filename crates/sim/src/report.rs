@@ -25,7 +25,7 @@
 //!     "prompt_tokens": u64,         prompt tokens matched against the tree, all admissions
 //!     "prefix_hit_tokens": u64,     of those, tokens found in the tree
 //!     "prefix_hit_rate": f64 | null,  hit / prompt tokens (null when no prompt token)
-//!     "evictions_by_kind": { kind: u64 },      tokens evicted from the tree, by kind
+//!     "evictions_by_kind": { kind: u64 },      tokens evicted from the tree under memory pressure, by kind
 //!     "peak_bytes_by_subpool": { name: u64 },  largest bytes held by each sub-pool
 //!     "steps": u64,
 //!     "host_syncs": u64, "host_syncs_per_step": f64,
@@ -85,7 +85,8 @@ pub struct RunStats {
     pub prompt_tokens: u64,
     /// Of `prompt_tokens`, those matched in the tree.
     pub prefix_hit_tokens: u64,
-    /// Tokens evicted from the tree, by kind (`full`, `swa`, ...).
+    /// Tokens evicted from the tree under memory pressure (not the clearing after the
+    /// last request), by kind: `full` (whole nodes) and `swa` (tombstoned SWA).
     pub evictions_by_kind: BTreeMap<String, u64>,
     /// The largest number of bytes each sub-pool held at any step boundary.
     pub peak_bytes_by_subpool: BTreeMap<String, u64>,

@@ -571,6 +571,8 @@ impl<'a> Simulation<'a> {
 
     /// After the last request: clear the prefix cache and count what was not given back.
     fn finish(mut self, step: u64) -> Result<RunStats, SimError> {
+        // Evictions under memory pressure, not the clearing below.
+        let e = self.cache.stats().evictions;
         self.cache.evict_all()?;
         let report = self.cache.step_boundary();
         self.step_boundary_result(report)?;
@@ -580,7 +582,6 @@ impl<'a> Simulation<'a> {
             .map(|s| (s.total_pages - s.available_pages) as u64)
             .sum::<u64>()
             + stats.live_requests as u64;
-        let e = stats.evictions;
         self.stats.evictions_by_kind = [
             ("full".to_string(), e.full_tokens),
             ("swa".to_string(), e.swa_tokens),
