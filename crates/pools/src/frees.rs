@@ -670,6 +670,93 @@ pub(crate) fn flush_deferred<T: PageTables + ?Sized>(t: &mut T) -> bool {
     true
 }
 
+/// The [`crate::KvAllocator`] methods both allocators implement the same way: allocation
+/// through their inherent `alloc`, and the whole free family through this module's
+/// generic functions. Written once here and expanded inside each `impl KvAllocator`, so
+/// the two layouts cannot drift apart.
+macro_rules! free_family_methods {
+    () => {
+        fn alloc_extend(
+            &mut self,
+            requests: &[ExtendRequest],
+            out: &mut Vec<VirtualToken>,
+        ) -> Result<(), Error> {
+            self.alloc(requests.iter().copied(), out)
+        }
+
+        fn alloc_decode(
+            &mut self,
+            requests: &[DecodeRequest],
+            out: &mut Vec<VirtualToken>,
+        ) -> Result<(), Error> {
+            self.alloc(requests.iter().map(|&d| ExtendRequest::from(d)), out)
+        }
+
+        fn free(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
+            $crate::frees::free(self, ids)
+        }
+
+        fn free_swa(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
+            $crate::frees::free_swa(self, ids)
+        }
+
+        fn free_full(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
+            $crate::frees::free_full(self, ids)
+        }
+
+        fn free_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
+            $crate::frees::free_segment(self, segment)
+        }
+
+        fn free_swa_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
+            $crate::frees::free_swa_segment(self, segment)
+        }
+
+        fn free_full_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
+            $crate::frees::free_full_segment(self, segment)
+        }
+
+        fn free_segments(&mut self, segments: &[Segment<'_>]) -> Result<(), Error> {
+            $crate::frees::free_segments(self, segments)
+        }
+
+        fn free_kv_row_segments(
+            &mut self,
+            row: &[VirtualToken],
+            dead_lo: usize,
+            cursor: usize,
+            len: usize,
+        ) -> Result<(), Error> {
+            $crate::frees::free_kv_row_segments(self, row, dead_lo, cursor, len)
+        }
+
+        fn transfer_swa(&mut self, from: Segment<'_>, to: Segment<'_>) -> Result<(), Error> {
+            $crate::frees::transfer_swa(self, from, to)
+        }
+
+        fn free_group_begin(&mut self) -> Result<(), Error> {
+            $crate::frees::group_begin(self)
+        }
+
+        fn free_group_end(&mut self) -> Result<(), Error> {
+            $crate::frees::group_end(self)
+        }
+
+        fn in_free_group(&self) -> bool {
+            self.group.is_open()
+        }
+
+        fn pending_frees(&self) -> [(DeferredKind, usize); 4] {
+            self.group.deferred().lists()
+        }
+
+        fn flush_deferred(&mut self) -> bool {
+            $crate::frees::flush_deferred(self)
+        }
+    };
+}
+pub(crate) use free_family_methods;
+
 #[cfg(test)]
 mod tests {
     use super::*;
