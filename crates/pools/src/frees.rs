@@ -671,8 +671,8 @@ pub(crate) fn flush_deferred<T: PageTables + ?Sized>(t: &mut T) -> bool {
 }
 
 /// The [`crate::KvAllocator`] methods both allocators implement the same way: allocation
-/// through their inherent `alloc`, and the whole free family through this module's
-/// generic functions. Written once here and expanded inside each `impl KvAllocator`, so
+/// through their inherent `alloc`, the whole free family through this module's generic
+/// functions, and the device translate against a side's mirror. Written once here and expanded inside each `impl KvAllocator`, so
 /// the two layouts cannot drift apart.
 macro_rules! free_family_methods {
     () => {
@@ -752,6 +752,30 @@ macro_rules! free_family_methods {
 
         fn flush_deferred(&mut self) -> bool {
             $crate::frees::flush_deferred(self)
+        }
+
+        fn translate(
+            &self,
+            side: Side,
+            ids: TableId,
+            n: usize,
+            out: TableId,
+            out_width: usize,
+        ) -> Result<(), Error> {
+            self.device.translate(&Translate {
+                v2p: self.mirror_table(side),
+                ids,
+                n,
+                page_size: self.ps.get(),
+                stride: self.stride(side),
+                out,
+                out_width,
+            })?;
+            Ok(())
+        }
+
+        fn buffer(&self) -> BytesId {
+            self.buffer
         }
     };
 }

@@ -642,30 +642,6 @@ impl KvAllocator for UnifiedSwa {
         }
     }
 
-    fn translate(
-        &self,
-        side: Side,
-        ids: TableId,
-        n: usize,
-        out: TableId,
-        out_width: usize,
-    ) -> Result<(), Error> {
-        self.device.translate(&Translate {
-            v2p: self.mirror_table(side),
-            ids,
-            n,
-            page_size: self.ps.get(),
-            stride: self.stride(side),
-            out,
-            out_width,
-        })?;
-        Ok(())
-    }
-
-    fn buffer(&self) -> BytesId {
-        self.buffer
-    }
-
     fn grid(&self, side: Side) -> Grid {
         self.side(side).grid
     }
