@@ -426,22 +426,13 @@ pub(crate) fn free_segment<T: PageTables + ?Sized>(
     t: &mut T,
     seg: Segment<'_>,
 ) -> Result<(), Error> {
-    check_segment(t, &seg)?;
-    let ps = t.ps();
-    if t.group_ref().open {
-        if enabled() {
-            for v in seg.pages(ps) {
-                check_at_enqueue(t, v.0, DeferredKind::PageReps);
-            }
-            t.group().note_pages(seg.pages(ps).map(|v| v.0));
-        }
-        extend_pages(ps, &seg, &mut t.group().deferred.page_reps);
-        return Ok(());
-    }
-    for v in seg.pages(ps) {
-        two_sided_page(t, v.0, SwaPremise::MustBeLive, true);
-    }
-    Ok(())
+    free_segment_pages(
+        t,
+        seg,
+        DeferredKind::PageReps,
+        |d| &mut d.page_reps,
+        |t, v| two_sided_page(t, v, SwaPremise::MustBeLive, true),
+    )
 }
 
 /// FULL-only segment free (fixed shape), deferred through its own list.
@@ -449,20 +440,39 @@ pub(crate) fn free_full_segment<T: PageTables + ?Sized>(
     t: &mut T,
     seg: Segment<'_>,
 ) -> Result<(), Error> {
+    free_segment_pages(
+        t,
+        seg,
+        DeferredKind::FullOnlyPageReps,
+        |d| &mut d.full_only_page_reps,
+        |t, v| full_only_page(t, v, true),
+    )
+}
+
+/// The shape both deferrable segment frees share: inside a group, check each page's
+/// premise at enqueue (from `Warn` up) and defer the pages to `list`; outside one,
+/// `apply` each page now.
+fn free_segment_pages<T: PageTables + ?Sized>(
+    t: &mut T,
+    seg: Segment<'_>,
+    kind: DeferredKind,
+    list: fn(&mut DeferredFrees) -> &mut Vec<VirtualPage>,
+    apply: impl Fn(&mut T, u32),
+) -> Result<(), Error> {
     check_segment(t, &seg)?;
     let ps = t.ps();
     if t.group_ref().open {
         if enabled() {
             for v in seg.pages(ps) {
-                check_at_enqueue(t, v.0, DeferredKind::FullOnlyPageReps);
+                check_at_enqueue(t, v.0, kind);
             }
             t.group().note_pages(seg.pages(ps).map(|v| v.0));
         }
-        extend_pages(ps, &seg, &mut t.group().deferred.full_only_page_reps);
+        extend_pages(ps, &seg, list(&mut t.group().deferred));
         return Ok(());
     }
     for v in seg.pages(ps) {
-        full_only_page(t, v.0, true);
+        apply(t, v.0);
     }
     Ok(())
 }
