@@ -1,6 +1,7 @@
 //! The crate's one error type, [`SimError`], and [`TraceProblem`], what is wrong with one
 //! line of a `--trace` file.
 
+use crate::input::LineProblem;
 use crate::scheduler::Layout;
 use std::fmt;
 
@@ -211,6 +212,13 @@ pub enum SimError {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum TraceProblem {
+    /// The line could not be read within the input limits ([`crate::input`]).
+    Line(LineProblem),
+    /// The trace holds more requests than the simulator accepts.
+    TooManyRequests {
+        /// The limit, in requests.
+        limit: usize,
+    },
     /// The line is not JSON.
     Json {
         /// serde_json's message (with the column).
@@ -279,6 +287,11 @@ pub enum TraceProblem {
 impl fmt::Display for TraceProblem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            TraceProblem::Line(problem) => problem.fmt(f),
+            TraceProblem::TooManyRequests { limit } => write!(
+                f,
+                "the trace holds more than {limit} requests (split the trace)"
+            ),
             TraceProblem::Json { message } => write!(f, "not valid JSON: {message}"),
             TraceProblem::NotAnObject => f.write_str("expected a JSON object"),
             TraceProblem::UnknownField { field } => write!(

@@ -9,6 +9,7 @@
 //! |---|---|
 //! | [`rng`] | SplitMix64, the only source of randomness |
 //! | [`workload`] | [`Workload`], [`RequestSpec`], the presets ([`Preset`]) |
+//! | [`input`] | input files read line by line within fixed limits |
 //! | [`trace`] | `--trace FILE` (JSON Lines) → [`Workload`] |
 //! | [`cli`] | the hand-written command line and help texts |
 //! | [`scheduler`] | the scheduler: [`scheduler::run`], [`RunConfig`], [`Layout`], [`StepProgress`] |
@@ -28,6 +29,7 @@
 
 pub mod cli;
 mod error;
+pub mod input;
 pub mod ops;
 pub mod progress;
 pub mod replay;

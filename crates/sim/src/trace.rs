@@ -7,10 +7,10 @@
 //!
 //! | field | type | meaning |
 //! |---|---|---|
-//! | `arrival_step` | integer ≥ 0, required | the scheduler step the request arrives at |
-//! | `output_len` | integer ≥ 1, required | tokens to generate |
+//! | `arrival_step` | integer 0 to 1,000,000, required | the scheduler step the request arrives at |
+//! | `output_len` | integer 1 to 2^24, required | tokens to generate |
 //! | `prompt_tokens` | array of u32, non-empty | the prompt's token ids, used as given |
-//! | `prompt_len` | integer ≥ 1 | the prompt's length; its tokens are generated from `--seed` |
+//! | `prompt_len` | integer 1 to 2^24 | the prompt's length; its tokens are generated from `--seed` |
 //! | `prefix_id` | string or integer | with `prompt_len`: the first `prefix_len` tokens are the prefix of that id, shared with every line naming it |
 //! | `prefix_len` | integer ≥ 1, ≤ `prompt_len` | the shared prefix's length (the same on every line of an id) |
 //!
@@ -25,27 +25,35 @@
 //! {"arrival_step": 7, "prompt_tokens": [200006, 17360, 200008], "output_len": 16}
 //! ```
 //!
+//! Limits: a line holds at most 16 MiB and the file at most 4 GiB ([`crate::input`]), the
+//! trace at most [`MAX_TRACE_REQUESTS`] requests and [`MAX_TRACE_TOKENS`] prompt tokens;
+//! each is an error naming the limit and the line it is crossed on, reported as soon as
+//! the reader gets there (`--trace /dev/zero` stops after 16 MiB).
+//!
 //! Requests are ordered by arrival step (stably: lines with the same step keep their
 //! order) and numbered in that order. The trace's workload has no client-side
 //! concurrency cap (its concurrency is its request count): arrival steps shape the load.
 
 use crate::error::{SimError, TraceProblem};
+use crate::input::{BoundedLines, LineError};
 use crate::workload::{RequestSpec, TokenSource, Workload};
 use serde_json::{Map, Value};
 use std::collections::HashMap;
+use std::io::BufRead;
 use std::path::Path;
 
 /// The trace format, for `unikv replay --help`.
 pub const FORMAT_HELP: &str = "\
 TRACE FORMAT (--trace FILE): JSON Lines, one request per line, blank lines skipped.
-  arrival_step   integer >= 0, required   step at which the request arrives
-  output_len     integer >= 1, required   tokens to generate
+  arrival_step   0..=1000000, required    step at which the request arrives
+  output_len     1..=2^24, required       tokens to generate
   prompt_tokens  [u32, ...], non-empty    the prompt's token ids, as given
-  prompt_len     integer >= 1             or: the prompt's length (tokens from --seed)
+  prompt_len     1..=2^24                 or: the prompt's length (tokens from --seed)
   prefix_id      string or integer        with prompt_len: the first prefix_len tokens
   prefix_len     1..=prompt_len           are shared by every line with this id
   Exactly one of prompt_tokens / prompt_len; one prefix_len per prefix_id; no other
   fields. Requests run in arrival order; no concurrency cap besides memory.
+  Limits: 16 MiB per line, 4 GiB per file, 2^20 requests, 2^28 prompt tokens in all.
   {\"arrival_step\": 0, \"prompt_len\": 4224, \"prefix_id\": \"system\", \"prefix_len\": 4096, \"output_len\": 2048}
   {\"arrival_step\": 7, \"prompt_tokens\": [200006, 17360, 200008], \"output_len\": 16}";
 
@@ -67,15 +75,32 @@ const FIELDS: [&str; 6] = [
     "prefix_len",
 ];
 
+/// The most requests a trace may hold: 2^20 (about a million; a replay of that many
+/// requests takes hours).
+pub const MAX_TRACE_REQUESTS: usize = 1 << 20;
+
+/// The latest step a request may arrive at: 10^6, a tenth of the scheduler's default
+/// step limit ([`crate::RunConfig::DEFAULT_MAX_STEPS`]), so that a trace cannot ask for a
+/// run that is bound to stall after millions of idle steps.
+pub const MAX_ARRIVAL_STEP: u64 = 1_000_000;
+
 /// Reads the trace at `path` into a workload named after the file's stem, generating
-/// prompt tokens from `seed`.
+/// prompt tokens from `seed`. The file is read line by line within the limits of
+/// [`crate::input`], so no file (`/dev/zero` included) is read past them.
 pub fn load_trace(path: &Path, seed: u64) -> Result<Workload, SimError> {
-    let text = std::fs::read_to_string(path).map_err(|source| SimError::Io {
+    let io = |source| SimError::Io {
         path: path.display().to_string(),
         source,
-    })?;
+    };
+    let file = std::fs::File::open(path).map_err(io)?;
     let name = workload_name(path);
-    parse_trace(&text, &path.display().to_string(), &name, seed)
+    parse_lines(
+        std::io::BufReader::new(file),
+        &path.display().to_string(),
+        &name,
+        seed,
+        MAX_TRACE_REQUESTS,
+    )
 }
 
 /// Parses trace `text` into the workload `name`; `source_name` (the path, usually) is
@@ -86,28 +111,63 @@ pub fn parse_trace(
     name: &str,
     seed: u64,
 ) -> Result<Workload, SimError> {
+    parse_lines(text.as_bytes(), source_name, name, seed, MAX_TRACE_REQUESTS)
+}
+
+/// [`parse_trace`] over a reader, within the limits of [`crate::input`] and at most
+/// `max_requests` requests ([`MAX_TRACE_REQUESTS`] but in tests).
+fn parse_lines(
+    reader: impl BufRead,
+    source_name: &str,
+    name: &str,
+    seed: u64,
+    max_requests: usize,
+) -> Result<Workload, SimError> {
     // First pass: check every line (and the totals) before generating any token, so a
     // bad line is reported at once however large the lines before it are.
     let mut lines: Vec<(usize, Line)> = Vec::new();
     // prefix id → (its length, the line that introduced it)
     let mut prefix_lens: HashMap<&str, (u64, usize)> = HashMap::new();
     let mut total_tokens: u64 = 0;
-    for (index, raw) in text.lines().enumerate() {
-        let line = index + 1;
-        if raw.trim().is_empty() {
-            continue;
-        }
-        let fail = |problem| SimError::Trace {
+    let mut reader = BoundedLines::new(reader);
+    while let Some(next) = reader.next_line() {
+        let fail = |line, problem| SimError::Trace {
             source_name: source_name.to_string(),
             line,
             problem,
         };
-        let parsed = parse_line(raw).map_err(fail)?;
+        let (line, raw) = match next {
+            Ok(line_and_text) => line_and_text,
+            Err((line, LineError::Problem(problem))) => {
+                return Err(fail(line, TraceProblem::Line(problem)));
+            }
+            Err((_, LineError::Io(source))) => {
+                return Err(SimError::Io {
+                    path: source_name.to_string(),
+                    source,
+                });
+            }
+        };
+        if raw.trim().is_empty() {
+            continue;
+        }
+        let parsed = parse_line(raw).map_err(|problem| fail(line, problem))?;
         total_tokens += parsed.prompt.len();
         if total_tokens > MAX_TRACE_TOKENS {
-            return Err(fail(TraceProblem::TooManyTokens {
-                limit: MAX_TRACE_TOKENS,
-            }));
+            return Err(fail(
+                line,
+                TraceProblem::TooManyTokens {
+                    limit: MAX_TRACE_TOKENS,
+                },
+            ));
+        }
+        if lines.len() == max_requests {
+            return Err(fail(
+                line,
+                TraceProblem::TooManyRequests {
+                    limit: max_requests,
+                },
+            ));
         }
         lines.push((line, parsed));
     }
@@ -250,6 +310,12 @@ fn parse_line(raw: &str) -> Result<Line, TraceProblem> {
     }
     let arrival_step = required(&object, "arrival_step")?;
     let arrival_step = as_u64(arrival_step, "arrival_step", "an integer >= 0")?;
+    if arrival_step > MAX_ARRIVAL_STEP {
+        return Err(TraceProblem::WrongType {
+            field: "arrival_step",
+            expected: "at most 1,000,000",
+        });
+    }
     let output_len = as_u64(
         required(&object, "output_len")?,
         "output_len",
@@ -580,6 +646,74 @@ mod tests {
             ),
             "{err:?}"
         );
+    }
+
+    #[test]
+    fn the_request_limit_is_reported_on_the_line_that_crosses_it() {
+        let line = "{\"arrival_step\": 0, \"prompt_len\": 4, \"output_len\": 1}\n";
+        let text = line.repeat(3);
+        assert!(parse_lines(text.as_bytes(), "t.jsonl", "t", 1, 3).is_ok());
+        let err = parse_lines(text.as_bytes(), "t.jsonl", "t", 1, 2).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                SimError::Trace {
+                    line: 3,
+                    problem: TraceProblem::TooManyRequests { limit: 2 },
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "t.jsonl:3: the trace holds more than 2 requests (split the trace)"
+        );
+    }
+
+    #[test]
+    fn arrivals_beyond_the_limit_are_refused() {
+        let at = |step: u64| {
+            parse(&format!(
+                "{{\"arrival_step\": {step}, \"prompt_len\": 4, \"output_len\": 1}}"
+            ))
+        };
+        assert!(at(MAX_ARRIVAL_STEP).is_ok());
+        let err = at(MAX_ARRIVAL_STEP + 1).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                SimError::Trace {
+                    line: 1,
+                    problem: TraceProblem::WrongType {
+                        field: "arrival_step",
+                        expected: "at most 1,000,000"
+                    },
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn a_line_over_the_line_limit_or_not_utf8_is_refused_with_its_number() {
+        let long = format!("\n{}\n", " ".repeat(crate::input::MAX_LINE_BYTES + 1));
+        let err = parse(&long).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                SimError::Trace {
+                    line: 2,
+                    problem: TraceProblem::Line(crate::input::LineProblem::TooLong { .. }),
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("16777216 bytes"), "{err}");
+        let err = parse_lines(&b"\xff\n"[..], "t.jsonl", "t", 1, 1).unwrap_err();
+        assert_eq!(err.to_string(), "t.jsonl:1: the line is not valid UTF-8");
     }
 
     #[test]
