@@ -420,8 +420,9 @@ fn parse_page_size(value: &str) -> Result<u32, SimError> {
     Ok(ps)
 }
 
-/// The largest page size accepted (far above any engine's; keeps page arithmetic small).
-const MAX_PAGE_SIZE: u32 = 1 << 16;
+/// The largest page size accepted (far above any engine's; keeps page arithmetic small);
+/// also the limit of an ops trace's header.
+pub const MAX_PAGE_SIZE: u32 = 1 << 16;
 
 fn parse_level(value: &str) -> Result<Level, SimError> {
     Level::parse(value).map_err(|_| SimError::UnknownLevel {

@@ -41,7 +41,7 @@ pub mod trace;
 pub mod units;
 pub mod workload;
 
-pub use error::{SimError, TraceProblem};
+pub use error::{OpsProblem, SimError, TraceProblem};
 pub use report::{Report, RunStats, StepSample};
 pub use scheduler::{Layout, RunConfig, StepProgress};
 pub use workload::{Preset, RequestSpec, Workload};

@@ -6,11 +6,12 @@
 //! Lists of virtual token ids are stored as runs `[first, count]` of consecutive ids
 //! (a page's tokens are consecutive, so a row at page size 256 is a few runs).
 
-use crate::error::SimError;
+use crate::error::{OpsProblem, SimError};
+use crate::input::{BoundedLines, LineError};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::io::{BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -41,11 +42,50 @@ pub fn to_runs(ids: &[VirtualToken]) -> Runs {
     runs
 }
 
-/// Decodes runs into ids.
-pub fn from_runs(runs: &[[u32; 2]]) -> Vec<VirtualToken> {
-    runs.iter()
-        .flat_map(|&[first, count]| (0..count).map(move |i| VirtualToken(first + i)))
-        .collect()
+/// The most operations an ops trace may hold: 2^24 (about 9,000 times the operations of
+/// a recorded `random-8192-64` run).
+pub const MAX_OPS: usize = 1 << 24;
+
+/// The most ids one operation may name (the sum of its runs' counts, or of the tokens
+/// its alloc requests ask for): 2^24, the tokens of 412 GB of gpt-oss-20b KV on one side,
+/// and 64 MiB once decoded.
+pub const MAX_OP_IDS: u64 = 1 << 24;
+
+/// The largest row position, row length or page count an operation may give: 2^32.
+pub const MAX_OP_NUMBER: u64 = 1 << 32;
+
+/// How many ids `runs` name, after checking each run: a count of at least 1, no id past
+/// `u32::MAX`, at most [`MAX_OP_IDS`] in all.
+pub fn run_ids(runs: &[[u32; 2]]) -> Result<u64, OpsProblem> {
+    let mut ids: u64 = 0;
+    for &[first, count] in runs {
+        if count == 0 {
+            return Err(OpsProblem::EmptyRun { first });
+        }
+        if u64::from(first) + u64::from(count) > 1 << 32 {
+            return Err(OpsProblem::RunPastLastId { first, count });
+        }
+        ids += u64::from(count);
+        if ids > MAX_OP_IDS {
+            return Err(OpsProblem::TooManyIds {
+                ids,
+                limit: MAX_OP_IDS,
+            });
+        }
+    }
+    Ok(ids)
+}
+
+/// Decodes runs into ids, after the checks of [`run_ids`] (so the result holds at most
+/// [`MAX_OP_IDS`] ids).
+pub fn from_runs(runs: &[[u32; 2]]) -> Result<Vec<VirtualToken>, OpsProblem> {
+    let mut ids = Vec::with_capacity(run_ids(runs)? as usize);
+    // In range: `run_ids` checked that `first + count - 1` is at most `u32::MAX`.
+    ids.extend(
+        runs.iter()
+            .flat_map(|&[first, count]| (0..count).map(move |i| VirtualToken(first + i))),
+    );
+    Ok(ids)
 }
 
 /// One request of an extend.
@@ -513,48 +553,247 @@ impl KvAllocator for RecordingAllocator {
 /// A parsed trace: the header's allocator and the operations.
 #[derive(Debug)]
 pub struct Trace {
+    /// The trace's path (what errors cite).
+    pub source_name: String,
     /// The header line.
     pub header: Op,
-    /// Every operation after it.
-    pub ops: Vec<Op>,
+    /// Every operation after it, with its 1-based line number.
+    pub ops: Vec<(usize, Op)>,
 }
 
-/// Reads a trace file.
+/// Reads a trace file, line by line within the limits of [`crate::input`], and checks
+/// every operation against the limits of the format ([`check`], [`MAX_OPS`]) before
+/// anything runs.
 pub fn load(path: &Path) -> Result<Trace, SimError> {
-    let file = File::open(path).map_err(|e| SimError::OpsTrace {
-        reason: format!("cannot open {}: {e}", path.display()),
+    load_limited(path, MAX_OPS)
+}
+
+/// [`load`] with at most `max_ops` operations ([`MAX_OPS`] but in tests).
+fn load_limited(path: &Path, max_ops: usize) -> Result<Trace, SimError> {
+    let source_name = path.display().to_string();
+    let file = File::open(path).map_err(|source| SimError::Io {
+        path: source_name.clone(),
+        source,
     })?;
-    let mut header = None;
+    let at = |line, problem| SimError::OpsLine {
+        source_name: source_name.clone(),
+        line,
+        problem,
+    };
+    let mut header: Option<(Op, u32)> = None;
     let mut ops = Vec::new();
-    for (i, line) in BufReader::new(file).lines().enumerate() {
-        let line = line.map_err(|e| SimError::OpsTrace {
-            reason: format!("{}: {e}", path.display()),
-        })?;
-        if line.trim().is_empty() {
+    let mut lines = BoundedLines::new(BufReader::new(file));
+    while let Some(next) = lines.next_line() {
+        let (line, text) = match next {
+            Ok(line_and_text) => line_and_text,
+            Err((line, LineError::Problem(problem))) => {
+                return Err(at(line, OpsProblem::Line(problem)));
+            }
+            Err((_, LineError::Io(source))) => {
+                return Err(SimError::Io {
+                    path: source_name.clone(),
+                    source,
+                });
+            }
+        };
+        if text.trim().is_empty() {
             continue;
         }
-        let op: Op = serde_json::from_str(&line).map_err(|e| SimError::OpsTrace {
-            reason: format!("{} line {}: {e}", path.display(), i + 1),
+        let op: Op = serde_json::from_str(text).map_err(|e| {
+            at(
+                line,
+                OpsProblem::Json {
+                    message: e.to_string(),
+                },
+            )
         })?;
         match (&header, op) {
-            (None, op @ Op::Header { .. }) => header = Some(op),
-            (None, _) => {
-                return Err(SimError::OpsTrace {
-                    reason: format!("{}: the first line must be the header", path.display()),
-                });
+            (None, op @ Op::Header { .. }) => {
+                let page_size = check_header(&op).map_err(|p| at(line, p))?;
+                header = Some((op, page_size));
             }
-            (Some(_), Op::Header { .. }) => {
-                return Err(SimError::OpsTrace {
-                    reason: format!("{} line {}: a second header", path.display(), i + 1),
-                });
+            (None, _) => return Err(at(line, OpsProblem::NoHeader)),
+            (Some(_), Op::Header { .. }) => return Err(at(line, OpsProblem::SecondHeader)),
+            (Some((_, page_size)), op) => {
+                if ops.len() == max_ops {
+                    return Err(at(line, OpsProblem::TooManyOps { limit: max_ops }));
+                }
+                check(&op, *page_size).map_err(|p| at(line, p))?;
+                ops.push((line, op));
             }
-            (Some(_), op) => ops.push(op),
         }
     }
-    let header = header.ok_or_else(|| SimError::OpsTrace {
-        reason: format!("{}: empty trace", path.display()),
+    let (header, _) = header.ok_or_else(|| SimError::OpsTrace {
+        reason: format!("{source_name}: empty trace"),
     })?;
-    Ok(Trace { header, ops })
+    Ok(Trace {
+        source_name,
+        header,
+        ops,
+    })
+}
+
+/// Checks what the replay needs of a header: the schema, a known layout and model, a page
+/// size of 1 to 65,536. Returns the page size.
+fn check_header(header: &Op) -> Result<u32, OpsProblem> {
+    let Op::Header {
+        schema,
+        layout,
+        model,
+        page_size,
+        ..
+    } = header
+    else {
+        return Err(OpsProblem::NoHeader);
+    };
+    let wrong = |field, value: &dyn std::fmt::Debug, expected| OpsProblem::Header {
+        field,
+        value: format!("{value:?}"),
+        expected,
+    };
+    if schema != SCHEMA {
+        return Err(wrong("schema", schema, "\"unikv.ops.v1\""));
+    }
+    if !matches!(layout.as_str(), "static" | "unified") {
+        return Err(wrong("layout", layout, "\"static\" or \"unified\""));
+    }
+    if ModelSpec::by_name(model).is_none() {
+        return Err(wrong("model", model, "a --model name"));
+    }
+    if *page_size == 0 || *page_size > crate::cli::MAX_PAGE_SIZE {
+        return Err(wrong("page_size", page_size, "1 to 65,536"));
+    }
+    Ok(*page_size)
+}
+
+/// Checks one operation against the limits of the format before it is replayed: every
+/// run ([`run_ids`]), at most [`MAX_OP_IDS`] ids in all, numbers at most
+/// [`MAX_OP_NUMBER`], alloc requests that grow (decodes by one token) and an `out` of
+/// the size they ask for, and segments that start at a page's first token at a row
+/// position that is a multiple of `page_size`. The allocator checks the rest (ids in its
+/// id space, live pages) when the operation is replayed.
+pub fn check(op: &Op, page_size: u32) -> Result<(), OpsProblem> {
+    let number = |field, value: usize| {
+        let value = value as u64;
+        if value > MAX_OP_NUMBER {
+            Err(OpsProblem::NumberTooLarge {
+                field,
+                value,
+                limit: MAX_OP_NUMBER,
+            })
+        } else {
+            Ok(())
+        }
+    };
+    let total = |ids: u64| {
+        if ids > MAX_OP_IDS {
+            Err(OpsProblem::TooManyIds {
+                ids,
+                limit: MAX_OP_IDS,
+            })
+        } else {
+            Ok(ids)
+        }
+    };
+    let starts_on_a_page = |runs: &Runs| match runs.first() {
+        Some(&[id, _]) if id % page_size != 0 => Err(OpsProblem::StartsMidPage {
+            id,
+            offset: id % page_size,
+            page_size,
+        }),
+        _ => Ok(()),
+    };
+    let segment = |seg: &Seg| -> Result<u64, OpsProblem> {
+        number("start", seg.start)?;
+        let ids = run_ids(&seg.ids)?;
+        if !seg.start.is_multiple_of(page_size as usize) {
+            return Err(OpsProblem::UnalignedStart {
+                start: seg.start,
+                page_size,
+            });
+        }
+        starts_on_a_page(&seg.ids)?;
+        Ok(ids)
+    };
+    match op {
+        Op::Header { .. } => return Err(OpsProblem::SecondHeader),
+        Op::AllocExtend { requests, out } | Op::AllocDecode { requests, out } => {
+            let decode = matches!(op, Op::AllocDecode { .. });
+            let mut asked: u64 = 0;
+            for r in requests {
+                number("prefix_len", r.prefix_len)?;
+                number("seq_len", r.seq_len)?;
+                let grows = if decode {
+                    r.seq_len.checked_sub(r.prefix_len) == Some(1)
+                } else {
+                    r.seq_len >= r.prefix_len
+                };
+                if !grows {
+                    return Err(OpsProblem::BadRequest {
+                        prefix_len: r.prefix_len,
+                        seq_len: r.seq_len,
+                        expected: if decode {
+                            "seq_len = prefix_len + 1"
+                        } else {
+                            "seq_len >= prefix_len"
+                        },
+                    });
+                }
+                asked = total(asked + (r.seq_len - r.prefix_len) as u64)?;
+            }
+            let out = run_ids(out)?;
+            if out != asked {
+                return Err(OpsProblem::OutCount { out, asked });
+            }
+        }
+        Op::Free { ids } | Op::FreeSwa { ids } | Op::FreeFull { ids } => {
+            run_ids(ids)?;
+        }
+        Op::FreeSegment(seg) | Op::FreeSwaSegment(seg) | Op::FreeFullSegment(seg) => {
+            segment(seg)?;
+        }
+        Op::FreeSegments { segments } => {
+            let mut ids = 0;
+            for seg in segments {
+                ids = total(ids + segment(seg)?)?;
+            }
+        }
+        Op::FreeKvRowSegments {
+            row,
+            dead_lo,
+            cursor,
+            len,
+        } => {
+            number("dead_lo", *dead_lo)?;
+            number("cursor", *cursor)?;
+            number("len", *len)?;
+            run_ids(row)?;
+            starts_on_a_page(row)?;
+        }
+        Op::TransferSwa { from, to } => {
+            total(segment(from)? + segment(to)?)?;
+        }
+        Op::EnsureCapacity {
+            full_pages,
+            swa_pages,
+        } => {
+            number("full_pages", *full_pages)?;
+            number("swa_pages", *swa_pages)?;
+        }
+        Op::ReclaimPlan {
+            full_pages,
+            swa_pages,
+            evictable_full,
+            evictable_swa,
+        } => {
+            number("full_pages", *full_pages)?;
+            number("swa_pages", *swa_pages)?;
+            number("evictable_full", *evictable_full)?;
+            number("evictable_swa", *evictable_swa)?;
+        }
+        Op::GroupBegin | Op::GroupEnd | Op::FlushDeferred | Op::Flush | Op::UploadMirror => {}
+    }
+    Ok(())
 }
 
 /// Builds the allocator a header describes, on `device`.
@@ -563,23 +802,21 @@ pub fn allocator_for(
     device: Arc<dyn unikv::kernels::Device>,
 ) -> Result<Box<dyn KvAllocator>, SimError> {
     let Op::Header {
-        schema,
         layout,
         model,
         page_size,
         memory_bytes,
         swa_full_ratio,
+        ..
     } = header
     else {
         return Err(SimError::OpsTrace {
             reason: "not a header".into(),
         });
     };
-    if schema != SCHEMA {
-        return Err(SimError::OpsTrace {
-            reason: format!("schema {schema:?}, expected {SCHEMA:?}"),
-        });
-    }
+    check_header(header).map_err(|problem| SimError::OpsTrace {
+        reason: problem.to_string(),
+    })?;
     let m = ModelSpec::by_name(model).ok_or_else(|| SimError::OpsTrace {
         reason: format!("unknown model {model:?}"),
     })?;
@@ -663,16 +900,23 @@ pub fn replay(trace: &Trace) -> Result<BTreeMap<&'static str, OpThroughput>, Sim
     };
     let mut by_kind: BTreeMap<&'static str, OpThroughput> = BTreeMap::new();
     let mut out = Vec::new();
-    let diverged = |i: usize, what: String| SimError::OpsTrace {
-        reason: format!("op {}: replay diverged: {what}", i + 1),
-    };
-    let pool = |e: unikv::pools::Error| SimError::Cache(e.into());
-    for (i, op) in trace.ops.iter().enumerate() {
+    for (line, op) in &trace.ops {
+        let at = |problem| SimError::OpsLine {
+            source_name: trace.source_name.clone(),
+            line: *line,
+            problem,
+        };
+        let pool = |error| {
+            at(OpsProblem::Refused {
+                op: op.name(),
+                error,
+            })
+        };
         // Inputs are decoded before the clock starts.
         let tokens: u64;
         let started;
         match op {
-            Op::Header { .. } => return Err(diverged(i, "a second header".into())),
+            Op::Header { .. } => return Err(at(OpsProblem::SecondHeader)),
             Op::AllocExtend {
                 requests,
                 out: expected,
@@ -689,6 +933,7 @@ pub fn replay(trace: &Trace) -> Result<BTreeMap<&'static str, OpThroughput>, Sim
                         last_token: r.last_token.map(VirtualToken),
                     })
                     .collect();
+                // `check` made every request grow: no underflow.
                 tokens = reqs.iter().map(|r| (r.seq_len - r.prefix_len) as u64).sum();
                 out.clear();
                 started = Instant::now();
@@ -706,16 +951,13 @@ pub fn replay(trace: &Trace) -> Result<BTreeMap<&'static str, OpThroughput>, Sim
                 }
                 let nanos = host_nanos(started);
                 if to_runs(&out) != *expected {
-                    return Err(diverged(
-                        i,
-                        "an alloc returned other ids than recorded".into(),
-                    ));
+                    return Err(at(OpsProblem::Diverged { op: op.name() }));
                 }
                 add(&mut by_kind, op.name(), tokens, nanos);
                 continue;
             }
             Op::Free { ids } | Op::FreeSwa { ids } | Op::FreeFull { ids } => {
-                let ids = from_runs(ids);
+                let ids = from_runs(ids).map_err(at)?;
                 tokens = ids.len() as u64;
                 started = Instant::now();
                 match op {
@@ -726,7 +968,7 @@ pub fn replay(trace: &Trace) -> Result<BTreeMap<&'static str, OpThroughput>, Sim
                 .map_err(pool)?;
             }
             Op::FreeSegment(seg) | Op::FreeSwaSegment(seg) | Op::FreeFullSegment(seg) => {
-                let ids = from_runs(&seg.ids);
+                let ids = from_runs(&seg.ids).map_err(at)?;
                 tokens = ids.len() as u64;
                 let s = Segment {
                     tokens: &ids,
@@ -741,8 +983,11 @@ pub fn replay(trace: &Trace) -> Result<BTreeMap<&'static str, OpThroughput>, Sim
                 .map_err(pool)?;
             }
             Op::FreeSegments { segments } => {
-                let ids: Vec<Vec<VirtualToken>> =
-                    segments.iter().map(|s| from_runs(&s.ids)).collect();
+                let ids = segments
+                    .iter()
+                    .map(|s| from_runs(&s.ids))
+                    .collect::<Result<Vec<Vec<VirtualToken>>, OpsProblem>>()
+                    .map_err(at)?;
                 let segs: Vec<Segment<'_>> = segments
                     .iter()
                     .zip(&ids)
@@ -761,7 +1006,7 @@ pub fn replay(trace: &Trace) -> Result<BTreeMap<&'static str, OpThroughput>, Sim
                 cursor,
                 len,
             } => {
-                let row = from_runs(row);
+                let row = from_runs(row).map_err(at)?;
                 tokens = (len - dead_lo.min(len)) as u64;
                 started = Instant::now();
                 alloc
@@ -769,7 +1014,10 @@ pub fn replay(trace: &Trace) -> Result<BTreeMap<&'static str, OpThroughput>, Sim
                     .map_err(pool)?;
             }
             Op::TransferSwa { from, to } => {
-                let (f, t) = (from_runs(&from.ids), from_runs(&to.ids));
+                let (f, t) = (
+                    from_runs(&from.ids).map_err(at)?,
+                    from_runs(&to.ids).map_err(at)?,
+                );
                 tokens = f.len() as u64;
                 started = Instant::now();
                 alloc
@@ -877,9 +1125,251 @@ mod tests {
         let ids: Vec<VirtualToken> = [4, 5, 6, 7, 20, 21, 9].map(VirtualToken).to_vec();
         let runs = to_runs(&ids);
         assert_eq!(runs, vec![[4, 4], [20, 2], [9, 1]]);
-        assert_eq!(from_runs(&runs), ids);
+        assert_eq!(from_runs(&runs).unwrap(), ids);
         assert_eq!(runs.iter().map(|r| r[1]).sum::<u32>(), 7);
         assert!(to_runs(&[]).is_empty());
+    }
+
+    /// The problem `check` finds in `line` at page size 4, as text.
+    fn problem(line: &str) -> Option<String> {
+        let op: Op = serde_json::from_str(line).unwrap();
+        check(&op, 4).err().map(|p| p.to_string())
+    }
+
+    #[test]
+    fn runs_are_bounded_before_they_are_decoded() {
+        // 4 G ids in one run: refused by counting, never expanded.
+        assert!(matches!(
+            from_runs(&[[0, u32::MAX]]),
+            Err(OpsProblem::TooManyIds {
+                ids: 4_294_967_295,
+                limit: MAX_OP_IDS
+            })
+        ));
+        // Many runs that only add up to too many.
+        let half = (MAX_OP_IDS / 2) as u32;
+        assert!(run_ids(&[[0, half], [0, half]]).is_ok());
+        assert!(matches!(
+            run_ids(&[[0, half], [0, half], [0, 1]]),
+            Err(OpsProblem::TooManyIds { .. })
+        ));
+        assert!(matches!(
+            from_runs(&[[u32::MAX, 2]]),
+            Err(OpsProblem::RunPastLastId {
+                first: u32::MAX,
+                count: 2
+            })
+        ));
+        assert_eq!(
+            from_runs(&[[u32::MAX, 1]]).unwrap(),
+            [VirtualToken(u32::MAX)]
+        );
+        assert!(matches!(
+            from_runs(&[[3, 0]]),
+            Err(OpsProblem::EmptyRun { first: 3 })
+        ));
+    }
+
+    #[test]
+    fn check_names_the_right_cause() {
+        let cases: [(&str, Option<&str>); 16] = [
+            (r#"{"op":"free_segment","start":8,"ids":[[8,4]]}"#, None),
+            (
+                r#"{"op":"free","ids":[[0,4294967295]]}"#,
+                Some("the operation names 4294967295 ids, more than 16777216"),
+            ),
+            // Ids that start mid-page, at an aligned row position: the ids are the cause.
+            (
+                r#"{"op":"free_segment","start":8,"ids":[[9,3]]}"#,
+                Some("the ids start mid-page: id 9 is token 1 of its page (page size 4)"),
+            ),
+            (
+                r#"{"op":"free_swa_segment","start":0,"ids":[[6,2]]}"#,
+                Some("the ids start mid-page: id 6 is token 2"),
+            ),
+            // An unaligned row position with page-aligned ids: the position is the cause.
+            (
+                r#"{"op":"free_full_segment","start":6,"ids":[[8,2]]}"#,
+                Some("segment row position 6 is not a multiple of the page size 4"),
+            ),
+            (
+                r#"{"op":"free_segments","segments":[{"start":0,"ids":[[4,4]]},{"start":4,"ids":[[13,3]]}]}"#,
+                Some("the ids start mid-page: id 13 is token 1"),
+            ),
+            (
+                r#"{"op":"transfer_swa","from":{"start":0,"ids":[[4,4]]},"to":{"start":0,"ids":[[2,4]]}}"#,
+                Some("the ids start mid-page: id 2"),
+            ),
+            (
+                r#"{"op":"free_kv_row_segments","row":[[5,3]],"dead_lo":0,"cursor":0,"len":3}"#,
+                Some("the ids start mid-page: id 5 is token 1"),
+            ),
+            (
+                r#"{"op":"free_kv_row_segments","row":[[4,3]],"dead_lo":0,"cursor":0,"len":18446744073709551615}"#,
+                Some("len is 18446744073709551615, more than 4294967296"),
+            ),
+            (
+                r#"{"op":"alloc_extend","requests":[{"prefix_len":8,"seq_len":4,"last_token":null}],"out":[]}"#,
+                Some("a request with prefix_len 8 and seq_len 4: expected seq_len >= prefix_len"),
+            ),
+            (
+                r#"{"op":"alloc_decode","requests":[{"prefix_len":8,"seq_len":10,"last_token":7}],"out":[[12,2]]}"#,
+                Some(
+                    "a request with prefix_len 8 and seq_len 10: expected seq_len = prefix_len + 1",
+                ),
+            ),
+            (
+                r#"{"op":"alloc_extend","requests":[{"prefix_len":0,"seq_len":8,"last_token":null}],"out":[[4,7]]}"#,
+                Some("out names 7 ids but the requests ask for 8"),
+            ),
+            (
+                r#"{"op":"alloc_extend","requests":[{"prefix_len":0,"seq_len":16777216,"last_token":null},{"prefix_len":0,"seq_len":1,"last_token":null}],"out":[[4,7]]}"#,
+                Some("the operation names 16777217 ids"),
+            ),
+            (
+                r#"{"op":"ensure_capacity","full_pages":4294967297,"swa_pages":0}"#,
+                Some("full_pages is 4294967297, more than 4294967296"),
+            ),
+            (
+                r#"{"op":"free","ids":[[0,1],[7,0]]}"#,
+                Some("the run [7, 0] names no id"),
+            ),
+            (
+                r#"{"op":"free_full","ids":[[4294967295,2]]}"#,
+                Some("the run [4294967295, 2] goes past the largest id 4294967295"),
+            ),
+        ];
+        for (line, expected) in cases {
+            let got = problem(line);
+            match (&got, expected) {
+                (None, None) => {}
+                (Some(got), Some(expected)) => assert!(got.starts_with(expected), "{line}: {got}"),
+                _ => panic!("{line}: got {got:?}, expected {expected:?}"),
+            }
+        }
+    }
+
+    /// Writes `lines` after a unified gpt-oss-20b header at page size 4 and loads the file
+    /// with at most `max_ops` operations.
+    fn load_lines(name: &str, lines: &[&str], max_ops: usize) -> Result<Trace, SimError> {
+        let header = serde_json::to_string(&Op::Header {
+            schema: SCHEMA.into(),
+            layout: "unified".into(),
+            model: "gpt-oss-20b".into(),
+            page_size: 4,
+            memory_bytes: 1 << 30,
+            swa_full_ratio: 0.8,
+        })
+        .unwrap();
+        let path = std::env::temp_dir().join(format!("unikv-sim-{}-{name}", std::process::id()));
+        let text: String = std::iter::once(header.as_str())
+            .chain(lines.iter().copied())
+            .map(|l| format!("{l}\n"))
+            .collect();
+        std::fs::write(&path, text).unwrap();
+        let loaded = load_limited(&path, max_ops);
+        let _ = std::fs::remove_file(&path);
+        loaded
+    }
+
+    /// The line and message of a load error.
+    fn line_and_message(err: &SimError) -> (usize, String) {
+        match err {
+            SimError::OpsLine { line, problem, .. } => (*line, problem.to_string()),
+            other => panic!("expected an ops line error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn load_reports_each_problem_on_its_line() {
+        let flush = r#"{"op":"flush"}"#;
+        let trace = load_lines("ok", &[flush, "", flush], 2).unwrap();
+        assert_eq!(
+            trace.ops.iter().map(|(l, _)| *l).collect::<Vec<_>>(),
+            [2, 4]
+        );
+        let err = load_lines("many", &[flush, flush, flush], 2).unwrap_err();
+        assert_eq!(
+            line_and_message(&err),
+            (
+                4,
+                "the trace holds more than 2 operations (the limit of an ops trace)".into()
+            )
+        );
+        let err =
+            load_lines("4g", &[flush, r#"{"op":"free","ids":[[0,4294967295]]}"#], 9).unwrap_err();
+        assert_eq!(line_and_message(&err).0, 3);
+        assert!(err.to_string().contains("more than 16777216"), "{err}");
+        let err = load_lines("second", &[flush, &flush.replace("flush", "nope")], 9).unwrap_err();
+        assert!(
+            matches!(line_and_message(&err), (3, m) if m.starts_with("not an operation")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_header_must_come_first_and_name_what_the_replay_can_build() {
+        let path = std::env::temp_dir().join(format!("unikv-sim-{}-headers", std::process::id()));
+        let check_file = |text: &str| {
+            std::fs::write(&path, text).unwrap();
+            load(&path).map(drop).map_err(|e| line_and_message(&e))
+        };
+        let header = r#"{"op":"header","schema":"unikv.ops.v1","layout":"unified","model":"gpt-oss-20b","page_size":4,"memory_bytes":1073741824,"swa_full_ratio":0.8}"#;
+        assert!(check_file(header).is_ok());
+        assert_eq!(
+            check_file(&format!("\n{{\"op\":\"flush\"}}\n{header}")),
+            Err((2, "the first line must be the header".into()))
+        );
+        assert_eq!(
+            check_file(&format!("{header}\n{header}")),
+            Err((2, "a second header".into()))
+        );
+        for (from, to, message) in [
+            ("unikv.ops.v1", "v0", "header field schema is \"v0\""),
+            (
+                "\"unified\"",
+                "\"paged\"",
+                "header field layout is \"paged\"",
+            ),
+            ("gpt-oss-20b", "llama", "header field model is \"llama\""),
+            (
+                "\"page_size\":4",
+                "\"page_size\":0",
+                "header field page_size is 0",
+            ),
+            (
+                "\"page_size\":4",
+                "\"page_size\":65537",
+                "header field page_size is 65537",
+            ),
+        ] {
+            let got = check_file(&header.replace(from, to)).unwrap_err();
+            assert_eq!(got.0, 1);
+            assert!(got.1.starts_with(message), "{}", got.1);
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn an_op_the_allocator_refuses_is_reported_on_its_line() {
+        // Well-formed, but the ids were never handed out.
+        let trace = load_lines(
+            "refused",
+            &[
+                r#"{"op":"group_begin"}"#,
+                r#"{"op":"free_segment","start":0,"ids":[[4000000000,4]]}"#,
+            ],
+            9,
+        )
+        .unwrap();
+        let err = replay(&trace).unwrap_err();
+        let (line, message) = line_and_message(&err);
+        assert_eq!(line, 3);
+        assert!(
+            message.starts_with("free_segment: the allocator refused it"),
+            "{message}"
+        );
+        assert_eq!(err.to_string().lines().count(), 1);
     }
 
     #[test]

@@ -125,10 +125,6 @@ pub fn replay(args: &ReplayArgs, out: &mut dyn Write) -> Result<Outcome, SimErro
 /// Reads the trace once, then replays it against a fresh allocator at each level and
 /// prints ops/s and tokens/s per op kind (a table, or one JSON object with `--json`).
 pub fn bench_ops(args: &BenchOpsArgs, out: &mut dyn Write) -> Result<(), SimError> {
-    std::fs::File::open(&args.file).map_err(|source| SimError::Io {
-        path: args.file.display().to_string(),
-        source,
-    })?;
     let trace = crate::ops::load(&args.file)?;
     let mut results = Vec::new();
     for &level in &args.levels {
@@ -143,7 +139,7 @@ pub fn bench_ops(args: &BenchOpsArgs, out: &mut dyn Write) -> Result<(), SimErro
             .collect();
         let text = serde_json::to_string_pretty(&json)?;
         writeln!(out, "{text}").map_err(write)?;
-        return Ok(());
+        return out.flush().map_err(write);
     }
     writeln!(
         out,
@@ -174,7 +170,7 @@ pub fn bench_ops(args: &BenchOpsArgs, out: &mut dyn Write) -> Result<(), SimErro
             .map_err(write)?;
         }
     }
-    Ok(())
+    out.flush().map_err(write)
 }
 
 #[cfg(test)]
@@ -409,7 +405,11 @@ mod tests {
         };
         assert!(matches!(
             bench_ops(&here, &mut Vec::new()),
-            Err(SimError::OpsTrace { .. })
+            Err(SimError::OpsLine {
+                line: 1,
+                problem: crate::OpsProblem::Json { .. },
+                ..
+            })
         ));
     }
 }
