@@ -2,8 +2,10 @@
 //! `unikv bench-ops FILE [options]` and the help texts.
 //!
 //! Options take their value as the next argument or after `=` (`--seed 7`, `--seed=7`);
-//! a value never starts with `--`. `--workload` and `--page-size` may be repeated and
-//! take comma-separated lists; any other option given twice keeps its last value.
+//! a value never starts with `--`. `--workload` and `--page-size` (and `bench-ops`'s
+//! `--invariants`) may be repeated, and the first two take comma-separated lists whose
+//! items are trimmed and must not be empty (`1,,256` is an error); an item named twice
+//! runs once. Any other option given twice is an error naming it.
 
 use crate::error::SimError;
 use crate::report::group_digits;
@@ -184,6 +186,8 @@ pub fn parse_args<S: AsRef<str>>(args: &[S]) -> Result<Command, SimError> {
 struct Args<'a> {
     command: &'static str,
     rest: std::slice::Iter<'a, &'a str>,
+    /// The options given so far that may be given only once.
+    seen: Vec<&'static str>,
 }
 
 enum Arg<'a> {
@@ -227,7 +231,28 @@ impl<'a> Args<'a> {
         Ok(value)
     }
 
-    fn flag(option: &'static str, inline: Option<&str>) -> Result<(), SimError> {
+    /// Refuses a second `option` (one that may be given only once).
+    fn once(&mut self, option: &'static str) -> Result<(), SimError> {
+        if self.seen.contains(&option) {
+            return Err(SimError::RepeatedOption { option });
+        }
+        self.seen.push(option);
+        Ok(())
+    }
+
+    /// The value of an option that may be given only once.
+    fn single(
+        &mut self,
+        option: &'static str,
+        inline: Option<&'a str>,
+    ) -> Result<&'a str, SimError> {
+        self.once(option)?;
+        self.value(option, inline)
+    }
+
+    /// A flag (no value), given at most once.
+    fn flag(&mut self, option: &'static str, inline: Option<&str>) -> Result<(), SimError> {
+        self.once(option)?;
         match inline {
             None => Ok(()),
             Some(value) => Err(SimError::UnexpectedValue {
@@ -254,6 +279,7 @@ fn parse_replay(args: &[&str]) -> Result<Command, SimError> {
     let mut args = Args {
         command: "replay",
         rest: args.iter(),
+        seen: Vec::new(),
     };
     while let Some(arg) = args.next() {
         let (name, inline) = match arg {
@@ -268,7 +294,7 @@ fn parse_replay(args: &[&str]) -> Result<Command, SimError> {
         match name {
             "--help" | "-h" => return Ok(Command::Help(HelpTopic::Replay)),
             "--workload" => {
-                for name in list(args.value("--workload", inline)?) {
+                for name in list("--workload", args.value("--workload", inline)?)? {
                     let presets = if name.eq_ignore_ascii_case("all") {
                         Preset::DEFAULTS.to_vec()
                     } else {
@@ -287,23 +313,23 @@ fn parse_replay(args: &[&str]) -> Result<Command, SimError> {
                 }
             }
             "--model" => {
-                let name = args.value("--model", inline)?;
+                let name = args.single("--model", inline)?;
                 parsed.model = ModelSpec::by_name(name).ok_or_else(|| SimError::UnknownModel {
                     name: name.to_string(),
                     known: ModelSpec::NAMED.map(|m| m.name).join(", "),
                 })?;
             }
             "--page-size" => {
-                for value in list(args.value("--page-size", inline)?) {
+                for value in list("--page-size", args.value("--page-size", inline)?)? {
                     let ps = parse_page_size(value)?;
                     if !page_sizes.contains(&ps) {
                         page_sizes.push(ps);
                     }
                 }
             }
-            "--memory" => parsed.memory_bytes = parse_memory(args.value("--memory", inline)?)?,
+            "--memory" => parsed.memory_bytes = parse_memory(args.single("--memory", inline)?)?,
             "--layout" => {
-                let value = args.value("--layout", inline)?;
+                let value = args.single("--layout", inline)?;
                 parsed.layouts = match value.trim().to_ascii_lowercase().as_str() {
                     "static" => vec![Layout::Static],
                     "unified" => vec![Layout::Unified],
@@ -316,7 +342,7 @@ fn parse_replay(args: &[&str]) -> Result<Command, SimError> {
                 };
             }
             "--seed" => {
-                let value = args.value("--seed", inline)?;
+                let value = args.single("--seed", inline)?;
                 parsed.seed = value.trim().parse().map_err(|_| SimError::BadNumber {
                     option: "--seed",
                     value: value.to_string(),
@@ -324,20 +350,20 @@ fn parse_replay(args: &[&str]) -> Result<Command, SimError> {
                 })?;
             }
             "--invariants" => {
-                parsed.invariant_level = parse_level(args.value("--invariants", inline)?)?
+                parsed.invariant_level = parse_level(args.single("--invariants", inline)?)?
             }
             "--json" => {
-                Args::flag("--json", inline)?;
+                args.flag("--json", inline)?;
                 parsed.json = true;
             }
             "--no-timing" => {
-                Args::flag("--no-timing", inline)?;
+                args.flag("--no-timing", inline)?;
                 parsed.timing = false;
             }
-            "--svg" => parsed.svg_dir = Some(PathBuf::from(args.value("--svg", inline)?)),
-            "--trace" => parsed.trace = Some(PathBuf::from(args.value("--trace", inline)?)),
+            "--svg" => parsed.svg_dir = Some(PathBuf::from(args.single("--svg", inline)?)),
+            "--trace" => parsed.trace = Some(PathBuf::from(args.single("--trace", inline)?)),
             "--record-ops" => {
-                parsed.record_ops = Some(PathBuf::from(args.value("--record-ops", inline)?));
+                parsed.record_ops = Some(PathBuf::from(args.single("--record-ops", inline)?));
             }
             other => return Err(args.unknown(other)),
         }
@@ -363,6 +389,7 @@ fn parse_bench_ops(args: &[&str]) -> Result<Command, SimError> {
     let mut args = Args {
         command: "bench-ops",
         rest: args.iter(),
+        seen: Vec::new(),
     };
     while let Some(arg) = args.next() {
         match arg {
@@ -381,7 +408,7 @@ fn parse_bench_ops(args: &[&str]) -> Result<Command, SimError> {
                 }
             }
             Arg::Option("--json", inline) => {
-                Args::flag("--json", inline)?;
+                args.flag("--json", inline)?;
                 json = true;
             }
             Arg::Option(other, _) => return Err(args.unknown(other)),
@@ -397,9 +424,22 @@ fn parse_bench_ops(args: &[&str]) -> Result<Command, SimError> {
     Ok(Command::BenchOps(BenchOpsArgs { file, levels, json }))
 }
 
-/// Comma-separated items, spaces trimmed, empty items dropped.
-fn list(value: &str) -> impl Iterator<Item = &str> {
-    value.split(',').map(str::trim).filter(|s| !s.is_empty())
+/// Comma-separated items, spaces trimmed; an empty item is an error.
+fn list<'a>(option: &'static str, value: &'a str) -> Result<Vec<&'a str>, SimError> {
+    value
+        .split(',')
+        .map(str::trim)
+        .map(|item| {
+            if item.is_empty() {
+                Err(SimError::EmptyListItem {
+                    option,
+                    value: value.to_string(),
+                })
+            } else {
+                Ok(item)
+            }
+        })
+        .collect()
 }
 
 fn parse_page_size(value: &str) -> Result<u32, SimError> {
@@ -614,10 +654,71 @@ mod tests {
         assert_eq!(r.trace, Some(PathBuf::from("t.jsonl")));
         assert_eq!(r.runs(), 4 * 3);
 
-        let r = replay(&["--layout", "static", "--layout", "BOTH"]).unwrap();
-        assert_eq!(r.layouts, Layout::BOTH, "the last value wins");
         let r = replay(&["--workload", "all", "--workload", "smoke"]).unwrap();
         assert_eq!(r.workloads.len(), 5);
+        let r = replay(&["--page-size", " 4 , 1", "--page-size=4"]).unwrap();
+        assert_eq!(
+            r.page_sizes,
+            [4, 1],
+            "items are trimmed; an item named twice runs once"
+        );
+    }
+
+    #[test]
+    fn an_option_given_twice_is_an_error_naming_it() {
+        for (args, option) in [
+            (&["--layout", "static", "--layout", "BOTH"][..], "--layout"),
+            (&["--seed", "1", "--seed=1"], "--seed"),
+            (&["--memory", "1GiB", "--memory", "2GiB"], "--memory"),
+            (
+                &["--model", "gpt-oss-20b", "--model", "gpt-oss-120b"],
+                "--model",
+            ),
+            (
+                &["--invariants", "off", "--invariants", "strict"],
+                "--invariants",
+            ),
+            (&["--json", "--json"], "--json"),
+            (&["--no-timing", "--no-timing"], "--no-timing"),
+            (&["--svg", "a", "--svg", "b"], "--svg"),
+            (&["--trace", "a", "--trace", "b"], "--trace"),
+            (&["--record-ops", "a", "--record-ops", "b"], "--record-ops"),
+        ] {
+            let err = replay(args).unwrap_err();
+            assert!(
+                matches!(err, SimError::RepeatedOption { option: o } if o == option),
+                "{args:?}: {err:?}"
+            );
+            assert!(err.to_string().contains(option), "{err}");
+        }
+        let err = parse_args(&["bench-ops", "f", "--json", "--json"]).unwrap_err();
+        assert!(
+            matches!(err, SimError::RepeatedOption { option: "--json" }),
+            "{err:?}"
+        );
+        // The documented repeatable options stay repeatable.
+        assert!(replay(&["--workload", "smoke", "--workload", "smoke"]).is_ok());
+        assert!(replay(&["--page-size", "1", "--page-size", "4"]).is_ok());
+        assert!(parse_args(&["bench-ops", "f", "--invariants", "0", "--invariants", "2"]).is_ok());
+    }
+
+    #[test]
+    fn an_empty_list_item_is_an_error() {
+        for (args, option) in [
+            (&["--page-size", "1,,256"][..], "--page-size"),
+            (&["--page-size", "1,256,"], "--page-size"),
+            (&["--page-size=,1"], "--page-size"),
+            (&["--page-size", "1, ,4"], "--page-size"),
+            (&["--workload", "smoke,,long-outputs"], "--workload"),
+            (&["--workload", "smoke,"], "--workload"),
+        ] {
+            let err = replay(args).unwrap_err();
+            assert!(
+                matches!(&err, SimError::EmptyListItem { option: o, .. } if *o == option),
+                "{args:?}: {err:?}"
+            );
+            assert_eq!(err.to_string().lines().count(), 1);
+        }
     }
 
     #[test]

@@ -57,6 +57,20 @@ pub enum SimError {
         /// The option.
         option: &'static str,
     },
+    /// An option that may be given once was given again.
+    #[error("option {option} is given twice (it takes one value)")]
+    RepeatedOption {
+        /// The option.
+        option: &'static str,
+    },
+    /// A list-valued option with an empty item (`--page-size 1,,256`).
+    #[error("option {option}: empty item in {value:?} (items are separated by single commas)")]
+    EmptyListItem {
+        /// The option.
+        option: &'static str,
+        /// The whole value given.
+        value: String,
+    },
     /// A flag that takes no value was given one (`--json=yes`).
     #[error("option {option} takes no value (got {value:?})")]
     UnexpectedValue {
