@@ -182,6 +182,9 @@ pub enum SimError {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// Standard output was closed when the process started: nothing could be reported.
+    #[error("standard output is closed: the report would be lost (redirect it to a file)")]
+    StdoutClosed,
     /// Writing the report to its output failed.
     #[error("writing the report: {0}")]
     Output(#[source] std::io::Error),

@@ -24,7 +24,9 @@
 //! - Determinism: the same seed gives the same workloads and the same report, byte for
 //!   byte, except the CPU time per step (`--no-timing` leaves it out). No wall-clock input
 //!   reaches any decision.
-//! - No panics on any input: bad options, traces and files are [`SimError`]s.
+//! - No panics and no unbounded reads on any input: bad options, traces and files are
+//!   [`SimError`]s (one line each), input files are read within the limits of [`input`],
+//!   and output paths are checked before any run.
 //! - Nothing imports `unikv-sim`; it drives the facade like an engine would.
 
 pub mod cli;

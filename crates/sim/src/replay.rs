@@ -14,7 +14,7 @@ use crate::trace;
 use crate::workload::Workload;
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use unikv_invariants::scoped_level;
 
 /// What a replay produced.
@@ -72,9 +72,19 @@ pub fn replay_with(
     progress: &ReplayProgress,
     out: &mut dyn Write,
 ) -> Result<Outcome, SimError> {
+    // Output paths first: a path that cannot be written fails before any work.
+    check_output_paths(args)?;
     let workloads = build_workloads(args)?;
+    let planned = plan(args, &workloads);
+    if let Some(dir) = &args.svg_dir {
+        // Each plot's own file too (an existing read-only file, a directory of its name).
+        for (w, config) in &planned {
+            let name = svg::plot_file_name_of(&workloads[*w].name, config.page_size, config.layout);
+            check_writable_file(&dir.join(name))?;
+        }
+    }
     let mut runs = Vec::new();
-    for (w, config) in plan(args, &workloads) {
+    for (w, config) in planned {
         let workload = &workloads[w];
         let label = format!(
             "{} · page size {} · {}",
@@ -112,6 +122,49 @@ pub fn replay_with(
         None => Vec::new(),
     };
     Ok(Outcome { report, plots })
+}
+
+/// Checks, before anything runs, that the outputs `args` name can be written: the
+/// `--record-ops` file, and the `--svg` directory (created if missing) and a new file in
+/// it. Leaves no file behind.
+pub fn check_output_paths(args: &ReplayArgs) -> Result<(), SimError> {
+    if let Some(path) = &args.record_ops {
+        check_writable_file(path)?;
+    }
+    if let Some(dir) = &args.svg_dir {
+        std::fs::create_dir_all(dir).map_err(|source| SimError::Io {
+            path: dir.display().to_string(),
+            source,
+        })?;
+        // A directory can exist and still refuse new files (permissions, a read-only
+        // mount).
+        check_writable_file(&dir.join(format!(".unikv-write-check-{}", std::process::id())))?;
+    }
+    Ok(())
+}
+
+/// Checks that `path` can be opened for writing, without changing it: an existing file
+/// is opened (not truncated); a missing one is created and removed again. An existing
+/// directory, a read-only file or a missing parent directory is an error.
+fn check_writable_file(path: &Path) -> Result<(), SimError> {
+    let open = |create_new| {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(create_new)
+            .open(path)
+    };
+    match open(true) {
+        Ok(file) => {
+            drop(file);
+            std::fs::remove_file(path)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => open(false).map(drop),
+        Err(e) => Err(e),
+    }
+    .map_err(|source| SimError::Io {
+        path: path.display().to_string(),
+        source,
+    })
 }
 
 /// `unikv replay`: [`replay_with`] the real scheduler and a progress bar on stderr.

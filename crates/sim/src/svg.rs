@@ -8,6 +8,7 @@
 
 use crate::error::SimError;
 use crate::report::{Report, RunStats};
+use crate::scheduler::Layout;
 use plotters::prelude::*;
 use std::path::{Path, PathBuf};
 
@@ -27,7 +28,12 @@ const SIZE: (u32, u32) = (960, 540);
 
 /// The file name of a run's plot: `{workload}-ps{page size}-{layout}.svg`.
 pub fn plot_file_name(run: &RunStats) -> String {
-    format!("{}-ps{}-{}.svg", run.workload, run.page_size, run.layout)
+    plot_file_name_of(&run.workload, run.page_size, run.layout)
+}
+
+/// [`plot_file_name`] of a run not yet made (to check it can be written before it runs).
+pub fn plot_file_name_of(workload: &str, page_size: u32, layout: Layout) -> String {
+    format!("{workload}-ps{page_size}-{layout}.svg")
 }
 
 /// Writes one SVG per run of `report` into `dir` (created if missing) and returns their
