@@ -236,7 +236,9 @@ mod tests {
     use unikv_invariants::Level;
 
     /// A stand-in scheduler for testing the path around it: it reports every request of
-    /// the workload finished and makes up nothing else, except what a test asks for.
+    /// the workload finished, and numbers that depend, as a real run's do, on the
+    /// workload's tokens (the hits) and on the run's seed (the steps: the scheduler's
+    /// tie-breaks), so that a replay that drops either seed gives other numbers.
     fn fake(
         leak_on: Option<Layout>,
     ) -> impl Fn(&Workload, &RunConfig, &dyn Fn(StepProgress)) -> Result<RunStats, SimError> {
@@ -253,7 +255,20 @@ mod tests {
             });
             let mut stats = RunStats::new(workload, config);
             stats.requests_completed = stats.requests_total;
-            stats.steps = 1;
+            stats.prompt_tokens = workload
+                .requests
+                .iter()
+                .map(|r| r.prompt.len() as u64)
+                .sum();
+            let fingerprint = workload
+                .requests
+                .iter()
+                .flat_map(|r| &r.prompt)
+                .fold(0u64, |h, &t| {
+                    (h ^ u64::from(t)).wrapping_mul(0x100_0000_01b3)
+                });
+            stats.prefix_hit_tokens = fingerprint % (stats.prompt_tokens + 1);
+            stats.steps = 1 + config.seed % 1_000;
             stats.samples = vec![StepSample {
                 step: 1,
                 bytes_by_subpool: BTreeMap::from([("full".to_string(), 4096)]),
@@ -324,7 +339,7 @@ mod tests {
     }
 
     #[test]
-    fn the_same_seed_gives_the_same_json() {
+    fn the_same_seed_gives_the_same_json_and_another_seed_other_runs() {
         let json = ReplayArgs {
             json: true,
             ..args()
@@ -335,6 +350,28 @@ mod tests {
             out
         };
         assert_eq!(once(&json), once(&json));
+        // The seed must reach both the workloads and every run's scheduler: the runs
+        // (not only the report's `seed` field) differ under another seed.
+        let runs = |args: &ReplayArgs| {
+            let value: serde_json::Value = serde_json::from_slice(&once(args)).unwrap();
+            value["runs"].as_array().unwrap().clone()
+        };
+        let other = ReplayArgs {
+            seed: json.seed + 1,
+            ..json.clone()
+        };
+        let (first, second) = (runs(&json), runs(&other));
+        assert_eq!(first.len(), 4);
+        for (a, b) in first.iter().zip(&second) {
+            assert_ne!(
+                a["steps"], b["steps"],
+                "the run's seed reaches the scheduler"
+            );
+            assert_ne!(
+                a["prefix_hit_tokens"], b["prefix_hit_tokens"],
+                "the workload is generated from the seed"
+            );
+        }
     }
 
     #[test]
