@@ -1,4 +1,5 @@
-//! The `unikv` binary's start-up behaviour.
+//! The `unikv` binary end to end: start-up, options, bad inputs (each one line on stderr
+//! and status 2, never a panic), outputs. Every run is a tiny workload on a small budget.
 
 use std::process::Command;
 
@@ -79,24 +80,250 @@ fn replay_help_documents_the_options_the_defaults_and_the_trace_format() {
     assert!(stdout.contains("unikv replay") && stdout.contains("unikv bench-ops"));
 }
 
+/// Asserts the one-line error of a bad input: status 2, nothing on stdout, one line on
+/// stderr that contains `needle`.
+fn assert_one_line_error(args: &[&str], needle: &str) {
+    let (status, stdout, stderr) = unikv(args);
+    assert_eq!(status, Some(2), "{args:?}: {stderr}");
+    assert!(stdout.is_empty(), "{args:?}: {stdout}");
+    assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+    assert!(stderr.starts_with("unikv: "), "{args:?}: {stderr}");
+    assert!(
+        stderr.contains(needle),
+        "{args:?}: {needle:?} not in {stderr}"
+    );
+}
+
 #[test]
 fn bad_options_are_one_line_errors_with_status_2() {
-    for args in [
-        &["replay", "--memory", "24G"][..],
-        &["replay", "--workload", "nope"],
-        &["replay", "--page-size", "0"],
-        &["replay", "--layout", "paged"],
-        &["replay", "--frobnicate"],
-        &["replay", "--record-ops", "ops.jsonl"],
-        &["bench-ops"],
-        &["rerun"],
+    for (args, needle) in [
+        (&["replay", "--memory", "24G"][..], "bad memory size"),
+        (&["replay", "--workload", "nope"], "unknown workload"),
+        (&["replay", "--model", "llama"], "unknown model"),
+        (&["replay", "--page-size", "0"], "--page-size"),
+        (&["replay", "--layout", "paged"], "unknown layout"),
+        (&["replay", "--frobnicate"], "unknown option"),
+        (
+            &["replay", "--record-ops", "ops.jsonl"],
+            "--record-ops records one run",
+        ),
+        (&["bench-ops"], "needs the ops FILE"),
+        (&["rerun"], "unknown command"),
+        // An empty item of a list is refused, not dropped.
+        (
+            &["replay", "--page-size", "1,,256"],
+            "option --page-size: empty item in \"1,,256\"",
+        ),
+        (
+            &["replay", "--workload=smoke,"],
+            "option --workload: empty item",
+        ),
+        // An option given twice is refused, naming it.
+        (
+            &["replay", "--seed", "1", "--seed", "2"],
+            "option --seed is given twice",
+        ),
+        (
+            &["replay", "--layout", "static", "--layout=unified"],
+            "option --layout is given twice",
+        ),
+        (
+            &["bench-ops", "f", "--json", "--json"],
+            "option --json is given twice",
+        ),
     ] {
-        let (status, stdout, stderr) = unikv(args);
-        assert_eq!(status, Some(2), "{args:?}: {stderr}");
-        assert!(stdout.is_empty(), "{args:?}: {stdout}");
-        assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
-        assert!(stderr.starts_with("unikv: "), "{args:?}: {stderr}");
+        assert_one_line_error(args, needle);
     }
+}
+
+/// A fresh directory for one test's files.
+fn scratch(test: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("unikv-cli-{}-{test}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The tiny replay the output tests run: one smoke run, small budget.
+const SMOKE: [&str; 10] = [
+    "replay",
+    "--workload",
+    "smoke",
+    "--page-size",
+    "4",
+    "--layout",
+    "unified",
+    "--memory",
+    "1GiB",
+    "--no-timing",
+];
+
+#[test]
+fn a_bad_ops_trace_line_is_one_line_naming_the_limit_or_cause_and_the_line() {
+    let dir = scratch("ops-lines");
+    let header = r#"{"op":"header","schema":"unikv.ops.v1","layout":"unified","model":"gpt-oss-20b","page_size":4,"memory_bytes":1073741824,"swa_full_ratio":0.8}"#;
+    for (name, line, needle) in [
+        // 4 G ids in one run: refused by counting (this took 12.8 GB before).
+        (
+            "4g",
+            r#"{"op":"free","ids":[[0,4294967295]]}"#,
+            "4g.jsonl:3: the operation names 4294967295 ids, more than 16777216 (the limit of one operation)",
+        ),
+        (
+            "mid-page",
+            r#"{"op":"free_segment","start":8,"ids":[[9,3]]}"#,
+            "mid-page.jsonl:3: the ids start mid-page: id 9 is token 1 of its page (page size 4), not the first",
+        ),
+        (
+            "unaligned",
+            r#"{"op":"free_segment","start":6,"ids":[[8,4]]}"#,
+            "unaligned.jsonl:3: segment row position 6 is not a multiple of the page size 4",
+        ),
+        (
+            "past-last-id",
+            r#"{"op":"free","ids":[[4294967295,2]]}"#,
+            "past-last-id.jsonl:3: the run [4294967295, 2] goes past the largest id 4294967295",
+        ),
+        (
+            "refused",
+            r#"{"op":"free_segment","start":0,"ids":[[4000000000,4]]}"#,
+            "refused.jsonl:3: free_segment: the allocator refused it: ",
+        ),
+    ] {
+        let path = dir.join(format!("{name}.jsonl"));
+        std::fs::write(
+            &path,
+            format!("{header}\n{{\"op\":\"group_begin\"}}\n{line}\n"),
+        )
+        .unwrap();
+        assert_one_line_error(&["bench-ops", path.to_str().unwrap()], needle);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_input_that_never_ends_stops_at_the_line_limit() {
+    // Both readers stop after 16 MiB of /dev/zero instead of reading until memory runs out.
+    let message = "/dev/zero:1: the line is longer than 16777216 bytes (the limit of one line)";
+    assert_one_line_error(&["replay", "--trace", "/dev/zero"], message);
+    assert_one_line_error(&["bench-ops", "/dev/zero"], message);
+}
+
+#[test]
+fn unwritable_outputs_fail_before_the_run() {
+    let dir = scratch("outputs");
+    // A trace whose second line is bad: an output error reported instead of the trace's
+    // shows the outputs are checked before any input is even read.
+    let trace = dir.join("bad.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"arrival_step\": 0, \"prompt_len\": 8, \"output_len\": 2}\n{\"arrival_step\": 0}\n",
+    )
+    .unwrap();
+    let a_file = dir.join("a-file");
+    std::fs::write(&a_file, "").unwrap();
+    let (a_file, trace) = (a_file.to_str().unwrap(), trace.to_str().unwrap());
+    let missing_dir = format!("{}/missing/ops.jsonl", dir.display());
+    let under_a_file = format!("{a_file}/plots");
+    for (output, value, needle) in [
+        ("--svg", a_file, a_file),
+        ("--svg", under_a_file.as_str(), under_a_file.as_str()),
+        ("--record-ops", missing_dir.as_str(), missing_dir.as_str()),
+        ("--record-ops", dir.to_str().unwrap(), dir.to_str().unwrap()),
+    ] {
+        let args = [
+            "replay",
+            "--trace",
+            trace,
+            "--page-size",
+            "4",
+            "--layout",
+            "unified",
+            output,
+            value,
+        ];
+        assert_one_line_error(&args, needle);
+    }
+    assert!(
+        !std::path::Path::new(&missing_dir).exists(),
+        "nothing is left behind"
+    );
+    // A plot file that exists as a directory is found before the run, not after it.
+    let plots = dir.join("plots");
+    std::fs::create_dir_all(plots.join("smoke-ps4-unified.svg")).unwrap();
+    let mut args = SMOKE.to_vec();
+    args.extend(["--svg", plots.to_str().unwrap()]);
+    assert_one_line_error(&args, "smoke-ps4-unified.svg");
+    // The checks leave a writable directory as it was.
+    let ok = dir.join("ok");
+    let mut args = SMOKE.to_vec();
+    args.extend(["--svg", ok.to_str().unwrap()]);
+    let (status, _, stderr) = unikv(&args);
+    assert_eq!(status, Some(0), "{stderr}");
+    let names: Vec<String> = std::fs::read_dir(&ok)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["smoke-ps4-unified.svg"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_stdout_nobody_reads_is_an_error_not_a_silent_success() {
+    for json in [false, true] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader); // every write to the pipe fails: nobody will read it
+        let mut args = SMOKE.to_vec();
+        if json {
+            args.push("--json");
+        }
+        let out = Command::new(env!("CARGO_BIN_EXE_unikv"))
+            .args(&args)
+            .env("UNIKV_INVARIANT_CHECK", "off")
+            .stdout(writer)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8(out.stderr).unwrap();
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert_eq!(
+            stderr,
+            "unikv: writing the report: Broken pipe (os error 32)\n"
+        );
+    }
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_closed_stdout_is_an_error_not_a_silent_success() {
+    for args in [&SMOKE[..], &["bench-ops", "ops.jsonl"], &["--help"]] {
+        // `>&-` closes the descriptor; `exec` keeps it closed in the binary.
+        let out = Command::new("sh")
+            .arg("-c")
+            .arg("exec \"$0\" \"$@\" >&-")
+            .arg(env!("CARGO_BIN_EXE_unikv"))
+            .args(args)
+            .env("UNIKV_INVARIANT_CHECK", "off")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8(out.stderr).unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert_eq!(
+            stderr,
+            "unikv: standard output is closed: the report would be lost (redirect it to a file)\n"
+        );
+    }
+    // Discarding the report on purpose still works.
+    let out = Command::new(env!("CARGO_BIN_EXE_unikv"))
+        .args(SMOKE)
+        .env("UNIKV_INVARIANT_CHECK", "off")
+        .stdout(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
