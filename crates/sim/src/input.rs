@@ -69,6 +69,16 @@ impl fmt::Display for LineError {
     }
 }
 
+/// serde_json's message for an error in one line, with its position as a column only:
+/// serde_json ends it with "at line 1 column N", where the line is the line parsed, not
+/// the file's (whose number the caller reports).
+pub fn json_message(e: &serde_json::Error) -> String {
+    let full = e.to_string();
+    let position = format!(" at line {} column {}", e.line(), e.column());
+    let base = full.strip_suffix(&position).unwrap_or(&full);
+    format!("{base} (column {})", e.column())
+}
+
 /// One step of [`BoundedLines::next_line`]: a line's number and text, or the number of
 /// the line that could not be read and why.
 pub type NextLine<'a> = Result<(usize, &'a str), (usize, LineError)>;

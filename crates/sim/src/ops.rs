@@ -603,7 +603,7 @@ fn load_limited(path: &Path, max_ops: usize) -> Result<Trace, SimError> {
             at(
                 line,
                 OpsProblem::Json {
-                    message: e.to_string(),
+                    message: crate::input::json_message(&e),
                 },
             )
         })?;
@@ -1301,9 +1301,12 @@ mod tests {
         assert_eq!(line_and_message(&err).0, 3);
         assert!(err.to_string().contains("more than 16777216"), "{err}");
         let err = load_lines("second", &[flush, &flush.replace("flush", "nope")], 9).unwrap_err();
+        let (line, message) = line_and_message(&err);
+        assert_eq!(line, 3);
         assert!(
-            matches!(line_and_message(&err), (3, m) if m.starts_with("not an operation")),
-            "{err}"
+            message.starts_with("not an operation: unknown variant `nope`")
+                && message.ends_with("(column 12)"),
+            "{message}"
         );
     }
 

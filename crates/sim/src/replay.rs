@@ -132,10 +132,18 @@ pub fn check_output_paths(args: &ReplayArgs) -> Result<(), SimError> {
         check_writable_file(path)?;
     }
     if let Some(dir) = &args.svg_dir {
-        std::fs::create_dir_all(dir).map_err(|source| SimError::Io {
+        let io = |source| SimError::Io {
             path: dir.display().to_string(),
             source,
-        })?;
+        };
+        if dir.exists() && !dir.is_dir() {
+            // create_dir_all would say "File exists".
+            return Err(io(std::io::Error::new(
+                std::io::ErrorKind::NotADirectory,
+                "not a directory",
+            )));
+        }
+        std::fs::create_dir_all(dir).map_err(io)?;
         // A directory can exist and still refuse new files (permissions, a read-only
         // mount).
         check_writable_file(&dir.join(format!(".unikv-write-check-{}", std::process::id())))?;

@@ -290,15 +290,8 @@ impl Prompt {
 }
 
 fn parse_line(raw: &str) -> Result<Line, TraceProblem> {
-    let value: Value = serde_json::from_str(raw).map_err(|e| {
-        // serde_json ends its message with "at line 1 column N": the line is this line,
-        // not the file's, so keep only the column.
-        let full = e.to_string();
-        let position = format!(" at line {} column {}", e.line(), e.column());
-        let base = full.strip_suffix(&position).unwrap_or(&full);
-        TraceProblem::Json {
-            message: format!("{base} (column {})", e.column()),
-        }
+    let value: Value = serde_json::from_str(raw).map_err(|e| TraceProblem::Json {
+        message: crate::input::json_message(&e),
     })?;
     let Value::Object(object) = value else {
         return Err(TraceProblem::NotAnObject);

@@ -225,8 +225,9 @@ fn unwritable_outputs_fail_before_the_run() {
     let (a_file, trace) = (a_file.to_str().unwrap(), trace.to_str().unwrap());
     let missing_dir = format!("{}/missing/ops.jsonl", dir.display());
     let under_a_file = format!("{a_file}/plots");
+    let not_a_dir = format!("{a_file}: not a directory");
     for (output, value, needle) in [
-        ("--svg", a_file, a_file),
+        ("--svg", a_file, not_a_dir.as_str()),
         ("--svg", under_a_file.as_str(), under_a_file.as_str()),
         ("--record-ops", missing_dir.as_str(), missing_dir.as_str()),
         ("--record-ops", dir.to_str().unwrap(), dir.to_str().unwrap()),
