@@ -557,6 +557,8 @@ pub struct Trace {
     pub source_name: String,
     /// The header line.
     pub header: Op,
+    /// The header's 1-based line number.
+    pub header_line: usize,
     /// Every operation after it, with its 1-based line number.
     pub ops: Vec<(usize, Op)>,
 }
@@ -580,7 +582,8 @@ fn load_limited(path: &Path, max_ops: usize) -> Result<Trace, SimError> {
         line,
         problem,
     };
-    let mut header: Option<(Op, u32)> = None;
+    // (the header, its page size, its line)
+    let mut header: Option<(Op, u32, usize)> = None;
     let mut ops = Vec::new();
     let mut lines = BoundedLines::new(BufReader::new(file));
     while let Some(next) = lines.next_line() {
@@ -610,11 +613,11 @@ fn load_limited(path: &Path, max_ops: usize) -> Result<Trace, SimError> {
         match (&header, op) {
             (None, op @ Op::Header { .. }) => {
                 let page_size = check_header(&op).map_err(|p| at(line, p))?;
-                header = Some((op, page_size));
+                header = Some((op, page_size, line));
             }
             (None, _) => return Err(at(line, OpsProblem::NoHeader)),
             (Some(_), Op::Header { .. }) => return Err(at(line, OpsProblem::SecondHeader)),
-            (Some((_, page_size)), op) => {
+            (Some((_, page_size, _)), op) => {
                 if ops.len() == max_ops {
                     return Err(at(line, OpsProblem::TooManyOps { limit: max_ops }));
                 }
@@ -623,12 +626,13 @@ fn load_limited(path: &Path, max_ops: usize) -> Result<Trace, SimError> {
             }
         }
     }
-    let (header, _) = header.ok_or_else(|| SimError::OpsTrace {
+    let (header, _, header_line) = header.ok_or_else(|| SimError::OpsTrace {
         reason: format!("{source_name}: empty trace"),
     })?;
     Ok(Trace {
         source_name,
         header,
+        header_line,
         ops,
     })
 }
@@ -889,7 +893,19 @@ impl OpThroughput {
 /// out of each op's time, so the figures are the allocator's host bookkeeping.
 pub fn replay(trace: &Trace) -> Result<BTreeMap<&'static str, OpThroughput>, SimError> {
     let ledger = Arc::new(SyncLedger::cpu());
-    let mut alloc = allocator_for(&trace.header, ledger.clone())?;
+    let mut alloc = allocator_for(&trace.header, ledger.clone()).map_err(|e| match e {
+        // A header the allocator cannot be built from (a budget too small for one
+        // window, a ratio out of range): the header's line is the cause.
+        SimError::Cache(unikv::Error::Pool(error)) => SimError::OpsLine {
+            source_name: trace.source_name.clone(),
+            line: trace.header_line,
+            problem: OpsProblem::Refused {
+                op: "header",
+                error,
+            },
+        },
+        other => other,
+    })?;
     let host_nanos = |started: Instant| {
         let nanos = started
             .elapsed()
@@ -1351,6 +1367,21 @@ mod tests {
             assert!(got.1.starts_with(message), "{}", got.1);
         }
         let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn a_header_the_allocator_refuses_is_reported_on_its_line() {
+        let path = std::env::temp_dir().join(format!("unikv-sim-{}-tiny", std::process::id()));
+        let header = r#"{"op":"header","schema":"unikv.ops.v1","layout":"unified","model":"gpt-oss-20b","page_size":4,"memory_bytes":0,"swa_full_ratio":0.8}"#;
+        std::fs::write(&path, format!("\n{header}\n")).unwrap();
+        let trace = load(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let (line, message) = line_and_message(&replay(&trace).unwrap_err());
+        assert_eq!(line, 2);
+        assert!(
+            message.starts_with("header: the allocator refused it: buffer of 0 B"),
+            "{message}"
+        );
     }
 
     #[test]
