@@ -565,6 +565,8 @@ OPTIONS:
   --record-ops FILE       record every allocator operation of the run (JSON Lines,
                           for `unikv bench-ops`); needs exactly one run
   -h, --help              this text
+  Every option but --workload and --page-size may be given once; list items
+  (N,N) must not be empty.
 
 WORKLOADS:
 {workloads}
@@ -865,6 +867,7 @@ mod tests {
         ));
         let help = HelpTopic::Replay.text();
         for needle in [
+            "may be given once",
             "--record-ops FILE",
             "16.00 GiB",
             "random-8192-64",
