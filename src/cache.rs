@@ -8,7 +8,7 @@ use crate::request::{PrefixMatch, Request};
 use crate::stats::{CacheStats, EvictionCounts, SideStats, StepReport};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use unikv_invariants::expect;
+use unikv_invariants::Scope;
 use unikv_kernels::{CpuDevice, Device};
 use unikv_pools::{
     DecodeRequest, ExtendRequest, KvAllocator, PageDemand, Reclaimable, Segment, Side, StaticSwa,
@@ -218,13 +218,19 @@ impl HybridCacheBuilder {
         if let Some(wrap) = self.wrap {
             alloc = wrap(alloc);
         }
-        let tree = RadixTree::new(TreeConfig::swa(self.page_size, window))?;
+        // One scope for the cache: the allocator (through any wrapper) and the tree count
+        // their breaches where the step boundary polls.
+        let scope = Scope::new();
+        alloc.set_invariant_scope(scope.clone());
+        let mut tree = RadixTree::new(TreeConfig::swa(self.page_size, window))?;
+        tree.set_invariant_scope(scope.clone());
         // Frees are grouped per step: nothing recycles a virtual id before the boundary.
         alloc.free_group_begin()?;
         Ok(HybridCache {
             id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
             alloc,
             tree,
+            scope,
             model: self.model,
             layout: self.layout,
             ps: self.page_size as usize,
@@ -294,6 +300,8 @@ pub struct HybridCache {
     id: u64,
     alloc: Box<dyn KvAllocator>,
     tree: RadixTree,
+    /// The cache's invariant scope, shared with `alloc` and `tree`.
+    scope: Scope,
     model: ModelSpec,
     layout: Layout,
     ps: usize,
@@ -359,6 +367,13 @@ impl HybridCache {
     /// The prefix tree, for read-only inspection (sizes, dumps).
     pub fn tree(&self) -> &RadixTree {
         &self.tree
+    }
+
+    /// The cache's invariant scope: its allocator and its tree count their breaches in it,
+    /// [`HybridCache::step_boundary`] polls it, and its report is this cache's alone
+    /// (another cache in the process has its own). Its fail mode can be set through it.
+    pub fn invariant_scope(&self) -> &Scope {
+        &self.scope
     }
 
     // ----- admission -------------------------------------------------------------------
@@ -560,7 +575,7 @@ impl HybridCache {
         let before = self.held(req);
         self.alloc
             .free_swa_segment(Segment::of_row(&req.row, evicted..new_cursor))?;
-        expect(
+        self.scope.expect(
             &CURSOR_RATCHET,
             new_cursor > req.cursor && new_cursor.is_multiple_of(self.ps),
             || {
@@ -836,7 +851,21 @@ impl HybridCache {
     /// side, none when nothing changed), opens the next step's group and polls the
     /// invariants. Nothing here waits for the device, and nothing is compacted:
     /// compaction is lazy, run by an allocation that fits only after it.
+    ///
+    /// The cache's invariant scope is polled on every path, a failing one included, so
+    /// no breach stays pending for the next step; when the step itself fails, its error
+    /// is returned (the breaches that poll drained stay counted in
+    /// [`HybridCache::invariant_scope`]'s report).
     pub fn step_boundary(&mut self) -> Result<StepReport, Error> {
+        let ended = self.end_step();
+        let polled = self.scope.poll();
+        let report = ended?;
+        polled?;
+        Ok(report)
+    }
+
+    /// The step boundary but the poll.
+    fn end_step(&mut self) -> Result<StepReport, Error> {
         if self.alloc.in_free_group() {
             self.alloc.free_group_end()?;
         }
@@ -848,7 +877,6 @@ impl HybridCache {
         self.alloc.free_group_begin()?;
         self.step += 1;
         conservation?;
-        unikv_invariants::poll()?;
         Ok(StepReport { step: self.step })
     }
 
@@ -874,7 +902,7 @@ impl HybridCache {
                     side.total_pages
                 )
             };
-            if !expect(&CONSERVATION, holds, detail) {
+            if !self.scope.expect(&CONSERVATION, holds, detail) {
                 return Err(Error::Conservation {
                     step: self.step,
                     detail: detail(),

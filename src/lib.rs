@@ -19,6 +19,10 @@
 //! - Every crate that declares invariants is linked, so the registry is complete: the
 //!   facade names each crate's declarations in [`declared_invariants`] (inventory
 //!   silently drops crates nothing references).
+//! - Each [`HybridCache`] owns one invariant scope
+//!   ([`HybridCache::invariant_scope`]), shared with its allocator (through any
+//!   wrapper) and its tree and polled by its step boundary on every path: two caches in
+//!   one process never see each other's breaches.
 
 mod cache;
 mod error;

@@ -25,7 +25,7 @@ impl Bucket {
         Bucket::FatalUncontainable,
     ];
 
-    /// The crash matrix: whether a breach in this bucket fails [`crate::poll`] at `level`.
+    /// The crash matrix: whether a breach in this bucket fails [`crate::Scope::poll`] at `level`.
     ///
     /// | bucket | off | warn | strict |
     /// |---|---|---|---|

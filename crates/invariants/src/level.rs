@@ -225,16 +225,4 @@ mod tests {
         });
         assert_eq!(level(), outer);
     }
-
-    #[test]
-    fn scoped_override_beats_the_process_override_and_stays_on_its_thread() {
-        set_level(Some(Level::Warn));
-        assert_eq!(level(), Level::Warn);
-        let _guard = override_level(Level::Off);
-        assert_eq!(level(), Level::Off);
-        std::thread::spawn(|| assert_eq!(level(), Level::Warn))
-            .join()
-            .unwrap();
-        set_level(None);
-    }
 }

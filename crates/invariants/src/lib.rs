@@ -4,7 +4,7 @@
 //! [`Bucket`] that says how bad a breach is, next to the code that checks it:
 //!
 //! ```
-//! use unikv_invariants::{declare_invariant, expect};
+//! use unikv_invariants::{Scope, declare_invariant};
 //!
 //! declare_invariant! {
 //!     /// Every page handed to an SWA-side free is live on SWA.
@@ -12,30 +12,38 @@
 //!         "every page handed to an SWA-side free is live on SWA";
 //! }
 //!
-//! fn free_swa_page(live: bool) {
+//! // Each cache owns a scope: its counters, its poll, its report.
+//! let scope = Scope::new();
+//! let free_swa_page = |live: bool| {
 //!     // `expect` records a breach (from `Warn` up) and returns whether the rule held,
 //!     // so the caller's containment step runs at every level, `Off` included.
-//!     if !expect(&PEER_MAPPED, live, || "page 7 is not live on SWA".to_string()) {
+//!     if !scope.expect(&PEER_MAPPED, live, || "page 7 is not live on SWA".to_string()) {
 //!         return; // containment: never put a dead page on the free list
 //!     }
 //!     // ... free it ...
-//! }
+//! };
 //! free_swa_page(true);
-//! assert!(unikv_invariants::poll().is_ok());
+//! assert!(scope.poll().is_ok());
 //! ```
 //!
 //! The level comes from `UNIKV_INVARIANT_CHECK` (`off|warn|strict|0|1|2`, default `off`),
-//! read once; [`set_level`] and [`scoped_level`] override it for engines and tests.
-//! [`expect`] never fails by itself: it feeds counters. Failing happens at an explicit
-//! [`poll`], the step boundary, according to the crash matrix of [`Bucket::fails_at`].
+//! read once; [`set_level`] (process-wide) and [`scoped_level`] (this thread) override it
+//! for engines and tests. [`Scope::expect`] never fails by itself: it feeds the scope's
+//! counters. Failing happens at an explicit [`Scope::poll`], the step boundary, according
+//! to the crash matrix of [`Bucket::fails_at`].
 //!
 //! # Invariants this crate keeps
 //! - A name is declared at most once per process: [`registry`] refuses a duplicate and
 //!   names both declaring modules; building the registry happens once, so asking for it
 //!   again, from any thread, registers nothing twice.
-//! - [`expect`] and [`expect_count`] never block, never panic and never return an error;
-//!   counts are never lost between concurrent recorders and [`poll`] (each violation is
-//!   seen by exactly one poll).
+//! - Counts belong to a [`Scope`] (one per cache; its clones share it), never to the
+//!   process: a scope's [`Scope::poll`] and [`Scope::report`] see only the breaches
+//!   recorded through it, so two caches in one process, or two threads, never drain or
+//!   count each other's breaches. Only the registry of names and the level are
+//!   process-wide.
+//! - [`Scope::expect`] and [`Scope::expect_count`] never block, never panic and never
+//!   return an error; counts are never lost between concurrent recorders and a poll of
+//!   their scope (each violation is seen by exactly one poll).
 //! - A bad `UNIKV_INVARIANT_CHECK` is an error from [`init`] and [`try_level`]; code that
 //!   only asks [`level`] treats it as `Strict` (fail safe), never as `Off`.
 
@@ -46,20 +54,19 @@ mod error;
 mod level;
 mod registry;
 mod report;
+mod scope;
 mod sync;
 pub mod testing;
 
 pub use bucket::Bucket;
-pub use check::{
-    FailMode, Failure, LOG_EVERY, Violations, enabled, expect, expect_count, fail_mode, poll,
-    set_fail_mode,
-};
+pub use check::{FailMode, Failure, LOG_EVERY, Violations, enabled};
 pub use error::Error;
 pub use level::{
     ENV_VAR, Level, LevelGuard, level, override_level, scoped_level, set_level, try_level,
 };
 pub use registry::{Declaration, Invariant, Registry, registry};
-pub use report::{Report, ReportRow, report};
+pub use report::{Report, ReportRow};
+pub use scope::Scope;
 
 #[doc(hidden)]
 pub use inventory;

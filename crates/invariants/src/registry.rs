@@ -1,26 +1,30 @@
 //! Declarations and the registry: every invariant of the process, by name, built once.
 
-use crate::counters::Counters;
-use crate::sync::AtomicU64;
 use crate::{Bucket, Error};
 use once_cell::sync::OnceCell;
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// A named invariant. Declare one with [`crate::declare_invariant!`]; check it with
-/// [`crate::expect`].
+/// A named invariant: what the rule is, never how often it broke (a [`crate::Scope`]
+/// counts that). Declare one with [`crate::declare_invariant!`]; check it with
+/// [`crate::Scope::expect`].
 #[derive(Debug)]
 pub struct Invariant {
     name: &'static str,
     bucket: Bucket,
     description: &'static str,
     module: &'static str,
-    pub(crate) counters: Counters,
-    pub(crate) last_message: Mutex<Option<String>>,
+    /// Its index in the process's [`registry`] (the counter slot of every scope); set once
+    /// when the registry is built, `NO_SLOT` before and for an invariant not in it.
+    slot: AtomicUsize,
 }
 
+const NO_SLOT: usize = usize::MAX;
+
 impl Invariant {
-    /// A new invariant (used by [`crate::declare_invariant!`]; `module` is where it is declared).
+    /// A new invariant (used by [`crate::declare_invariant!`]; `module` is where it is
+    /// declared). One built by hand and not submitted to the registry is counted by no
+    /// scope.
     pub const fn new(
         name: &'static str,
         bucket: Bucket,
@@ -32,11 +36,7 @@ impl Invariant {
             bucket,
             description,
             module,
-            counters: Counters {
-                total: AtomicU64::new(0),
-                unpolled: AtomicU64::new(0),
-            },
-            last_message: Mutex::new(None),
+            slot: AtomicUsize::new(NO_SLOT),
         }
     }
 
@@ -60,17 +60,9 @@ impl Invariant {
         self.module
     }
 
-    /// Every violation recorded in this process (at `Warn` and `Strict`).
-    pub fn violations(&self) -> u64 {
-        self.counters.total()
-    }
-
-    /// The message of the most recent violation, if any.
-    pub fn last_message(&self) -> Option<String> {
-        self.last_message
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+    /// Its counter slot in every scope, once the process's registry holds it.
+    pub(crate) fn slot(&self) -> Option<usize> {
+        Some(self.slot.load(Ordering::Relaxed)).filter(|&s| s != NO_SLOT)
     }
 }
 
@@ -148,8 +140,15 @@ static REGISTRY: OnceCell<Registry> = OnceCell::new();
 /// The process's registry, built on first use from every linked declaration. Later calls,
 /// from any thread, return the same registry and register nothing again. A duplicate
 /// name is an error (and stays one: nothing is cached until the declarations are sound).
+/// Building it gives each invariant its counter slot (its rank by name).
 pub fn registry() -> Result<&'static Registry, Error> {
-    REGISTRY.get_or_try_init(|| Registry::from_declarations(inventory::iter::<Declaration>))
+    REGISTRY.get_or_try_init(|| {
+        let registry = Registry::from_declarations(inventory::iter::<Declaration>)?;
+        for (slot, invariant) in registry.iter().enumerate() {
+            invariant.slot.store(slot, Ordering::Relaxed);
+        }
+        Ok(registry)
+    })
 }
 
 #[cfg(test)]
@@ -185,6 +184,9 @@ mod tests {
             .collect();
         for h in handles {
             assert_eq!(h.join().unwrap(), first);
+        }
+        for (slot, invariant) in registry().unwrap().iter().enumerate() {
+            assert_eq!(invariant.slot(), Some(slot), "{}", invariant.name());
         }
         let declared = inventory::iter::<Declaration>.into_iter().count();
         assert_eq!(

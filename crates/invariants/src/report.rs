@@ -1,6 +1,6 @@
-//! A readable list of every invariant with its counts.
+//! A readable list of every invariant with its counts in one scope ([`crate::Scope::report`]).
 
-use crate::{Bucket, Error, Level, level, registry};
+use crate::{Bucket, Level};
 use std::fmt;
 
 /// One invariant in a [`Report`].
@@ -14,11 +14,11 @@ pub struct ReportRow {
     pub module: &'static str,
     /// One-sentence rule.
     pub description: &'static str,
-    /// Violations recorded in this process.
+    /// Violations recorded in the scope the report was taken of.
     pub violations: u64,
 }
 
-/// Every registered invariant with its counts, sorted by name.
+/// Every registered invariant with its counts in one scope, sorted by name.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Report {
     /// The level in force when the report was taken.
@@ -32,24 +32,6 @@ impl Report {
     pub fn total_violations(&self) -> u64 {
         self.rows.iter().map(|r| r.violations).sum()
     }
-}
-
-/// Takes a report of every registered invariant.
-pub fn report() -> Result<Report, Error> {
-    let rows = registry()?
-        .iter()
-        .map(|inv| ReportRow {
-            name: inv.name(),
-            bucket: inv.bucket(),
-            module: inv.module(),
-            description: inv.description(),
-            violations: inv.violations(),
-        })
-        .collect();
-    Ok(Report {
-        level: level(),
-        rows,
-    })
 }
 
 impl fmt::Display for Report {
@@ -89,7 +71,7 @@ impl fmt::Display for Report {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{declare_invariant, expect, scoped_level};
+    use crate::{Scope, declare_invariant, scoped_level};
 
     declare_invariant! {
         /// Reported in the snapshot below.
@@ -99,9 +81,10 @@ mod tests {
     #[test]
     fn the_report_lists_every_invariant_with_counts() {
         scoped_level(Level::Warn, || {
-            expect(&REPORTED, false, || "first".into());
-            expect(&REPORTED, false, || "second".into());
-            let report = report().unwrap();
+            let scope = Scope::new();
+            scope.expect(&REPORTED, false, || "first".into());
+            scope.expect(&REPORTED, false, || "second".into());
+            let report = scope.report().unwrap();
             let row = report
                 .rows
                 .iter()
@@ -109,7 +92,7 @@ mod tests {
                 .unwrap();
             assert_eq!(row.violations, 2);
             assert_eq!(row.module, "unikv_invariants::report::tests");
-            // Only this test's row: other tests in the binary may bump their own counts.
+            assert_eq!(report.total_violations(), 2, "only this scope's breaches");
             let only = Report {
                 level: report.level,
                 rows: vec![row.clone()],

@@ -30,10 +30,15 @@ fn a_duplicate_name_is_refused_naming_both_declaring_modules() {
         unikv_invariants::registry().unwrap_err().to_string(),
         err.to_string()
     );
-    // Start-up and the step boundary report it too, instead of running without a registry.
+    // Start-up and a scope's poll and report report it too, instead of running without a
+    // registry (its `expect` still returns the condition, so containment runs).
     assert!(matches!(
         unikv_invariants::init(),
         Err(unikv_invariants::Error::DuplicateInvariant { .. })
     ));
-    assert!(unikv_invariants::poll().is_err());
+    let scope = unikv_invariants::Scope::new();
+    let _strict = unikv_invariants::override_level(unikv_invariants::Level::Strict);
+    assert!(!scope.expect(&first_site::TAKEN, false, || "still contained".into()));
+    assert!(scope.poll().is_err());
+    assert!(scope.report().is_err());
 }

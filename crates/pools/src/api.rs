@@ -7,6 +7,7 @@ use crate::spec::{Grid, Side};
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use unikv_invariants::Scope;
 use unikv_kernels::{BytesId, TableId};
 
 /// One request of an extend batch: its row grows from `prefix_len` to `seq_len` tokens.
@@ -303,6 +304,15 @@ pub enum SwaState {
 pub trait KvAllocator: std::fmt::Debug + Send {
     /// Tokens per page.
     fn page_size(&self) -> PageSize;
+
+    /// The invariant scope this allocator counts its breaches in (its own, made at
+    /// construction, until [`KvAllocator::set_invariant_scope`]). A wrapping allocator
+    /// forwards both methods, so that its inner allocator records into the cache's scope.
+    fn invariant_scope(&self) -> &Scope;
+
+    /// Counts this allocator's breaches in `scope` from now on (a cache hands it its own
+    /// scope); breaches recorded before stay in the previous scope.
+    fn set_invariant_scope(&mut self, scope: Scope);
 
     /// Virtual pages of the id space (including the sink, page 0).
     fn virtual_pages(&self) -> u32;

@@ -10,7 +10,7 @@ use crate::invariants::{
     DOUBLE_FREE, ONE_FREE_PER_GROUP, PEER_MAPPED, PEER_RELEASED, SEGMENT_SHAPE, SINK_RESERVED,
     WINDOW_RATCHET,
 };
-use unikv_invariants::{enabled, expect};
+use unikv_invariants::{Scope, enabled};
 
 /// The page tables a layout exposes to the free family.
 pub(crate) trait PageTables {
@@ -22,6 +22,8 @@ pub(crate) trait PageTables {
     fn full_live(&self, v: u32) -> bool;
     /// SWA entry of `v`: > 0 live, -1 tombstone, 0 unbound.
     fn swa_entry(&self, v: u32) -> i32;
+    /// The invariant scope the free family records its premises' breaches in.
+    fn scope(&self) -> &Scope;
     /// Releases `v`'s live SWA page; `tombstone` when FULL stays.
     fn release_swa(&mut self, v: u32, tombstone: bool);
     /// Releases `v`'s live FULL page and recycles the id (clears a tombstone).
@@ -125,7 +127,7 @@ impl FreeGroup {
     /// Records the pages of one free call (one call frees each page once), reporting a
     /// page freed twice in this group. A set-shaped call passes its pages sorted and
     /// de-duplicated (`sorted_pages`), so each page is noted once per call.
-    fn note_pages(&mut self, pages: impl Iterator<Item = u32>) {
+    fn note_pages(&mut self, scope: &Scope, pages: impl Iterator<Item = u32>) {
         if !enabled() {
             return;
         }
@@ -139,7 +141,7 @@ impl FreeGroup {
             }
             let fresh = self.stamps[v] != self.epoch;
             self.stamps[v] = self.epoch;
-            expect(&ONE_FREE_PER_GROUP, fresh, || {
+            scope.expect(&ONE_FREE_PER_GROUP, fresh, || {
                 format!("virtual page {v} is freed twice in one free group")
             });
         }
@@ -199,7 +201,7 @@ pub(crate) fn check_segment<T: PageTables + ?Sized>(t: &T, seg: &Segment<'_>) ->
     }
     if enabled() && ps.get() > 1 {
         for (i, token) in seg.reps(ps).enumerate() {
-            expect(&SEGMENT_SHAPE, token.offset(ps) == 0, || {
+            t.scope().expect(&SEGMENT_SHAPE, token.offset(ps) == 0, || {
                 format!(
                     "segment at {}: representative {i} ({token}) is not the first token of its page",
                     seg.start
@@ -212,8 +214,8 @@ pub(crate) fn check_segment<T: PageTables + ?Sized>(t: &T, seg: &Segment<'_>) ->
 
 /// Whether `v` is the sink; reports it (the sink is never freed).
 #[inline]
-fn is_sink(v: u32, op: &'static str) -> bool {
-    !expect(&SINK_RESERVED, v != 0, || {
+fn is_sink(scope: &Scope, v: u32, op: &'static str) -> bool {
+    !scope.expect(&SINK_RESERVED, v != 0, || {
         format!("{op}: the sink page was handed to a free")
     })
 }
@@ -232,13 +234,13 @@ enum SwaPremise {
 fn two_sided_page<T: PageTables + ?Sized>(t: &mut T, v: u32, premise: SwaPremise, report: bool) {
     if v == 0 {
         if report {
-            is_sink(v, "two-sided free");
+            is_sink(t.scope(), v, "two-sided free");
         }
         return;
     }
     if !t.full_live(v) {
         if report {
-            expect(&DOUBLE_FREE, false, || {
+            t.scope().expect(&DOUBLE_FREE, false, || {
                 format!("two-sided free of virtual page {v}, which is not live on FULL")
             });
         }
@@ -248,7 +250,7 @@ fn two_sided_page<T: PageTables + ?Sized>(t: &mut T, v: u32, premise: SwaPremise
     if swa > 0 {
         t.release_swa(v, false);
     } else if report && premise == SwaPremise::MustBeLive {
-        expect(&PEER_MAPPED, false, || {
+        t.scope().expect(&PEER_MAPPED, false, || {
             format!(
                 "two-sided segment free of virtual page {v}, whose SWA is not live ({swa}): the caller wants a FULL-only free"
             )
@@ -262,13 +264,13 @@ fn two_sided_page<T: PageTables + ?Sized>(t: &mut T, v: u32, premise: SwaPremise
 fn full_only_page<T: PageTables + ?Sized>(t: &mut T, v: u32, report: bool) {
     if v == 0 {
         if report {
-            is_sink(v, "FULL-only free");
+            is_sink(t.scope(), v, "FULL-only free");
         }
         return;
     }
     if !t.full_live(v) {
         if report {
-            expect(&DOUBLE_FREE, false, || {
+            t.scope().expect(&DOUBLE_FREE, false, || {
                 format!("FULL-only free of virtual page {v}, which is not live on FULL")
             });
         }
@@ -276,7 +278,7 @@ fn full_only_page<T: PageTables + ?Sized>(t: &mut T, v: u32, report: bool) {
     }
     if t.swa_entry(v) > 0 {
         if report {
-            expect(&PEER_RELEASED, false, || {
+            t.scope().expect(&PEER_RELEASED, false, || {
                 format!("FULL-only free of virtual page {v}, whose SWA page is still bound")
             });
         }
@@ -301,10 +303,10 @@ pub(crate) fn release_page_silently<T: PageTables + ?Sized>(t: &mut T, v: u32) {
 
 /// Checks (without freeing) the premises a deferred free will rely on, at enqueue.
 fn check_at_enqueue<T: PageTables + ?Sized>(t: &T, v: u32, kind: DeferredKind) {
-    if is_sink(v, "deferred free") {
+    if is_sink(t.scope(), v, "deferred free") {
         return;
     }
-    if !expect(&DOUBLE_FREE, t.full_live(v), || {
+    if !t.scope().expect(&DOUBLE_FREE, t.full_live(v), || {
         format!("deferred free of virtual page {v}, which is not live on FULL")
     }) {
         return;
@@ -312,14 +314,14 @@ fn check_at_enqueue<T: PageTables + ?Sized>(t: &T, v: u32, kind: DeferredKind) {
     let swa = t.swa_entry(v);
     match kind {
         DeferredKind::PageReps => {
-            expect(&PEER_MAPPED, swa > 0, || {
+            t.scope().expect(&PEER_MAPPED, swa > 0, || {
                 format!(
                     "two-sided segment free of virtual page {v}, whose SWA is not live ({swa}): the caller wants a FULL-only free"
                 )
             });
         }
         DeferredKind::FullOnlyTokens | DeferredKind::FullOnlyPageReps => {
-            expect(&PEER_RELEASED, swa <= 0, || {
+            t.scope().expect(&PEER_RELEASED, swa <= 0, || {
                 format!("FULL-only free of virtual page {v}, whose SWA page is still bound")
             });
         }
@@ -354,7 +356,8 @@ pub(crate) fn free<T: PageTables + ?Sized>(t: &mut T, ids: &[VirtualToken]) -> R
             for &v in &pages {
                 check_at_enqueue(t, v, DeferredKind::Tokens);
             }
-            t.group().note_pages(pages.iter().copied());
+            let scope = t.scope().clone();
+            t.group().note_pages(&scope, pages.iter().copied());
         }
         t.group().deferred.tokens.extend_from_slice(ids);
     } else {
@@ -375,7 +378,7 @@ pub(crate) fn free_swa<T: PageTables + ?Sized>(
     let mut pages = take_scratch(t);
     sorted_pages(t.ps(), ids, &mut pages);
     for &v in &pages {
-        if is_sink(v, "free_swa") {
+        if is_sink(t.scope(), v, "free_swa") {
             continue;
         }
         if t.swa_entry(v) > 0 {
@@ -399,7 +402,8 @@ pub(crate) fn free_full<T: PageTables + ?Sized>(
             for &v in &pages {
                 check_at_enqueue(t, v, DeferredKind::FullOnlyTokens);
             }
-            t.group().note_pages(pages.iter().copied());
+            let scope = t.scope().clone();
+            t.group().note_pages(&scope, pages.iter().copied());
         }
         t.group().deferred.full_only_tokens.extend_from_slice(ids);
     } else {
@@ -466,7 +470,8 @@ fn free_segment_pages<T: PageTables + ?Sized>(
             for v in seg.pages(ps) {
                 check_at_enqueue(t, v.0, kind);
             }
-            t.group().note_pages(seg.pages(ps).map(|v| v.0));
+            let scope = t.scope().clone();
+            t.group().note_pages(&scope, seg.pages(ps).map(|v| v.0));
         }
         extend_pages(ps, &seg, list(&mut t.group().deferred));
         return Ok(());
@@ -485,20 +490,20 @@ pub(crate) fn free_swa_segment<T: PageTables + ?Sized>(
     check_segment(t, &seg)?;
     for v in seg.pages(t.ps()) {
         let v = v.0;
-        if is_sink(v, "free_swa_segment") {
+        if is_sink(t.scope(), v, "free_swa_segment") {
             continue;
         }
         let swa = t.swa_entry(v);
         if swa > 0 {
             t.release_swa(v, true);
         } else if swa < 0 {
-            expect(&WINDOW_RATCHET, false, || {
+            t.scope().expect(&WINDOW_RATCHET, false, || {
                 format!(
                     "out-of-window free of virtual page {v}, whose SWA is already released: the cursor ratcheted twice over it"
                 )
             });
         } else {
-            expect(&PEER_MAPPED, false, || {
+            t.scope().expect(&PEER_MAPPED, false, || {
                 format!("SWA-only free of virtual page {v}, which is not bound on SWA")
             });
         }

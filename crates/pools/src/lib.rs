@@ -67,6 +67,10 @@
 //!   live FULL = ids; SWA live + tombstones ≤ FULL live; frontiers never cross and stay
 //!   above the sink floor. Checked at every flush from `Warn` up, and in full by
 //!   [`KvAllocator::verify`].
+//! - **Breaches are counted per allocator scope.** Every invariant above is recorded in
+//!   [`KvAllocator::invariant_scope`]: the allocator's own scope until a cache hands it
+//!   the cache's ([`KvAllocator::set_invariant_scope`], which a wrapping allocator
+//!   forwards), never in process-wide counters.
 //! - Kernel ids (`physical page × stride + offset`) fit in i32, checked at boot; the
 //!   buffer holds at least the sink plus one request's window (the batch-size-1 floor).
 

@@ -15,7 +15,7 @@ use crate::spec::{Grid, Side, SubPoolSpec, check_bs1_floor, sink_floor};
 use crate::sub::{resident_list, resident_table};
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
-use unikv_invariants::{enabled, expect};
+use unikv_invariants::{Scope, enabled};
 use unikv_kernels::{ByteSpan, BytesId, Device, TableId, Translate};
 
 /// How to build a [`StaticSwa`].
@@ -66,6 +66,8 @@ pub struct StaticSwa {
     swa_live: u32,
     tombstones: u32,
     group: FreeGroup,
+    /// Where this allocator's invariant breaches are counted (its cache's scope).
+    scope: Scope,
     gates: Arc<AtomicUsize>,
     mirrors: [TableId; 2],
     zero_on_handout: bool,
@@ -152,6 +154,7 @@ impl StaticSwa {
             swa_live: 0,
             tombstones: 0,
             group: FreeGroup::new(virtual_pages),
+            scope: Scope::new(),
             gates: Arc::new(AtomicUsize::new(0)),
             mirrors: [full_mirror, swa_mirror],
             zero_on_handout: config.zero_on_handout,
@@ -248,7 +251,7 @@ impl StaticSwa {
             }
             while pos < r.seq_len {
                 let (Some(v), Some(s)) = (self.free_full.pop(), self.free_swa.pop()) else {
-                    expect(&SINK_RESERVED, false, || {
+                    self.scope.expect(&SINK_RESERVED, false, || {
                         "an allocation ran out of pages past its room check".to_string()
                     });
                     break;
@@ -404,11 +407,22 @@ impl PageTables for StaticSwa {
     fn group_ref(&self) -> &FreeGroup {
         &self.group
     }
+    fn scope(&self) -> &Scope {
+        &self.scope
+    }
 }
 
 impl KvAllocator for StaticSwa {
     fn page_size(&self) -> PageSize {
         self.ps
+    }
+
+    fn invariant_scope(&self) -> &Scope {
+        &self.scope
+    }
+
+    fn set_invariant_scope(&mut self, scope: Scope) {
+        self.scope = scope;
     }
 
     fn virtual_pages(&self) -> u32 {
@@ -621,7 +635,7 @@ impl KvAllocator for StaticSwa {
             && (self.swa_live + self.tombstones) as usize <= full_live
             && self.full_grid.offset(self.full_base + self.full_pages)
                 <= self.swa_grid.offset(self.swa_base);
-        expect(&CONSERVATION, holds, || {
+        self.scope.expect(&CONSERVATION, holds, || {
             format!(
                 "static: full {} free of {}; swa {} live {} free of {}; {} tombstones",
                 self.free_full.len(),

@@ -15,7 +15,7 @@ use crate::spec::{Grid, Grow, Side, SubPoolSpec, check_bs1_floor, sink_floor};
 use crate::sub::{SubAllocator, VirtualIds};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use unikv_invariants::{enabled, expect};
+use unikv_invariants::{Scope, enabled};
 use unikv_kernels::{ByteSpan, BytesId, Device, SpanMove, TableId, Translate};
 
 /// How to build a [`UnifiedSwa`].
@@ -49,6 +49,8 @@ pub struct UnifiedSwa {
     free_ids: VirtualIds,
     virtual_pages: u32,
     group: FreeGroup,
+    /// Where this allocator's invariant breaches are counted (its cache's scope).
+    scope: Scope,
     gates: Arc<AtomicUsize>,
     mirrors: [TableId; 2],
     zero_on_handout: bool,
@@ -99,6 +101,7 @@ impl UnifiedSwa {
             free_ids: VirtualIds::new(virtual_pages),
             virtual_pages,
             group: FreeGroup::new(virtual_pages),
+            scope: Scope::new(),
             gates: Arc::new(AtomicUsize::new(0)),
             mirrors: [full_mirror, swa_mirror],
             zero_on_handout: config.zero_on_handout,
@@ -369,7 +372,7 @@ impl UnifiedSwa {
             while pos < r.seq_len {
                 // The caller checked the room, which covers the virtual ids.
                 let Some(v) = self.free_ids.pop().filter(|&v| v != 0) else {
-                    expect(&SINK_RESERVED, false, || {
+                    self.scope.expect(&SINK_RESERVED, false, || {
                         "an allocation ran out of virtual ids past its room check".to_string()
                     });
                     break;
@@ -500,11 +503,22 @@ impl PageTables for UnifiedSwa {
     fn group_ref(&self) -> &FreeGroup {
         &self.group
     }
+    fn scope(&self) -> &Scope {
+        &self.scope
+    }
 }
 
 impl KvAllocator for UnifiedSwa {
     fn page_size(&self) -> PageSize {
         self.ps
+    }
+
+    fn invariant_scope(&self) -> &Scope {
+        &self.scope
+    }
+
+    fn set_invariant_scope(&mut self, scope: Scope) {
+        self.scope = scope;
     }
 
     fn virtual_pages(&self) -> u32 {
@@ -679,7 +693,7 @@ impl KvAllocator for UnifiedSwa {
             && self.swa.facing_byte() <= self.full.facing_byte()
             && swa_lo >= self.floor
             && full_hi <= self.total_bytes;
-        expect(&CONSERVATION, holds, || {
+        self.scope.expect(&CONSERVATION, holds, || {
             format!(
                 "unified: full live {} holes {} span {} frontier {}; swa live {} holes {} tomb {} span {} frontier {}; free ids {} of {}",
                 self.full.live,

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use unikv_invariants::{Level, poll, scoped_level};
+use unikv_invariants::{Level, scoped_level};
 use unikv_pools::invariants::{
     DOUBLE_FREE, ONE_FREE_PER_GROUP, PEER_MAPPED, PEER_RELEASED, SINK_RESERVED, WINDOW_RATCHET,
 };
@@ -27,15 +27,15 @@ fn reported_at_warn_and_strict<S>(
             let mut pool = pool(layout, ps, 64);
             let state = setup(&mut pool);
             scoped_level(level, || {
-                poll().unwrap();
-                let (n, ()) = breaches(inv, level, || breach(&mut pool, &state));
+                pool.invariant_scope().poll().unwrap();
+                let (n, ()) = breaches(&mut pool, inv, level, |pool| breach(pool, &state));
                 assert_eq!(
                     n,
                     count,
                     "{layout:?}/{ps} at {level}: {} breaches",
                     inv.name()
                 );
-                let failed = poll().is_err();
+                let failed = pool.invariant_scope().poll().is_err();
                 let expected = level == Level::Strict || fails_at_warn;
                 assert_eq!(failed, expected, "{layout:?}/{ps}: poll at {level}");
                 // Containment: the tables stay consistent whatever was reported.
@@ -241,7 +241,6 @@ fn containment_runs_at_off_too() {
 
 #[test]
 fn every_invariant_is_registered_once_from_one_module() {
-    let _serial = serial();
     let registry = unikv_invariants::registry().unwrap();
     for name in [
         "swa.peer_mapped",
@@ -258,4 +257,47 @@ fn every_invariant_is_registered_once_from_one_module() {
             .unwrap_or_else(|| panic!("{name} not registered"));
         assert_eq!(inv.module(), "unikv_pools::invariants", "{name}");
     }
+}
+
+/// Two allocators in one process count their breaches in their own scopes: one breaches,
+/// the other polls clean, and the breach fails only its own allocator's poll. Handed one
+/// scope (as a cache hands its own), both record into it.
+#[test]
+fn two_allocators_in_one_process_see_only_their_own_breaches() {
+    each_case(|layout, ps| {
+        let psz = ps as usize;
+        let (mut breaching, mut clean) = (pool(layout, ps, 32), pool(layout, ps, 32));
+        assert_ne!(
+            breaching.invariant_scope().id(),
+            clean.invariant_scope().id(),
+            "each allocator makes its own scope"
+        );
+        scoped_level(Level::Strict, || {
+            let row = new_row(&mut breaching, psz);
+            let clean_row = new_row(&mut clean, psz);
+            breaching.free(&row).unwrap();
+            breaching
+                .free_segment(Segment::of_row(&row, 0..psz))
+                .unwrap();
+            clean.free(&clean_row).unwrap();
+            assert!(clean.invariant_scope().poll().is_ok(), "{layout:?}/{ps}");
+            assert_eq!(clean.invariant_scope().violations(&DOUBLE_FREE), 0);
+            assert!(
+                breaching.invariant_scope().poll().is_err(),
+                "{layout:?}/{ps}"
+            );
+            assert!(breaching.invariant_scope().poll().is_ok(), "drained");
+
+            let shared = unikv_invariants::Scope::new();
+            breaching.set_invariant_scope(shared.clone());
+            clean.set_invariant_scope(shared.clone());
+            assert_eq!(clean.invariant_scope().id(), shared.id());
+            clean.free(&clean_row).unwrap();
+            assert_eq!(shared.violations(&DOUBLE_FREE), 1, "{layout:?}/{ps}");
+            assert!(
+                breaching.invariant_scope().poll().is_err(),
+                "one shared scope"
+            );
+        });
+    });
 }

@@ -285,7 +285,8 @@ fn run(layout: Layout, ps: u32, ops: &[Op]) -> Result<(), TestCaseError> {
         (0, 0, 0)
     );
     pool.verify().map_err(TestCaseError::fail)?;
-    unikv_invariants::poll()
+    pool.invariant_scope()
+        .poll()
         .map_err(|e| TestCaseError::fail(format!("{layout:?}/ps {ps}: {e}")))?;
     Ok(())
 }
@@ -353,8 +354,7 @@ proptest! {
 
     #[test]
     fn random_operations_agree_with_the_model(ops in proptest::collection::vec(op(), 1..48)) {
-        let _serial = serial();
-        for ps in unikv_invariants::testing::page_sizes() {
+            for ps in unikv_invariants::testing::page_sizes() {
             for layout in LAYOUTS {
                 run(layout, ps, &ops)?;
             }
@@ -365,7 +365,6 @@ proptest! {
 /// Sequences that once failed (kept as plain cases in addition to proptest's file).
 #[test]
 fn regression_cases() {
-    let _serial = serial();
     let cases: Vec<Vec<Op>> = vec![
         // Found with a flush that forgot the FULL-only page-reps list: a window eviction
         // and a split finish inside a group.

@@ -165,7 +165,7 @@ fn set_shaped_frees_still_filter_by_liveness() {
         pool.free_swa_segment(Segment::of_row(&row, 0..2 * psz))
             .unwrap();
         unikv_invariants::scoped_level(unikv_invariants::Level::Strict, || {
-            unikv_invariants::poll().unwrap();
+            pool.invariant_scope().poll().unwrap();
             // free_swa over the whole row: live pages tombstoned, tombstones skipped.
             pool.free_swa(&row[..3 * psz]).unwrap();
             assert_eq!(allocated(&pool), (4, 1));
@@ -174,7 +174,9 @@ fn set_shaped_frees_still_filter_by_liveness() {
             ids.extend_from_slice(&row[..psz]);
             pool.free(&ids).unwrap();
             assert_eq!(allocated(&pool), (0, 0));
-            unikv_invariants::poll().expect("the filter reports nothing");
+            pool.invariant_scope()
+                .poll()
+                .expect("the filter reports nothing");
         });
         for t in &row {
             assert_eq!(pool.swa_state(t.page(pool.page_size())), SwaState::Unbound);

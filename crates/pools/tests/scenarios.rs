@@ -94,7 +94,6 @@ fn s01_reserved_sink() {
 // 2. The SWA side's v2p is sized by FULL's virtual ids, even when SWA pages are 8× larger.
 #[test]
 fn s02_swa_v2p_is_sized_by_full_virtual_ids() {
-    let _serial = serial();
     for ps in unikv_invariants::testing::page_sizes() {
         let full = SubPoolSpec::mha("full", 1, 1, 4, 2); // 16 B/token
         let swa = SubPoolSpec::mha("swa", 8, 1, 4, 2); // 128 B/token
@@ -151,7 +150,6 @@ fn s02_swa_v2p_is_sized_by_full_virtual_ids() {
 // 3. The batch-size-1 floor fails at boot.
 #[test]
 fn s03_bs1_floor_is_a_boot_error() {
-    let _serial = serial();
     for ps in unikv_invariants::testing::page_sizes() {
         let device = || -> std::sync::Arc<dyn unikv_kernels::Device> {
             std::sync::Arc::new(unikv_kernels::CpuDevice::new())
@@ -476,13 +474,13 @@ fn s12_double_free_is_reported_not_duplicated() {
         pool.free_segment(Segment::of_row(&row, 0..2 * psz))
             .unwrap();
         let before = pool.capacity();
-        let (n, ()) = breaches(&DOUBLE_FREE, Level::Warn, || {
+        let (n, ()) = breaches(&mut pool, &DOUBLE_FREE, Level::Warn, |pool| {
             pool.free_segment(Segment::of_row(&row, 0..2 * psz))
                 .unwrap();
         });
         assert_eq!(n, 2, "{layout:?}/{ps}");
         assert_eq!(pool.capacity(), before);
-        unikv_invariants::scoped_level(Level::Warn, || unikv_invariants::poll().unwrap());
+        unikv_invariants::scoped_level(Level::Warn, || pool.invariant_scope().poll().unwrap());
         pool.verify().unwrap();
         // Every page can be handed out exactly once more.
         let rows: Vec<_> = (0..2).map(|_| new_row(&mut pool, psz)).collect();
@@ -532,14 +530,14 @@ fn s14_full_only_contract() {
         let mut pool = pool(layout, ps, 32);
         let psz = ps as usize;
         let row = new_row(&mut pool, 2 * psz);
-        let (n, ()) = breaches(&PEER_RELEASED, Level::Warn, || {
+        let (n, ()) = breaches(&mut pool, &PEER_RELEASED, Level::Warn, |pool| {
             pool.free_full(&row[..psz]).unwrap()
         });
         assert_eq!(n, 1);
-        scoped_level(Level::Warn, || unikv_invariants::poll().unwrap());
+        scoped_level(Level::Warn, || pool.invariant_scope().poll().unwrap());
         pool.free_swa(&row[psz..]).unwrap();
         let swa = allocated(&pool).1;
-        let (n, ()) = breaches(&PEER_RELEASED, Level::Warn, || {
+        let (n, ()) = breaches(&mut pool, &PEER_RELEASED, Level::Warn, |pool| {
             pool.free_full(&row[psz..]).unwrap()
         });
         assert_eq!(n, 0);
@@ -557,14 +555,14 @@ fn s15_sink_never_freed() {
         let mut row = vec![VirtualToken(0); psz]; // a padded first page
         let tail = new_row(&mut pool, 2 * psz);
         row.extend_from_slice(&tail);
-        let (n, ()) = breaches(&SINK_RESERVED, Level::Warn, || {
+        let (n, ()) = breaches(&mut pool, &SINK_RESERVED, Level::Warn, |pool| {
             pool.free_swa_segment(Segment::of_row(&row, 0..2 * psz))
                 .unwrap();
             pool.free_kv_row_segments(&row, 0, 2 * psz, row.len())
                 .unwrap();
         });
         assert_eq!(n, 2);
-        scoped_level(Level::Warn, || unikv_invariants::poll().unwrap());
+        scoped_level(Level::Warn, || pool.invariant_scope().poll().unwrap());
         let c = pool.capacity();
         assert_eq!(allocated(&pool), (0, 0));
         assert!(
@@ -773,7 +771,6 @@ fn out_of_capacity_changes_nothing() {
 /// row, flush, and read each tag back through the new translation.
 #[test]
 fn compaction_moves_page_contents_with_the_translation() {
-    let _serial = serial();
     for ps in unikv_invariants::testing::page_sizes() {
         let mut pool = pool(Layout::Unified, ps, 32);
         let psz = ps as usize;
@@ -841,7 +838,6 @@ fn compaction_moves_page_contents_with_the_translation() {
 /// A move gate freezes compaction on both sides; capacity views stop crediting holes.
 #[test]
 fn a_move_gate_freezes_compaction() {
-    let _serial = serial();
     for ps in unikv_invariants::testing::page_sizes() {
         let mut pool = pool(Layout::Unified, ps, 16);
         let psz = ps as usize;
@@ -912,7 +908,6 @@ fn handed_out_pages_are_zeroed() {
 /// the unified buffer, two fixed regions in the static one.
 #[test]
 fn the_pool_map_shows_where_each_side_lives() {
-    let _serial = serial();
     let mut text = String::new();
     for layout in LAYOUTS {
         let mut pool = pool(layout, 4, 16);

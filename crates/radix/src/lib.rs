@@ -57,6 +57,8 @@
 //! - `radix.full_locks_cover_swa_locks`: on every node the FULL lock count is at least the
 //!   SWA lock count; a tombstone is never SWA-locked; a Mamba lock implies a state.
 //! - `radix.lock_underflow`: a release never decrements a count already at zero.
+//! - Breaches of these invariants are recorded in the tree's invariant scope
+//!   ([`RadixTree::invariant_scope`]; its own until a cache hands it the cache's).
 //! - A match ends only where a whole window of live SWA precedes it (from the root none
 //!   is needed) and, with Mamba, only on a node with a state.
 //! - Insert frees each duplicate page exactly once, FULL-only below the request's window

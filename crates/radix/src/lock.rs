@@ -10,7 +10,6 @@ use crate::error::RadixError;
 use crate::invariants::{FULL_LOCKS_COVER_SWA_LOCKS, LOCK_UNDERFLOW};
 use crate::tree::{Ix, LockRecord, ROOT};
 use crate::{LockHandle, NodeId, RadixTree};
-use unikv_invariants::expect;
 
 impl RadixTree {
     /// Locks `node` for a request that uses the prefix ending there: FULL on every node up
@@ -37,7 +36,7 @@ impl RadixTree {
             while x != ROOT && covered < window && self.nodes[x as usize].swa_live {
                 self.with_node(x, |n| n.swa_lock += 1);
                 let n = &self.nodes[x as usize];
-                expect(
+                self.scope.expect(
                     &FULL_LOCKS_COVER_SWA_LOCKS,
                     n.full_lock >= n.swa_lock,
                     || {
@@ -84,7 +83,7 @@ impl RadixTree {
             self.release_swa(record.node, floor);
         }
         if record.mamba {
-            let ok = expect(
+            let ok = self.scope.expect(
                 &LOCK_UNDERFLOW,
                 self.nodes[record.node as usize].mamba_lock > 0,
                 || format!("unlock: Mamba lock of n{} is already 0", record.node),
@@ -96,7 +95,7 @@ impl RadixTree {
         let mut x = record.node;
         while x != ROOT {
             let n = &self.nodes[x as usize];
-            let ok = expect(&LOCK_UNDERFLOW, n.full_lock > 0, || {
+            let ok = self.scope.expect(&LOCK_UNDERFLOW, n.full_lock > 0, || {
                 format!("unlock: FULL lock of n{x} is already 0")
             });
             if ok {
@@ -132,7 +131,7 @@ impl RadixTree {
         let mut x = ix;
         while x != ROOT {
             let n = &self.nodes[x as usize];
-            let ok = expect(&LOCK_UNDERFLOW, n.swa_lock > 0, || {
+            let ok = self.scope.expect(&LOCK_UNDERFLOW, n.swa_lock > 0, || {
                 format!("release: SWA lock of n{x} is already 0")
             });
             if ok {

@@ -8,19 +8,19 @@ use crate::error::RadixError;
 use crate::invariants::SANITY;
 use crate::tree::{Ix, NIL, ROOT, Sizes};
 use std::collections::BTreeSet;
-use unikv_invariants::expect;
 
 impl RadixTree {
     /// Recomputes structure, sizes, LRU membership and order, and lock counts from the
     /// nodes and the lock records, and compares them with what the tree recorded.
     ///
-    /// A mismatch is recorded against the `radix.sanity` invariant (a `Guard`: it fails
-    /// [`unikv_invariants::poll`] at `Strict`) and returned as [`RadixError::Insane`].
+    /// A mismatch is recorded against the `radix.sanity` invariant in the tree's scope (a
+    /// `Guard`: it fails [`unikv_invariants::Scope::poll`] at `Strict`) and returned as
+    /// [`RadixError::Insane`].
     pub fn sanity_check(&self) -> Result<(), RadixError> {
         match self.recompute() {
             Ok(()) => Ok(()),
             Err(message) => {
-                expect(&SANITY, false, || message.clone());
+                self.scope.expect(&SANITY, false, || message.clone());
                 Err(RadixError::Insane(message))
             }
         }
@@ -213,8 +213,7 @@ mod tests {
     }
 
     /// Each corruption of recorded state is found, named, and recorded against
-    /// `radix.sanity` (which fails the poll at `Strict`). This is the only test of the
-    /// library's unit-test binary that polls, so no other test sees its breaches.
+    /// `radix.sanity` in the tree's own scope (which fails its poll at `Strict`).
     #[test]
     fn sanity_check_finds_every_kind_of_corruption() {
         type Corrupt = fn(&mut RadixTree);
@@ -269,9 +268,13 @@ mod tests {
             assert!(corrupted.sanity_check_at_strict().is_ok())
         });
         scoped_level(Level::Strict, || {
-            let _ = unikv_invariants::poll();
+            assert!(corrupted.invariant_scope().poll().is_ok());
             assert!(corrupted.sanity_check_at_strict().is_err());
-            let _ = unikv_invariants::poll();
+            assert!(
+                tree_with_two_paths().invariant_scope().poll().is_ok(),
+                "another tree's scope sees nothing"
+            );
+            assert!(corrupted.invariant_scope().poll().is_err());
             for (needle, corrupt) in cases {
                 let mut tree = tree_with_two_paths();
                 corrupt(&mut tree);
@@ -281,7 +284,7 @@ mod tests {
                     }
                     other => panic!("{needle}: not detected ({other:?})"),
                 }
-                match unikv_invariants::poll() {
+                match tree.invariant_scope().poll() {
                     Err(Error::Violated(v)) => {
                         assert_eq!(v.failures[0].name, "radix.sanity");
                     }

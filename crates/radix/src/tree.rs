@@ -10,6 +10,7 @@ use crate::error::RadixError;
 use crate::{MambaSlot, NodeId, Slots, TokenId, Tokens, TreeConfig, VirtualToken};
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
+use unikv_invariants::Scope;
 
 /// Arena index of a node (internal; the public id adds a generation).
 pub(crate) type Ix = u32;
@@ -122,6 +123,8 @@ pub struct RadixTree {
     pub(crate) clock: u64,
     pub(crate) locks: HashMap<u64, LockRecord>,
     pub(crate) next_lock: u64,
+    /// Where the tree's invariant breaches are counted (its cache's scope).
+    pub(crate) scope: Scope,
 }
 
 /// A read-only view of one node, for tests, dumps and diagnostics.
@@ -181,7 +184,20 @@ impl RadixTree {
             clock: 0,
             locks: HashMap::new(),
             next_lock: 1,
+            scope: Scope::new(),
         })
+    }
+
+    /// The invariant scope the tree counts its breaches in (its own, made by
+    /// [`RadixTree::new`], until [`RadixTree::set_invariant_scope`]).
+    pub fn invariant_scope(&self) -> &Scope {
+        &self.scope
+    }
+
+    /// Counts the tree's breaches in `scope` from now on (a cache hands it its own
+    /// scope); breaches recorded before stay in the previous scope.
+    pub fn set_invariant_scope(&mut self, scope: Scope) {
+        self.scope = scope;
     }
 
     /// The configuration the tree was built with.

@@ -623,7 +623,7 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
         Err(RadixError::InvalidConfig { .. })
     ));
     tree.sanity_check().unwrap();
-    unikv_invariants::poll().unwrap();
+    tree.invariant_scope().poll().unwrap();
 }
 
 /// The root is a valid lock target (a request that matched nothing): locking it protects
@@ -645,5 +645,5 @@ fn empty_matches_and_inserts_are_harmless() {
     let m = tree.match_prefix(&[TokenId(1)]); // less than a page
     assert_eq!((m.len, m.full_hit), (Tokens(0), Tokens(0)));
     tree.sanity_check().unwrap();
-    unikv_invariants::poll().unwrap();
+    tree.invariant_scope().poll().unwrap();
 }

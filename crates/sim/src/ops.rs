@@ -345,6 +345,12 @@ impl KvAllocator for RecordingAllocator {
     fn page_size(&self) -> PageSize {
         self.inner.page_size()
     }
+    fn invariant_scope(&self) -> &unikv::invariants::Scope {
+        self.inner.invariant_scope()
+    }
+    fn set_invariant_scope(&mut self, scope: unikv::invariants::Scope) {
+        self.inner.set_invariant_scope(scope);
+    }
     fn virtual_pages(&self) -> u32 {
         self.inner.virtual_pages()
     }

@@ -99,7 +99,7 @@ pub struct RunStats {
     /// mirror upload), which a GPU would run asynchronously. The only wall-clock field;
     /// may be empty.
     pub step_cpu_ns: Vec<u64>,
-    /// Invariant violations counted by `unikv::invariants::poll` over the run (must be 0).
+    /// Invariant violations recorded in the run's cache's invariant scope (must be 0).
     pub invariant_violations: u64,
     /// Pages neither free nor owned by anyone once every request finished and the
     /// tree was cleared (must be 0).

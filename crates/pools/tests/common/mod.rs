@@ -96,17 +96,10 @@ pub fn pool(layout: Layout, ps: u32, pages: u64) -> Pool {
     }
 }
 
-/// Serialises the tests of one binary: invariant counters and `poll` are process-wide,
-/// so under `cargo test` (threads) one test's deliberate breach must not be drained or
-/// counted by another. (nextest runs each test in its own process anyway.)
-pub fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Runs `f` for both layouts at every page size of the matrix (serialised, see [`serial`]).
+/// Runs `f` for both layouts at every page size of the matrix. (Tests of one binary run
+/// as threads under `cargo test`: each pool counts breaches in its own invariant scope, so
+/// they need no serialising.)
 pub fn each_case(mut f: impl FnMut(Layout, u32)) {
-    let _serial = serial();
     for ps in unikv_invariants::testing::page_sizes() {
         for layout in LAYOUTS {
             f(layout, ps);
@@ -144,12 +137,18 @@ pub fn new_row(pool: &mut Pool, n: usize) -> Vec<VirtualToken> {
     row
 }
 
-/// Breaches of `inv` recorded while `f` runs at `level`.
-pub fn breaches<R>(inv: &'static Invariant, level: Level, f: impl FnOnce() -> R) -> (u64, R) {
+/// Breaches of `inv` recorded in `pool`'s scope while `f` runs on it at `level`.
+pub fn breaches<R>(
+    pool: &mut Pool,
+    inv: &'static Invariant,
+    level: Level,
+    f: impl FnOnce(&mut Pool) -> R,
+) -> (u64, R) {
+    let scope = pool.invariant_scope().clone();
     scoped_level(level, || {
-        let before = inv.violations();
-        let r = f();
-        (inv.violations() - before, r)
+        let before = scope.violations(inv);
+        let r = f(pool);
+        (scope.violations(inv) - before, r)
     })
 }
 
@@ -160,7 +159,7 @@ pub fn assert_clean(pool: &Pool) {
     if let Err(e) = pool.verify() {
         panic!("{:?}/ps {}: {e}", pool.layout, pool.ps);
     }
-    if let Err(e) = unikv_invariants::poll() {
+    if let Err(e) = pool.invariant_scope().poll() {
         panic!("{:?}/ps {}: {e}", pool.layout, pool.ps);
     }
 }

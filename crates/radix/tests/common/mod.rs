@@ -655,6 +655,6 @@ impl Sim {
     pub fn check(&self) {
         self.tree.sanity_check().unwrap();
         self.check_conservation();
-        unikv_invariants::poll().unwrap();
+        self.tree.invariant_scope().poll().unwrap();
     }
 }
