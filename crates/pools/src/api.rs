@@ -418,10 +418,20 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     fn move_gate(&self) -> MoveGate;
 
     /// The step boundary's mirror upload: one `scatter_table` per side with the dirty
-    /// translation entries (none when nothing changed).
+    /// translation entries (none when nothing changed). Transactional: the entries stay
+    /// dirty until both scatters were issued, so after a failure a retry uploads them.
     fn upload_mirror(&mut self) -> Result<(), Error>;
 
+    /// Whether the device mirror holds the host tables (no entry changed since the last
+    /// [`KvAllocator::upload_mirror`]). O(1). Any allocation, compaction, free or transfer
+    /// makes it false until the next upload.
+    fn mirror_current(&self) -> bool;
+
     /// The device table that mirrors `side`'s translation (virtual page → physical page).
+    /// It is current only while [`KvAllocator::mirror_current`] holds: within a step, an
+    /// allocation may compact (moving pages and rewriting the host tables) and frees may
+    /// release pages that a later allocation hands out again, so a kernel that reads the
+    /// mirror between such a change and the upload would address stale pages.
     fn mirror_table(&self, side: Side) -> TableId;
 
     /// Kernel rows per page envelope of `side`.
@@ -433,6 +443,11 @@ pub trait KvAllocator: std::fmt::Debug + Send {
 
     /// Issues the device translate of `n` virtual ids in `ids` to kernel ids in `out`
     /// (zero-filled up to `out_width`) against `side`'s mirror.
+    ///
+    /// **Mirror epochs:** refuses with [`Error::MirrorBehind`], issuing nothing, while the
+    /// mirror is behind the host tables ([`KvAllocator::mirror_current`] is false), so a
+    /// translate between an allocation (which may have compacted) and the step
+    /// boundary's [`KvAllocator::upload_mirror`] cannot read stale pages. Upload first.
     fn translate(
         &self,
         side: Side,

@@ -772,6 +772,10 @@ macro_rules! free_family_methods {
             out: TableId,
             out_width: usize,
         ) -> Result<(), Error> {
+            let pending = self.mirror_pending();
+            if pending != 0 {
+                return Err(Error::MirrorBehind { pending });
+            }
             self.device.translate(&Translate {
                 v2p: self.mirror_table(side),
                 ids,
@@ -786,6 +790,10 @@ macro_rules! free_family_methods {
 
         fn buffer(&self) -> BytesId {
             self.buffer
+        }
+
+        fn mirror_current(&self) -> bool {
+            self.mirror_pending() == 0
         }
     };
 }

@@ -10,7 +10,7 @@ use crate::api::{
 use crate::error::Error;
 use crate::frees::{self, FreeGroup, PageTables};
 use crate::ids::{PageSize, VirtualPage, VirtualToken};
-use crate::invariants::{CONSERVATION, SINK_RESERVED};
+use crate::invariants::{CONSERVATION, ROOM_CHECK};
 use crate::spec::{Grid, Side, SubPoolSpec, check_bs1_floor, sink_floor};
 use crate::sub::{resident_list, resident_table};
 use std::sync::Arc;
@@ -69,7 +69,8 @@ pub struct StaticSwa {
     gates: Arc<AtomicUsize>,
     mirrors: [TableId; 2],
     zero_on_handout: bool,
-    spans: [Vec<ByteSpan>; 2],
+    /// Envelopes to zero before an allocation binds them (both pools, one `fill_spans`).
+    spans: Vec<ByteSpan>,
     dirty: Vec<u32>,
     dirty_flag: Vec<bool>,
     entries: Vec<(u32, i32)>,
@@ -155,12 +156,14 @@ impl StaticSwa {
             gates: Arc::new(AtomicUsize::new(0)),
             mirrors: [full_mirror, swa_mirror],
             zero_on_handout: config.zero_on_handout,
-            spans: [Vec::new(), Vec::new()],
+            spans: Vec::new(),
             dirty: resident_list(virtual_pages as usize),
             dirty_flag: resident_table(virtual_pages as usize),
+            // Both tables' entries of one upload: sized and mapped at boot.
             entries: {
-                let mut entries = Vec::with_capacity(virtual_pages as usize);
-                entries.resize(virtual_pages as usize, std::hint::black_box((0, 0)));
+                let n = 2 * virtual_pages as usize;
+                let mut entries = Vec::with_capacity(n);
+                entries.resize(n, std::hint::black_box((0, 0)));
                 entries.clear();
                 entries
             },
@@ -170,6 +173,11 @@ impl StaticSwa {
     /// FULL pages and SWA pages of the two fixed pools.
     pub fn pool_pages(&self) -> (u32, u32) {
         (self.full_pages, self.swa_pages)
+    }
+
+    /// Mirror entries waiting for the upload (one list serves both tables).
+    fn mirror_pending(&self) -> usize {
+        self.dirty.len()
     }
 
     #[inline]
@@ -219,6 +227,9 @@ impl StaticSwa {
         Ok(pages)
     }
 
+    /// An allocation as one transaction: validate, size the room, zero the envelopes
+    /// the pops will hand out (the tops of the two free stacks) on the device, and only
+    /// then bind. A failed zeroing changes nothing.
     fn alloc(
         &mut self,
         requests: impl Iterator<Item = ExtendRequest> + Clone,
@@ -231,6 +242,23 @@ impl StaticSwa {
                 swa_pages: pages,
                 available_pages: self.free_full.len().min(self.free_swa.len()),
             });
+        }
+        if self.zero_on_handout && pages > 0 {
+            let (fg, sg, full_base) = (self.full_grid, self.swa_grid, self.full_base);
+            let spans = &mut self.spans;
+            spans.clear();
+            // `fits` checked both stacks hold `pages` entries; pops take the last first.
+            let full = &self.free_full[self.free_full.len() - pages..];
+            let swa = &self.free_swa[self.free_swa.len() - pages..];
+            spans.extend(full.iter().rev().map(|&v| ByteSpan {
+                offset: fg.offset(full_base + v - 1),
+                len: fg.envelope,
+            }));
+            spans.extend(swa.iter().rev().map(|&s| ByteSpan {
+                offset: sg.offset(s),
+                len: sg.envelope,
+            }));
+            self.device.fill_spans(self.buffer, spans, 0)?;
         }
         let ps = self.ps.get() as usize;
         for r in requests {
@@ -248,7 +276,7 @@ impl StaticSwa {
             }
             while pos < r.seq_len {
                 let (Some(v), Some(s)) = (self.free_full.pop(), self.free_swa.pop()) else {
-                    expect(&SINK_RESERVED, false, || {
+                    expect(&ROOM_CHECK, false, || {
                         "an allocation ran out of pages past its room check".to_string()
                     });
                     break;
@@ -261,28 +289,10 @@ impl StaticSwa {
                 self.swa_owner[(s - self.swa_base) as usize] = v;
                 self.swa_live += 1;
                 self.mark(v);
-                if self.zero_on_handout {
-                    self.spans[0].push(ByteSpan {
-                        offset: self.full_grid.offset(self.full_base + v - 1),
-                        len: self.full_grid.envelope,
-                    });
-                    self.spans[1].push(ByteSpan {
-                        offset: self.swa_grid.offset(s),
-                        len: self.swa_grid.envelope,
-                    });
-                }
                 let n = (r.seq_len - pos).min(ps);
                 let base = v * ps as u32;
                 out.extend((0..n as u32).map(|o| VirtualToken(base + o)));
                 pos += n;
-            }
-        }
-        if self.zero_on_handout {
-            for spans in &mut self.spans {
-                if !spans.is_empty() {
-                    self.device.fill_spans(self.buffer, spans, 0)?;
-                    spans.clear();
-                }
             }
         }
         Ok(())
@@ -534,9 +544,11 @@ impl KvAllocator for StaticSwa {
             return Ok(());
         }
         // FULL's entry follows liveness too (unbound reads as the sink, as in the unified
-        // layout), so one dirty list serves both tables.
+        // layout), so one dirty list serves both tables. The entries stay dirty until
+        // both scatters were issued, so a failed upload is retried whole.
         // Exact-size extends: no capacity check per entry.
-        let (full_live, full_base) = (&self.full_live, self.full_base);
+        let (full_live, full_base, swa_of) = (&self.full_live, self.full_base, &self.swa_of);
+        let n = self.dirty.len();
         self.entries.clear();
         self.entries.extend(self.dirty.iter().map(|&v| {
             let full = if full_live[v as usize] {
@@ -546,15 +558,16 @@ impl KvAllocator for StaticSwa {
             };
             (v, full)
         }));
-        self.device.scatter_table(self.mirrors[0], &self.entries)?;
-        let (flags, swa_of) = (&mut self.dirty_flag, &self.swa_of);
-        self.entries.clear();
-        self.entries.extend(self.dirty.iter().map(|&v| {
+        self.entries
+            .extend(self.dirty.iter().map(|&v| (v, swa_of[v as usize])));
+        let (full, swa) = self.entries.split_at(n);
+        self.device.scatter_table(self.mirrors[0], full)?;
+        self.device.scatter_table(self.mirrors[1], swa)?;
+        let flags = &mut self.dirty_flag;
+        for &v in &self.dirty {
             flags[v as usize] = false;
-            (v, swa_of[v as usize])
-        }));
+        }
         self.dirty.clear();
-        self.device.scatter_table(self.mirrors[1], &self.entries)?;
         Ok(())
     }
 
