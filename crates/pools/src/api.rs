@@ -31,10 +31,12 @@ pub struct DecodeRequest {
 }
 
 impl From<DecodeRequest> for ExtendRequest {
+    /// A decode is an extend by one token (`usize::MAX` saturates; the allocators refuse
+    /// it as longer than the id space).
     fn from(d: DecodeRequest) -> ExtendRequest {
         ExtendRequest {
             prefix_len: d.prefix_len,
-            seq_len: d.prefix_len + 1,
+            seq_len: d.prefix_len.saturating_add(1),
             last_token: d.last_token,
         }
     }

@@ -190,19 +190,15 @@ impl StaticSwa {
     }
 
     fn fits(&self, d: PageDemand, r_f: usize, r_s: usize) -> bool {
-        d.full_pages <= self.free_full.len() + r_f && d.swa_pages <= self.free_swa.len() + r_s
+        d.full_pages <= self.free_full.len().saturating_add(r_f)
+            && d.swa_pages <= self.free_swa.len().saturating_add(r_s)
     }
 
     fn validate(&self, requests: impl Iterator<Item = ExtendRequest>) -> Result<usize, Error> {
         let ps = self.ps;
-        let mut pages = 0;
+        let mut totals = (0usize, 0usize);
         for (index, r) in requests.enumerate() {
-            if r.seq_len < r.prefix_len {
-                return Err(Error::BadRequest {
-                    index,
-                    reason: format!("seq_len {} < prefix_len {}", r.seq_len, r.prefix_len),
-                });
-            }
+            frees::check_request(index, &r, ps, &mut totals)?;
             if !ps.is_aligned(r.prefix_len) {
                 let ok = r.last_token.is_some_and(|last| {
                     let v = last.page(ps).0 as usize;
@@ -222,9 +218,8 @@ impl StaticSwa {
                     });
                 }
             }
-            pages += r.new_pages(ps);
         }
-        Ok(pages)
+        Ok(totals.0)
     }
 
     /// An allocation as one transaction: validate, size the room, zero the envelopes

@@ -145,26 +145,34 @@ impl UnifiedSwa {
 
     /// Whether `d_f` FULL and `d_s` SWA pages fit after reclaiming `r_f`/`r_s` live pages,
     /// now (holes, then the frontier) or after compaction.
+    /// Overflow-safe for any demand and reclaim: the page counts are widened to u64 and
+    /// saturate (a saturated demand never fits).
     fn fits(&self, d_f: usize, d_s: usize, r_f: usize, r_s: usize, compacted: bool) -> bool {
-        if d_f > self.free_ids.available() + r_f {
+        let (d_f, d_s, r_f, r_s) = (d_f as u64, d_s as u64, r_f as u64, r_s as u64);
+        if d_f > (self.free_ids.available() as u64).saturating_add(r_f) {
             return false;
         }
         let (ef, es) = (self.full.grid.envelope, self.swa.grid.envelope);
-        if compacted {
-            let span_f = (self.full.live as usize).saturating_sub(r_f) + d_f;
-            let span_s = (self.swa.live as usize).saturating_sub(r_s) + d_s;
-            let Some(low_f) = (self.full.grid.pages as u64).checked_sub(span_f as u64) else {
-                return false;
-            };
-            low_f * ef >= (self.swa.grid.min_page as u64 + span_s as u64) * es
+        let (low_f, high_s) = if compacted {
+            let span_f = (self.full.live as u64).saturating_sub(r_f) + d_f;
+            let span_s = (self.swa.live as u64)
+                .saturating_sub(r_s)
+                .saturating_add(d_s);
+            (
+                (self.full.grid.pages as u64).checked_sub(span_f),
+                (self.swa.grid.min_page as u64).saturating_add(span_s),
+            )
         } else {
-            let ext_f = d_f.saturating_sub(self.full.holes.len() + r_f) as u64;
-            let ext_s = d_s.saturating_sub(self.swa.holes.len() + r_s) as u64;
-            let Some(low_f) = (self.full.frontier() as u64).checked_sub(ext_f) else {
-                return false;
-            };
-            low_f * ef >= (self.swa.frontier() as u64 + ext_s) * es
-        }
+            let ext_f = d_f.saturating_sub((self.full.holes.len() as u64).saturating_add(r_f));
+            let ext_s = d_s.saturating_sub((self.swa.holes.len() as u64).saturating_add(r_s));
+            (
+                (self.full.frontier() as u64).checked_sub(ext_f),
+                (self.swa.frontier() as u64).saturating_add(ext_s),
+            )
+        };
+        // Pages are below 2^31 (kernel ids fit in i32), so `low_f × ef` fits a u64 when the
+        // buffer does; the SWA side saturates for an absurd demand.
+        low_f.is_some_and(|low_f| low_f * ef >= high_s.saturating_mul(es))
     }
 
     fn fits_any(&self, d: PageDemand, r_f: usize, r_s: usize) -> bool {
@@ -291,14 +299,9 @@ impl UnifiedSwa {
         requests: impl Iterator<Item = ExtendRequest>,
     ) -> Result<(usize, usize), Error> {
         let ps = self.ps;
-        let (mut pages, mut tokens) = (0usize, 0usize);
+        let mut totals = (0usize, 0usize);
         for (index, r) in requests.enumerate() {
-            if r.seq_len < r.prefix_len {
-                return Err(Error::BadRequest {
-                    index,
-                    reason: format!("seq_len {} < prefix_len {}", r.seq_len, r.prefix_len),
-                });
-            }
+            frees::check_request(index, &r, ps, &mut totals)?;
             if !ps.is_aligned(r.prefix_len) {
                 let Some(last) = r.last_token else {
                     return Err(Error::BadRequest {
@@ -321,10 +324,8 @@ impl UnifiedSwa {
                     });
                 }
             }
-            pages += r.new_pages(ps);
-            tokens += r.seq_len - r.prefix_len;
         }
-        Ok((pages, tokens))
+        Ok(totals)
     }
 
     /// Hands out the batch's tokens: each request's free tail first, then `pages` new
