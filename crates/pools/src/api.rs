@@ -93,6 +93,50 @@ impl<'a> Segment<'a> {
     }
 }
 
+/// One free of an infallible batch ([`KvAllocator::free_batch`]): the frees a caller makes
+/// from host state it trusts (the facade applying the prefix tree's actions after the tree
+/// changed). Each variant is one checked method's call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FreeOp<'a> {
+    /// [`KvAllocator::free_segment`]: two-sided.
+    Segment(Segment<'a>),
+    /// [`KvAllocator::free_full_segment`]: FULL only.
+    FullSegment(Segment<'a>),
+    /// [`KvAllocator::free_swa_segment`]: SWA only (window eviction).
+    SwaSegment(Segment<'a>),
+    /// [`KvAllocator::transfer_swa`]: SWA ownership from `from` to `to`.
+    TransferSwa {
+        /// Pages live on SWA.
+        from: Segment<'a>,
+        /// SWA tombstones with live FULL.
+        to: Segment<'a>,
+    },
+    /// [`KvAllocator::free_kv_row_segments`]: `row[dead_lo..len]` split at `cursor`.
+    KvRow {
+        /// The request's row.
+        row: &'a [VirtualToken],
+        /// First position freed.
+        dead_lo: usize,
+        /// The window cursor (FULL-only below, two-sided above).
+        cursor: usize,
+        /// The row's length.
+        len: usize,
+    },
+}
+
+impl FreeOp<'_> {
+    /// The checked method this op calls.
+    pub const fn name(&self) -> &'static str {
+        match self {
+            FreeOp::Segment(_) => "free_segment",
+            FreeOp::FullSegment(_) => "free_full_segment",
+            FreeOp::SwaSegment(_) => "free_swa_segment",
+            FreeOp::TransferSwa { .. } => "transfer_swa",
+            FreeOp::KvRow { .. } => "free_kv_row_segments",
+        }
+    }
+}
+
 /// Pages an operation needs on each side.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PageDemand {
@@ -374,6 +418,19 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     /// tombstone. No SWA page is allocated or freed (tombstone recovery under a locked
     /// FULL).
     fn transfer_swa(&mut self, from: Segment<'_>, to: Segment<'_>) -> Result<(), Error>;
+
+    /// Applies `frees` in order and cannot fail: the infallible mode of the free family,
+    /// for frees the caller makes from host state it trusts, after a change it cannot
+    /// undo (DESIGN §3: a failure inside a multi-step operation is impossible by
+    /// construction). Each op runs through its checked method (one code path); an op the
+    /// checked method would refuse with a typed error — which changes nothing — is
+    /// recorded as a `pool.free_batch_well_formed` breach (FatalContainable) and skipped,
+    /// and the rest of the batch is applied, so the allocator stays consistent. The
+    /// premise checks of the frees (`swa.peer_mapped`, `pool.double_free`, ...) are
+    /// recorded and contained as in the checked methods.
+    fn free_batch(&mut self, frees: &[FreeOp<'_>]) {
+        crate::frees::free_batch(self, frees);
+    }
 
     /// Opens a free group: two-sided and FULL-only frees are deferred (cloned at enqueue)
     /// until the group ends or a flush exposes them. Groups do not nest.

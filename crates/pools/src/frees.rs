@@ -3,12 +3,12 @@
 //! liveness filter, free groups with their deferred lists, and the one flush every
 //! flush site calls.
 
-use crate::api::{DeferredKind, ExtendRequest, Segment};
+use crate::api::{DeferredKind, ExtendRequest, FreeOp, Segment};
 use crate::error::Error;
 use crate::ids::{PageSize, VirtualPage, VirtualToken};
 use crate::invariants::{
-    DOUBLE_FREE, ONE_FREE_PER_GROUP, PEER_MAPPED, PEER_RELEASED, SEGMENT_SHAPE, SINK_RESERVED,
-    WINDOW_RATCHET,
+    DOUBLE_FREE, FREE_BATCH_WELL_FORMED, ONE_FREE_PER_GROUP, PEER_MAPPED, PEER_RELEASED,
+    SEGMENT_SHAPE, SINK_RESERVED, WINDOW_RATCHET,
 };
 use unikv_invariants::{enabled, expect};
 
@@ -658,6 +658,36 @@ pub(crate) fn transfer_swa<T: PageTables + ?Sized>(
         t.move_swa(f.0, d.0);
     }
     Ok(())
+}
+
+/// The infallible mode of the free family ([`crate::KvAllocator::free_batch`]): each op
+/// runs through its checked method, the error-returning mode of the same code; a refusal
+/// (which changed nothing) is recorded as a `pool.free_batch_well_formed` breach and the
+/// op is skipped. Written over the trait, so a wrapping allocator (a recorder) sees the
+/// individual checked calls.
+pub(crate) fn free_batch<A: crate::KvAllocator + ?Sized>(a: &mut A, frees: &[FreeOp<'_>]) {
+    for op in frees {
+        let result = match *op {
+            FreeOp::Segment(seg) => a.free_segment(seg),
+            FreeOp::FullSegment(seg) => a.free_full_segment(seg),
+            FreeOp::SwaSegment(seg) => a.free_swa_segment(seg),
+            FreeOp::TransferSwa { from, to } => a.transfer_swa(from, to),
+            FreeOp::KvRow {
+                row,
+                dead_lo,
+                cursor,
+                len,
+            } => a.free_kv_row_segments(row, dead_lo, cursor, len),
+        };
+        if let Err(e) = result {
+            expect(&FREE_BATCH_WELL_FORMED, false, || {
+                format!(
+                    "{} of an infallible free batch refused ({e}): skipped",
+                    op.name()
+                )
+            });
+        }
+    }
 }
 
 /// Opens a group.

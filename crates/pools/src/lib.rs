@@ -81,8 +81,9 @@ mod sub;
 mod unified;
 
 pub use api::{
-    Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, KvAllocator, MoveGate,
-    PageDemand, PoolMap, ReclaimPlan, Reclaimable, Segment, SideCapacity, SpanInfo, SwaState,
+    Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, FreeOp, KvAllocator,
+    MoveGate, PageDemand, PoolMap, ReclaimPlan, Reclaimable, Segment, SideCapacity, SpanInfo,
+    SwaState,
 };
 pub use error::Error;
 pub use ids::{Bytes, PageSize, PhysicalPage, VirtualPage, VirtualToken};
