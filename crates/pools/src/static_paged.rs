@@ -11,7 +11,7 @@ use crate::error::Error;
 use crate::frees::{self, FreeGroup, PageTables};
 use crate::ids::{PageSize, VirtualPage, VirtualToken};
 use crate::invariants::{CONSERVATION, ROOM_CHECK};
-use crate::spec::{Grid, Side, SubPoolSpec, check_bs1_floor, sink_floor};
+use crate::spec::{Grid, Side, SubPoolSpec, check_bs1_floor, sink_floor, window_pages};
 use crate::sub::{resident_list, resident_table};
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
@@ -92,36 +92,33 @@ impl StaticSwa {
         let full_grid = Grid::new(&config.full, ps, total, floor, "full")?;
         let swa_grid = Grid::new(&config.swa, ps, total, floor, "swa")?;
         let (ef, es) = (full_grid.envelope, swa_grid.envelope);
-        let full_base = full_grid.min_page;
-        let usable = total.saturating_sub(full_grid.offset(full_base));
-        check_bs1_floor(
-            total,
-            floor,
-            usable.saturating_sub(es),
-            ps,
-            config.window,
-            ef + es,
-        )?;
-        // N_f FULL pages then N_s = ratio × N_f SWA pages (aligned to the SWA grid).
-        let per_full = ef as f64 + config.swa_full_ratio * es as f64;
-        let mut full_pages = ((usable.saturating_sub(es)) as f64 / per_full) as u64;
-        let layout = |nf: u64| {
-            let ns = (nf as f64 * config.swa_full_ratio) as u64;
-            let swa_base = (full_grid.offset(full_base) + nf * ef).div_ceil(es);
-            (ns, swa_base, (swa_base + ns) * es <= total)
+        let ratio = config.swa_full_ratio;
+        // The two pools a buffer of `bytes` holds: N_f FULL pages from the FULL grid's
+        // first page above the floor, then N_s = ratio × N_f SWA pages (aligned to the SWA
+        // grid), as many as fit. Returns `(N_f, N_s, SWA base page, FULL base page)`.
+        let pools = |bytes: u64| -> Result<(u64, u64, u64, u32), Error> {
+            let full_base = Grid::new(&config.full, ps, bytes, floor, "full")?.min_page;
+            Grid::new(&config.swa, ps, bytes, floor, "swa")?;
+            let start = full_grid.offset(full_base);
+            let usable = bytes.saturating_sub(start);
+            let per_full = ef as f64 + ratio * es as f64;
+            let layout = |nf: u64| {
+                let ns = (nf as f64 * ratio) as u64;
+                let swa_base = (start + nf * ef).div_ceil(es);
+                (ns, swa_base, (swa_base + ns).saturating_mul(es) <= bytes)
+            };
+            let mut full_pages = (usable.saturating_sub(es) as f64 / per_full) as u64;
+            while full_pages > 0 && !layout(full_pages).2 {
+                full_pages -= 1;
+            }
+            let (swa_pages, swa_base, _) = layout(full_pages);
+            Ok((full_pages, swa_pages, swa_base, full_base))
         };
-        while full_pages > 0 && !layout(full_pages).2 {
-            full_pages -= 1;
-        }
-        let (swa_pages, swa_base, _) = layout(full_pages);
-        let window_pages = ps.pages_for(config.window as usize + ps.get() as usize) as u64;
-        if full_pages < window_pages || swa_pages < window_pages {
-            return Err(Error::BufferTooSmall {
-                needed: crate::ids::Bytes(floor + window_pages * (ef + es) * 2),
-                have: crate::ids::Bytes(total),
-                window_tokens: config.window as usize + ps.get() as usize,
-            });
-        }
+        let window_pages = window_pages(ps, config.window);
+        check_bs1_floor(total, ps, config.window, |bytes| {
+            pools(bytes).is_ok_and(|(nf, ns, ..)| nf >= window_pages && ns >= window_pages)
+        })?;
+        let (full_pages, swa_pages, swa_base, full_base) = pools(total)?;
         let (full_pages, swa_pages, swa_base) =
             (full_pages as u32, swa_pages as u32, swa_base as u32);
         let virtual_pages = full_pages + 1;

@@ -11,7 +11,7 @@ use crate::error::Error;
 use crate::frees::{self, FreeGroup, PageTables};
 use crate::ids::{PageSize, VirtualPage, VirtualToken};
 use crate::invariants::{CONSERVATION, ROOM_CHECK};
-use crate::spec::{Grid, Grow, Side, SubPoolSpec, check_bs1_floor, sink_floor};
+use crate::spec::{Grid, Grow, Side, SubPoolSpec, check_bs1_floor, sink_floor, window_pages};
 use crate::sub::{CompactionPlan, Edge, SubAllocator, VirtualIds};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -71,19 +71,22 @@ impl UnifiedSwa {
             .ok_or_else(|| Error::BadConfig("page size must be at least 1".into()))?;
         let total = config.total_bytes;
         let floor = sink_floor(&[&config.full, &config.swa], ps);
-        let full_grid = Grid::new(&config.full, ps, total, floor, "full")?;
-        let swa_grid = Grid::new(&config.swa, ps, total, floor, "swa")?;
-        let room = full_grid
-            .offset(full_grid.pages)
-            .saturating_sub(swa_grid.offset(swa_grid.min_page));
-        check_bs1_floor(
-            total,
-            floor,
-            room,
-            ps,
-            config.window,
-            full_grid.envelope + swa_grid.envelope,
-        )?;
+        let grids = |bytes| -> Result<(Grid, Grid), Error> {
+            Ok((
+                Grid::new(&config.full, ps, bytes, floor, "full")?,
+                Grid::new(&config.swa, ps, bytes, floor, "swa")?,
+            ))
+        };
+        let (full_grid, swa_grid) = grids(total)?;
+        // The room between the sink floor and the top of the FULL grid must hold one
+        // window of joint pages.
+        let window_bytes =
+            window_pages(ps, config.window).saturating_mul(full_grid.envelope + swa_grid.envelope);
+        check_bs1_floor(total, ps, config.window, |bytes| {
+            grids(bytes).is_ok_and(|(f, s)| {
+                f.offset(f.pages).saturating_sub(s.offset(s.min_page)) >= window_bytes
+            })
+        })?;
         let virtual_pages = full_grid.pages - full_grid.min_page + 1;
         if virtual_pages as u64 * ps.get() as u64 > i32::MAX as u64 {
             return Err(Error::BadConfig(format!(

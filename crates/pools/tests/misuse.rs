@@ -135,3 +135,90 @@ fn huge_sizes_are_typed_errors_without_wrapped_numbers() {
         assert_eq!(snapshot(&*p.alloc), before);
     });
 }
+
+/// Builds `layout` with `total` bytes and the given geometry.
+fn build(
+    layout: common::Layout,
+    ps: u32,
+    window: u32,
+    ratio: f64,
+    total: u64,
+) -> Result<Box<dyn KvAllocator>, Error> {
+    let device: std::sync::Arc<dyn unikv_kernels::Device> =
+        std::sync::Arc::new(unikv_kernels::CpuDevice::new());
+    let (full, swa) = (common::full_spec(), common::swa_spec());
+    Ok(match layout {
+        common::Layout::Unified => Box::new(unikv_pools::UnifiedSwa::new(
+            device,
+            unikv_pools::UnifiedSwaConfig {
+                total_bytes: total,
+                page_size: ps,
+                window,
+                full,
+                swa,
+                zero_on_handout: false,
+            },
+        )?),
+        common::Layout::Static => Box::new(unikv_pools::StaticSwa::new(
+            device,
+            unikv_pools::StaticSwaConfig {
+                total_bytes: total,
+                page_size: ps,
+                window,
+                full,
+                swa,
+                swa_full_ratio: ratio,
+                zero_on_handout: false,
+            },
+        )?),
+    })
+}
+
+#[test]
+fn the_stated_need_of_a_too_small_buffer_is_exactly_enough() {
+    let _serial = common::serial();
+    for layout in common::LAYOUTS {
+        for ps in [1, 4, 16] {
+            for window in [8, 64] {
+                for ratio in [0.5, 0.8, 1.0, 2.0] {
+                    let case = format!("{layout:?} ps {ps} window {window} ratio {ratio}");
+                    let Err(Error::BufferTooSmall { needed, have, .. }) =
+                        build(layout, ps, window, ratio, 256)
+                    else {
+                        panic!("{case}: 256 bytes must be too small");
+                    };
+                    assert_eq!(have.0, 256);
+                    assert!(needed.0 > 256, "{case}");
+                    build(layout, ps, window, ratio, needed.0)
+                        .unwrap_or_else(|e| panic!("{case}: the stated need {needed} fails: {e}"));
+                    let err = build(layout, ps, window, ratio, needed.0 - 1).err();
+                    assert!(
+                        matches!(err, Some(Error::BufferTooSmall { needed: n, .. }) if n == needed),
+                        "{case}: one byte less must be refused with the same need: {err:?}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn huge_model_dimensions_are_a_typed_error() {
+    let spec = unikv_pools::SubPoolSpec::mha("huge", u32::MAX, u32::MAX, u32::MAX, u32::MAX);
+    assert_eq!(spec.bytes_per_token, u64::MAX, "saturated, not wrapped");
+    let device: std::sync::Arc<dyn unikv_kernels::Device> =
+        std::sync::Arc::new(unikv_kernels::CpuDevice::new());
+    let err = unikv_pools::UnifiedSwa::new(
+        device,
+        unikv_pools::UnifiedSwaConfig {
+            total_bytes: u64::MAX,
+            page_size: 256,
+            window: 8,
+            full: spec.clone(),
+            swa: spec,
+            zero_on_handout: false,
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(err, Error::BadConfig(_)), "{err}");
+}
