@@ -451,14 +451,17 @@ pub trait KvAllocator: std::fmt::Debug + Send {
 
     /// The step-boundary flush: applies deferred frees (group stays open), compacts holes
     /// (moving page envelopes on the device, unless a move gate is closed) and checks
-    /// conservation from `Warn` up. With no holes it issues no device work.
+    /// conservation from `Warn` up. With no holes it issues no device work. A failed
+    /// move leaves the tables as they were (the deferred frees stay applied).
     fn flush(&mut self) -> Result<FlushReport, Error>;
 
     /// Whether `demand` fits now or after compaction. Pure: changes nothing.
     fn allocation_fits(&self, demand: PageDemand) -> bool;
 
     /// Makes `demand` allocatable: flushes deferred frees, then compacts if that makes it
-    /// fit. [`Error::OutOfCapacity`] when it cannot fit (deferred frees stay applied).
+    /// fit. [`Error::OutOfCapacity`] when it cannot fit, or a device error when the
+    /// compaction's move fails (either way the deferred frees stay applied, and nothing
+    /// else changed).
     fn ensure_capacity(&mut self, demand: PageDemand) -> Result<(), Error>;
 
     /// Flushes every deferred list **first**, then sizes the eviction that makes `demand`

@@ -58,7 +58,7 @@ pub struct SubAllocator {
 impl SubAllocator {
     /// An empty sub-allocator on `grid`, growing from `grow`'s end, with a `v2p` of
     /// `virtual_pages` entries (the id owner's count, sink included). A float starts
-    /// parked at the floor; [`SubAllocator::place`] puts it where the composite wants.
+    /// parked at the floor; the composite places it (`place`, crate-private).
     pub fn new(grid: Grid, grow: Grow, virtual_pages: u32) -> SubAllocator {
         let at = match grow {
             Grow::Up | Grow::Float => grid.min_page,
@@ -838,8 +838,28 @@ mod tests {
             sub.unbind(v, false);
         }
         sub.verify("sub").unwrap();
-        let mut moves = Vec::new();
+        // Planning changes nothing; the envelopes predicted after the planned compaction
+        // are the ones the binds take once it commits.
+        let before = state(&sub);
+        let (mut moves, mut plan) = (Vec::new(), CompactionPlan::default());
+        sub.plan_compaction(Edge::Low, &mut moves, &mut plan);
+        assert_eq!(state(&sub), before, "{grow:?}: planning changed the tables");
+        let mut predicted = Vec::new();
+        let room = (sub.grid.pages - sub.grid.min_page - sub.live).min(3) as usize;
+        sub.handout_envelopes(room, plan.span, &mut predicted);
+        let mut committed = sub.clone();
+        committed.commit_compaction(&plan);
+        let taken: Vec<ByteSpan> = (0..room)
+            .map(|i| {
+                let p = committed.take();
+                committed.bind(60 - i as u32, p);
+                committed.envelope(p)
+            })
+            .collect();
+        assert_eq!(predicted, taken, "{grow:?}");
+        moves.clear();
         let moved = sub.compact(&mut moves);
+        assert_eq!(moved, plan.pairs.len());
         sub.verify("sub").unwrap();
         assert_eq!(moves.len(), moved);
         assert!(sub.holes.is_empty());
@@ -889,7 +909,7 @@ mod tests {
     }
 
     /// Everything a batch form must leave exactly as the page-by-page calls do.
-    fn state(sub: &SubAllocator) -> impl PartialEq + std::fmt::Debug {
+    fn state(sub: &SubAllocator) -> impl PartialEq + std::fmt::Debug + use<> {
         (
             (sub.v2p.clone(), sub.p2v.clone(), sub.holes.clone()),
             (sub.lo, sub.hi, sub.live, sub.tombstones),
