@@ -30,6 +30,18 @@ use unikv_kernels::{ByteSpan, SpanMove};
 /// parks (becomes empty and transparent) when its last page is freed. Methods that take
 /// a page trust the composite's arithmetic (documented preconditions);
 /// [`SubAllocator::verify`] checks everything.
+///
+/// The mutators are crate-private, so misuse outside the crate (an `unbind` of an unbound
+/// page, which would push the sink onto the hole list and underflow `live`) does not
+/// compile:
+///
+/// ```compile_fail
+/// use unikv_pools::{Grid, Grow, SubAllocator};
+///
+/// let grid = Grid { envelope: 8, pages: 32, min_page: 2, stride: 4 };
+/// let mut sub = SubAllocator::new(grid, Grow::Up, 64);
+/// sub.unbind(1, false); // private: not callable outside unikv-pools
+/// ```
 #[derive(Debug, Clone)]
 pub struct SubAllocator {
     /// The grid (envelope bytes, pages, first page above the floor, kernel stride).
