@@ -136,6 +136,9 @@ impl KvAllocator for Faulty {
     fn move_gate(&self) -> MoveGate {
         self.inner.move_gate()
     }
+    fn mirror_current(&self) -> bool {
+        self.inner.mirror_current()
+    }
     fn upload_mirror(&mut self) -> Result<(), Error> {
         if self.fault == Fault::BreachEachStep {
             // Recorded where the inner allocator records: the cache's scope, if the

@@ -77,6 +77,17 @@ pub enum Error {
         /// The compiler's log.
         log: String,
     },
+    /// A [`FaultInjector`](crate::FaultInjector) refused the op (tests); nothing was
+    /// issued.
+    #[error("injected fault: {op} (op {index}) at {location}")]
+    InjectedFault {
+        /// The op refused.
+        op: &'static str,
+        /// Its index among the ops the injector saw.
+        index: u64,
+        /// Where it was called from.
+        location: &'static std::panic::Location<'static>,
+    },
     /// The CUDA driver or NVRTC reported an error.
     #[error("CUDA: {0}")]
     Cuda(String),

@@ -1,6 +1,7 @@
 //! The device layer of unikv: a [`Device`] trait whose ops all have host-known output
 //! shapes, the CPU reference backend [`CpuDevice`], the recording wrapper
-//! [`SyncLedger`] that counts syncs by call site, and the CUDA backend [`CudaDevice`]
+//! [`SyncLedger`] that counts syncs by call site, the fault-injecting wrapper
+//! [`FaultInjector`] that fails chosen ops for fault sweeps, and the CUDA backend [`CudaDevice`]
 //! behind the `cuda` feature (kernels in `cu/*.cu`, compiled at run time by
 //! [`nvrtc`]).
 //!
@@ -44,6 +45,7 @@ mod cpu;
 mod cuda;
 mod device;
 mod error;
+mod fault;
 mod ledger;
 pub mod nvrtc;
 
@@ -51,4 +53,5 @@ pub use cpu::CpuDevice;
 pub use cuda::CudaDevice;
 pub use device::{ByteSpan, BytesId, Device, HostSync, Readback, SpanMove, TableId, Translate};
 pub use error::Error;
+pub use fault::{DeviceOp, FaultInjector, InjectedFault};
 pub use ledger::{OpRecord, SyncLedger, SyncReport};

@@ -32,10 +32,12 @@ pub struct DecodeRequest {
 }
 
 impl From<DecodeRequest> for ExtendRequest {
+    /// A decode is an extend by one token (`usize::MAX` saturates; the allocators refuse
+    /// it as longer than the id space).
     fn from(d: DecodeRequest) -> ExtendRequest {
         ExtendRequest {
             prefix_len: d.prefix_len,
-            seq_len: d.prefix_len + 1,
+            seq_len: d.prefix_len.saturating_add(1),
             last_token: d.last_token,
         }
     }
@@ -89,6 +91,50 @@ impl<'a> Segment<'a> {
     /// How many pages it touches.
     pub fn page_count(&self, ps: PageSize) -> usize {
         ps.pages_for(self.tokens.len())
+    }
+}
+
+/// One free of an infallible batch ([`KvAllocator::free_batch`]): the frees a caller makes
+/// from host state it trusts (the facade applying the prefix tree's actions after the tree
+/// changed). Each variant is one checked method's call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FreeOp<'a> {
+    /// [`KvAllocator::free_segment`]: two-sided.
+    Segment(Segment<'a>),
+    /// [`KvAllocator::free_full_segment`]: FULL only.
+    FullSegment(Segment<'a>),
+    /// [`KvAllocator::free_swa_segment`]: SWA only (window eviction).
+    SwaSegment(Segment<'a>),
+    /// [`KvAllocator::transfer_swa`]: SWA ownership from `from` to `to`.
+    TransferSwa {
+        /// Pages live on SWA.
+        from: Segment<'a>,
+        /// SWA tombstones with live FULL.
+        to: Segment<'a>,
+    },
+    /// [`KvAllocator::free_kv_row_segments`]: `row[dead_lo..len]` split at `cursor`.
+    KvRow {
+        /// The request's row.
+        row: &'a [VirtualToken],
+        /// First position freed.
+        dead_lo: usize,
+        /// The window cursor (FULL-only below, two-sided above).
+        cursor: usize,
+        /// The row's length.
+        len: usize,
+    },
+}
+
+impl FreeOp<'_> {
+    /// The checked method this op calls.
+    pub const fn name(&self) -> &'static str {
+        match self {
+            FreeOp::Segment(_) => "free_segment",
+            FreeOp::FullSegment(_) => "free_full_segment",
+            FreeOp::SwaSegment(_) => "free_swa_segment",
+            FreeOp::TransferSwa { .. } => "transfer_swa",
+            FreeOp::KvRow { .. } => "free_kv_row_segments",
+        }
     }
 }
 
@@ -383,6 +429,19 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     /// FULL).
     fn transfer_swa(&mut self, from: Segment<'_>, to: Segment<'_>) -> Result<(), Error>;
 
+    /// Applies `frees` in order and cannot fail: the infallible mode of the free family,
+    /// for frees the caller makes from host state it trusts, after a change it cannot
+    /// undo (DESIGN §3: a failure inside a multi-step operation is impossible by
+    /// construction). Each op runs through its checked method (one code path); an op the
+    /// checked method would refuse with a typed error — which changes nothing — is
+    /// recorded as a `pool.free_batch_well_formed` breach (FatalContainable) and skipped,
+    /// and the rest of the batch is applied, so the allocator stays consistent. The
+    /// premise checks of the frees (`swa.peer_mapped`, `pool.double_free`, ...) are
+    /// recorded and contained as in the checked methods.
+    fn free_batch(&mut self, frees: &[FreeOp<'_>]) {
+        crate::frees::free_batch(self, frees);
+    }
+
     /// Opens a free group: two-sided and FULL-only frees are deferred (cloned at enqueue)
     /// until the group ends or a flush exposes them. Groups do not nest.
     fn free_group_begin(&mut self) -> Result<(), Error>;
@@ -402,14 +461,17 @@ pub trait KvAllocator: std::fmt::Debug + Send {
 
     /// The step-boundary flush: applies deferred frees (group stays open), compacts holes
     /// (moving page envelopes on the device, unless a move gate is closed) and checks
-    /// conservation from `Warn` up. With no holes it issues no device work.
+    /// conservation from `Warn` up. With no holes it issues no device work. A failed
+    /// move leaves the tables as they were (the deferred frees stay applied).
     fn flush(&mut self) -> Result<FlushReport, Error>;
 
     /// Whether `demand` fits now or after compaction. Pure: changes nothing.
     fn allocation_fits(&self, demand: PageDemand) -> bool;
 
     /// Makes `demand` allocatable: flushes deferred frees, then compacts if that makes it
-    /// fit. [`Error::OutOfCapacity`] when it cannot fit (deferred frees stay applied).
+    /// fit. [`Error::OutOfCapacity`] when it cannot fit, or a device error when the
+    /// compaction's move fails (either way the deferred frees stay applied, and nothing
+    /// else changed).
     fn ensure_capacity(&mut self, demand: PageDemand) -> Result<(), Error>;
 
     /// Flushes every deferred list **first**, then sizes the eviction that makes `demand`
@@ -428,10 +490,20 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     fn move_gate(&self) -> MoveGate;
 
     /// The step boundary's mirror upload: one `scatter_table` per side with the dirty
-    /// translation entries (none when nothing changed).
+    /// translation entries (none when nothing changed). Transactional: the entries stay
+    /// dirty until both scatters were issued, so after a failure a retry uploads them.
     fn upload_mirror(&mut self) -> Result<(), Error>;
 
+    /// Whether the device mirror holds the host tables (no entry changed since the last
+    /// [`KvAllocator::upload_mirror`]). O(1). Any allocation, compaction, free or transfer
+    /// makes it false until the next upload.
+    fn mirror_current(&self) -> bool;
+
     /// The device table that mirrors `side`'s translation (virtual page → physical page).
+    /// It is current only while [`KvAllocator::mirror_current`] holds: within a step, an
+    /// allocation may compact (moving pages and rewriting the host tables) and frees may
+    /// release pages that a later allocation hands out again, so a kernel that reads the
+    /// mirror between such a change and the upload would address stale pages.
     fn mirror_table(&self, side: Side) -> TableId;
 
     /// Kernel rows per page envelope of `side`.
@@ -443,6 +515,11 @@ pub trait KvAllocator: std::fmt::Debug + Send {
 
     /// Issues the device translate of `n` virtual ids in `ids` to kernel ids in `out`
     /// (zero-filled up to `out_width`) against `side`'s mirror.
+    ///
+    /// **Mirror epochs:** refuses with [`Error::MirrorBehind`], issuing nothing, while the
+    /// mirror is behind the host tables ([`KvAllocator::mirror_current`] is false), so a
+    /// translate between an allocation (which may have compacted) and the step
+    /// boundary's [`KvAllocator::upload_mirror`] cannot read stale pages. Upload first.
     fn translate(
         &self,
         side: Side,

@@ -115,6 +115,17 @@ pub enum Error {
         /// What is wrong.
         reason: &'static str,
     },
+    /// A device read of the translation tables (`translate`) while the device mirror is
+    /// behind the host tables: entries changed since the last
+    /// [`crate::KvAllocator::upload_mirror`] (an allocation, a compaction or a free this
+    /// step). Upload first (the step boundary does).
+    #[error(
+        "the device mirror is behind the host tables ({pending} entries not uploaded): call upload_mirror before translating"
+    )]
+    MirrorBehind {
+        /// Mirror entries waiting for the upload.
+        pending: usize,
+    },
     /// The device refused an op (a bug in the layout or a failing device).
     #[error("device: {0}")]
     Device(#[from] unikv_kernels::Error),

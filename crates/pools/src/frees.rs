@@ -3,12 +3,12 @@
 //! liveness filter, free groups with their deferred lists, and the one flush every
 //! flush site calls.
 
-use crate::api::{DeferredKind, Segment};
+use crate::api::{DeferredKind, ExtendRequest, FreeOp, Segment};
 use crate::error::Error;
 use crate::ids::{PageSize, VirtualPage, VirtualToken};
 use crate::invariants::{
-    DOUBLE_FREE, ONE_FREE_PER_GROUP, PEER_MAPPED, PEER_RELEASED, SEGMENT_SHAPE, SINK_RESERVED,
-    WINDOW_RATCHET,
+    DOUBLE_FREE, FREE_BATCH_WELL_FORMED, ONE_FREE_PER_GROUP, PEER_MAPPED, PEER_RELEASED,
+    SEGMENT_SHAPE, SINK_RESERVED, WINDOW_RATCHET,
 };
 use unikv_invariants::{Scope, enabled};
 
@@ -155,6 +155,28 @@ impl FreeGroup {
             self.epoch = 1;
         }
     }
+}
+
+/// Refuses an extend request whose lengths disagree, and adds its new pages and tokens to
+/// the batch's totals without overflow.
+pub(crate) fn check_request(
+    index: usize,
+    r: &ExtendRequest,
+    ps: PageSize,
+    totals: &mut (usize, usize),
+) -> Result<(), Error> {
+    if r.seq_len < r.prefix_len {
+        return Err(Error::BadRequest {
+            index,
+            reason: format!("seq_len {} < prefix_len {}", r.seq_len, r.prefix_len),
+        });
+    }
+    // Saturating: a saturated demand never fits, so it is refused as out of capacity,
+    // with the true (or saturated, never wrapped) page count.
+    let (pages, tokens) = totals;
+    *pages = pages.saturating_add(r.new_pages(ps));
+    *tokens = tokens.saturating_add(r.seq_len - r.prefix_len);
+    Ok(())
 }
 
 /// Refuses a token outside the id space.
@@ -511,21 +533,25 @@ pub(crate) fn free_swa_segment<T: PageTables + ?Sized>(
     Ok(())
 }
 
-/// Checks that segments are ascending and page-disjoint.
+/// Checks that segments are ascending and page-disjoint. Empty segments touch no page
+/// and are skipped; each non-empty segment is compared with the previous non-empty one
+/// (so an empty segment between two overlapping ones cannot hide the overlap).
 pub(crate) fn check_disjoint(ps: PageSize, segments: &[Segment<'_>]) -> Result<(), Error> {
-    for pair in segments.windows(2) {
-        let (a, b) = (&pair[0], &pair[1]);
-        if a.tokens.is_empty() || b.tokens.is_empty() {
-            continue;
+    let mut previous: Option<&Segment<'_>> = None;
+    for b in segments.iter().filter(|s| !s.tokens.is_empty()) {
+        if let Some(a) = previous {
+            // `start + len - 1` of a non-empty slice of a row cannot overflow a real row;
+            // saturate for a hand-built segment.
+            let a_last_page = a.start.saturating_add(a.tokens.len() - 1) / ps.get() as usize;
+            let b_first_page = b.start / ps.get() as usize;
+            if b_first_page <= a_last_page {
+                return Err(Error::SegmentsShareAPage {
+                    first: a.range(),
+                    second: b.range(),
+                });
+            }
         }
-        let a_last_page = (a.start + a.tokens.len() - 1) / ps.get() as usize;
-        let b_first_page = b.start / ps.get() as usize;
-        if b_first_page <= a_last_page {
-            return Err(Error::SegmentsShareAPage {
-                first: a.range(),
-                second: b.range(),
-            });
-        }
+        previous = Some(b);
     }
     Ok(())
 }
@@ -598,6 +624,23 @@ pub(crate) fn transfer_swa<T: PageTables + ?Sized>(
             reason: "the segments cover different numbers of pages",
         });
     }
+    // A page named twice (as a source or as a target) would pass the per-page checks
+    // below, all read before any move, and then break the second move.
+    let mut seen: Vec<u32> = from.pages(ps).map(|v| v.0).collect();
+    let sources = seen.len();
+    seen.extend(to.pages(ps).map(|v| v.0));
+    let (src, dst) = seen.split_at_mut(sources);
+    src.sort_unstable();
+    dst.sort_unstable();
+    for pages in [&*src, &*dst] {
+        if let Some(w) = pages.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::BadTransfer {
+                from: VirtualPage(w[0]),
+                to: VirtualPage(w[0]),
+                reason: "a page is named twice",
+            });
+        }
+    }
     for (f, d) in from.pages(ps).zip(to.pages(ps)) {
         let reason = if f.0 == 0 || d.0 == 0 {
             Some("the sink cannot be transferred")
@@ -620,6 +663,36 @@ pub(crate) fn transfer_swa<T: PageTables + ?Sized>(
         t.move_swa(f.0, d.0);
     }
     Ok(())
+}
+
+/// The infallible mode of the free family ([`crate::KvAllocator::free_batch`]): each op
+/// runs through its checked method, the error-returning mode of the same code; a refusal
+/// (which changed nothing) is recorded as a `pool.free_batch_well_formed` breach and the
+/// op is skipped. Written over the trait, so a wrapping allocator (a recorder) sees the
+/// individual checked calls.
+pub(crate) fn free_batch<A: crate::KvAllocator + ?Sized>(a: &mut A, frees: &[FreeOp<'_>]) {
+    for op in frees {
+        let result = match *op {
+            FreeOp::Segment(seg) => a.free_segment(seg),
+            FreeOp::FullSegment(seg) => a.free_full_segment(seg),
+            FreeOp::SwaSegment(seg) => a.free_swa_segment(seg),
+            FreeOp::TransferSwa { from, to } => a.transfer_swa(from, to),
+            FreeOp::KvRow {
+                row,
+                dead_lo,
+                cursor,
+                len,
+            } => a.free_kv_row_segments(row, dead_lo, cursor, len),
+        };
+        if let Err(e) = result {
+            a.invariant_scope().expect(&FREE_BATCH_WELL_FORMED, false, || {
+                format!(
+                    "{} of an infallible free batch refused ({e}): skipped",
+                    op.name()
+                )
+            });
+        }
+    }
 }
 
 /// Opens a group.
@@ -704,6 +777,12 @@ macro_rules! free_family_methods {
             requests: &[DecodeRequest],
             out: &mut Vec<VirtualToken>,
         ) -> Result<(), Error> {
+            if let Some(index) = requests.iter().position(|d| d.prefix_len == usize::MAX) {
+                return Err(Error::BadRequest {
+                    index,
+                    reason: "a row of usize::MAX tokens cannot grow by one".into(),
+                });
+            }
             self.alloc(requests.iter().map(|&d| ExtendRequest::from(d)), out)
         }
 
@@ -777,6 +856,10 @@ macro_rules! free_family_methods {
             out: TableId,
             out_width: usize,
         ) -> Result<(), Error> {
+            let pending = self.mirror_pending();
+            if pending != 0 {
+                return Err(Error::MirrorBehind { pending });
+            }
             self.device.translate(&Translate {
                 v2p: self.mirror_table(side),
                 ids,
@@ -791,6 +874,10 @@ macro_rules! free_family_methods {
 
         fn buffer(&self) -> BytesId {
             self.buffer
+        }
+
+        fn mirror_current(&self) -> bool {
+            self.mirror_pending() == 0
         }
     };
 }
@@ -830,5 +917,8 @@ mod tests {
         assert!(check_disjoint(ps, &[seg(0..5), seg(4..8)]).is_err());
         assert!(check_disjoint(ps, &[seg(8..12), seg(0..4)]).is_err());
         assert!(check_disjoint(ps, &[seg(0..4), seg(4..4), seg(4..8)]).is_ok());
+        // An empty segment between two overlapping ones does not hide the overlap.
+        assert!(check_disjoint(ps, &[seg(0..4), seg(4..4), seg(0..4)]).is_err());
+        assert!(check_disjoint(ps, &[seg(0..0), seg(0..4), seg(8..8), seg(2..6)]).is_err());
     }
 }

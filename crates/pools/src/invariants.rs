@@ -46,6 +46,19 @@ declare_invariant! {
     pub static SEGMENT_SHAPE: "pool.segment_shape", Guard,
         "every page representative of a segment is the first token of its page";
 
+    /// An allocation that passed its room check finds every virtual id and page it was
+    /// promised (the room arithmetic and the free lists agree). Containment: the
+    /// allocation stops at the breach and hands out no sink or unbacked id.
+    pub static ROOM_CHECK: "pool.room_check", FatalContainable,
+        "an allocation that passed its room check finds every page and virtual id it was promised";
+
+    /// A free the caller makes from host state it trusts ([`crate::KvAllocator::free_batch`])
+    /// is well-formed: in range, aligned, page-disjoint, a valid transfer. The checked
+    /// method would have returned a typed error. Containment: that free is skipped whole
+    /// (it changed nothing), the rest of the batch is applied.
+    pub static FREE_BATCH_WELL_FORMED: "pool.free_batch_well_formed", FatalContainable,
+        "every free of an infallible batch is well-formed (the checked form would not refuse it)";
+
     /// Per sub-pool: live pages + holes = pages of the span between its end and its
     /// frontier; free virtual ids + live FULL pages = virtual id count; SWA live +
     /// tombstones ≤ FULL live; frontiers never cross and stay inside the buffer above the
@@ -56,7 +69,7 @@ declare_invariant! {
 
 /// Every invariant this crate declares (the facade names them so that `inventory` keeps
 /// every registration, and checks the registry against this list).
-pub const ALL: [&unikv_invariants::Invariant; 8] = [
+pub const ALL: [&unikv_invariants::Invariant; 10] = [
     &PEER_MAPPED,
     &PEER_RELEASED,
     &WINDOW_RATCHET,
@@ -64,5 +77,7 @@ pub const ALL: [&unikv_invariants::Invariant; 8] = [
     &SINK_RESERVED,
     &ONE_FREE_PER_GROUP,
     &SEGMENT_SHAPE,
+    &ROOM_CHECK,
+    &FREE_BATCH_WELL_FORMED,
     &CONSERVATION,
 ];

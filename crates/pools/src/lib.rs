@@ -8,7 +8,7 @@
 //!   virtual pages (`swa.v2p` *is* the FULL→SWA map: > 0 live, -1 tombstone, 0 unbound).
 //!   Capacity is bytes at the frontier; compaction is lazy (a free leaves a hole, an
 //!   alloc drains holes first, a flush moves survivors into holes with one
-//!   `Device::move_spans` per side and rewrites only `v2p`/`p2v`).
+//!   `Device::move_spans` for both sides and then rewrites only `v2p`/`p2v`).
 //! - [`StaticSwa`]: two fixed pools sized by a SWA:FULL token ratio and a FULL→SWA index
 //!   map, the baseline every comparison runs against.
 //!
@@ -62,7 +62,18 @@
 //!   by one function that every flush site uses (group end, `flush_deferred`, `flush`,
 //!   `ensure_capacity`, `reclaim_plan`, which flushes **before** sizing).
 //! - **Typed errors change nothing.** A failing operation (capacity, bad ids, unaligned
-//!   segments, shared pages, split pages, nested groups) leaves the allocator as it was.
+//!   segments, shared pages, split pages, repeated transfer pages, nested groups, a
+//!   failed device op) leaves the allocator as it was. Device work is transactional: the
+//!   host plans, issues the device op, and commits its tables only after it was issued
+//!   (compaction, zeroing on hand-out, the mirror upload). The one exception is a flush
+//!   site's deferred frees (`flush`, `ensure_capacity`), which are host-only and due:
+//!   they stay applied when the device work after them fails. Sizes are overflow-safe:
+//!   a huge demand is out of capacity with a saturated, never wrapped, count.
+//! - **Mirror epochs.** [`KvAllocator::translate`] refuses while the device mirror is
+//!   behind the host tables ([`KvAllocator::mirror_current`]); upload first.
+//! - **An infallible free path.** [`KvAllocator::free_batch`] runs each [`FreeOp`]
+//!   through its checked method and records a refusal as `pool.free_batch_well_formed`
+//!   (skipping that op) instead of returning it.
 //! - **Conservation** (`pool.conservation`): per sub-pool live + holes = span; free ids +
 //!   live FULL = ids; SWA live + tombstones ≤ FULL live; frontiers never cross and stay
 //!   above the sink floor. Checked at every flush from `Warn` up, and in full by
@@ -85,8 +96,9 @@ mod sub;
 mod unified;
 
 pub use api::{
-    Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, KvAllocator, MoveGate,
-    PageDemand, PoolMap, ReclaimPlan, Reclaimable, Segment, SideCapacity, SpanInfo, SwaState,
+    Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, FreeOp, KvAllocator,
+    MoveGate, PageDemand, PoolMap, ReclaimPlan, Reclaimable, Segment, SideCapacity, SpanInfo,
+    SwaState,
 };
 pub use error::Error;
 pub use ids::{Bytes, PageSize, PhysicalPage, VirtualPage, VirtualToken};

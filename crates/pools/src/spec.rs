@@ -62,12 +62,13 @@ impl SubPoolSpec {
         SubPoolSpec {
             name,
             layers,
-            bytes_per_token: layers as u64
-                * 2
-                * kv_heads as u64
-                * head_dim as u64
-                * dtype_bytes as u64,
-            rows_per_token: 2 * layers,
+            // Saturating: an absurd product is refused by `Grid::new` as too large for
+            // any buffer, never wrapped.
+            bytes_per_token: (layers as u64 * 2)
+                .saturating_mul(kv_heads as u64)
+                .saturating_mul(head_dim as u64)
+                .saturating_mul(dtype_bytes as u64),
+            rows_per_token: layers.saturating_mul(2),
         }
     }
 
@@ -107,8 +108,17 @@ impl Grid {
         side: &'static str,
     ) -> Result<Grid, Error> {
         spec.validate()?;
-        let envelope = spec.bytes_per_token * ps.get() as u64;
+        let envelope = spec
+            .bytes_per_token
+            .checked_mul(ps.get() as u64)
+            .ok_or_else(|| {
+                Error::BadConfig(format!(
+                    "sub-pool {:?}: {} bytes per token × page size {ps} overflow u64",
+                    spec.name, spec.bytes_per_token
+                ))
+            })?;
         let pages = total / envelope;
+        // Both factors are u32: the product fits a u64.
         let stride = spec.rows_per_token as u64 * ps.get() as u64;
         if pages.saturating_mul(stride) > i32::MAX as u64 || pages > i32::MAX as u64 {
             return Err(Error::KernelIdOverflow {
@@ -138,31 +148,55 @@ impl Grid {
 pub fn sink_floor(specs: &[&SubPoolSpec], ps: PageSize) -> u64 {
     specs
         .iter()
-        .map(|s| s.bytes_per_token * ps.get() as u64)
+        .map(|s| s.bytes_per_token.saturating_mul(ps.get() as u64))
         .max()
         .unwrap_or(0)
 }
 
-/// The batch-size-1 floor: the sink plus one request's window (`window + page size`
-/// tokens, in whole pages) on both sides. `room` is the bytes between the sink floor and
-/// the top of the FULL grid; a buffer whose room is below the window fails at boot.
+/// The batch-size-1 floor: a buffer of `total` bytes must hold the sink plus one
+/// request's window (`window + page size` tokens, in whole pages) on both sides, which
+/// `holds(bytes)` decides for a buffer of `bytes` (it must be monotone in `bytes`). When
+/// it does not, [`Error::BufferTooSmall`] states the **least** size that does (found by
+/// doubling, then bisection, over `holds` itself, so the stated need is exactly enough).
 pub(crate) fn check_bs1_floor(
     total: u64,
-    floor: u64,
-    room: u64,
     ps: PageSize,
     window: u32,
-    envelopes: u64,
+    holds: impl Fn(u64) -> bool,
 ) -> Result<(), Error> {
     let window_tokens = window as usize + ps.get() as usize;
-    let pages = ps.pages_for(window_tokens) as u64;
-    let window_bytes = pages * envelopes;
-    if room < window_bytes {
-        return Err(Error::BufferTooSmall {
-            needed: Bytes(floor + window_bytes + total.saturating_sub(floor).saturating_sub(room)),
-            have: Bytes(total),
-            window_tokens,
-        });
+    if holds(total) {
+        return Ok(());
     }
-    Ok(())
+    let mut hi = total.max(1);
+    while !holds(hi) {
+        hi = hi
+            .checked_mul(2)
+            .filter(|&h| h <= u64::MAX / 2)
+            .ok_or_else(|| {
+                Error::BadConfig(format!(
+                    "no buffer size holds the sink and one window of {window_tokens} tokens on both sides"
+                ))
+            })?;
+    }
+    // `holds(lo)` is false, `holds(hi)` true.
+    let mut lo = total;
+    while lo + 1 < hi {
+        let mid = lo + (hi - lo) / 2;
+        if holds(mid) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Err(Error::BufferTooSmall {
+        needed: Bytes(hi),
+        have: Bytes(total),
+        window_tokens,
+    })
+}
+
+/// Pages of one window on both sides: `window + page size` tokens, in whole pages.
+pub(crate) fn window_pages(ps: PageSize, window: u32) -> u64 {
+    ps.pages_for(window as usize + ps.get() as usize) as u64
 }

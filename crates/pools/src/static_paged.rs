@@ -10,8 +10,8 @@ use crate::api::{
 use crate::error::Error;
 use crate::frees::{self, FreeGroup, PageTables};
 use crate::ids::{PageSize, VirtualPage, VirtualToken};
-use crate::invariants::{CONSERVATION, SINK_RESERVED};
-use crate::spec::{Grid, Side, SubPoolSpec, check_bs1_floor, sink_floor};
+use crate::invariants::{CONSERVATION, ROOM_CHECK};
+use crate::spec::{Grid, Side, SubPoolSpec, check_bs1_floor, sink_floor, window_pages};
 use crate::sub::{resident_list, resident_table};
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
@@ -71,7 +71,8 @@ pub struct StaticSwa {
     gates: Arc<AtomicUsize>,
     mirrors: [TableId; 2],
     zero_on_handout: bool,
-    spans: [Vec<ByteSpan>; 2],
+    /// Envelopes to zero before an allocation binds them (both pools, one `fill_spans`).
+    spans: Vec<ByteSpan>,
     dirty: Vec<u32>,
     dirty_flag: Vec<bool>,
     entries: Vec<(u32, i32)>,
@@ -93,36 +94,33 @@ impl StaticSwa {
         let full_grid = Grid::new(&config.full, ps, total, floor, "full")?;
         let swa_grid = Grid::new(&config.swa, ps, total, floor, "swa")?;
         let (ef, es) = (full_grid.envelope, swa_grid.envelope);
-        let full_base = full_grid.min_page;
-        let usable = total.saturating_sub(full_grid.offset(full_base));
-        check_bs1_floor(
-            total,
-            floor,
-            usable.saturating_sub(es),
-            ps,
-            config.window,
-            ef + es,
-        )?;
-        // N_f FULL pages then N_s = ratio × N_f SWA pages (aligned to the SWA grid).
-        let per_full = ef as f64 + config.swa_full_ratio * es as f64;
-        let mut full_pages = ((usable.saturating_sub(es)) as f64 / per_full) as u64;
-        let layout = |nf: u64| {
-            let ns = (nf as f64 * config.swa_full_ratio) as u64;
-            let swa_base = (full_grid.offset(full_base) + nf * ef).div_ceil(es);
-            (ns, swa_base, (swa_base + ns) * es <= total)
+        let ratio = config.swa_full_ratio;
+        // The two pools a buffer of `bytes` holds: N_f FULL pages from the FULL grid's
+        // first page above the floor, then N_s = ratio × N_f SWA pages (aligned to the SWA
+        // grid), as many as fit. Returns `(N_f, N_s, SWA base page, FULL base page)`.
+        let pools = |bytes: u64| -> Result<(u64, u64, u64, u32), Error> {
+            let full_base = Grid::new(&config.full, ps, bytes, floor, "full")?.min_page;
+            Grid::new(&config.swa, ps, bytes, floor, "swa")?;
+            let start = full_grid.offset(full_base);
+            let usable = bytes.saturating_sub(start);
+            let per_full = ef as f64 + ratio * es as f64;
+            let layout = |nf: u64| {
+                let ns = (nf as f64 * ratio) as u64;
+                let swa_base = (start + nf * ef).div_ceil(es);
+                (ns, swa_base, (swa_base + ns).saturating_mul(es) <= bytes)
+            };
+            let mut full_pages = (usable.saturating_sub(es) as f64 / per_full) as u64;
+            while full_pages > 0 && !layout(full_pages).2 {
+                full_pages -= 1;
+            }
+            let (swa_pages, swa_base, _) = layout(full_pages);
+            Ok((full_pages, swa_pages, swa_base, full_base))
         };
-        while full_pages > 0 && !layout(full_pages).2 {
-            full_pages -= 1;
-        }
-        let (swa_pages, swa_base, _) = layout(full_pages);
-        let window_pages = ps.pages_for(config.window as usize + ps.get() as usize) as u64;
-        if full_pages < window_pages || swa_pages < window_pages {
-            return Err(Error::BufferTooSmall {
-                needed: crate::ids::Bytes(floor + window_pages * (ef + es) * 2),
-                have: crate::ids::Bytes(total),
-                window_tokens: config.window as usize + ps.get() as usize,
-            });
-        }
+        let window_pages = window_pages(ps, config.window);
+        check_bs1_floor(total, ps, config.window, |bytes| {
+            pools(bytes).is_ok_and(|(nf, ns, ..)| nf >= window_pages && ns >= window_pages)
+        })?;
+        let (full_pages, swa_pages, swa_base, full_base) = pools(total)?;
         let (full_pages, swa_pages, swa_base) =
             (full_pages as u32, swa_pages as u32, swa_base as u32);
         let virtual_pages = full_pages + 1;
@@ -158,12 +156,14 @@ impl StaticSwa {
             gates: Arc::new(AtomicUsize::new(0)),
             mirrors: [full_mirror, swa_mirror],
             zero_on_handout: config.zero_on_handout,
-            spans: [Vec::new(), Vec::new()],
+            spans: Vec::new(),
             dirty: resident_list(virtual_pages as usize),
             dirty_flag: resident_table(virtual_pages as usize),
+            // Both tables' entries of one upload: sized and mapped at boot.
             entries: {
-                let mut entries = Vec::with_capacity(virtual_pages as usize);
-                entries.resize(virtual_pages as usize, std::hint::black_box((0, 0)));
+                let n = 2 * virtual_pages as usize;
+                let mut entries = Vec::with_capacity(n);
+                entries.resize(n, std::hint::black_box((0, 0)));
                 entries.clear();
                 entries
             },
@@ -173,6 +173,11 @@ impl StaticSwa {
     /// FULL pages and SWA pages of the two fixed pools.
     pub fn pool_pages(&self) -> (u32, u32) {
         (self.full_pages, self.swa_pages)
+    }
+
+    /// Mirror entries waiting for the upload (one list serves both tables).
+    fn mirror_pending(&self) -> usize {
+        self.dirty.len()
     }
 
     #[inline]
@@ -185,19 +190,15 @@ impl StaticSwa {
     }
 
     fn fits(&self, d: PageDemand, r_f: usize, r_s: usize) -> bool {
-        d.full_pages <= self.free_full.len() + r_f && d.swa_pages <= self.free_swa.len() + r_s
+        d.full_pages <= self.free_full.len().saturating_add(r_f)
+            && d.swa_pages <= self.free_swa.len().saturating_add(r_s)
     }
 
     fn validate(&self, requests: impl Iterator<Item = ExtendRequest>) -> Result<usize, Error> {
         let ps = self.ps;
-        let mut pages = 0;
+        let mut totals = (0usize, 0usize);
         for (index, r) in requests.enumerate() {
-            if r.seq_len < r.prefix_len {
-                return Err(Error::BadRequest {
-                    index,
-                    reason: format!("seq_len {} < prefix_len {}", r.seq_len, r.prefix_len),
-                });
-            }
+            frees::check_request(index, &r, ps, &mut totals)?;
             if !ps.is_aligned(r.prefix_len) {
                 let ok = r.last_token.is_some_and(|last| {
                     let v = last.page(ps).0 as usize;
@@ -217,11 +218,13 @@ impl StaticSwa {
                     });
                 }
             }
-            pages += r.new_pages(ps);
         }
-        Ok(pages)
+        Ok(totals.0)
     }
 
+    /// An allocation as one transaction: validate, size the room, zero the envelopes
+    /// the pops will hand out (the tops of the two free stacks) on the device, and only
+    /// then bind. A failed zeroing changes nothing.
     fn alloc(
         &mut self,
         requests: impl Iterator<Item = ExtendRequest> + Clone,
@@ -234,6 +237,23 @@ impl StaticSwa {
                 swa_pages: pages,
                 available_pages: self.free_full.len().min(self.free_swa.len()),
             });
+        }
+        if self.zero_on_handout && pages > 0 {
+            let (fg, sg, full_base) = (self.full_grid, self.swa_grid, self.full_base);
+            let spans = &mut self.spans;
+            spans.clear();
+            // `fits` checked both stacks hold `pages` entries; pops take the last first.
+            let full = &self.free_full[self.free_full.len() - pages..];
+            let swa = &self.free_swa[self.free_swa.len() - pages..];
+            spans.extend(full.iter().rev().map(|&v| ByteSpan {
+                offset: fg.offset(full_base + v - 1),
+                len: fg.envelope,
+            }));
+            spans.extend(swa.iter().rev().map(|&s| ByteSpan {
+                offset: sg.offset(s),
+                len: sg.envelope,
+            }));
+            self.device.fill_spans(self.buffer, spans, 0)?;
         }
         let ps = self.ps.get() as usize;
         for r in requests {
@@ -251,7 +271,7 @@ impl StaticSwa {
             }
             while pos < r.seq_len {
                 let (Some(v), Some(s)) = (self.free_full.pop(), self.free_swa.pop()) else {
-                    self.scope.expect(&SINK_RESERVED, false, || {
+                    self.scope.expect(&ROOM_CHECK, false, || {
                         "an allocation ran out of pages past its room check".to_string()
                     });
                     break;
@@ -264,28 +284,10 @@ impl StaticSwa {
                 self.swa_owner[(s - self.swa_base) as usize] = v;
                 self.swa_live += 1;
                 self.mark(v);
-                if self.zero_on_handout {
-                    self.spans[0].push(ByteSpan {
-                        offset: self.full_grid.offset(self.full_base + v - 1),
-                        len: self.full_grid.envelope,
-                    });
-                    self.spans[1].push(ByteSpan {
-                        offset: self.swa_grid.offset(s),
-                        len: self.swa_grid.envelope,
-                    });
-                }
                 let n = (r.seq_len - pos).min(ps);
                 let base = v * ps as u32;
                 out.extend((0..n as u32).map(|o| VirtualToken(base + o)));
                 pos += n;
-            }
-        }
-        if self.zero_on_handout {
-            for spans in &mut self.spans {
-                if !spans.is_empty() {
-                    self.device.fill_spans(self.buffer, spans, 0)?;
-                    spans.clear();
-                }
             }
         }
         Ok(())
@@ -548,9 +550,11 @@ impl KvAllocator for StaticSwa {
             return Ok(());
         }
         // FULL's entry follows liveness too (unbound reads as the sink, as in the unified
-        // layout), so one dirty list serves both tables.
+        // layout), so one dirty list serves both tables. The entries stay dirty until
+        // both scatters were issued, so a failed upload is retried whole.
         // Exact-size extends: no capacity check per entry.
-        let (full_live, full_base) = (&self.full_live, self.full_base);
+        let (full_live, full_base, swa_of) = (&self.full_live, self.full_base, &self.swa_of);
+        let n = self.dirty.len();
         self.entries.clear();
         self.entries.extend(self.dirty.iter().map(|&v| {
             let full = if full_live[v as usize] {
@@ -560,15 +564,16 @@ impl KvAllocator for StaticSwa {
             };
             (v, full)
         }));
-        self.device.scatter_table(self.mirrors[0], &self.entries)?;
-        let (flags, swa_of) = (&mut self.dirty_flag, &self.swa_of);
-        self.entries.clear();
-        self.entries.extend(self.dirty.iter().map(|&v| {
+        self.entries
+            .extend(self.dirty.iter().map(|&v| (v, swa_of[v as usize])));
+        let (full, swa) = self.entries.split_at(n);
+        self.device.scatter_table(self.mirrors[0], full)?;
+        self.device.scatter_table(self.mirrors[1], swa)?;
+        let flags = &mut self.dirty_flag;
+        for &v in &self.dirty {
             flags[v as usize] = false;
-            (v, swa_of[v as usize])
-        }));
+        }
         self.dirty.clear();
-        self.device.scatter_table(self.mirrors[1], &self.entries)?;
         Ok(())
     }
 

@@ -10,9 +10,9 @@ use crate::api::{
 use crate::error::Error;
 use crate::frees::{self, FreeGroup, PageTables};
 use crate::ids::{PageSize, VirtualPage, VirtualToken};
-use crate::invariants::{CONSERVATION, SINK_RESERVED};
-use crate::spec::{Grid, Grow, Side, SubPoolSpec, check_bs1_floor, sink_floor};
-use crate::sub::{SubAllocator, VirtualIds};
+use crate::invariants::{CONSERVATION, ROOM_CHECK};
+use crate::spec::{Grid, Grow, Side, SubPoolSpec, check_bs1_floor, sink_floor, window_pages};
+use crate::sub::{CompactionPlan, Edge, SubAllocator, VirtualIds};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use unikv_invariants::{Scope, enabled};
@@ -54,8 +54,13 @@ pub struct UnifiedSwa {
     gates: Arc<AtomicUsize>,
     mirrors: [TableId; 2],
     zero_on_handout: bool,
-    spans: [Vec<ByteSpan>; 2],
+    /// Envelopes to zero before an allocation binds them (both sides, one `fill_spans`).
+    spans: Vec<ByteSpan>,
+    /// Envelope copies of a planned compaction (both sides, one `move_spans`).
     moves: Vec<SpanMove>,
+    /// The planned compaction per side (SWA, FULL), committed after the device moved.
+    plans: [CompactionPlan; 2],
+    /// Mirror entries of an upload: FULL's, then SWA's from `dirty_split`.
     dirty: Vec<(u32, i32)>,
 }
 
@@ -68,19 +73,22 @@ impl UnifiedSwa {
             .ok_or_else(|| Error::BadConfig("page size must be at least 1".into()))?;
         let total = config.total_bytes;
         let floor = sink_floor(&[&config.full, &config.swa], ps);
-        let full_grid = Grid::new(&config.full, ps, total, floor, "full")?;
-        let swa_grid = Grid::new(&config.swa, ps, total, floor, "swa")?;
-        let room = full_grid
-            .offset(full_grid.pages)
-            .saturating_sub(swa_grid.offset(swa_grid.min_page));
-        check_bs1_floor(
-            total,
-            floor,
-            room,
-            ps,
-            config.window,
-            full_grid.envelope + swa_grid.envelope,
-        )?;
+        let grids = |bytes| -> Result<(Grid, Grid), Error> {
+            Ok((
+                Grid::new(&config.full, ps, bytes, floor, "full")?,
+                Grid::new(&config.swa, ps, bytes, floor, "swa")?,
+            ))
+        };
+        let (full_grid, swa_grid) = grids(total)?;
+        // The room between the sink floor and the top of the FULL grid must hold one
+        // window of joint pages.
+        let window_bytes =
+            window_pages(ps, config.window).saturating_mul(full_grid.envelope + swa_grid.envelope);
+        check_bs1_floor(total, ps, config.window, |bytes| {
+            grids(bytes).is_ok_and(|(f, s)| {
+                f.offset(f.pages).saturating_sub(s.offset(s.min_page)) >= window_bytes
+            })
+        })?;
         let virtual_pages = full_grid.pages - full_grid.min_page + 1;
         if virtual_pages as u64 * ps.get() as u64 > i32::MAX as u64 {
             return Err(Error::BadConfig(format!(
@@ -105,12 +113,15 @@ impl UnifiedSwa {
             gates: Arc::new(AtomicUsize::new(0)),
             mirrors: [full_mirror, swa_mirror],
             zero_on_handout: config.zero_on_handout,
-            spans: [Vec::new(), Vec::new()],
+            spans: Vec::new(),
             moves: Vec::new(),
-            // At most one entry per virtual page per upload: sized and mapped at boot.
+            plans: Default::default(),
+            // At most one entry per virtual page and side per upload: sized and mapped at
+            // boot.
             dirty: {
-                let mut entries = Vec::with_capacity(virtual_pages as usize);
-                entries.resize(virtual_pages as usize, std::hint::black_box((0, 0)));
+                let n = 2 * virtual_pages as usize;
+                let mut entries = Vec::with_capacity(n);
+                entries.resize(n, std::hint::black_box((0, 0)));
                 entries.clear();
                 entries
             },
@@ -120,6 +131,11 @@ impl UnifiedSwa {
     /// Byte range `[low, high)` of `side`'s span.
     pub fn span_bytes(&self, side: Side) -> (u64, u64) {
         self.side(side).span_bytes()
+    }
+
+    /// Mirror entries waiting for the upload (both sides).
+    fn mirror_pending(&self) -> usize {
+        self.full.dirty_count() + self.swa.dirty_count()
     }
 
     fn side(&self, side: Side) -> &SubAllocator {
@@ -135,26 +151,34 @@ impl UnifiedSwa {
 
     /// Whether `d_f` FULL and `d_s` SWA pages fit after reclaiming `r_f`/`r_s` live pages,
     /// now (holes, then the frontier) or after compaction.
+    /// Overflow-safe for any demand and reclaim: the page counts are widened to u64 and
+    /// saturate (a saturated demand never fits).
     fn fits(&self, d_f: usize, d_s: usize, r_f: usize, r_s: usize, compacted: bool) -> bool {
-        if d_f > self.free_ids.available() + r_f {
+        let (d_f, d_s, r_f, r_s) = (d_f as u64, d_s as u64, r_f as u64, r_s as u64);
+        if d_f > (self.free_ids.available() as u64).saturating_add(r_f) {
             return false;
         }
         let (ef, es) = (self.full.grid.envelope, self.swa.grid.envelope);
-        if compacted {
-            let span_f = (self.full.live as usize).saturating_sub(r_f) + d_f;
-            let span_s = (self.swa.live as usize).saturating_sub(r_s) + d_s;
-            let Some(low_f) = (self.full.grid.pages as u64).checked_sub(span_f as u64) else {
-                return false;
-            };
-            low_f * ef >= (self.swa.grid.min_page as u64 + span_s as u64) * es
+        let (low_f, high_s) = if compacted {
+            let span_f = (self.full.live as u64).saturating_sub(r_f) + d_f;
+            let span_s = (self.swa.live as u64)
+                .saturating_sub(r_s)
+                .saturating_add(d_s);
+            (
+                (self.full.grid.pages as u64).checked_sub(span_f),
+                (self.swa.grid.min_page as u64).saturating_add(span_s),
+            )
         } else {
-            let ext_f = d_f.saturating_sub(self.full.holes.len() + r_f) as u64;
-            let ext_s = d_s.saturating_sub(self.swa.holes.len() + r_s) as u64;
-            let Some(low_f) = (self.full.frontier() as u64).checked_sub(ext_f) else {
-                return false;
-            };
-            low_f * ef >= (self.swa.frontier() as u64 + ext_s) * es
-        }
+            let ext_f = d_f.saturating_sub((self.full.holes.len() as u64).saturating_add(r_f));
+            let ext_s = d_s.saturating_sub((self.swa.holes.len() as u64).saturating_add(r_s));
+            (
+                (self.full.frontier() as u64).checked_sub(ext_f),
+                (self.swa.frontier() as u64).saturating_add(ext_s),
+            )
+        };
+        // Pages are below 2^31 (kernel ids fit in i32), so `low_f × ef` fits a u64 when the
+        // buffer does; the SWA side saturates for an absurd demand.
+        low_f.is_some_and(|low_f| low_f * ef >= high_s.saturating_mul(es))
     }
 
     fn fits_any(&self, d: PageDemand, r_f: usize, r_s: usize) -> bool {
@@ -196,37 +220,75 @@ impl UnifiedSwa {
         hi
     }
 
+    /// Plans a compaction of both sides into `self.plans` and `self.moves` (cleared
+    /// first), changing no table.
+    fn plan_compaction(&mut self) {
+        self.moves.clear();
+        let [swa_plan, full_plan] = &mut self.plans;
+        self.swa
+            .plan_compaction(Edge::Low, &mut self.moves, swa_plan);
+        self.full
+            .plan_compaction(Edge::High, &mut self.moves, full_plan);
+    }
+
+    /// The packed span of `side` after the planned compaction (`None`: unchanged).
+    fn planned_span(&self, side: Side) -> Option<(u32, u32)> {
+        match side {
+            Side::Swa => self.plans[0].span,
+            Side::Full => self.plans[1].span,
+        }
+    }
+
+    /// Applies the planned compaction to the tables; returns the pages moved.
+    fn commit_compaction(&mut self) -> usize {
+        let [swa_plan, full_plan] = &self.plans;
+        self.swa.commit_compaction(swa_plan);
+        self.full.commit_compaction(full_plan);
+        let moved = swa_plan.pairs.len() + full_plan.pairs.len();
+        for plan in &mut self.plans {
+            plan.span = None;
+        }
+        moved
+    }
+
+    /// Issues the planned moves (one `move_spans` for both sides: the SWA and FULL spans
+    /// are disjoint, so no destination overlaps another).
+    fn issue_moves(&self) -> Result<(), Error> {
+        if !self.moves.is_empty() {
+            self.device.move_spans(self.buffer, &self.moves)?;
+        }
+        Ok(())
+    }
+
+    /// Compacts both sides: plans, moves the envelopes on the device, and rewrites the
+    /// tables only once the move was issued. A failed move changes no table (the moves
+    /// only wrote holes, which nothing points to).
     fn compact(&mut self) -> Result<usize, Error> {
         if self.full.holes.is_empty() && self.swa.holes.is_empty() {
             return Ok(0);
         }
-        let mut moved = 0;
-        for side in [Side::Swa, Side::Full] {
-            self.moves.clear();
-            let sub = match side {
-                Side::Full => &mut self.full,
-                Side::Swa => &mut self.swa,
-            };
-            moved += sub.compact(&mut self.moves);
-            if !self.moves.is_empty() {
-                self.device.move_spans(self.buffer, &self.moves)?;
+        self.plan_compaction();
+        if let Err(e) = self.issue_moves() {
+            for plan in &mut self.plans {
+                plan.span = None;
             }
+            return Err(e);
         }
-        Ok(moved)
+        Ok(self.commit_compaction())
     }
 
-    /// Room for `pages` new joint pages: now, or after compaction (which then runs).
-    fn make_room(&mut self, pages: usize) -> Result<(), Error> {
-        if self.fits(pages, pages, 0, 0, false) {
-            return Ok(());
+    /// Whether `d_f`/`d_s` pages fit now (`Ok(false)`) or only after compaction
+    /// (`Ok(true)`); [`Error::OutOfCapacity`] otherwise. Changes nothing.
+    fn room_for(&self, d_f: usize, d_s: usize) -> Result<bool, Error> {
+        if self.fits(d_f, d_s, 0, 0, false) {
+            return Ok(false);
         }
-        if !self.gated() && self.fits(pages, pages, 0, 0, true) {
-            self.compact()?;
-            return Ok(());
+        if !self.gated() && self.fits(d_f, d_s, 0, 0, true) {
+            return Ok(true);
         }
         Err(Error::OutOfCapacity {
-            full_pages: pages,
-            swa_pages: pages,
+            full_pages: d_f,
+            swa_pages: d_s,
             available_pages: self.joint_pages(!self.gated()),
         })
     }
@@ -243,14 +305,9 @@ impl UnifiedSwa {
         requests: impl Iterator<Item = ExtendRequest>,
     ) -> Result<(usize, usize), Error> {
         let ps = self.ps;
-        let (mut pages, mut tokens) = (0usize, 0usize);
+        let mut totals = (0usize, 0usize);
         for (index, r) in requests.enumerate() {
-            if r.seq_len < r.prefix_len {
-                return Err(Error::BadRequest {
-                    index,
-                    reason: format!("seq_len {} < prefix_len {}", r.seq_len, r.prefix_len),
-                });
-            }
+            frees::check_request(index, &r, ps, &mut totals)?;
             if !ps.is_aligned(r.prefix_len) {
                 let Some(last) = r.last_token else {
                     return Err(Error::BadRequest {
@@ -273,10 +330,8 @@ impl UnifiedSwa {
                     });
                 }
             }
-            pages += r.new_pages(ps);
-            tokens += r.seq_len - r.prefix_len;
         }
-        Ok((pages, tokens))
+        Ok(totals)
     }
 
     /// Hands out the batch's tokens: each request's free tail first, then `pages` new
@@ -297,14 +352,10 @@ impl UnifiedSwa {
         if ids.contains(&0) {
             return self.extend_page_by_page(requests, out);
         }
-        // FULL then SWA, each side's takes and binds in id order: the same tables, holes,
-        // dirty entries and zeroing spans as binding both sides page by page.
-        let [full_spans, swa_spans] = &mut self.spans;
-        let zero = self.zero_on_handout;
-        self.full
-            .bind_each(ids.iter().rev().copied(), zero.then_some(full_spans));
-        self.swa
-            .bind_each(ids.iter().rev().copied(), zero.then_some(swa_spans));
+        // FULL then SWA, each side's takes and binds in id order: the same tables, holes
+        // and dirty entries as binding both sides page by page.
+        self.full.bind_each(ids.iter().rev().copied());
+        self.swa.bind_each(ids.iter().rev().copied());
         let page_size = self.ps;
         let ps = page_size.get() as usize;
         let mut next = ids.iter().rev();
@@ -366,13 +417,12 @@ impl UnifiedSwa {
     ) {
         let page_size = self.ps;
         let ps = page_size.get() as usize;
-        let zero = self.zero_on_handout;
         for r in requests {
             let mut pos = Self::fill_tail(page_size, &r, out);
             while pos < r.seq_len {
                 // The caller checked the room, which covers the virtual ids.
                 let Some(v) = self.free_ids.pop().filter(|&v| v != 0) else {
-                    self.scope.expect(&SINK_RESERVED, false, || {
+                    self.scope.expect(&ROOM_CHECK, false, || {
                         "an allocation ran out of virtual ids past its room check".to_string()
                     });
                     break;
@@ -381,10 +431,6 @@ impl UnifiedSwa {
                 self.full.bind(v, pf);
                 let psw = self.swa.take();
                 self.swa.bind(v, psw);
-                if zero {
-                    self.spans[0].push(self.full.envelope(pf));
-                    self.spans[1].push(self.swa.envelope(psw));
-                }
                 let n = (r.seq_len - pos).min(ps);
                 let base = v * ps as u32;
                 out.extend((0..n as u32).map(|o| VirtualToken(base + o)));
@@ -393,27 +439,59 @@ impl UnifiedSwa {
         }
     }
 
+    /// An allocation as one transaction: validate, size the room, plan any compaction
+    /// and the envelopes to zero, issue the device work (moves, then zeroing), and only
+    /// then commit the compaction and bind the pages. A failed device op leaves every
+    /// table, list and counter as it was (the device wrote only pages nothing points to).
     fn alloc(
         &mut self,
         requests: impl Iterator<Item = ExtendRequest> + Clone,
         out: &mut Vec<VirtualToken>,
     ) -> Result<(), Error> {
         let (pages, tokens) = self.validate(requests.clone())?;
-        self.make_room(pages)?;
+        let compact = self.room_for(pages, pages)?;
+        if compact {
+            self.plan_compaction();
+        }
+        let device_work = self.issue_handout_work(pages, compact);
+        if let Err(e) = device_work {
+            for plan in &mut self.plans {
+                plan.span = None;
+            }
+            return Err(e);
+        }
+        if compact {
+            self.commit_compaction();
+        }
         out.reserve(tokens);
         self.extend_unchecked(requests, pages, out);
-        if self.zero_on_handout {
-            self.zero_handed_out()?;
-        }
         Ok(())
     }
 
-    fn zero_handed_out(&mut self) -> Result<(), Error> {
-        for spans in &mut self.spans {
-            if !spans.is_empty() {
-                self.device.fill_spans(self.buffer, spans, 0)?;
-                spans.clear();
-            }
+    /// The device half of an allocation: the planned moves, then the zeroing of the
+    /// `pages` envelopes per side the binds will take (predicted from the state after the
+    /// planned compaction). Changes no host table.
+    fn issue_handout_work(&mut self, pages: usize, compact: bool) -> Result<(), Error> {
+        if compact {
+            self.issue_moves()?;
+        }
+        if self.zero_on_handout && pages > 0 {
+            let mut spans = std::mem::take(&mut self.spans);
+            spans.clear();
+            let packed = |side| {
+                if compact {
+                    self.planned_span(side)
+                } else {
+                    None
+                }
+            };
+            self.full
+                .handout_envelopes(pages, packed(Side::Full), &mut spans);
+            self.swa
+                .handout_envelopes(pages, packed(Side::Swa), &mut spans);
+            let filled = self.device.fill_spans(self.buffer, &spans, 0);
+            self.spans = spans;
+            filled?;
         }
         Ok(())
     }
@@ -547,18 +625,10 @@ impl KvAllocator for UnifiedSwa {
 
     fn ensure_capacity(&mut self, demand: PageDemand) -> Result<(), Error> {
         frees::flush_deferred(self);
-        if self.fits(demand.full_pages, demand.swa_pages, 0, 0, false) {
-            return Ok(());
-        }
-        if !self.gated() && self.fits(demand.full_pages, demand.swa_pages, 0, 0, true) {
+        if self.room_for(demand.full_pages, demand.swa_pages)? {
             self.compact()?;
-            return Ok(());
         }
-        Err(Error::OutOfCapacity {
-            full_pages: demand.full_pages,
-            swa_pages: demand.swa_pages,
-            available_pages: self.joint_pages(!self.gated()),
-        })
+        Ok(())
     }
 
     fn reclaim_plan(&mut self, demand: PageDemand, evictable: Reclaimable) -> Option<ReclaimPlan> {
@@ -622,16 +692,24 @@ impl KvAllocator for UnifiedSwa {
     }
 
     fn upload_mirror(&mut self) -> Result<(), Error> {
-        for (i, side) in [Side::Full, Side::Swa].into_iter().enumerate() {
-            let sub = match side {
-                Side::Full => &mut self.full,
-                Side::Swa => &mut self.swa,
-            };
-            if sub.has_dirty() {
-                sub.take_dirty(&mut self.dirty);
-                self.device.scatter_table(self.mirrors[i], &self.dirty)?;
-            }
+        if !self.full.has_dirty() && !self.swa.has_dirty() {
+            return Ok(());
         }
+        // Both sides' entries first; they stay dirty until both scatters were issued, so
+        // a failed upload is retried whole (re-scattering an entry is idempotent).
+        self.dirty.clear();
+        self.full.dirty_entries(&mut self.dirty);
+        let split = self.dirty.len();
+        self.swa.dirty_entries(&mut self.dirty);
+        let (full, swa) = self.dirty.split_at(split);
+        if !full.is_empty() {
+            self.device.scatter_table(self.mirrors[0], full)?;
+        }
+        if !swa.is_empty() {
+            self.device.scatter_table(self.mirrors[1], swa)?;
+        }
+        self.full.clear_dirty();
+        self.swa.clear_dirty();
         Ok(())
     }
 

@@ -2,8 +2,10 @@
 //! set-shaped frees, groups, flushes, compaction and move gates, on both allocators at
 //! every page size, against a small reference model of which pages each request holds.
 //! After every op: the allocator's counts equal the model's, conservation holds, the
-//! full table scan passes, no two live pages share a physical page, and an alloc fails
-//! exactly when `allocation_fits` said it would. Failing seeds are kept by proptest in
+//! full table scan passes, no byte of a live page envelope (either side) overlaps another
+//! live envelope or the sink floor, and an alloc fails exactly when the oracle — its own
+//! byte arithmetic from the spec over the pool map, independent of the allocator's
+//! `fits` — says it would (and `allocation_fits` agrees). Failing seeds are kept by proptest in
 //! `proptest-regressions/model.txt` and replayed first.
 
 mod common;
@@ -12,8 +14,74 @@ use common::*;
 use proptest::prelude::*;
 use std::collections::HashSet;
 use unikv_pools::{
-    DecodeRequest, ExtendRequest, MoveGate, PageDemand, Segment, Side, SwaState, VirtualToken,
+    DecodeRequest, ExtendRequest, KvAllocator, MoveGate, PageDemand, Segment, Side, SwaState,
+    VirtualPage, VirtualToken,
 };
+
+/// The oracle: whether `d` new joint pages fit, from the spec (DESIGN §4) over the pool
+/// map, written without the allocator's own arithmetic. Unified: capacity is bytes at
+/// the frontier — FULL (growing down) takes its holes, then pages below its low byte;
+/// SWA (growing up) its holes, then pages above its high byte; the two new frontiers must
+/// not cross. Failing that, and unless a move gate is closed, compaction packs each side
+/// against its fixed end (FULL against the top of its span, SWA against its low byte),
+/// and the packed spans plus `d` pages each must not cross. Every new FULL page also
+/// needs a free virtual id. Static: each fixed pool needs `d` free pages.
+fn oracle_fits(pool: &dyn KvAllocator, d: usize, gated: bool) -> bool {
+    let map = pool.pool_map();
+    let span = |side: Side| *map.spans.iter().find(|s| s.side == side).unwrap();
+    let (full, swa) = (span(Side::Full), span(Side::Swa));
+    if map.layout == "static" {
+        return d <= full.pages - full.live && d <= swa.pages - swa.live;
+    }
+    let free_ids = pool.virtual_pages() as usize - 1 - full.live;
+    if d > free_ids {
+        return false;
+    }
+    let d = d as u64;
+    let (ef, es) = (full.envelope, swa.envelope);
+    let new_full_low =
+        |holes: usize, low: u64| low.checked_sub(d.saturating_sub(holes as u64) * ef);
+    let new_swa_high = |holes: usize, high: u64| high + d.saturating_sub(holes as u64) * es;
+    let now = new_full_low(full.holes, full.bytes.0)
+        .is_some_and(|low| low >= new_swa_high(swa.holes, swa.bytes.1));
+    if now || gated {
+        return now;
+    }
+    let packed_full_low = full.bytes.1.checked_sub(full.live as u64 * ef);
+    let packed_swa_high = swa.bytes.0 + swa.live as u64 * es;
+    packed_full_low
+        .and_then(|low| new_full_low(0, low))
+        .is_some_and(|low| low >= new_swa_high(0, packed_swa_high))
+}
+
+/// No byte of a live envelope overlaps another live envelope (either side) or the sink
+/// floor, and every envelope lies inside the buffer.
+fn bytes_disjoint(pool: &dyn KvAllocator) -> Result<(), String> {
+    let map = pool.pool_map();
+    let mut ranges = vec![(0, pool.sink_floor(), "sink floor".to_string())];
+    for v in 0..pool.virtual_pages() {
+        for side in [Side::Full, Side::Swa] {
+            if let Some(p) = pool.physical_page(side, VirtualPage(v)) {
+                let env = pool.grid(side).envelope;
+                let start = p as u64 * env;
+                ranges.push((start, start + env, format!("{side:?} v{v} (p{p})")));
+            }
+        }
+    }
+    ranges.sort();
+    for pair in ranges.windows(2) {
+        let ((_, a_end, a), (b_start, _, b)) = (&pair[0], &pair[1]);
+        if b_start < a_end {
+            return Err(format!("{a} and {b} overlap at byte {b_start}"));
+        }
+    }
+    match ranges.last() {
+        Some((_, end, what)) if *end > map.total_bytes => {
+            Err(format!("{what} ends at {end}, past the buffer"))
+        }
+        _ => Ok(()),
+    }
+}
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -112,7 +180,13 @@ fn run(layout: Layout, ps: u32, ops: &[Op]) -> Result<(), TestCaseError> {
                     seq_len: n,
                     last_token: None,
                 };
-                let fits = pool.allocation_fits(PageDemand::joint(req.new_pages(pool.page_size())));
+                let fits = oracle_fits(&*pool.alloc, psz_pages(n, psz), gate.is_some());
+                prop_assert_eq!(
+                    pool.allocation_fits(PageDemand::joint(psz_pages(n, psz))),
+                    fits,
+                    "{}",
+                    ctx()
+                );
                 let mut out = Vec::new();
                 let ok = pool.alloc_extend(&[req], &mut out).is_ok();
                 prop_assert_eq!(ok, fits, "{}", ctx());
@@ -135,7 +209,14 @@ fn run(layout: Layout, ps: u32, ops: &[Op]) -> Result<(), TestCaseError> {
                     seq_len: r.row.len() + n,
                     last_token: r.row.last().copied(),
                 };
-                let fits = pool.allocation_fits(PageDemand::joint(req.new_pages(pool.page_size())));
+                let new_pages = psz_pages(r.row.len() + n, psz) - psz_pages(r.row.len(), psz);
+                let fits = oracle_fits(&*pool.alloc, new_pages, gate.is_some());
+                prop_assert_eq!(
+                    pool.allocation_fits(PageDemand::joint(new_pages)),
+                    fits,
+                    "{}",
+                    ctx()
+                );
                 let mut out = Vec::new();
                 let ok = pool.alloc_extend(&[req], &mut out).is_ok();
                 prop_assert_eq!(ok, fits, "{}", ctx());
@@ -156,7 +237,13 @@ fn run(layout: Layout, ps: u32, ops: &[Op]) -> Result<(), TestCaseError> {
                     })
                     .collect();
                 let new_pages = m.reqs.iter().filter(|r| r.row.len() % psz == 0).count();
-                let fits = pool.allocation_fits(PageDemand::joint(new_pages));
+                let fits = oracle_fits(&*pool.alloc, new_pages, gate.is_some());
+                prop_assert_eq!(
+                    pool.allocation_fits(PageDemand::joint(new_pages)),
+                    fits,
+                    "{}",
+                    ctx()
+                );
                 let mut out = Vec::new();
                 let ok = pool.alloc_decode(&reqs, &mut out).is_ok();
                 prop_assert_eq!(ok, fits, "{}", ctx());
@@ -298,6 +385,7 @@ fn psz_pages(tokens: usize, ps: usize) -> usize {
 /// The allocator agrees with the model after every op.
 fn check(pool: &Pool, m: &Model) -> Result<(), String> {
     pool.verify()?;
+    bytes_disjoint(&*pool.alloc)?;
     if !pool.check_conservation() {
         return Err("conservation".into());
     }

@@ -511,6 +511,9 @@ impl KvAllocator for RecordingAllocator {
         self.recorder.write(&Op::UploadMirror);
         Ok(())
     }
+    fn mirror_current(&self) -> bool {
+        self.inner.mirror_current()
+    }
     fn mirror_table(&self, side: Side) -> TableId {
         self.inner.mirror_table(side)
     }

@@ -1,0 +1,223 @@
+//! Misuse of the public allocator API that used to panic (or to pass validation and then
+//! corrupt the tables) gets a typed error and changes nothing.
+
+mod common;
+
+use common::{each_case, new_row, pool};
+use unikv_pools::{
+    DecodeRequest, Error, ExtendRequest, KvAllocator, PageDemand, Reclaimable, Segment,
+};
+
+/// What a refused call must leave as it was.
+fn snapshot(a: &dyn KvAllocator) -> impl PartialEq + std::fmt::Debug + use<> {
+    (a.capacity(), a.pool_map(), a.pending_frees(), a.verify())
+}
+
+#[test]
+fn an_empty_segment_does_not_hide_an_overlap() {
+    each_case(|layout, ps| {
+        let mut p = pool(layout, ps, 16);
+        let row = new_row(&mut p, 2 * ps as usize);
+        let psz = ps as usize;
+        let before = snapshot(&*p.alloc);
+        let segs = [
+            Segment::of_row(&row, 0..psz),
+            Segment::of_row(&row, psz..psz),
+            Segment::of_row(&row, 0..psz),
+        ];
+        let err = p.free_segments(&segs).unwrap_err();
+        assert!(matches!(err, Error::SegmentsShareAPage { .. }), "{err}");
+        assert_eq!(snapshot(&*p.alloc), before);
+    });
+}
+
+#[test]
+fn a_transfer_that_names_a_page_twice_is_refused_before_anything_moves() {
+    each_case(|layout, ps| {
+        let mut p = pool(layout, ps, 16);
+        let psz = ps as usize;
+        let live = new_row(&mut p, 2 * psz);
+        let dead = new_row(&mut p, 2 * psz);
+        p.free_swa_segment(Segment::of_row(&dead, 0..2 * psz))
+            .unwrap();
+        let before = snapshot(&*p.alloc);
+        // The same source page twice (a row with a repeated page).
+        let twice: Vec<_> = live[..psz].iter().chain(&live[..psz]).copied().collect();
+        let err = p
+            .transfer_swa(
+                Segment::of_row(&twice, 0..2 * psz),
+                Segment::of_row(&dead, 0..2 * psz),
+            )
+            .unwrap_err();
+        assert!(matches!(err, Error::BadTransfer { .. }), "{err}");
+        assert_eq!(snapshot(&*p.alloc), before);
+        // The same target twice.
+        let twice: Vec<_> = dead[..psz].iter().chain(&dead[..psz]).copied().collect();
+        let err = p
+            .transfer_swa(
+                Segment::of_row(&live, 0..2 * psz),
+                Segment::of_row(&twice, 0..2 * psz),
+            )
+            .unwrap_err();
+        assert!(matches!(err, Error::BadTransfer { .. }), "{err}");
+        assert_eq!(snapshot(&*p.alloc), before);
+        p.transfer_swa(
+            Segment::of_row(&live, 0..2 * psz),
+            Segment::of_row(&dead, 0..2 * psz),
+        )
+        .unwrap();
+        p.verify().unwrap();
+    });
+}
+
+#[test]
+fn huge_sizes_are_typed_errors_without_wrapped_numbers() {
+    each_case(|layout, ps| {
+        let mut p = pool(layout, ps, 16);
+        let psz = ps as usize;
+        let row = new_row(&mut p, 3);
+        let before = snapshot(&*p.alloc);
+        let mut out = Vec::new();
+        for req in [
+            ExtendRequest {
+                prefix_len: 0,
+                seq_len: usize::MAX,
+                last_token: None,
+            },
+            ExtendRequest {
+                prefix_len: 3,
+                seq_len: usize::MAX,
+                last_token: row.last().copied(),
+            },
+        ] {
+            let err = p.alloc_extend(&[req], &mut out).unwrap_err();
+            // The true page count, not a wrapped one.
+            let pages = req.new_pages(p.page_size());
+            assert!(
+                matches!(err, Error::OutOfCapacity { full_pages, .. } if full_pages == pages),
+                "{err}"
+            );
+        }
+        let half = ExtendRequest {
+            prefix_len: 0,
+            seq_len: usize::MAX / 2 + 1,
+            last_token: None,
+        };
+        let err = p.alloc_extend(&[half, half], &mut out).unwrap_err();
+        assert!(
+            matches!(err, Error::OutOfCapacity { full_pages, .. } if full_pages >= usize::MAX / 2 / psz),
+            "{err}"
+        );
+        let decode = DecodeRequest {
+            prefix_len: usize::MAX,
+            last_token: row.last().copied(),
+        };
+        let err = p.alloc_decode(&[decode], &mut out).unwrap_err();
+        assert!(matches!(err, Error::BadRequest { index: 0, .. }), "{err}");
+        assert!(out.is_empty());
+        let huge = PageDemand {
+            full_pages: usize::MAX,
+            swa_pages: usize::MAX,
+        };
+        assert!(!p.allocation_fits(huge));
+        assert!(!p.allocation_fits(PageDemand {
+            full_pages: 0,
+            swa_pages: usize::MAX
+        }));
+        let err = p.ensure_capacity(huge).unwrap_err();
+        assert!(matches!(err, Error::OutOfCapacity { .. }), "{err}");
+        let all = Reclaimable {
+            full_pages: usize::MAX,
+            swa_pages: usize::MAX,
+        };
+        assert_eq!(p.reclaim_plan(huge, all), None);
+        assert!(p.reclaim_plan(PageDemand::joint(1), all).is_some());
+        assert_eq!(snapshot(&*p.alloc), before);
+    });
+}
+
+/// Builds `layout` with `total` bytes and the given geometry.
+fn build(
+    layout: common::Layout,
+    ps: u32,
+    window: u32,
+    ratio: f64,
+    total: u64,
+) -> Result<Box<dyn KvAllocator>, Error> {
+    let device: std::sync::Arc<dyn unikv_kernels::Device> =
+        std::sync::Arc::new(unikv_kernels::CpuDevice::new());
+    let (full, swa) = (common::full_spec(), common::swa_spec());
+    Ok(match layout {
+        common::Layout::Unified => Box::new(unikv_pools::UnifiedSwa::new(
+            device,
+            unikv_pools::UnifiedSwaConfig {
+                total_bytes: total,
+                page_size: ps,
+                window,
+                full,
+                swa,
+                zero_on_handout: false,
+            },
+        )?),
+        common::Layout::Static => Box::new(unikv_pools::StaticSwa::new(
+            device,
+            unikv_pools::StaticSwaConfig {
+                total_bytes: total,
+                page_size: ps,
+                window,
+                full,
+                swa,
+                swa_full_ratio: ratio,
+                zero_on_handout: false,
+            },
+        )?),
+    })
+}
+
+#[test]
+fn the_stated_need_of_a_too_small_buffer_is_exactly_enough() {
+    for layout in common::LAYOUTS {
+        for ps in [1, 4, 16] {
+            for window in [8, 64] {
+                for ratio in [0.5, 0.8, 1.0, 2.0] {
+                    let case = format!("{layout:?} ps {ps} window {window} ratio {ratio}");
+                    let Err(Error::BufferTooSmall { needed, have, .. }) =
+                        build(layout, ps, window, ratio, 256)
+                    else {
+                        panic!("{case}: 256 bytes must be too small");
+                    };
+                    assert_eq!(have.0, 256);
+                    assert!(needed.0 > 256, "{case}");
+                    build(layout, ps, window, ratio, needed.0)
+                        .unwrap_or_else(|e| panic!("{case}: the stated need {needed} fails: {e}"));
+                    let err = build(layout, ps, window, ratio, needed.0 - 1).err();
+                    assert!(
+                        matches!(err, Some(Error::BufferTooSmall { needed: n, .. }) if n == needed),
+                        "{case}: one byte less must be refused with the same need: {err:?}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn huge_model_dimensions_are_a_typed_error() {
+    let spec = unikv_pools::SubPoolSpec::mha("huge", u32::MAX, u32::MAX, u32::MAX, u32::MAX);
+    assert_eq!(spec.bytes_per_token, u64::MAX, "saturated, not wrapped");
+    let device: std::sync::Arc<dyn unikv_kernels::Device> =
+        std::sync::Arc::new(unikv_kernels::CpuDevice::new());
+    let err = unikv_pools::UnifiedSwa::new(
+        device,
+        unikv_pools::UnifiedSwaConfig {
+            total_bytes: u64::MAX,
+            page_size: 256,
+            window: 8,
+            full: spec.clone(),
+            swa: spec,
+            zero_on_handout: false,
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(err, Error::BadConfig(_)), "{err}");
+}
