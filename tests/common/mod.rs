@@ -495,3 +495,15 @@ pub fn for_each_layout_and_page_size(mut f: impl FnMut(Layout, u32)) {
 pub fn follow_up(prompt: &[TokenId]) -> Vec<TokenId> {
     concat(prompt, &[TokenId(999_999)])
 }
+
+/// Property-test cases: `PROPTEST_CASES` when it is set (a local hunt asks for more),
+/// else `default` (sized for the CI matrix, which runs each file 18 times on 2 cores).
+pub fn proptest_cases(default: u32) -> u32 {
+    match std::env::var("PROPTEST_CASES") {
+        Err(_) => default,
+        Ok(v) => v
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("PROPTEST_CASES={v:?} is not a number of cases")),
+    }
+}
