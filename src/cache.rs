@@ -402,7 +402,8 @@ impl HybridCache {
     /// the joint FULL + SWA demand itself (in the unified layout, evicting SWA makes room
     /// for FULL), so the answer is exact up to the hit's own pages, which admission locks.
     /// Takes `&mut self` because pricing first applies the step's deferred frees (as any
-    /// allocation would); nothing else changes.
+    /// allocation would); nothing else changes. `false` for a match of another cache and
+    /// for a reservation past every page (including one that overflows `usize`).
     pub fn can_admit(&mut self, hit: &PrefixMatch, reserve_tokens: usize) -> bool {
         if hit.cache != self.id {
             return false;
@@ -771,7 +772,8 @@ impl HybridCache {
     /// Evicts unlocked prefixes until `full_pages` FULL and `swa_pages` SWA pages can be
     /// allocated together: deferred frees are flushed first (so freed memory is not
     /// evicted for again), then the allocator's minimum reclaim plan is evicted from the
-    /// tree, FULL before SWA, and the fit is checked again.
+    /// tree, FULL before SWA, and the fit is checked again. A demand beyond a side's total
+    /// is [`Error::OutOfMemory`] at once, with nothing flushed or evicted.
     pub fn evict_to_free(&mut self, full_pages: usize, swa_pages: usize) -> Result<(), Error> {
         self.make_room(PageDemand {
             full_pages,

@@ -16,7 +16,7 @@ fn fixture(layout: Layout, ps: u32, window: u32, tokens: u64) -> Fixture {
 // ----- overflow ----------------------------------------------------------------------------
 
 #[test]
-fn can_admit_refuses_a_reservation_whose_target_overflows() {
+fn can_admit_refuses_a_foreign_match_and_a_reservation_whose_target_overflows() {
     for_each_layout_and_page_size(|layout, ps| {
         let mut fx = fixture(layout, ps, 8, 64 * ps as u64);
         let hit = fx.cache.match_prefix(text(0, 10));
@@ -28,6 +28,10 @@ fn can_admit_refuses_a_reservation_whose_target_overflows() {
                 fx.label
             );
         }
+        // A match of another cache is not admissible here at all.
+        let mut other = Config::tokens(layout, ps, 8, 64 * ps as u64, 8).build();
+        let foreign = other.match_prefix(text(0, 10));
+        assert!(!fx.cache.can_admit(&foreign, 0), "{}", fx.label);
         fx.step();
         fx.teardown(vec![]);
     });
