@@ -1,5 +1,5 @@
 //! A forwarding `KvAllocator` for tests, installed with `HybridCacheBuilder::wrap_allocator`:
-//! it fails a chosen method once (fault injection), and it can check, before forwarding
+//! it fails a chosen method once, or loses one call's frees (fault injection), and it can check, before forwarding
 //! each free, that every page the free names is still owned — FULL live and not already
 //! freed in the open group for FULL and two-sided frees, SWA live for SWA frees — so an id
 //! recycled while an action naming it was unapplied would be caught where it happens.
@@ -22,6 +22,9 @@ pub enum Fault {
     FreeGroupBegin,
     /// `upload_mirror`.
     UploadMirror,
+    /// `free_kv_row_segments` returns `Ok` without freeing: pages leak, so the next
+    /// step boundary finds conservation broken.
+    LoseRowFrees,
 }
 
 /// What the test and the probe share.
@@ -74,10 +77,18 @@ impl Probe {
         self.state.lock().expect("probe state")
     }
 
-    fn fault(&self, method: Fault) -> Result<(), Error> {
+    /// Whether `method` is armed (disarming it).
+    fn armed(&self, method: Fault) -> bool {
         let mut s = self.state();
-        if s.fail_once == Some(method) {
+        let armed = s.fail_once == Some(method);
+        if armed {
             s.fail_once = None;
+        }
+        armed
+    }
+
+    fn fault(&self, method: Fault) -> Result<(), Error> {
+        if self.armed(method) {
             return Err(Error::BadConfig(format!("injected fault in {method:?}")));
         }
         Ok(())
@@ -217,6 +228,9 @@ impl KvAllocator for Probe {
             self.check("free_kv_row_segments", Freed::Full, full);
             let both = self.segment_pages(Segment::of_row(row, cursor..len));
             self.check("free_kv_row_segments", Freed::Both, both);
+        }
+        if self.armed(Fault::LoseRowFrees) {
+            return Ok(());
         }
         let r = self.inner.free_kv_row_segments(row, dead_lo, cursor, len);
         self.settle(r)
