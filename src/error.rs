@@ -3,16 +3,21 @@
 /// Everything `HybridCache` can report. An operation that returns an error leaves the
 /// request it was given as it was and loses no KV; work that is valid on its own and was
 /// done before the failure stays done (a window release, evicting unlocked prefixes,
-/// applying deferred frees). The finishing methods (`cache_finished`, `release`) check the
-/// request's cache before anything else; a request of another cache is refused with
-/// [`Error::ForeignRequest`] and, having been moved in, is dropped: its KV stays held in
-/// the cache it came from.
+/// applying deferred frees). Arguments are checked before any of that: a request or match
+/// of another cache ([`Error::ForeignRequest`]), a token count past the prompt
+/// ([`Error::BadRequest`], with no arithmetic that could wrap) and a page demand beyond a
+/// side's total ([`Error::OutOfMemory`]) change nothing at all. The finishing methods
+/// (`cache_finished`, `release`) check the request's cache before anything else; a
+/// request of another cache is refused and, having been moved in, is dropped: its KV stays
+/// held in the cache it came from. An error from `step_boundary` still ends the step with
+/// the next free group open (see its docs).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The builder was given an unusable combination.
     #[error("invalid cache configuration: {0}")]
     Config(String),
-    /// Not enough memory even after evicting everything the prefix cache may give up.
+    /// Not enough memory even after evicting everything the prefix cache may give up (or
+    /// a demand beyond a side's total, refused before evicting anything).
     #[error(
         "out of memory: need {full_pages} FULL and {swa_pages} SWA pages, \
          {full_available} and {swa_available} free after evicting every unlocked prefix"

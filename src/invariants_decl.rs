@@ -7,10 +7,7 @@ declare_invariant! {
     /// requests = total, in pages.
     pub static CONSERVATION: "cache.conservation", FatalUncontainable,
         "per side at each step boundary: available + evictable + protected + held = total pages";
-    /// A request's window cursor only moves up, in whole pages.
-    pub static CURSOR_RATCHET: "cache.cursor_ratchet", Guard,
-        "a request's window cursor only moves up and stays page-aligned";
 }
 
 /// Every invariant this crate declares.
-pub const ALL: [&unikv_invariants::Invariant; 2] = [&CONSERVATION, &CURSOR_RATCHET];
+pub const ALL: [&unikv_invariants::Invariant; 1] = [&CONSERVATION];

@@ -68,18 +68,48 @@ impl ModelSpec {
         ModelSpec::NAMED.iter().find(|m| m.name == name).copied()
     }
 
-    /// KV bytes of one token across every full-attention layer (K and V).
+    /// KV bytes of one token across every full-attention layer (K and V); `u64::MAX`
+    /// when that does not fit in 64 bits (a spec the cache builder refuses).
     pub const fn full_bytes_per_token(&self) -> u64 {
-        self.full_layers as u64 * self.bytes_per_layer_token()
+        saturated(self.checked_full_bytes_per_token())
     }
 
-    /// KV bytes of one token across every sliding-window layer (K and V).
+    /// KV bytes of one token across every sliding-window layer (K and V); `u64::MAX`
+    /// when that does not fit in 64 bits (a spec the cache builder refuses).
     pub const fn swa_bytes_per_token(&self) -> u64 {
-        self.swa_layers as u64 * self.bytes_per_layer_token()
+        saturated(self.checked_swa_bytes_per_token())
     }
 
-    const fn bytes_per_layer_token(&self) -> u64 {
-        2 * self.kv_heads as u64 * self.head_dim as u64 * self.dtype_bytes as u64
+    /// [`ModelSpec::full_bytes_per_token`], or `None` when it does not fit in 64 bits.
+    pub const fn checked_full_bytes_per_token(&self) -> Option<u64> {
+        self.checked_layers_bytes(self.full_layers)
+    }
+
+    /// [`ModelSpec::swa_bytes_per_token`], or `None` when it does not fit in 64 bits.
+    pub const fn checked_swa_bytes_per_token(&self) -> Option<u64> {
+        self.checked_layers_bytes(self.swa_layers)
+    }
+
+    /// `layers × 2 (K and V) × kv_heads × head_dim × dtype_bytes`, checked.
+    const fn checked_layers_bytes(&self, layers: u32) -> Option<u64> {
+        let factors = [2, self.kv_heads, self.head_dim, self.dtype_bytes];
+        let mut bytes = layers as u64;
+        let mut i = 0;
+        while i < factors.len() {
+            bytes = match bytes.checked_mul(factors[i] as u64) {
+                Some(b) => b,
+                None => return None,
+            };
+            i += 1;
+        }
+        Some(bytes)
+    }
+}
+
+const fn saturated(bytes: Option<u64>) -> u64 {
+    match bytes {
+        Some(b) => b,
+        None => u64::MAX,
     }
 }
 
@@ -116,5 +146,21 @@ mod tests {
             36_864
         );
         assert_eq!(ModelSpec::by_name("llama"), None);
+    }
+
+    #[test]
+    fn per_token_bytes_past_64_bits_are_none_or_saturate_instead_of_wrapping() {
+        let huge = ModelSpec {
+            full_layers: u32::MAX,
+            kv_heads: u32::MAX,
+            head_dim: u32::MAX,
+            ..ModelSpec::GPT_OSS_20B
+        };
+        assert_eq!(huge.checked_full_bytes_per_token(), None);
+        assert_eq!(huge.full_bytes_per_token(), u64::MAX);
+        // 12 SWA layers × 2 × 2^32−1 × 2^32−1 × 2 does not fit either.
+        assert_eq!(huge.checked_swa_bytes_per_token(), None);
+        let m = ModelSpec::GPT_OSS_20B;
+        assert_eq!(m.checked_full_bytes_per_token(), Some(24_576));
     }
 }

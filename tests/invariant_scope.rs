@@ -9,9 +9,9 @@ use common::{Config, LAYOUTS, page_sizes};
 use unikv::invariants::{Error as InvariantError, Level, Scope, declare_invariant, scoped_level};
 use unikv::kernels::{BytesId, TableId};
 use unikv::pools::{
-    Capacity, DecodeRequest, DeferredKind, Error, ExtendRequest, FlushReport, Grid, KvAllocator,
-    MoveGate, PageDemand, PageSize, PoolMap, ReclaimPlan, Reclaimable, Segment, Side, SwaState,
-    VirtualPage, VirtualToken,
+    Capacity, DecodeRequest, DeferredKind, Error, ExtendRequest, FlushReport, FreeOp, Grid,
+    KvAllocator, MoveGate, PageDemand, PageSize, PoolMap, ReclaimPlan, Reclaimable, Segment, Side,
+    SwaState, VirtualPage, VirtualToken,
 };
 use unikv::{HybridCache, TokenId};
 
@@ -25,7 +25,7 @@ declare_invariant! {
 enum Fault {
     /// Records one breach of [`INJECTED`] into the inner allocator's scope per step.
     BreachEachStep,
-    /// Drops every `free_kv_row_segments` (a request's release): its pages leak, so the
+    /// Drops every kv-row free (a request's release): its pages leak, so the
     /// cache's conservation fails at the next step boundary.
     LeakReleases,
 }
@@ -99,6 +99,14 @@ impl KvAllocator for Faulty {
     }
     fn transfer_swa(&mut self, from: Segment<'_>, to: Segment<'_>) -> Result<(), Error> {
         self.inner.transfer_swa(from, to)
+    }
+    fn free_batch(&mut self, frees: &[FreeOp<'_>]) {
+        let kept: Vec<FreeOp<'_>> = frees
+            .iter()
+            .copied()
+            .filter(|op| !(self.fault == Fault::LeakReleases && matches!(op, FreeOp::KvRow { .. })))
+            .collect();
+        self.inner.free_batch(&kept)
     }
     fn free_group_begin(&mut self) -> Result<(), Error> {
         self.inner.free_group_begin()

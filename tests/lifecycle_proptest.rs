@@ -380,12 +380,8 @@ fn run(config: Config, ops: Vec<Op>) {
 /// 64 cases (the matrix runs this file 18 times on 2 cores); `PROPTEST_CASES` asks for
 /// more in a local hunt.
 fn proptest_config() -> ProptestConfig {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(64);
     ProptestConfig {
-        cases,
+        cases: proptest_cases(64),
         failure_persistence: Some(Box::new(FileFailurePersistence::WithSource(
             "proptest-regressions",
         ))),

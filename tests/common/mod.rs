@@ -4,10 +4,12 @@
 
 #![allow(dead_code)] // each test binary uses a different part of this module
 
-use std::sync::Arc;
+pub mod probe;
+
+use std::sync::{Arc, Mutex};
 use unikv::kernels::Device;
 use unikv::pools::{Capacity, Side, SwaState, VirtualPage, VirtualToken};
-use unikv::{HybridCache, Layout, ModelSpec, Request, TokenId};
+use unikv::{HybridCache, HybridCacheBuilder, Layout, ModelSpec, Request, TokenId};
 
 /// Both layouts: the one buffer, and the static baseline at an even token ratio.
 pub const LAYOUTS: [Layout; 2] = [
@@ -102,6 +104,22 @@ impl Config {
 
     /// Builds the cache.
     pub fn build(&self) -> HybridCache {
+        self.builder()
+            .build()
+            .unwrap_or_else(|e| panic!("building {self:?}: {e}"))
+    }
+
+    /// Builds the cache with its allocator wrapped in a [`probe::Probe`] sharing `state`.
+    pub fn build_probed(&self, state: &Arc<Mutex<probe::ProbeState>>) -> HybridCache {
+        let state = state.clone();
+        self.builder()
+            .wrap_allocator(move |inner| Box::new(probe::Probe::new(inner, state)))
+            .build()
+            .unwrap_or_else(|e| panic!("building {self:?}: {e}"))
+    }
+
+    /// The builder [`Config::build`] uses.
+    pub fn builder(&self) -> HybridCacheBuilder {
         let mut builder = HybridCache::builder()
             .model(self.model)
             .page_size(self.page_size)
@@ -114,8 +132,6 @@ impl Config {
             builder = builder.device(device.clone());
         }
         builder
-            .build()
-            .unwrap_or_else(|e| panic!("building {self:?}: {e}"))
     }
 }
 
@@ -138,7 +154,11 @@ pub struct Fixture {
 impl Fixture {
     /// Builds a cache from `config`.
     pub fn new(config: &Config) -> Fixture {
-        let cache = config.build();
+        Fixture::of(config, config.build())
+    }
+
+    /// A fixture around `cache`, built from `config` (e.g. by [`Config::build_probed`]).
+    pub fn of(config: &Config, cache: HybridCache) -> Fixture {
         let empty = cache.allocator().capacity();
         let ps = config.page_size as usize;
         Fixture {
@@ -151,9 +171,10 @@ impl Fixture {
         }
     }
 
-    /// Tokens kept behind the current length by window eviction: `max(W, ps)`.
+    /// Tokens kept behind the last whole page by window eviction: the window rounded up
+    /// to whole pages (`max(W, ps)` when the page size divides the window or exceeds it).
     pub fn keep(&self) -> usize {
-        self.window.max(self.ps)
+        self.window.div_ceil(self.ps) * self.ps
     }
 
     /// `tokens` rounded down to whole pages.
@@ -473,4 +494,16 @@ pub fn for_each_layout_and_page_size(mut f: impl FnMut(Layout, u32)) {
 /// test that expects all of `prompt` to be a hit matches its follow-up.
 pub fn follow_up(prompt: &[TokenId]) -> Vec<TokenId> {
     concat(prompt, &[TokenId(999_999)])
+}
+
+/// Property-test cases: `PROPTEST_CASES` when it is set (a local hunt asks for more),
+/// else `default` (sized for the CI matrix, which runs each file 18 times on 2 cores).
+pub fn proptest_cases(default: u32) -> u32 {
+    match std::env::var("PROPTEST_CASES") {
+        Err(_) => default,
+        Ok(v) => v
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("PROPTEST_CASES={v:?} is not a number of cases")),
+    }
 }

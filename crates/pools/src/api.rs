@@ -432,15 +432,16 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     /// Applies `frees` in order and cannot fail: the infallible mode of the free family,
     /// for frees the caller makes from host state it trusts, after a change it cannot
     /// undo (DESIGN §3: a failure inside a multi-step operation is impossible by
-    /// construction). Each op runs through its checked method (one code path); an op the
-    /// checked method would refuse with a typed error — which changes nothing — is
-    /// recorded as a `pool.free_batch_well_formed` breach (FatalContainable) and skipped,
-    /// and the rest of the batch is applied, so the allocator stays consistent. The
-    /// premise checks of the frees (`swa.peer_mapped`, `pool.double_free`, ...) are
-    /// recorded and contained as in the checked methods.
-    fn free_batch(&mut self, frees: &[FreeOp<'_>]) {
-        crate::frees::free_batch(self, frees);
-    }
+    /// construction, which the signature states). Each op runs through the same code as
+    /// its checked method; an op the checked method would refuse with a typed error —
+    /// which changes nothing — is recorded as a `pool.free_batch_well_formed` breach
+    /// (FatalContainable) and skipped, and the rest of the batch is applied, so the
+    /// allocator stays consistent. The premise checks of the frees (`swa.peer_mapped`,
+    /// `pool.double_free`, ...) are recorded and contained as in the checked methods.
+    ///
+    /// A wrapping allocator forwards the batch whole to the allocator it wraps (never
+    /// through its own checked methods, which it may fail on purpose).
+    fn free_batch(&mut self, frees: &[FreeOp<'_>]);
 
     /// Opens a free group: two-sided and FULL-only frees are deferred (cloned at enqueue)
     /// until the group ends or a flush exposes them. Groups do not nest.

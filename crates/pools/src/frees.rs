@@ -666,26 +666,26 @@ pub(crate) fn transfer_swa<T: PageTables + ?Sized>(
 }
 
 /// The infallible mode of the free family ([`crate::KvAllocator::free_batch`]): each op
-/// runs through its checked method, the error-returning mode of the same code; a refusal
-/// (which changed nothing) is recorded as a `pool.free_batch_well_formed` breach and the
-/// op is skipped. Written over the trait, so a wrapping allocator (a recorder) sees the
-/// individual checked calls.
-pub(crate) fn free_batch<A: crate::KvAllocator + ?Sized>(a: &mut A, frees: &[FreeOp<'_>]) {
+/// runs through its checked function, the error-returning mode of the same code; a
+/// refusal (which changed nothing) is recorded as a `pool.free_batch_well_formed` breach
+/// and the op is skipped. Written over the page tables, not the trait, so no wrapper
+/// stands between the batch and the frees.
+pub(crate) fn free_batch<T: PageTables + ?Sized>(t: &mut T, frees: &[FreeOp<'_>]) {
     for op in frees {
         let result = match *op {
-            FreeOp::Segment(seg) => a.free_segment(seg),
-            FreeOp::FullSegment(seg) => a.free_full_segment(seg),
-            FreeOp::SwaSegment(seg) => a.free_swa_segment(seg),
-            FreeOp::TransferSwa { from, to } => a.transfer_swa(from, to),
+            FreeOp::Segment(seg) => free_segment(t, seg),
+            FreeOp::FullSegment(seg) => free_full_segment(t, seg),
+            FreeOp::SwaSegment(seg) => free_swa_segment(t, seg),
+            FreeOp::TransferSwa { from, to } => transfer_swa(t, from, to),
             FreeOp::KvRow {
                 row,
                 dead_lo,
                 cursor,
                 len,
-            } => a.free_kv_row_segments(row, dead_lo, cursor, len),
+            } => free_kv_row_segments(t, row, dead_lo, cursor, len),
         };
         if let Err(e) = result {
-            a.invariant_scope().expect(&FREE_BATCH_WELL_FORMED, false, || {
+            t.scope().expect(&FREE_BATCH_WELL_FORMED, false, || {
                 format!(
                     "{} of an infallible free batch refused ({e}): skipped",
                     op.name()
@@ -826,6 +826,10 @@ macro_rules! free_family_methods {
 
         fn transfer_swa(&mut self, from: Segment<'_>, to: Segment<'_>) -> Result<(), Error> {
             $crate::frees::transfer_swa(self, from, to)
+        }
+
+        fn free_batch(&mut self, frees: &[$crate::api::FreeOp<'_>]) {
+            $crate::frees::free_batch(self, frees)
         }
 
         fn free_group_begin(&mut self) -> Result<(), Error> {

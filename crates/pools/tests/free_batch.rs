@@ -125,7 +125,9 @@ fn a_refused_op_is_recorded_and_skipped_and_the_rest_is_applied() {
             scoped_level(level, || {
                 scope.poll().unwrap();
                 let before = allocated(&p);
-                let (n, ()) = breaches(&mut p, &FREE_BATCH_WELL_FORMED, level, |p| p.free_batch(&ops));
+                let (n, ()) = breaches(&mut p, &FREE_BATCH_WELL_FORMED, level, |p| {
+                    p.free_batch(&ops)
+                });
                 assert_eq!(n, 3, "{layout:?}/{ps} at {level}");
                 assert_eq!(scope.poll().is_err(), level == Level::Strict);
                 assert_eq!(allocated(&p), (before.0 - 3, before.1 - 3));

@@ -117,3 +117,20 @@ fn evict_1k_leaves(bencher: Bencher, ps: u32) {
             t
         });
 }
+
+/// `sanity_check` (what the facade's step boundary runs at `Strict`) of the tree 256
+/// finished 2K-token conversations leave: a shared 1K-token system prompt, then 256
+/// branches of 1K tokens, each split into a tombstone part and a live last window.
+#[divan::bench(args = [1, 256])]
+fn sanity_check_256_conversations(bencher: Bencher, ps: u32) {
+    let mut t = tree(ps);
+    let system = key(1024, 1);
+    for i in 0..256u32 {
+        let mut k = system.clone();
+        k.extend(key(1024, 10 + i));
+        let cursor = 2048 - WINDOW.div_ceil(ps as usize) * ps as usize;
+        t.insert(InsertRequest::new(&k, &row(2048, i * 2048)).window_cursor(cursor))
+            .unwrap();
+    }
+    bencher.bench_local(|| black_box(&t).sanity_check().unwrap());
+}

@@ -37,6 +37,15 @@ impl RadixTree {
         }
     }
 
+    /// Test hook: makes the recorded sizes disagree with the nodes (one FULL token too
+    /// many evictable), so that [`RadixTree::sanity_check`] fails. Only with the `testing`
+    /// feature, for crates that test what they do with an insane tree.
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
+    pub fn corrupt_recorded_sizes(&mut self) {
+        self.sizes.full_evictable.0 += 1;
+    }
+
     fn recompute(&self) -> Result<(), String> {
         let ps = self.ps();
         let mut sizes = Sizes::default();

@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::{Sim, tokens};
+use common::{Sim, cases_from, tokens};
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
 use unikv_invariants::testing::page_sizes;
@@ -135,8 +135,9 @@ fn run(config: TreeConfig, ops: &[Op]) -> Sim {
 }
 
 proptest! {
+    // 48 cases in CI; `PROPTEST_CASES` asks for more.
     #![proptest_config(ProptestConfig {
-        cases: 48,
+        cases: common::proptest_cases(48),
         max_shrink_iters: 2000,
         failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("regressions"))),
         ..ProptestConfig::default()
@@ -149,6 +150,14 @@ proptest! {
     ) {
         run(config, &ops);
     }
+}
+
+/// The case count follows `PROPTEST_CASES` when it is set, and stays CI-sized when not.
+#[test]
+fn the_case_count_honours_proptest_cases() {
+    assert_eq!(cases_from(None, 48), 48);
+    assert_eq!(cases_from(Some("5000"), 48), 5000);
+    assert!(std::panic::catch_unwind(|| cases_from(Some("many"), 48)).is_err());
 }
 
 /// Sequences that once failed, kept as regression cases (at every page size).

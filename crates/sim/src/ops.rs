@@ -18,8 +18,8 @@ use std::time::Instant;
 use unikv::ModelSpec;
 use unikv::kernels::{BytesId, SyncLedger, TableId};
 use unikv::pools::{
-    Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, Grid, KvAllocator, MoveGate,
-    PageDemand, PageSize, PoolMap, ReclaimPlan, Reclaimable, Segment, Side, StaticSwa,
+    Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, FreeOp, Grid, KvAllocator,
+    MoveGate, PageDemand, PageSize, PoolMap, ReclaimPlan, Reclaimable, Segment, Side, StaticSwa,
     StaticSwaConfig, SubPoolSpec, SwaState, UnifiedSwa, UnifiedSwaConfig, VirtualPage,
     VirtualToken,
 };
@@ -341,6 +341,31 @@ fn extends(requests: &[ExtendRequest]) -> Vec<Extend> {
         .collect()
 }
 
+/// The trace line of one free: the checked op a [`FreeOp`] is (a batch is recorded as
+/// its ops, so `bench-ops` replays the same frees).
+fn recorded(op: FreeOp<'_>) -> Op {
+    match op {
+        FreeOp::Segment(s) => Op::FreeSegment(Seg::of(&s)),
+        FreeOp::FullSegment(s) => Op::FreeFullSegment(Seg::of(&s)),
+        FreeOp::SwaSegment(s) => Op::FreeSwaSegment(Seg::of(&s)),
+        FreeOp::TransferSwa { from, to } => Op::TransferSwa {
+            from: Seg::of(&from),
+            to: Seg::of(&to),
+        },
+        FreeOp::KvRow {
+            row,
+            dead_lo,
+            cursor,
+            len,
+        } => Op::FreeKvRowSegments {
+            row: to_runs(&row[..len.min(row.len())]),
+            dead_lo,
+            cursor,
+            len,
+        },
+    }
+}
+
 impl KvAllocator for RecordingAllocator {
     fn page_size(&self) -> PageSize {
         self.inner.page_size()
@@ -400,17 +425,17 @@ impl KvAllocator for RecordingAllocator {
     }
     fn free_segment(&mut self, segment: Segment<'_>) -> Result<(), unikv::pools::Error> {
         self.inner.free_segment(segment)?;
-        self.recorder.write(&Op::FreeSegment(Seg::of(&segment)));
+        self.recorder.write(&recorded(FreeOp::Segment(segment)));
         Ok(())
     }
     fn free_swa_segment(&mut self, segment: Segment<'_>) -> Result<(), unikv::pools::Error> {
         self.inner.free_swa_segment(segment)?;
-        self.recorder.write(&Op::FreeSwaSegment(Seg::of(&segment)));
+        self.recorder.write(&recorded(FreeOp::SwaSegment(segment)));
         Ok(())
     }
     fn free_full_segment(&mut self, segment: Segment<'_>) -> Result<(), unikv::pools::Error> {
         self.inner.free_full_segment(segment)?;
-        self.recorder.write(&Op::FreeFullSegment(Seg::of(&segment)));
+        self.recorder.write(&recorded(FreeOp::FullSegment(segment)));
         Ok(())
     }
     fn free_segments(&mut self, segments: &[Segment<'_>]) -> Result<(), unikv::pools::Error> {
@@ -428,13 +453,12 @@ impl KvAllocator for RecordingAllocator {
         len: usize,
     ) -> Result<(), unikv::pools::Error> {
         self.inner.free_kv_row_segments(row, dead_lo, cursor, len)?;
-        let row = to_runs(&row[..len.min(row.len())]);
-        self.recorder.write(&Op::FreeKvRowSegments {
+        self.recorder.write(&recorded(FreeOp::KvRow {
             row,
             dead_lo,
             cursor,
             len,
-        });
+        }));
         Ok(())
     }
     fn transfer_swa(
@@ -443,11 +467,17 @@ impl KvAllocator for RecordingAllocator {
         to: Segment<'_>,
     ) -> Result<(), unikv::pools::Error> {
         self.inner.transfer_swa(from, to)?;
-        self.recorder.write(&Op::TransferSwa {
-            from: Seg::of(&from),
-            to: Seg::of(&to),
-        });
+        self.recorder
+            .write(&recorded(FreeOp::TransferSwa { from, to }));
         Ok(())
+    }
+    fn free_batch(&mut self, frees: &[FreeOp<'_>]) {
+        // Forwarded whole (it cannot fail), recorded as the checked ops it is made of, so
+        // `bench-ops` replays the same frees.
+        self.inner.free_batch(frees);
+        for &op in frees {
+            self.recorder.write(&recorded(op));
+        }
     }
     fn free_group_begin(&mut self) -> Result<(), unikv::pools::Error> {
         self.inner.free_group_begin()?;

@@ -658,3 +658,21 @@ impl Sim {
         self.tree.invariant_scope().poll().unwrap();
     }
 }
+
+/// Property-test cases: `PROPTEST_CASES` when it is set (a local hunt asks for more),
+/// else `default` (sized for the CI matrix).
+pub fn proptest_cases(default: u32) -> u32 {
+    cases_from(std::env::var("PROPTEST_CASES").ok().as_deref(), default)
+}
+
+/// [`proptest_cases`] given the variable's value: a value that is not a count fails
+/// loudly instead of falling back unnoticed.
+pub fn cases_from(var: Option<&str>, default: u32) -> u32 {
+    match var {
+        None => default,
+        Some(v) => v
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("PROPTEST_CASES={v:?} is not a number of cases")),
+    }
+}
