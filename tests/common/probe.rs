@@ -1,5 +1,6 @@
 //! A forwarding `KvAllocator` for tests, installed with `HybridCacheBuilder::wrap_allocator`:
-//! it fails a chosen method once, or loses one call's frees (fault injection), and it can check, before forwarding
+//! it fails a chosen method once or the n-th fallible call, or loses one call's frees (fault
+//! injection), and it can check, before forwarding
 //! each free, that every page the free names is still owned — FULL live and not already
 //! freed in the open group for FULL and two-sided frees, SWA live for SWA frees — so an id
 //! recycled while an action naming it was unapplied would be caught where it happens.
@@ -34,6 +35,13 @@ pub enum Fault {
 pub struct ProbeState {
     /// The next call of this method fails (without forwarding) and clears it.
     pub fail_once: Option<Fault>,
+    /// The fallible calls forwarded or failed so far (every method that returns a
+    /// `Result`).
+    pub fallible_calls: usize,
+    /// The fallible call with this index fails (without forwarding), once.
+    pub fail_call: Option<usize>,
+    /// Faults injected so far (by `fail_once` or `fail_call`).
+    pub injected: usize,
     /// Check every free against the pages' ownership.
     pub check_frees: bool,
     /// Pages freed FULL or two-sided in the open group and not yet flushed.
@@ -91,7 +99,23 @@ impl Probe {
 
     fn fault(&self, method: Fault) -> Result<(), Error> {
         if self.armed(method) {
+            self.state().injected += 1;
             return Err(Error::BadConfig(format!("injected fault in {method:?}")));
+        }
+        Ok(())
+    }
+
+    /// Counts one fallible call of `method`; fails it when it is the armed index.
+    fn gate(&self, method: &str) -> Result<(), Error> {
+        let mut s = self.state();
+        let index = s.fallible_calls;
+        s.fallible_calls += 1;
+        if s.fail_call == Some(index) {
+            s.fail_call = None;
+            s.injected += 1;
+            return Err(Error::BadConfig(format!(
+                "injected fault in {method} (fallible call {index})"
+            )));
         }
         Ok(())
     }
@@ -166,6 +190,7 @@ impl KvAllocator for Probe {
         requests: &[ExtendRequest],
         out: &mut Vec<VirtualToken>,
     ) -> Result<(), Error> {
+        self.gate("alloc_extend")?;
         let r = self.inner.alloc_extend(requests, out);
         self.settle(r)
     }
@@ -174,35 +199,42 @@ impl KvAllocator for Probe {
         requests: &[DecodeRequest],
         out: &mut Vec<VirtualToken>,
     ) -> Result<(), Error> {
+        self.gate("alloc_decode")?;
         let r = self.inner.alloc_decode(requests, out);
         self.settle(r)
     }
     fn free(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
+        self.gate("free")?;
         self.check("free", Freed::Both, self.id_pages(ids));
         let r = self.inner.free(ids);
         self.settle(r)
     }
     fn free_swa(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
+        self.gate("free_swa")?;
         self.check("free_swa", Freed::Swa, self.id_pages(ids));
         let r = self.inner.free_swa(ids);
         self.settle(r)
     }
     fn free_full(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
+        self.gate("free_full")?;
         self.check("free_full", Freed::Full, self.id_pages(ids));
         let r = self.inner.free_full(ids);
         self.settle(r)
     }
     fn free_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
+        self.gate("free_segment")?;
         self.check("free_segment", Freed::Both, self.segment_pages(segment));
         let r = self.inner.free_segment(segment);
         self.settle(r)
     }
     fn free_swa_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
+        self.gate("free_swa_segment")?;
         self.check("free_swa_segment", Freed::Swa, self.segment_pages(segment));
         let r = self.inner.free_swa_segment(segment);
         self.settle(r)
     }
     fn free_full_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
+        self.gate("free_full_segment")?;
         self.check(
             "free_full_segment",
             Freed::Full,
@@ -212,6 +244,7 @@ impl KvAllocator for Probe {
         self.settle(r)
     }
     fn free_segments(&mut self, segments: &[Segment<'_>]) -> Result<(), Error> {
+        self.gate("free_segments")?;
         for &s in segments {
             self.check("free_segments", Freed::Both, self.segment_pages(s));
         }
@@ -225,6 +258,7 @@ impl KvAllocator for Probe {
         cursor: usize,
         len: usize,
     ) -> Result<(), Error> {
+        self.gate("free_kv_row_segments")?;
         if dead_lo <= cursor && cursor <= len && len <= row.len() {
             let full = self.segment_pages(Segment::of_row(row, dead_lo..cursor));
             self.check("free_kv_row_segments", Freed::Full, full);
@@ -238,6 +272,7 @@ impl KvAllocator for Probe {
         self.settle(r)
     }
     fn transfer_swa(&mut self, from: Segment<'_>, to: Segment<'_>) -> Result<(), Error> {
+        self.gate("transfer_swa")?;
         self.check("transfer_swa", Freed::Swa, self.segment_pages(from));
         let r = self.inner.transfer_swa(from, to);
         self.settle(r)
@@ -282,10 +317,12 @@ impl KvAllocator for Probe {
         self.settle(());
     }
     fn free_group_begin(&mut self) -> Result<(), Error> {
+        self.gate("free_group_begin")?;
         self.fault(Fault::FreeGroupBegin)?;
         self.inner.free_group_begin()
     }
     fn free_group_end(&mut self) -> Result<(), Error> {
+        self.gate("free_group_end")?;
         self.fault(Fault::FreeGroupEnd)?;
         let r = self.inner.free_group_end();
         self.settle(r)
@@ -301,6 +338,7 @@ impl KvAllocator for Probe {
         self.settle(r)
     }
     fn flush(&mut self) -> Result<FlushReport, Error> {
+        self.gate("flush")?;
         let r = self.inner.flush();
         self.settle(r)
     }
@@ -308,6 +346,7 @@ impl KvAllocator for Probe {
         self.inner.allocation_fits(demand)
     }
     fn ensure_capacity(&mut self, demand: PageDemand) -> Result<(), Error> {
+        self.gate("ensure_capacity")?;
         let r = self.inner.ensure_capacity(demand);
         self.settle(r)
     }
@@ -334,6 +373,7 @@ impl KvAllocator for Probe {
         self.inner.mirror_current()
     }
     fn upload_mirror(&mut self) -> Result<(), Error> {
+        self.gate("upload_mirror")?;
         self.fault(Fault::UploadMirror)?;
         self.inner.upload_mirror()
     }
@@ -354,6 +394,7 @@ impl KvAllocator for Probe {
         out: TableId,
         out_width: usize,
     ) -> Result<(), Error> {
+        self.gate("translate")?;
         self.inner.translate(side, ids, n, out, out_width)
     }
     fn buffer(&self) -> BytesId {
