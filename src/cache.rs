@@ -9,7 +9,7 @@ use crate::stats::{CacheStats, EvictionCounts, SideStats, StepReport};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use unikv_invariants::Scope;
-use unikv_kernels::{CpuDevice, Device};
+use unikv_kernels::{CpuDevice, Device, TableId};
 use unikv_pools::{
     DecodeRequest, ExtendRequest, FreeOp, KvAllocator, PageDemand, Reclaimable, Segment, Side,
     StaticSwa, StaticSwaConfig, SubPoolSpec, UnifiedSwa, UnifiedSwaConfig,
@@ -313,6 +313,17 @@ impl HybridCacheBuilder {
 /// assert_eq!(cache.match_prefix((0..300).map(TokenId).collect()).cached_tokens(), 0);
 /// # Ok::<(), unikv::Error>(())
 /// ```
+///
+/// # Reading the device tables (mirror epochs)
+///
+/// The host tables are authoritative; the device holds a mirror of each side's `v2p`,
+/// refreshed by one asynchronous upload at [`HybridCache::step_boundary`]. Within a step,
+/// an allocation may compact (moving pages and rewriting the host tables) and a flush may
+/// hand freed pages to another request, so the mirror can be behind. Kernel ids from the
+/// device therefore come through [`HybridCache::translate`], which uploads first when the
+/// mirror is behind; the allocator's own `translate` refuses with
+/// `MirrorBehind` instead. A kernel that reads [`KvAllocator::mirror_table`] directly
+/// must run after the step boundary's upload (while [`KvAllocator::mirror_current`]).
 #[derive(Debug)]
 pub struct HybridCache {
     id: u64,
@@ -377,9 +388,29 @@ impl HybridCache {
         self.step
     }
 
-    /// The allocator, for read-only inspection (capacity views, translation).
+    /// The allocator, for read-only inspection (capacity views, host-side kernel ids).
     pub fn allocator(&self) -> &dyn KvAllocator {
         self.alloc.as_ref()
+    }
+
+    /// Issues the device translation of `n` virtual token ids in the device table `ids`
+    /// into kernel ids in `out` (zero-filled to `out_width`) on `side`, uploading the
+    /// mirror first when an allocation, free or compaction of this step left it behind
+    /// the host tables (one asynchronous upload; nothing waits for the device). See
+    /// [the mirror-epoch rule](HybridCache#reading-the-device-tables-mirror-epochs).
+    /// A failed upload keeps its entries pending and translates nothing.
+    pub fn translate(
+        &mut self,
+        side: Side,
+        ids: TableId,
+        n: usize,
+        out: TableId,
+        out_width: usize,
+    ) -> Result<(), Error> {
+        if !self.alloc.mirror_current() {
+            self.alloc.upload_mirror()?;
+        }
+        Ok(self.alloc.translate(side, ids, n, out, out_width)?)
     }
 
     /// The prefix tree, for read-only inspection (sizes, dumps).
