@@ -52,12 +52,26 @@ pub enum Error {
         /// Virtual pages of the id space.
         pages: u32,
     },
-    /// A segment whose start is not page-aligned, or whose first token is not the first
-    /// token of a page.
+    /// A segment (or kv-row range) whose start row position is not page-aligned.
     #[error("segment at row position {start} is not page-aligned (page size {page_size})")]
     UnalignedSegment {
         /// Row position of the segment's first token.
         start: usize,
+        /// The page size.
+        page_size: u32,
+    },
+    /// A segment at an aligned row position whose first id is not the first token of its
+    /// page (the ids start mid-page).
+    #[error(
+        "segment at row position {start} starts mid-page: id {token} is token {offset} of its page (page size {page_size}), not the first"
+    )]
+    SegmentStartsMidPage {
+        /// Row position of the segment's first token.
+        start: usize,
+        /// The segment's first id.
+        token: VirtualToken,
+        /// Its offset in its page.
+        offset: u32,
         /// The page size.
         page_size: u32,
     },

@@ -201,9 +201,18 @@ pub(crate) fn check_segment<T: PageTables + ?Sized>(t: &T, seg: &Segment<'_>) ->
     if seg.tokens.is_empty() {
         return Ok(());
     }
-    if !ps.is_aligned(seg.start) || seg.tokens[0].offset(ps) != 0 {
+    if !ps.is_aligned(seg.start) {
         return Err(Error::UnalignedSegment {
             start: seg.start,
+            page_size: ps.get(),
+        });
+    }
+    let first = seg.tokens[0];
+    if first.offset(ps) != 0 {
+        return Err(Error::SegmentStartsMidPage {
+            start: seg.start,
+            token: first,
+            offset: first.offset(ps),
             page_size: ps.get(),
         });
     }

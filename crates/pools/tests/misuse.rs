@@ -221,3 +221,39 @@ fn huge_model_dimensions_are_a_typed_error() {
     .unwrap_err();
     assert!(matches!(err, Error::BadConfig(_)), "{err}");
 }
+
+#[test]
+fn a_segment_is_refused_for_its_real_cause_unaligned_or_mid_page() {
+    each_case(|layout, ps| {
+        if ps < 2 {
+            return; // at page size 1 every id starts its page and every position aligns
+        }
+        let mut p = pool(layout, ps, 16);
+        let psz = ps as usize;
+        let row = new_row(&mut p, 2 * psz);
+        let before = snapshot(&*p.alloc);
+        let err = p.free_segment(Segment::of_row(&row, 1..psz)).unwrap_err();
+        assert!(
+            matches!(err, Error::UnalignedSegment { start: 1, .. }),
+            "{err}"
+        );
+        // An aligned position whose ids start mid-page (a row shifted by one token).
+        let shifted = &row[1..];
+        let err = p
+            .free_segment(Segment::of_row(shifted, 0..psz))
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::SegmentStartsMidPage {
+                    start: 0,
+                    offset: 1,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("starts mid-page"), "{err}");
+        assert_eq!(snapshot(&*p.alloc), before);
+    });
+}
