@@ -5,201 +5,25 @@
 
 mod common;
 
+use common::probe::{Probe, ProbeState};
 use common::{Config, LAYOUTS, page_sizes};
-use unikv::invariants::{Error as InvariantError, Level, Scope, declare_invariant, scoped_level};
-use unikv::kernels::{BytesId, TableId};
-use unikv::pools::{
-    Capacity, DecodeRequest, DeferredKind, Error, ExtendRequest, FlushReport, FreeOp, Grid,
-    KvAllocator, MoveGate, PageDemand, PageSize, PoolMap, ReclaimPlan, Reclaimable, Segment, Side,
-    SwaState, VirtualPage, VirtualToken,
-};
+use std::sync::{Arc, Mutex};
+use unikv::invariants::{Error as InvariantError, Level, declare_invariant, scoped_level};
 use unikv::{HybridCache, TokenId};
 
 declare_invariant! {
-    /// Breached on purpose by [`Faulty`], once per step.
+    /// Breached on purpose by the probe, once per step.
     static INJECTED: "test.injected", Guard, "a breach the test injects";
 }
 
-/// What [`Faulty`] does wrong.
+/// What the probe wrapping a test cache's allocator does wrong.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Fault {
-    /// Records one breach of [`INJECTED`] into the inner allocator's scope per step.
+    /// Records one breach of [`INJECTED`] into the allocator's scope per step.
     BreachEachStep,
     /// Drops every kv-row free (a request's release): its pages leak, so the
     /// cache's conservation fails at the next step boundary.
     LeakReleases,
-}
-
-/// A wrapping allocator that forwards every call (the scope methods included) but one.
-#[derive(Debug)]
-struct Faulty {
-    inner: Box<dyn KvAllocator>,
-    fault: Fault,
-}
-
-impl KvAllocator for Faulty {
-    fn page_size(&self) -> PageSize {
-        self.inner.page_size()
-    }
-    fn invariant_scope(&self) -> &Scope {
-        self.inner.invariant_scope()
-    }
-    fn set_invariant_scope(&mut self, scope: Scope) {
-        self.inner.set_invariant_scope(scope)
-    }
-    fn virtual_pages(&self) -> u32 {
-        self.inner.virtual_pages()
-    }
-    fn alloc_extend(
-        &mut self,
-        requests: &[ExtendRequest],
-        out: &mut Vec<VirtualToken>,
-    ) -> Result<(), Error> {
-        self.inner.alloc_extend(requests, out)
-    }
-    fn alloc_decode(
-        &mut self,
-        requests: &[DecodeRequest],
-        out: &mut Vec<VirtualToken>,
-    ) -> Result<(), Error> {
-        self.inner.alloc_decode(requests, out)
-    }
-    fn free(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
-        self.inner.free(ids)
-    }
-    fn free_swa(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
-        self.inner.free_swa(ids)
-    }
-    fn free_full(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
-        self.inner.free_full(ids)
-    }
-    fn free_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
-        self.inner.free_segment(segment)
-    }
-    fn free_swa_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
-        self.inner.free_swa_segment(segment)
-    }
-    fn free_full_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
-        self.inner.free_full_segment(segment)
-    }
-    fn free_segments(&mut self, segments: &[Segment<'_>]) -> Result<(), Error> {
-        self.inner.free_segments(segments)
-    }
-    fn free_kv_row_segments(
-        &mut self,
-        row: &[VirtualToken],
-        dead_lo: usize,
-        cursor: usize,
-        len: usize,
-    ) -> Result<(), Error> {
-        if self.fault == Fault::LeakReleases {
-            return Ok(());
-        }
-        self.inner.free_kv_row_segments(row, dead_lo, cursor, len)
-    }
-    fn transfer_swa(&mut self, from: Segment<'_>, to: Segment<'_>) -> Result<(), Error> {
-        self.inner.transfer_swa(from, to)
-    }
-    fn free_batch(&mut self, frees: &[FreeOp<'_>]) {
-        let kept: Vec<FreeOp<'_>> = frees
-            .iter()
-            .copied()
-            .filter(|op| !(self.fault == Fault::LeakReleases && matches!(op, FreeOp::KvRow { .. })))
-            .collect();
-        self.inner.free_batch(&kept)
-    }
-    fn free_group_begin(&mut self) -> Result<(), Error> {
-        self.inner.free_group_begin()
-    }
-    fn free_group_end(&mut self) -> Result<(), Error> {
-        self.inner.free_group_end()
-    }
-    fn in_free_group(&self) -> bool {
-        self.inner.in_free_group()
-    }
-    fn pending_frees(&self) -> [(DeferredKind, usize); 4] {
-        self.inner.pending_frees()
-    }
-    fn flush_deferred(&mut self) -> bool {
-        self.inner.flush_deferred()
-    }
-    fn flush(&mut self) -> Result<FlushReport, Error> {
-        self.inner.flush()
-    }
-    fn allocation_fits(&self, demand: PageDemand) -> bool {
-        self.inner.allocation_fits(demand)
-    }
-    fn ensure_capacity(&mut self, demand: PageDemand) -> Result<(), Error> {
-        self.inner.ensure_capacity(demand)
-    }
-    fn reclaim_plan(&mut self, demand: PageDemand, evictable: Reclaimable) -> Option<ReclaimPlan> {
-        self.inner.reclaim_plan(demand, evictable)
-    }
-    fn capacity(&self) -> Capacity {
-        self.inner.capacity()
-    }
-    fn pool_map(&self) -> PoolMap {
-        self.inner.pool_map()
-    }
-    fn move_gate(&self) -> MoveGate {
-        self.inner.move_gate()
-    }
-    fn mirror_current(&self) -> bool {
-        self.inner.mirror_current()
-    }
-    fn upload_mirror(&mut self) -> Result<(), Error> {
-        if self.fault == Fault::BreachEachStep {
-            // Recorded where the inner allocator records: the cache's scope, if the
-            // cache handed it over through this wrapper.
-            self.inner
-                .invariant_scope()
-                .expect(&INJECTED, false, || "injected at the mirror upload".into());
-        }
-        self.inner.upload_mirror()
-    }
-    fn mirror_table(&self, side: Side) -> TableId {
-        self.inner.mirror_table(side)
-    }
-    fn stride(&self, side: Side) -> u32 {
-        self.inner.stride(side)
-    }
-    fn kernel_id(&self, side: Side, token: VirtualToken) -> i32 {
-        self.inner.kernel_id(side, token)
-    }
-    fn translate(
-        &self,
-        side: Side,
-        ids: TableId,
-        n: usize,
-        out: TableId,
-        out_width: usize,
-    ) -> Result<(), Error> {
-        self.inner.translate(side, ids, n, out, out_width)
-    }
-    fn buffer(&self) -> BytesId {
-        self.inner.buffer()
-    }
-    fn grid(&self, side: Side) -> Grid {
-        self.inner.grid(side)
-    }
-    fn sink_floor(&self) -> u64 {
-        self.inner.sink_floor()
-    }
-    fn physical_page(&self, side: Side, page: VirtualPage) -> Option<u32> {
-        self.inner.physical_page(side, page)
-    }
-    fn full_live(&self, page: VirtualPage) -> bool {
-        self.inner.full_live(page)
-    }
-    fn swa_state(&self, page: VirtualPage) -> SwaState {
-        self.inner.swa_state(page)
-    }
-    fn check_conservation(&self) -> bool {
-        self.inner.check_conservation()
-    }
-    fn verify(&self) -> Result<(), String> {
-        self.inner.verify()
-    }
 }
 
 fn build(config: &Config, fault: Option<Fault>) -> HybridCache {
@@ -209,7 +33,11 @@ fn build(config: &Config, fault: Option<Fault>) -> HybridCache {
         .memory_bytes(config.memory_bytes())
         .layout(config.layout);
     if let Some(fault) = fault {
-        builder = builder.wrap_allocator(move |inner| Box::new(Faulty { inner, fault }));
+        let mut state = ProbeState::default();
+        state.lose_every_row_free = fault == Fault::LeakReleases;
+        state.breach_each_upload = (fault == Fault::BreachEachStep).then_some(&INJECTED);
+        let state = Arc::new(Mutex::new(state));
+        builder = builder.wrap_allocator(move |inner| Box::new(Probe::new(inner, state)));
     }
     builder.build().unwrap()
 }

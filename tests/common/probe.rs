@@ -7,7 +7,7 @@
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, MutexGuard};
-use unikv::invariants::Scope;
+use unikv::invariants::{Invariant, Scope};
 use unikv::kernels::{BytesId, TableId};
 use unikv::pools::{
     Capacity, DecodeRequest, DeferredKind, Error, ExtendRequest, FlushReport, FreeOp, Grid,
@@ -42,6 +42,11 @@ pub struct ProbeState {
     pub fail_call: Option<usize>,
     /// Faults injected so far (by `fail_once` or `fail_call`).
     pub injected: usize,
+    /// Drop every kv-row free (not just the next): every release leaks its pages.
+    pub lose_every_row_free: bool,
+    /// Record one breach of this invariant into the allocator's scope at every mirror
+    /// upload (once per step), where the inner allocator records its own.
+    pub breach_each_upload: Option<&'static Invariant>,
     /// Check every free against the pages' ownership.
     pub check_frees: bool,
     /// Pages freed FULL or two-sided in the open group and not yet flushed.
@@ -265,7 +270,7 @@ impl KvAllocator for Probe {
             let both = self.segment_pages(Segment::of_row(row, cursor..len));
             self.check("free_kv_row_segments", Freed::Both, both);
         }
-        if self.armed(Fault::LoseRowFrees) {
+        if self.armed(Fault::LoseRowFrees) || self.state().lose_every_row_free {
             return Ok(());
         }
         let r = self.inner.free_kv_row_segments(row, dead_lo, cursor, len);
@@ -278,7 +283,7 @@ impl KvAllocator for Probe {
         self.settle(r)
     }
     fn free_batch(&mut self, frees: &[FreeOp<'_>]) {
-        let lose_rows = self.armed(Fault::LoseRowFrees);
+        let lose_rows = self.armed(Fault::LoseRowFrees) || self.state().lose_every_row_free;
         let mut kept = Vec::with_capacity(frees.len());
         for &op in frees {
             match op {
@@ -374,6 +379,12 @@ impl KvAllocator for Probe {
     }
     fn upload_mirror(&mut self) -> Result<(), Error> {
         self.gate("upload_mirror")?;
+        let breach = self.state().breach_each_upload;
+        if let Some(invariant) = breach {
+            self.inner
+                .invariant_scope()
+                .expect(invariant, false, || "injected at the mirror upload".into());
+        }
         self.fault(Fault::UploadMirror)?;
         self.inner.upload_mirror()
     }
