@@ -49,6 +49,11 @@ impl Layout {
 /// step`) for 16 more SWA tokens per request.
 pub const DEFAULT_EVICTION_INTERVAL: u32 = 16;
 
+/// At `Strict`, the step boundary walks the whole tree ([`RadixTree::sanity_check`]) at
+/// every this-many-th step (from the first): a sample that costs a few µs per step
+/// amortised instead of a walk of every node at every step.
+pub const TREE_SANITY_INTERVAL: u64 = 128;
+
 /// Distinguishes caches so a request handle cannot be used on another one.
 static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -949,10 +954,12 @@ impl HybridCache {
     /// (e.g. retrying a failed mirror upload) can succeed. When closing the group fails,
     /// its deferred frees are applied anyway and it stays open for the next step.
     ///
-    /// At `Strict` the sanity check walks the whole tree, O(nodes × page size): for the
-    /// ~500 nodes that 256 finished 2K-token conversations on a shared prompt leave, about
-    /// 30 µs per boundary at page size 1 and 260 µs at page size 256 (`cargo bench -p
-    /// unikv-radix --bench tree -- sanity`); lower levels skip it.
+    /// At `Strict` every [`TREE_SANITY_INTERVAL`]-th boundary (the first included) walks
+    /// the whole tree, O(nodes × page size): for the ~500 nodes that 256 finished
+    /// 2K-token conversations on a shared prompt leave, about 30 µs at page size 1 and
+    /// 260 µs at page size 256 (`cargo bench -p unikv-radix --bench tree -- sanity`), so
+    /// a few µs per step amortised; lower levels skip it. Walking at every boundary made
+    /// the replay's median step time at page size 256 grow up to 20-fold.
     pub fn step_boundary(&mut self) -> Result<StepReport, Error> {
         let closed = if self.alloc.in_free_group() {
             self.alloc.free_group_end().inspect_err(|_| {
@@ -971,8 +978,12 @@ impl HybridCache {
         } else {
             self.alloc.free_group_begin()
         };
+        let sane = if self.step.is_multiple_of(TREE_SANITY_INTERVAL) {
+            self.tree.sanity_check_at_strict()
+        } else {
+            Ok(())
+        };
         self.step += 1;
-        let sane = self.tree.sanity_check_at_strict();
         // Polled on every path, a failing one included, so no breach stays pending for
         // the next step (the drained ones stay counted in the scope's report).
         let polled = self.scope.poll();
@@ -1096,8 +1107,9 @@ mod tests {
     use super::*;
     use unikv_invariants::{Level, scoped_level};
 
-    /// The step boundary walks the tree at `Strict` (a corrupted tree fails it, and the
-    /// boundary still reopens the free group) and skips the walk below it.
+    /// The step boundary walks the tree at `Strict` on its sampled steps (a corrupted tree
+    /// fails it, and the boundary still reopens the free group) and skips the walk below
+    /// `Strict` and between samples.
     #[test]
     fn step_boundary_runs_the_tree_sanity_check_at_strict_only() {
         // At page size 16 one token too many is no page too many: conservation holds,
@@ -1108,10 +1120,17 @@ mod tests {
             .build()
             .unwrap();
         cache.tree.corrupt_recorded_sizes();
+        // Below Strict no boundary walks, the sampled first one included.
         scoped_level(Level::Warn, || {
             cache.step_boundary().unwrap();
         });
         scoped_level(Level::Strict, || {
+            // Between samples the corruption goes unseen...
+            while !cache.step().is_multiple_of(TREE_SANITY_INTERVAL) {
+                cache.step_boundary().unwrap();
+            }
+            assert_eq!(cache.step(), TREE_SANITY_INTERVAL);
+            // ...and the sampled boundary finds it.
             match cache.step_boundary() {
                 Err(Error::Radix(unikv_radix::RadixError::Insane(m))) => {
                     assert!(m.contains("sizes"), "{m}")
@@ -1119,7 +1138,7 @@ mod tests {
                 other => panic!("a corrupted tree passed the strict boundary: {other:?}"),
             }
             assert!(cache.alloc.in_free_group());
-            assert_eq!(cache.step(), 2);
+            assert_eq!(cache.step(), TREE_SANITY_INTERVAL + 1);
         });
     }
 }

@@ -31,7 +31,9 @@ mod model;
 mod request;
 mod stats;
 
-pub use cache::{DEFAULT_EVICTION_INTERVAL, HybridCache, HybridCacheBuilder, Layout};
+pub use cache::{
+    DEFAULT_EVICTION_INTERVAL, HybridCache, HybridCacheBuilder, Layout, TREE_SANITY_INTERVAL,
+};
 pub use error::Error;
 pub use model::ModelSpec;
 pub use request::{PrefixMatch, Request};
