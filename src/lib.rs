@@ -33,7 +33,7 @@ mod stats;
 
 pub use cache::{DEFAULT_EVICTION_INTERVAL, HybridCache, HybridCacheBuilder, Layout};
 pub use error::Error;
-pub use model::ModelSpec;
+pub use model::{KvRows, ModelSpec, RecurrentState};
 pub use request::{PrefixMatch, Request};
 pub use stats::{CacheStats, EvictionCounts, SideStats, StepReport};
 pub use unikv_radix::TokenId;

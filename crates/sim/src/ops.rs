@@ -20,8 +20,7 @@ use unikv::kernels::{BytesId, SyncLedger, TableId};
 use unikv::pools::{
     Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, FreeOp, Grid, KvAllocator,
     MoveGate, PageDemand, PageSize, PoolMap, ReclaimPlan, Reclaimable, Segment, Side, StaticSwa,
-    StaticSwaConfig, SubPoolSpec, SwaState, UnifiedSwa, UnifiedSwaConfig, VirtualPage,
-    VirtualToken,
+    StaticSwaConfig, SwaState, UnifiedSwa, UnifiedSwaConfig, VirtualPage, VirtualToken,
 };
 
 /// The schema name in the header line.
@@ -863,8 +862,7 @@ pub fn allocator_for(
     let m = ModelSpec::by_name(model).ok_or_else(|| SimError::OpsTrace {
         reason: format!("unknown model {model:?}"),
     })?;
-    let full = SubPoolSpec::mha("full", m.full_layers, m.kv_heads, m.head_dim, m.dtype_bytes);
-    let swa = SubPoolSpec::mha("swa", m.swa_layers, m.kv_heads, m.head_dim, m.dtype_bytes);
+    let (full, swa) = m.kv_sub_pools();
     let built: Result<Box<dyn KvAllocator>, unikv::pools::Error> = match layout.as_str() {
         "unified" => UnifiedSwa::new(
             device,
