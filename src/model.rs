@@ -220,7 +220,8 @@ impl ModelSpec {
     /// `num_hidden_layers = 60`, `layer_types` = (`sliding_attention` × 5,
     /// `full_attention`) × 10, `sliding_window = 1024`, `num_key_value_heads = 16`,
     /// `head_dim = 256`, `num_global_key_value_heads = 4`, `global_head_dim = 512`,
-    /// `num_kv_shared_layers = 0`, `dtype = "bfloat16"`; the 10 : 50 split is also in
+    /// `num_kv_shared_layers = 0`, `dtype = "bfloat16"` (as reproduced by engines' test
+    /// fixtures of that configuration); the 10 : 50 split is also in
     /// `shared/reference/sglang-unified-memory.md` §1.3 (PR #37560). The global layers'
     /// `attention_k_eq_v = true` shares the K and V *projection*; the cache still holds
     /// a K row and a (separately normalised) V row, as counted here.
@@ -242,12 +243,14 @@ impl ModelSpec {
     /// 32 × 128 × 128 × 4 B = 2,097,152 bytes.
     ///
     /// Source: the published `Qwen/Qwen3-Next-80B-A3B-Instruct` `config.json`:
-    /// `num_hidden_layers = 48`, `full_attention_interval = 4`,
-    /// `num_key_value_heads = 2`, `head_dim = 256`, `linear_num_value_heads = 32`,
+    /// `full_attention_interval = 4`, `head_dim = 256`, `linear_num_value_heads = 32`,
     /// `linear_num_key_heads = 16`, `linear_key_head_dim = 128`,
-    /// `linear_value_head_dim = 128`, `linear_conv_kernel_dim = 4`,
-    /// `torch_dtype = "bfloat16"`. Conv channels `2 × 16 × 128 + 32 × 128 = 8,192`;
-    /// element sizes as [`RecurrentState`] says (conv bf16, temporal float32).
+    /// `linear_value_head_dim = 128`, `linear_conv_kernel_dim = 4`; its model card:
+    /// 48 layers laid out as `12 * (3 * (Gated DeltaNet -> MoE) -> 1 * (Gated Attention
+    /// -> MoE))`, "16 for Q and 2 for KV" attention heads (`num_key_value_heads = 2`),
+    /// bf16 weights (the KV element size here). Conv channels
+    /// `2 × 16 × 128 + 32 × 128 = 8,192`; state element sizes as [`RecurrentState`]
+    /// says (conv bf16, temporal float32).
     pub const QWEN3_NEXT_80B_A3B: ModelSpec = ModelSpec {
         name: "qwen3-next-80b-a3b",
         full_layers: 12,
