@@ -12,8 +12,7 @@ use unikv_invariants::Scope;
 use unikv_kernels::{CpuDevice, Device, TableId};
 use unikv_pools::{
     DecodeRequest, ExtendRequest, FreeOp, KvAllocator, PageDemand, Reclaimable, Segment, Side,
-    StaticSwa, StaticSwaConfig, SubPoolSpec, UnifiedSwa, UnifiedSwaConfig,
-    VirtualToken as PoolToken,
+    StaticSwa, StaticSwaConfig, UnifiedSwa, UnifiedSwaConfig, VirtualToken as PoolToken,
 };
 use unikv_radix::{
     Action, Component, InsertRequest, RadixTree, SwaSide, TokenId, TreeConfig,
@@ -154,6 +153,18 @@ impl HybridCacheBuilder {
         if self.page_size == 0 {
             return config_error("page size must be at least 1 token".into());
         }
+        // A recurrent model is refused first, by name: its missing SWA side or window is
+        // not what is wrong with it.
+        if m.has_recurrent_state() {
+            return config_error(format!(
+                "model {} has {} recurrent (Mamba/GDN) layers ({} bytes of state per \
+                 request); the cache does not hold recurrent state until the Mamba pool \
+                 is built",
+                m.name,
+                m.mamba_layers,
+                m.state_bytes_per_request()
+            ));
+        }
         if m.full_layers == 0 {
             return config_error(format!("model {} has no full-attention layer", m.name));
         }
@@ -166,17 +177,14 @@ impl HybridCacheBuilder {
         if m.window == 0 {
             return config_error(format!("model {}: a sliding window of 0 tokens", m.name));
         }
-        if m.mamba_layers != 0 {
-            return config_error(format!(
-                "model {} has Mamba layers, which this version of the cache does not hold yet",
-                m.name
-            ));
-        }
-        if m.kv_heads == 0 || m.head_dim == 0 || m.dtype_bytes == 0 {
-            return config_error(format!(
-                "model {}: KV heads, head dim and dtype bytes must be > 0",
-                m.name
-            ));
+        for (kind, rows) in [("full-attention", m.full), ("sliding-window", m.swa)] {
+            if rows.is_empty() {
+                return config_error(format!(
+                    "model {}: the {kind} layers' KV heads, head dim and dtype bytes must \
+                     be > 0 (not {rows})",
+                    m.name
+                ));
+            }
         }
         // Every byte size the allocator derives (a page's envelope on each side, a joint
         // page) must fit in 64 bits, or it would be quoted wrapped.
@@ -207,8 +215,7 @@ impl HybridCacheBuilder {
             ));
         }
         let device = self.device.unwrap_or_else(|| Arc::new(CpuDevice::new()));
-        let full = SubPoolSpec::mha("full", m.full_layers, m.kv_heads, m.head_dim, m.dtype_bytes);
-        let swa = SubPoolSpec::mha("swa", m.swa_layers, m.kv_heads, m.head_dim, m.dtype_bytes);
+        let (full, swa) = m.kv_sub_pools();
         let mut alloc: Box<dyn KvAllocator> = match self.layout {
             Layout::Unified => Box::new(UnifiedSwa::new(
                 device,

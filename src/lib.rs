@@ -35,7 +35,7 @@ pub use cache::{
     DEFAULT_EVICTION_INTERVAL, HybridCache, HybridCacheBuilder, Layout, TREE_SANITY_INTERVAL,
 };
 pub use error::Error;
-pub use model::ModelSpec;
+pub use model::{KvRows, ModelSpec, RecurrentState};
 pub use request::{PrefixMatch, Request};
 pub use stats::{CacheStats, EvictionCounts, SideStats, StepReport};
 pub use unikv_radix::TokenId;

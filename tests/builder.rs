@@ -87,10 +87,16 @@ fn unusable_configurations_are_typed_errors_with_clear_messages() {
             "sliding-window",
         ),
         (
-            "no KV heads",
-            with_model(|m| m.kv_heads = 0),
+            "no FULL KV heads",
+            with_model(|m| m.full.kv_heads = 0),
             config,
-            "KV heads",
+            "full-attention layers' KV heads",
+        ),
+        (
+            "no SWA head dim",
+            with_model(|m| m.swa.head_dim = 0),
+            config,
+            "sliding-window layers' KV heads",
         ),
         (
             "no budget",
@@ -188,19 +194,65 @@ fn sound_configurations_build_for_every_layout_and_named_model() {
             swa_full_tokens_ratio: 0.8,
         },
     ] {
-        for model in ModelSpec::NAMED {
+        for model in ModelSpec::NAMED.iter().filter(|m| !m.has_recurrent_state()) {
             for ps in [1, 16] {
+                // Room for one request's window and a few pages on both sides, with
+                // 1.5× slack for the static split: Gemma 4's 901 KB joint token needs
+                // far more than gpt-oss's 48 KB.
+                let tokens = u64::from(model.window.div_ceil(ps) * ps + 2 * ps);
+                let joint = model.full_bytes_per_token() + model.swa_bytes_per_token();
+                let memory = (tokens * joint * 3 / 2).max(32 << 20);
                 let cache = HybridCache::builder()
-                    .model(model)
+                    .model(*model)
                     .page_size(ps)
-                    .memory_bytes(32 << 20)
+                    .memory_bytes(memory)
                     .layout(layout)
                     .build()
                     .unwrap_or_else(|e| panic!("{model} ps {ps} {layout:?}: {e}"));
                 assert_eq!((cache.page_size(), cache.layout()), (ps as usize, layout));
+                assert_eq!(cache.model(), model);
                 let stats = cache.stats();
                 assert_eq!(stats.full.available_pages, stats.full.total_pages);
                 assert_eq!(stats.swa.available_pages, stats.swa.total_pages);
+            }
+        }
+    }
+}
+
+#[test]
+fn named_models_with_recurrent_layers_are_refused_by_name_as_config_errors() {
+    let recurrent: Vec<ModelSpec> = ModelSpec::NAMED
+        .into_iter()
+        .filter(ModelSpec::has_recurrent_state)
+        .collect();
+    let names: Vec<&str> = recurrent.iter().map(|m| m.name).collect();
+    assert_eq!(
+        names,
+        ["qwen3-next-80b-a3b", "nemotron-h-8b", "synthetic-tri"]
+    );
+    for model in recurrent {
+        for layout in [
+            Layout::Unified,
+            Layout::Static {
+                swa_full_tokens_ratio: 0.8,
+            },
+        ] {
+            match HybridCache::builder()
+                .model(model)
+                .memory_bytes(1 << 30)
+                .layout(layout)
+                .build()
+            {
+                Ok(_) => panic!("{model} built"),
+                Err(Error::Config(message)) => {
+                    assert!(
+                        message.contains(model.name)
+                            && message.contains("recurrent")
+                            && message.contains(&model.state_bytes_per_request().to_string()),
+                        "{model}: {message:?}"
+                    );
+                }
+                Err(e) => panic!("{model}: not a config error: {e:?}"),
             }
         }
     }

@@ -7,7 +7,7 @@ mod common;
 use common::probe::{Fault, ProbeState};
 use common::*;
 use std::sync::{Arc, Mutex};
-use unikv::{Error, HybridCache, Layout, ModelSpec, TokenId};
+use unikv::{Error, HybridCache, KvRows, Layout, ModelSpec, TokenId};
 
 fn fixture(layout: Layout, ps: u32, window: u32, tokens: u64) -> Fixture {
     Fixture::new(&Config::tokens(layout, ps, window, tokens, 8))
@@ -103,9 +103,8 @@ fn a_model_whose_page_bytes_overflow_64_bits_is_a_config_error() {
         // Per-token bytes overflow on both sides.
         (
             ModelSpec {
-                kv_heads: u32::MAX,
-                head_dim: u32::MAX,
-                dtype_bytes: u32::MAX,
+                full: KvRows::new(u32::MAX, u32::MAX, u32::MAX),
+                swa: KvRows::new(u32::MAX, u32::MAX, u32::MAX),
                 ..base
             },
             1,
@@ -113,8 +112,8 @@ fn a_model_whose_page_bytes_overflow_64_bits_is_a_config_error() {
         // Per-token bytes fit (2^33 × 2^31), a page of 2^31 tokens does not.
         (
             ModelSpec {
-                head_dim: 1 << 31,
-                kv_heads: 2,
+                full: KvRows::new(2, 1 << 31, 2),
+                swa: KvRows::new(2, 1 << 31, 2),
                 ..base
             },
             1 << 31,
@@ -124,9 +123,8 @@ fn a_model_whose_page_bytes_overflow_64_bits_is_a_config_error() {
             ModelSpec {
                 full_layers: 1 << 30,
                 swa_layers: 1 << 30,
-                kv_heads: 1 << 30,
-                head_dim: 2,
-                dtype_bytes: 1,
+                full: KvRows::new(1 << 30, 2, 1),
+                swa: KvRows::new(1 << 30, 2, 1),
                 ..base
             },
             2,

@@ -9,7 +9,9 @@ pub mod probe;
 use std::sync::{Arc, Mutex};
 use unikv::kernels::Device;
 use unikv::pools::{Capacity, Side, SwaState, VirtualPage, VirtualToken};
-use unikv::{HybridCache, HybridCacheBuilder, Layout, ModelSpec, Request, TokenId};
+use unikv::{
+    HybridCache, HybridCacheBuilder, KvRows, Layout, ModelSpec, RecurrentState, Request, TokenId,
+};
 
 /// Both layouts: the one buffer, and the static baseline at an even token ratio.
 pub const LAYOUTS: [Layout; 2] = [
@@ -32,10 +34,23 @@ pub fn tiny_model(window: u32, swa_layers: u32) -> ModelSpec {
         full_layers: 1,
         swa_layers,
         mamba_layers: 0,
-        kv_heads: 1,
-        head_dim: 4,
-        dtype_bytes: 2,
+        full: KvRows::new(1, 4, 2),
+        swa: KvRows::new(1, 4, 2),
+        recurrent: RecurrentState::NONE,
         window,
+    }
+}
+
+/// A tiny model whose FULL and SWA rows differ (like Gemma 4's global and sliding
+/// layers): one FULL layer of one KV head of dimension 8 in bf16 (32 bytes per token) and
+/// two SWA layers of two KV heads of dimension 2 in fp8 (16 bytes per token), sliding
+/// window `window`.
+pub fn tiny_asymmetric_model(window: u32) -> ModelSpec {
+    ModelSpec {
+        name: "tiny-asymmetric",
+        full: KvRows::new(1, 8, 2),
+        swa: KvRows::new(2, 2, 1),
+        ..tiny_model(window, 2)
     }
 }
 

@@ -314,10 +314,20 @@ fn parse_replay(args: &[&str]) -> Result<Command, SimError> {
             }
             "--model" => {
                 let name = args.single("--model", inline)?;
-                parsed.model = ModelSpec::by_name(name).ok_or_else(|| SimError::UnknownModel {
+                let model = ModelSpec::by_name(name).ok_or_else(|| SimError::UnknownModel {
                     name: name.to_string(),
                     known: ModelSpec::NAMED.map(|m| m.name).join(", "),
                 })?;
+                if model.has_recurrent_state() {
+                    return Err(SimError::RecurrentModel {
+                        name: name.to_string(),
+                        replayable: replayable_models()
+                            .map(|m| m.name)
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                    });
+                }
+                parsed.model = model;
             }
             "--page-size" => {
                 for value in list("--page-size", args.value("--page-size", inline)?)? {
@@ -524,18 +534,30 @@ pub fn replay_help() -> String {
             format!("  {:<18}{}{default}\n", p.name(), p.description())
         })
         .collect();
-    let models: String = ModelSpec::NAMED
-        .iter()
+    let models: String = replayable_models()
         .map(|m| {
+            let bytes = if m.full_bytes_per_token() == m.swa_bytes_per_token() {
+                format!(
+                    "{} bytes/token/side",
+                    group_digits(m.full_bytes_per_token())
+                )
+            } else {
+                format!(
+                    "{} + {} bytes/token",
+                    group_digits(m.full_bytes_per_token()),
+                    group_digits(m.swa_bytes_per_token())
+                )
+            };
             format!(
-                "  {:<18}{} FULL + {} SWA layers (window {}), {} bytes/token/side\n",
-                m.name,
-                m.full_layers,
-                m.swa_layers,
-                m.window,
-                group_digits(m.full_bytes_per_token())
+                "  {:<18}{} FULL + {} SWA layers (window {}), {bytes}\n",
+                m.name, m.full_layers, m.swa_layers, m.window,
             )
         })
+        .collect();
+    let recurrent: Vec<&str> = ModelSpec::NAMED
+        .iter()
+        .filter(|m| m.has_recurrent_state())
+        .map(|m| m.name)
         .collect();
     format!(
         "\
@@ -571,7 +593,9 @@ OPTIONS:
 WORKLOADS:
 {workloads}
 MODELS:
-{models}
+{models}  Named but not replayable until the Mamba pool is built (recurrent layers):
+  {recurrent}
+
 {trace}
 
 EXIT STATUS:
@@ -583,7 +607,15 @@ EXIT STATUS:
         memory = format_bytes(DEFAULT_MEMORY_BYTES),
         seed = DEFAULT_SEED,
         trace = trace::FORMAT_HELP,
+        recurrent = recurrent.join(", "),
     )
+}
+
+/// The named models the replay runs: those without recurrent layers.
+pub fn replayable_models() -> impl Iterator<Item = ModelSpec> {
+    ModelSpec::NAMED
+        .into_iter()
+        .filter(|m| !m.has_recurrent_state())
 }
 
 #[cfg(test)]
@@ -611,6 +643,25 @@ mod tests {
         assert_eq!(r.invariant_level, Level::Strict);
         assert!(!r.json && r.timing && r.svg_dir.is_none() && r.trace.is_none());
         assert_eq!(r.runs(), 16);
+    }
+
+    #[test]
+    fn every_replayable_named_model_is_accepted_and_recurrent_ones_are_refused() {
+        for model in ModelSpec::NAMED {
+            let parsed = replay(&["--model", model.name]);
+            if model.has_recurrent_state() {
+                assert!(
+                    matches!(&parsed, Err(SimError::RecurrentModel { name, .. }) if name == model.name),
+                    "{model}: {parsed:?}"
+                );
+            } else {
+                assert_eq!(parsed.unwrap().model, model);
+            }
+        }
+        assert_eq!(
+            replayable_models().map(|m| m.name).collect::<Vec<_>>(),
+            ["gpt-oss-20b", "gpt-oss-120b", "gemma-4-31b"]
+        );
     }
 
     #[test]

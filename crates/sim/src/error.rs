@@ -111,6 +111,18 @@ pub enum SimError {
         /// The model names, comma-separated.
         known: String,
     },
+    /// `--model` names a model with recurrent (Mamba/GDN) layers, which the cache does
+    /// not hold yet.
+    #[error(
+        "model {name:?} has recurrent (Mamba/GDN) layers, which the replay cannot run \
+         until the Mamba pool is built (replayable: {replayable})"
+    )]
+    RecurrentModel {
+        /// What was given.
+        name: String,
+        /// The replayable model names, comma-separated.
+        replayable: String,
+    },
     /// `--layout` is not `static`, `unified` or `both`.
     #[error("unknown layout {value:?} (expected static, unified or both)")]
     UnknownLayout {

@@ -20,8 +20,7 @@ use unikv::kernels::{BytesId, SyncLedger, TableId};
 use unikv::pools::{
     Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, FreeOp, Grid, KvAllocator,
     MoveGate, PageDemand, PageSize, PoolMap, ReclaimPlan, Reclaimable, Segment, Side, StaticSwa,
-    StaticSwaConfig, SubPoolSpec, SwaState, UnifiedSwa, UnifiedSwaConfig, VirtualPage,
-    VirtualToken,
+    StaticSwaConfig, SwaState, UnifiedSwa, UnifiedSwaConfig, VirtualPage, VirtualToken,
 };
 
 /// The schema name in the header line.
@@ -700,8 +699,9 @@ fn check_header(header: &Op) -> Result<u32, OpsProblem> {
     if !matches!(layout.as_str(), "static" | "unified") {
         return Err(wrong("layout", layout, "\"static\" or \"unified\""));
     }
-    if ModelSpec::by_name(model).is_none() {
-        return Err(wrong("model", model, "a --model name"));
+    // Only the models the replay runs: a recurrent model has no allocator yet.
+    if ModelSpec::by_name(model).is_none_or(|m| m.has_recurrent_state()) {
+        return Err(wrong("model", model, "a replayable --model name"));
     }
     if *page_size == 0 || *page_size > crate::cli::MAX_PAGE_SIZE {
         return Err(wrong("page_size", page_size, "1 to 65,536"));
@@ -863,8 +863,7 @@ pub fn allocator_for(
     let m = ModelSpec::by_name(model).ok_or_else(|| SimError::OpsTrace {
         reason: format!("unknown model {model:?}"),
     })?;
-    let full = SubPoolSpec::mha("full", m.full_layers, m.kv_heads, m.head_dim, m.dtype_bytes);
-    let swa = SubPoolSpec::mha("swa", m.swa_layers, m.kv_heads, m.head_dim, m.dtype_bytes);
+    let (full, swa) = m.kv_sub_pools();
     let built: Result<Box<dyn KvAllocator>, unikv::pools::Error> = match layout.as_str() {
         "unified" => UnifiedSwa::new(
             device,
@@ -1390,6 +1389,11 @@ mod tests {
                 "header field layout is \"paged\"",
             ),
             ("gpt-oss-20b", "llama", "header field model is \"llama\""),
+            (
+                "gpt-oss-20b",
+                "qwen3-next-80b-a3b",
+                "header field model is \"qwen3-next-80b-a3b\"",
+            ),
             (
                 "\"page_size\":4",
                 "\"page_size\":0",

@@ -7,12 +7,14 @@
 //! ratio unified / static (`—` where static is 0 or a layout is missing), then one
 //! verdict line for all runs.
 //!
-//! # The JSON object (`--json`, schema `unikv.replay.v1`)
+//! # The JSON object (`--json`, schema `unikv.replay.v2`)
 //! ```text
 //! {
-//!   "schema": "unikv.replay.v1",
-//!   "model": { "name", "full_layers", "swa_layers", "sliding_window", "kv_heads",
-//!              "head_dim", "dtype_bytes", "full_bytes_per_token", "swa_bytes_per_token" },
+//!   "schema": "unikv.replay.v2",
+//!   "model": { "name", "full_layers", "swa_layers", "sliding_window",
+//!              "full_rows": { "kv_heads", "head_dim", "dtype_bytes" },
+//!              "swa_rows": { "kv_heads", "head_dim", "dtype_bytes" },
+//!              "full_bytes_per_token", "swa_bytes_per_token" },
 //!   "memory_bytes": u64,            the KV budget of every run
 //!   "seed": u64,
 //!   "invariant_level": "off" | "warn" | "strict",
@@ -360,11 +362,12 @@ impl Report {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "unikv replay · {} · memory {} · seed {} · invariants {}",
+            "unikv replay · {} · memory {} · seed {} · invariants {}\nmodel {}",
             self.model.name,
             format_bytes(self.memory_bytes),
             self.seed,
-            self.invariant_level
+            self.invariant_level,
+            self.model
         );
         for (workload, page_size, runs) in self.groups() {
             let _ = writeln!(out, "\n{workload} · page size {page_size}");
@@ -478,15 +481,14 @@ impl Report {
     /// The JSON object documented in the module docs, pretty-printed, with a final newline.
     pub fn to_json(&self) -> Result<String, SimError> {
         let doc = JsonReport {
-            schema: "unikv.replay.v1",
+            schema: "unikv.replay.v2",
             model: JsonModel {
                 name: self.model.name,
                 full_layers: self.model.full_layers,
                 swa_layers: self.model.swa_layers,
                 sliding_window: self.model.window,
-                kv_heads: self.model.kv_heads,
-                head_dim: self.model.head_dim,
-                dtype_bytes: self.model.dtype_bytes,
+                full_rows: JsonRows::from(self.model.full),
+                swa_rows: JsonRows::from(self.model.swa),
                 full_bytes_per_token: self.model.full_bytes_per_token(),
                 swa_bytes_per_token: self.model.swa_bytes_per_token(),
             },
@@ -548,11 +550,28 @@ struct JsonModel {
     full_layers: u32,
     swa_layers: u32,
     sliding_window: u32,
+    full_rows: JsonRows,
+    swa_rows: JsonRows,
+    full_bytes_per_token: u64,
+    swa_bytes_per_token: u64,
+}
+
+/// One attention kind's KV rows per layer.
+#[derive(Serialize)]
+struct JsonRows {
     kv_heads: u32,
     head_dim: u32,
     dtype_bytes: u32,
-    full_bytes_per_token: u64,
-    swa_bytes_per_token: u64,
+}
+
+impl From<unikv::KvRows> for JsonRows {
+    fn from(rows: unikv::KvRows) -> JsonRows {
+        JsonRows {
+            kv_heads: rows.kv_heads,
+            head_dim: rows.head_dim,
+            dtype_bytes: rows.dtype_bytes,
+        }
+    }
 }
 
 #[derive(Serialize)]

@@ -72,6 +72,8 @@ fn replay_help_documents_the_options_the_defaults_and_the_trace_format() {
         "TRACE FORMAT",
         "shared-prefix",
         "EXIT STATUS",
+        "gemma-4-31b       10 FULL + 50 SWA layers (window 1024), 81,920 + 819,200 bytes/token",
+        "qwen3-next-80b-a3b, nemotron-h-8b, synthetic-tri",
     ] {
         assert!(stdout.contains(needle), "{needle} missing from:\n{stdout}");
     }
@@ -100,6 +102,14 @@ fn bad_options_are_one_line_errors_with_status_2() {
         (&["replay", "--memory", "24G"][..], "bad memory size"),
         (&["replay", "--workload", "nope"], "unknown workload"),
         (&["replay", "--model", "llama"], "unknown model"),
+        (
+            &["replay", "--model", "qwen3-next-80b-a3b"],
+            "model \"qwen3-next-80b-a3b\" has recurrent (Mamba/GDN) layers",
+        ),
+        (
+            &["replay", "--model=nemotron-h-8b"],
+            "replayable: gpt-oss-20b",
+        ),
         (&["replay", "--page-size", "0"], "--page-size"),
         (&["replay", "--layout", "paged"], "unknown layout"),
         (&["replay", "--frobnicate"], "unknown option"),
@@ -358,6 +368,58 @@ fn the_smoke_report_is_stable() {
 }
 
 #[test]
+fn the_model_with_asymmetric_rows_replays_static_and_unified_with_pass() {
+    // Gemma 4 31B: FULL rows of 4 heads × 512, SWA rows of 16 heads × 256, W = 1,024.
+    let (status, stdout, stderr) = unikv(&[
+        "replay",
+        "--model",
+        "gemma-4-31b",
+        "--workload",
+        "smoke",
+        "--memory",
+        "4GiB",
+        "--no-timing",
+    ]);
+    assert_eq!(status, Some(0), "{stdout}{stderr}");
+    assert!(
+        stdout.starts_with("unikv replay · gemma-4-31b · memory 4.00 GiB")
+            && stdout.contains(
+                "\nmodel gemma-4-31b (10 FULL layers of 4 KV heads × 512 × 2 B + 50 SWA \
+                 layers of 16 KV heads × 256 × 2 B, W = 1024)\n"
+            ),
+        "{stdout}"
+    );
+    // Two page sizes × two layouts.
+    assert!(
+        stdout.contains("verdict: PASS (4 runs: every request finished"),
+        "{stdout}"
+    );
+    let (status, json, stderr) = unikv(&[
+        "replay",
+        "--model",
+        "gemma-4-31b",
+        "--workload",
+        "smoke",
+        "--page-size",
+        "16",
+        "--memory",
+        "4GiB",
+        "--json",
+        "--no-timing",
+    ]);
+    assert_eq!(status, Some(0), "{stderr}");
+    let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let model = &doc["model"];
+    assert_eq!(model["full_rows"]["kv_heads"], 4);
+    assert_eq!(model["full_rows"]["head_dim"], 512);
+    assert_eq!(model["swa_rows"]["kv_heads"], 16);
+    assert_eq!(model["swa_rows"]["head_dim"], 256);
+    assert_eq!(model["full_bytes_per_token"], 81_920);
+    assert_eq!(model["swa_bytes_per_token"], 819_200);
+    assert_eq!(doc["pass"], true);
+}
+
+#[test]
 fn the_same_seed_gives_identical_json_twice() {
     let args = [
         "replay",
@@ -374,7 +436,7 @@ fn the_same_seed_gives_identical_json_twice() {
     let (s2, second, e2) = unikv(&args);
     assert_eq!((s1, s2), (Some(0), Some(0)), "{e1}{e2}");
     assert!(
-        first.starts_with('{') && first.contains("\"schema\": \"unikv.replay.v1\""),
+        first.starts_with('{') && first.contains("\"schema\": \"unikv.replay.v2\""),
         "{first}"
     );
     assert_eq!(first, second);
