@@ -16,7 +16,6 @@ mod common;
 use common::probe::ProbeState;
 use common::*;
 use proptest::prelude::*;
-use proptest::test_runner::FileFailurePersistence;
 use std::sync::{Arc, Mutex};
 use unikv::invariants::{Level, scoped_level};
 use unikv::{Error, HybridCache, Layout, PrefixMatch, Request, TokenId};
@@ -296,18 +295,8 @@ fn run(config: Config, ops: Vec<Op>) {
     });
 }
 
-fn proptest_config() -> ProptestConfig {
-    ProptestConfig {
-        cases: proptest_cases(24),
-        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource(
-            "proptest-regressions",
-        ))),
-        ..ProptestConfig::default()
-    }
-}
-
 proptest! {
-    #![proptest_config(proptest_config())]
+    #![proptest_config(proptest_config(24))]
 
     #[test]
     fn unified_api_calls_with_arbitrary_arguments_fail_typed_and_conserve(

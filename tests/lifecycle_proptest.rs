@@ -17,7 +17,6 @@ mod common;
 
 use common::*;
 use proptest::prelude::*;
-use proptest::test_runner::FileFailurePersistence;
 use unikv::invariants::{Level, scoped_level};
 use unikv::{Error, Layout, Request, TokenId};
 
@@ -377,20 +376,10 @@ fn run(config: Config, ops: Vec<Op>) {
     });
 }
 
-/// 64 cases (the matrix runs this file 18 times on 2 cores); `PROPTEST_CASES` asks for
-/// more in a local hunt.
-fn proptest_config() -> ProptestConfig {
-    ProptestConfig {
-        cases: proptest_cases(64),
-        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource(
-            "proptest-regressions",
-        ))),
-        ..ProptestConfig::default()
-    }
-}
-
+// 64 cases (the matrix runs this file 18 times on 2 cores); `PROPTEST_CASES` asks for
+// more in a local hunt.
 proptest! {
-    #![proptest_config(proptest_config())]
+    #![proptest_config(proptest_config(64))]
 
     #[test]
     fn unified_lifecycles_conserve_every_page(config in config(Layout::Unified), ops in prop::collection::vec(op(), 1..80)) {

@@ -511,6 +511,18 @@ pub fn follow_up(prompt: &[TokenId]) -> Vec<TokenId> {
     concat(prompt, &[TokenId(999_999)])
 }
 
+/// A property test's configuration: [`proptest_cases`]`(default)` cases, and failing
+/// seeds kept in a `.proptest-regressions` file next to the test's source.
+pub fn proptest_config(default: u32) -> proptest::test_runner::Config {
+    proptest::test_runner::Config {
+        cases: proptest_cases(default),
+        failure_persistence: Some(Box::new(
+            proptest::test_runner::FileFailurePersistence::WithSource("proptest-regressions"),
+        )),
+        ..proptest::test_runner::Config::default()
+    }
+}
+
 /// Property-test cases: `PROPTEST_CASES` when it is set (a local hunt asks for more),
 /// else `default` (sized for the CI matrix, which runs each file 18 times on 2 cores).
 pub fn proptest_cases(default: u32) -> u32 {
