@@ -483,10 +483,10 @@ impl HybridCache {
         let sizes = self.tree.sizes();
         // The hit itself will be locked (FULL, and SWA over its last window), so it cannot
         // be evicted for this request.
-        let evictable = Reclaimable {
-            full_pages: (sizes.full_evictable.0 / self.ps).saturating_sub(cached / self.ps),
-            swa_pages: (sizes.swa_evictable.0 / self.ps).saturating_sub(cached / self.ps),
-        };
+        let evictable = Reclaimable::pages(
+            (sizes.full_evictable.0 / self.ps).saturating_sub(cached / self.ps),
+            (sizes.swa_evictable.0 / self.ps).saturating_sub(cached / self.ps),
+        );
         self.alloc.reclaim_plan(demand, evictable).is_some()
     }
 
@@ -849,10 +849,7 @@ impl HybridCache {
     /// tree, FULL before SWA, and the fit is checked again. A demand beyond a side's total
     /// is [`Error::OutOfMemory`] at once, with nothing flushed or evicted.
     pub fn evict_to_free(&mut self, full_pages: usize, swa_pages: usize) -> Result<(), Error> {
-        self.make_room(PageDemand {
-            full_pages,
-            swa_pages,
-        })
+        self.make_room(PageDemand::pages(full_pages, swa_pages))
     }
 
     fn make_room(&mut self, demand: PageDemand) -> Result<(), Error> {
@@ -865,10 +862,8 @@ impl HybridCache {
         let ps = self.ps;
         loop {
             let sizes = self.tree.sizes();
-            let evictable = Reclaimable {
-                full_pages: sizes.full_evictable.0 / ps,
-                swa_pages: sizes.swa_evictable.0 / ps,
-            };
+            let evictable =
+                Reclaimable::pages(sizes.full_evictable.0 / ps, sizes.swa_evictable.0 / ps);
             let Some(plan) = self.alloc.reclaim_plan(demand, evictable) else {
                 return Err(self.oom(demand));
             };

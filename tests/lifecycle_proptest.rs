@@ -309,10 +309,7 @@ impl Driver {
                 );
                 match self.fx.cache.evict_to_free(full as usize, swa as usize) {
                     Ok(()) => {
-                        let demand = unikv::pools::PageDemand {
-                            full_pages: full as usize,
-                            swa_pages: swa as usize,
-                        };
+                        let demand = unikv::pools::PageDemand::pages(full as usize, swa as usize);
                         assert!(
                             self.fx.cache.allocator().allocation_fits(demand),
                             "{}: {demand:?}",

@@ -467,14 +467,8 @@ fn s31_reclaim_evicts_nothing_when_impossible_and_enough_when_possible() {
         for d in 1..=max {
             let demands = [
                 PageDemand::joint(d),
-                PageDemand {
-                    full_pages: d,
-                    swa_pages: 0,
-                },
-                PageDemand {
-                    full_pages: 0,
-                    swa_pages: d,
-                },
+                PageDemand::pages(d, 0),
+                PageDemand::pages(0, d),
             ];
             for demand in demands {
                 let joint = demand.full_pages == demand.swa_pages;

@@ -12,7 +12,7 @@ use unikv::kernels::{BytesId, TableId};
 use unikv::pools::{
     Capacity, DecodeRequest, DeferredKind, Error, ExtendRequest, FlushReport, FreeOp, Grid,
     KvAllocator, MoveGate, PageDemand, PageSize, PoolMap, ReclaimPlan, Reclaimable, Segment, Side,
-    SwaState, VirtualPage, VirtualToken,
+    SwaState, VirtualPage, VirtualSlot, VirtualToken,
 };
 
 /// The methods a probe can fail.
@@ -208,6 +208,16 @@ impl KvAllocator for Probe {
         let r = self.inner.alloc_decode(requests, out);
         self.settle(r)
     }
+    fn alloc_slots(&mut self, n: usize, out: &mut Vec<VirtualSlot>) -> Result<(), Error> {
+        self.gate("alloc_slots")?;
+        let r = self.inner.alloc_slots(n, out);
+        self.settle(r)
+    }
+    fn free_slots(&mut self, slots: &[VirtualSlot]) -> Result<(), Error> {
+        self.gate("free_slots")?;
+        let r = self.inner.free_slots(slots);
+        self.settle(r)
+    }
     fn free(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
         self.gate("free")?;
         self.check("free", Freed::Both, self.id_pages(ids));
@@ -315,6 +325,8 @@ impl KvAllocator for Probe {
                         continue;
                     }
                 }
+                // Slots have no pages for the page checks.
+                FreeOp::Slots(_) => {}
             }
             kept.push(op);
         }
@@ -335,7 +347,7 @@ impl KvAllocator for Probe {
     fn in_free_group(&self) -> bool {
         self.inner.in_free_group()
     }
-    fn pending_frees(&self) -> [(DeferredKind, usize); 4] {
+    fn pending_frees(&self) -> [(DeferredKind, usize); 5] {
         self.inner.pending_frees()
     }
     fn flush_deferred(&mut self) -> bool {

@@ -2,7 +2,7 @@
 //! take and return: requests, segments, demands, reclaim plans, capacity views, move gates.
 
 use crate::error::Error;
-use crate::ids::{PageSize, VirtualPage, VirtualToken};
+use crate::ids::{PageSize, VirtualPage, VirtualSlot, VirtualToken};
 use crate::spec::{Grid, Side};
 use std::ops::Range;
 use std::sync::Arc;
@@ -123,6 +123,8 @@ pub enum FreeOp<'a> {
         /// The row's length.
         len: usize,
     },
+    /// [`KvAllocator::free_slots`]: Mamba state slots.
+    Slots(&'a [VirtualSlot]),
 }
 
 impl FreeOp<'_> {
@@ -134,36 +136,69 @@ impl FreeOp<'_> {
             FreeOp::SwaSegment(_) => "free_swa_segment",
             FreeOp::TransferSwa { .. } => "transfer_swa",
             FreeOp::KvRow { .. } => "free_kv_row_segments",
+            FreeOp::Slots(_) => "free_slots",
         }
     }
 }
 
-/// Pages an operation needs on each side.
+/// Pages (and Mamba state slots) an operation needs on each side.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PageDemand {
     /// New FULL pages (each mints a virtual page).
     pub full_pages: usize,
     /// New SWA pages.
     pub swa_pages: usize,
+    /// New Mamba state slots. An allocator without a slot pool cannot fit any
+    /// ([`Error::NoSlotPool`] from [`KvAllocator::ensure_capacity`]).
+    pub mamba_slots: usize,
 }
 
 impl PageDemand {
-    /// The same number of pages on both sides (what an allocation binds).
+    /// The same number of pages on both sides (what an allocation binds), no slots.
     pub const fn joint(pages: usize) -> PageDemand {
+        PageDemand::pages(pages, pages)
+    }
+
+    /// `full_pages` FULL and `swa_pages` SWA pages, no slots.
+    pub const fn pages(full_pages: usize, swa_pages: usize) -> PageDemand {
         PageDemand {
-            full_pages: pages,
-            swa_pages: pages,
+            full_pages,
+            swa_pages,
+            mamba_slots: 0,
+        }
+    }
+
+    /// `n` Mamba state slots, no pages.
+    pub const fn slots(n: usize) -> PageDemand {
+        PageDemand {
+            full_pages: 0,
+            swa_pages: 0,
+            mamba_slots: n,
         }
     }
 }
 
-/// Pages the caller (the tree) could release by eviction, per side.
+/// Pages (and Mamba state slots) the caller (the tree) could release by eviction, per
+/// side.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Reclaimable {
     /// FULL pages evictable.
     pub full_pages: usize,
     /// SWA pages evictable.
     pub swa_pages: usize,
+    /// Mamba state slots evictable.
+    pub mamba_slots: usize,
+}
+
+impl Reclaimable {
+    /// `full_pages` FULL and `swa_pages` SWA pages evictable, no slots.
+    pub const fn pages(full_pages: usize, swa_pages: usize) -> Reclaimable {
+        Reclaimable {
+            full_pages,
+            swa_pages,
+            mamba_slots: 0,
+        }
+    }
 }
 
 /// What to evict so that a demand fits: the minimum SWA reclaim (with all FULL reclaim
@@ -174,6 +209,12 @@ pub struct ReclaimPlan {
     pub full_pages: usize,
     /// SWA pages to evict.
     pub swa_pages: usize,
+    /// Mamba state slots to evict (always 0 without a slot pool).
+    pub mamba_slots: usize,
+    /// A lower bound of the FULL reclaim any fit needs: the minimum FULL reclaim with
+    /// all evictable SWA reclaimed too (`<= full_pages`). An evictor may evict this
+    /// much FULL before it sizes the plan again.
+    pub full_floor_pages: usize,
 }
 
 /// One side's capacity views, in pages.
@@ -221,6 +262,8 @@ pub enum DeferredKind {
     FullOnlyTokens,
     /// FULL-only segment frees (page representatives).
     FullOnlyPageReps,
+    /// Mamba state slot frees.
+    Slots,
 }
 
 /// A hold on physical addresses: while any gate of an allocator is alive, no compaction
@@ -429,6 +472,15 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     /// FULL).
     fn transfer_swa(&mut self, from: Segment<'_>, to: Segment<'_>) -> Result<(), Error>;
 
+    /// Allocates `n` Mamba state slots, appending their ids to `out`. Short capacity:
+    /// [`Error::OutOfCapacity`]; no slot pool: [`Error::NoSlotPool`]. Either way nothing
+    /// is allocated and `out` is untouched.
+    fn alloc_slots(&mut self, n: usize, out: &mut Vec<VirtualSlot>) -> Result<(), Error>;
+
+    /// Frees Mamba state slots (each live, none named twice). Deferred inside a free
+    /// group, through its own list. No slot pool: [`Error::NoSlotPool`], nothing changed.
+    fn free_slots(&mut self, slots: &[VirtualSlot]) -> Result<(), Error>;
+
     /// Applies `frees` in order and cannot fail: the infallible mode of the free family,
     /// for frees the caller makes from host state it trusts, after a change it cannot
     /// undo (DESIGN §3: a failure inside a multi-step operation is impossible by
@@ -454,7 +506,7 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     fn in_free_group(&self) -> bool;
 
     /// Pending deferred frees per list (the one enumeration every flush site uses).
-    fn pending_frees(&self) -> [(DeferredKind, usize); 4];
+    fn pending_frees(&self) -> [(DeferredKind, usize); 5];
 
     /// Applies every deferred free now and keeps the group open; returns whether anything
     /// was pending.
@@ -472,13 +524,16 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     /// Makes `demand` allocatable: flushes deferred frees, then compacts if that makes it
     /// fit. [`Error::OutOfCapacity`] when it cannot fit, or a device error when the
     /// compaction's move fails (either way the deferred frees stay applied, and nothing
-    /// else changed).
+    /// else changed). A slot demand without a slot pool: [`Error::NoSlotPool`], before
+    /// anything is flushed.
     fn ensure_capacity(&mut self, demand: PageDemand) -> Result<(), Error>;
 
     /// Flushes every deferred list **first**, then sizes the eviction that makes `demand`
     /// fit: `Some` of the minimum SWA reclaim (all FULL reclaim allowed), then the minimum
-    /// FULL reclaim given it; `Some(0, 0)` when it already fits; `None` when even
-    /// reclaiming everything evictable would not do.
+    /// FULL reclaim given it, with [`ReclaimPlan::full_floor_pages`] the minimum FULL
+    /// reclaim with all evictable SWA; all zero when it already fits; `None` when even
+    /// reclaiming everything evictable would not do (and, without flushing, for a slot
+    /// demand on an allocator without a slot pool).
     fn reclaim_plan(&mut self, demand: PageDemand, evictable: Reclaimable) -> Option<ReclaimPlan>;
 
     /// The capacity views.

@@ -140,6 +140,13 @@ pub enum Error {
         /// Mirror entries waiting for the upload.
         pending: usize,
     },
+    /// A Mamba slot operation (a slot allocation or free, or a demand with
+    /// `mamba_slots > 0`) on an allocator that has no slot pool (a FULL/SWA layout).
+    #[error("this allocator has no Mamba slot pool: {op} needs one")]
+    NoSlotPool {
+        /// The operation refused.
+        op: &'static str,
+    },
     /// The device refused an op (a bug in the layout or a failing device).
     #[error("device: {0}")]
     Device(#[from] unikv_kernels::Error),

@@ -5,7 +5,7 @@
 
 use crate::api::{DeferredKind, ExtendRequest, FreeOp, Segment};
 use crate::error::Error;
-use crate::ids::{PageSize, VirtualPage, VirtualToken};
+use crate::ids::{PageSize, VirtualPage, VirtualSlot, VirtualToken};
 use crate::invariants::{
     DOUBLE_FREE, FREE_BATCH_WELL_FORMED, ONE_FREE_PER_GROUP, PEER_MAPPED, PEER_RELEASED,
     SEGMENT_SHAPE, SINK_RESERVED, WINDOW_RATCHET,
@@ -40,6 +40,9 @@ pub(crate) trait PageTables {
             release_page_silently(self, v);
         }
     }
+    /// Releases live Mamba slot `s`. No layout has a slot pool yet: [`free_slots`]
+    /// refuses every slot, so none is ever deferred and this is never reached.
+    fn release_slot(&mut self, _s: u32) {}
     /// The free group state.
     fn group(&mut self) -> &mut FreeGroup;
     /// The free group state, shared.
@@ -59,22 +62,26 @@ pub(crate) struct DeferredFrees {
     full_only_tokens: Vec<VirtualToken>,
     /// FULL-only segment frees, by page.
     full_only_page_reps: Vec<VirtualPage>,
+    /// Mamba state slot frees.
+    slots: Vec<VirtualSlot>,
 }
 
 impl DeferredFrees {
     /// The one enumeration of every deferred list with its length.
-    pub(crate) fn lists(&self) -> [(DeferredKind, usize); 4] {
+    pub(crate) fn lists(&self) -> [(DeferredKind, usize); 5] {
         let DeferredFrees {
             tokens,
             page_reps,
             full_only_tokens,
             full_only_page_reps,
+            slots,
         } = self;
         [
             (DeferredKind::Tokens, tokens.len()),
             (DeferredKind::PageReps, page_reps.len()),
             (DeferredKind::FullOnlyTokens, full_only_tokens.len()),
             (DeferredKind::FullOnlyPageReps, full_only_page_reps.len()),
+            (DeferredKind::Slots, slots.len()),
         ]
     }
 
@@ -356,7 +363,7 @@ fn check_at_enqueue<T: PageTables + ?Sized>(t: &T, v: u32, kind: DeferredKind) {
                 format!("FULL-only free of virtual page {v}, whose SWA page is still bound")
             });
         }
-        DeferredKind::Tokens => {}
+        DeferredKind::Tokens | DeferredKind::Slots => {}
     }
 }
 
@@ -692,6 +699,7 @@ pub(crate) fn free_batch<T: PageTables + ?Sized>(t: &mut T, frees: &[FreeOp<'_>]
                 cursor,
                 len,
             } => free_kv_row_segments(t, row, dead_lo, cursor, len),
+            FreeOp::Slots(slots) => free_slots(t, slots),
         };
         if let Err(e) = result {
             t.scope().expect(&FREE_BATCH_WELL_FORMED, false, || {
@@ -702,6 +710,16 @@ pub(crate) fn free_batch<T: PageTables + ?Sized>(t: &mut T, frees: &[FreeOp<'_>]
             });
         }
     }
+}
+
+/// Frees Mamba state slots. No layout has a slot pool yet, so every call is refused
+/// (typed, nothing changed); the slot pool brings the range and liveness checks and the
+/// deferral to [`DeferredFrees`]'s slot list.
+pub(crate) fn free_slots<T: PageTables + ?Sized>(
+    _t: &mut T,
+    _slots: &[VirtualSlot],
+) -> Result<(), Error> {
+    Err(Error::NoSlotPool { op: "free_slots" })
 }
 
 /// Opens a group.
@@ -739,6 +757,7 @@ pub(crate) fn flush_deferred<T: PageTables + ?Sized>(t: &mut T) -> bool {
         mut page_reps,
         mut full_only_tokens,
         mut full_only_page_reps,
+        mut slots,
     } = std::mem::take(&mut t.group().deferred);
     let ps = t.ps();
     let mut pages = std::mem::take(&mut t.group().scratch);
@@ -750,17 +769,22 @@ pub(crate) fn flush_deferred<T: PageTables + ?Sized>(t: &mut T) -> bool {
     sorted_pages(ps, &full_only_tokens, &mut pages);
     t.release_pages(pages.iter().copied());
     t.release_pages(full_only_page_reps.iter().map(|v| v.0));
+    for s in &slots {
+        t.release_slot(s.0);
+    }
     // Hand the emptied buffers back so the next group reuses their capacity.
     tokens.clear();
     page_reps.clear();
     full_only_tokens.clear();
     full_only_page_reps.clear();
+    slots.clear();
     let g = t.group();
     g.deferred = DeferredFrees {
         tokens,
         page_reps,
         full_only_tokens,
         full_only_page_reps,
+        slots,
     };
     g.scratch = pages;
     g.forget_freed();
@@ -837,6 +861,19 @@ macro_rules! free_family_methods {
             $crate::frees::transfer_swa(self, from, to)
         }
 
+        fn alloc_slots(
+            &mut self,
+            _n: usize,
+            _out: &mut Vec<$crate::ids::VirtualSlot>,
+        ) -> Result<(), Error> {
+            // Neither FULL/SWA layout has a slot pool: refused, nothing changed.
+            Err(Error::NoSlotPool { op: "alloc_slots" })
+        }
+
+        fn free_slots(&mut self, slots: &[$crate::ids::VirtualSlot]) -> Result<(), Error> {
+            $crate::frees::free_slots(self, slots)
+        }
+
         fn free_batch(&mut self, frees: &[$crate::api::FreeOp<'_>]) {
             $crate::frees::free_batch(self, frees)
         }
@@ -853,7 +890,7 @@ macro_rules! free_family_methods {
             self.group.is_open()
         }
 
-        fn pending_frees(&self) -> [(DeferredKind, usize); 4] {
+        fn pending_frees(&self) -> [(DeferredKind, usize); 5] {
             self.group.deferred().lists()
         }
 
@@ -907,6 +944,7 @@ mod tests {
             page_reps: vec![VirtualPage(1); 2],
             full_only_tokens: vec![VirtualToken(2); 3],
             full_only_page_reps: vec![VirtualPage(2); 4],
+            slots: vec![VirtualSlot(1); 5],
         };
         assert_eq!(
             d.lists(),
@@ -915,6 +953,7 @@ mod tests {
                 (DeferredKind::PageReps, 2),
                 (DeferredKind::FullOnlyTokens, 3),
                 (DeferredKind::FullOnlyPageReps, 4),
+                (DeferredKind::Slots, 5),
             ]
         );
         assert!(!d.is_empty());

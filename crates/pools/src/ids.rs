@@ -12,6 +12,12 @@ pub struct VirtualToken(pub u32);
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct VirtualPage(pub u32);
 
+/// A virtual Mamba state slot: what a request and the prefix tree hold for one recurrent
+/// state. Its own id space (a slot is a page of size 1 on its own grid, not a FULL
+/// page); it never moves. Slot `0` is the sink.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct VirtualSlot(pub u32);
+
 /// A physical page of one sub-pool's grid: its envelope lives at byte
 /// `page × envelope bytes` of the buffer (every grid is anchored at byte 0).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -101,7 +101,7 @@ pub use api::{
     SwaState,
 };
 pub use error::Error;
-pub use ids::{Bytes, PageSize, PhysicalPage, VirtualPage, VirtualToken};
+pub use ids::{Bytes, PageSize, PhysicalPage, VirtualPage, VirtualSlot, VirtualToken};
 pub use spec::{Grid, Grow, Side, SubPoolSpec, sink_floor};
 pub use static_paged::{StaticSwa, StaticSwaConfig};
 pub use sub::{Edge, SubAllocator, VirtualIds};

@@ -446,10 +446,16 @@ impl KvAllocator for StaticSwa {
     }
 
     fn allocation_fits(&self, demand: PageDemand) -> bool {
-        self.fits(demand, 0, 0)
+        // No slot pool: a slot demand never fits.
+        demand.mamba_slots == 0 && self.fits(demand, 0, 0)
     }
 
     fn ensure_capacity(&mut self, demand: PageDemand) -> Result<(), Error> {
+        if demand.mamba_slots > 0 {
+            return Err(Error::NoSlotPool {
+                op: "ensure_capacity",
+            });
+        }
         frees::flush_deferred(self);
         if self.fits(demand, 0, 0) {
             Ok(())
@@ -463,6 +469,10 @@ impl KvAllocator for StaticSwa {
     }
 
     fn reclaim_plan(&mut self, demand: PageDemand, evictable: Reclaimable) -> Option<ReclaimPlan> {
+        if demand.mamba_slots > 0 {
+            // No slot pool: no eviction makes a slot demand fit (and nothing is flushed).
+            return None;
+        }
         // Deferred frees first: bytes waiting in any list must be visible before sizing.
         frees::flush_deferred(self);
         let rf_max = evictable
@@ -472,9 +482,13 @@ impl KvAllocator for StaticSwa {
         if !self.fits(demand, rf_max, rs_max) {
             return None;
         }
+        // The sides are separate pools: the FULL reclaim does not depend on the SWA one.
+        let full_pages = demand.full_pages.saturating_sub(self.free_full.len());
         Some(ReclaimPlan {
             swa_pages: demand.swa_pages.saturating_sub(self.free_swa.len()),
-            full_pages: demand.full_pages.saturating_sub(self.free_full.len()),
+            full_pages,
+            mamba_slots: 0,
+            full_floor_pages: full_pages,
         })
     }
 

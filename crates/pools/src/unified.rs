@@ -620,10 +620,16 @@ impl KvAllocator for UnifiedSwa {
     }
 
     fn allocation_fits(&self, demand: PageDemand) -> bool {
-        self.fits_any(demand, 0, 0)
+        // No slot pool: a slot demand never fits.
+        demand.mamba_slots == 0 && self.fits_any(demand, 0, 0)
     }
 
     fn ensure_capacity(&mut self, demand: PageDemand) -> Result<(), Error> {
+        if demand.mamba_slots > 0 {
+            return Err(Error::NoSlotPool {
+                op: "ensure_capacity",
+            });
+        }
         frees::flush_deferred(self);
         if self.room_for(demand.full_pages, demand.swa_pages)? {
             self.compact()?;
@@ -632,6 +638,10 @@ impl KvAllocator for UnifiedSwa {
     }
 
     fn reclaim_plan(&mut self, demand: PageDemand, evictable: Reclaimable) -> Option<ReclaimPlan> {
+        if demand.mamba_slots > 0 {
+            // No slot pool: no eviction makes a slot demand fit (and nothing is flushed).
+            return None;
+        }
         // Deferred frees first: bytes waiting in any list must be visible before sizing.
         frees::flush_deferred(self);
         if self.fits_any(demand, 0, 0) {
@@ -644,9 +654,13 @@ impl KvAllocator for UnifiedSwa {
         }
         let swa_pages = Self::min_fitting(rs_max, |r| self.fits_any(demand, rf_max, r));
         let full_pages = Self::min_fitting(rf_max, |r| self.fits_any(demand, r, swa_pages));
+        // Monotone in the SWA reclaim, so with all of it the minimum is at most `full_pages`.
+        let full_floor_pages = Self::min_fitting(rf_max, |r| self.fits_any(demand, r, rs_max));
         Some(ReclaimPlan {
             full_pages,
             swa_pages,
+            mamba_slots: 0,
+            full_floor_pages,
         })
     }
 

@@ -325,19 +325,12 @@ fn run(layout: Layout, ps: u32, ops: &[Op]) -> Result<(), TestCaseError> {
                 Ok(())
             }
             Op::Flush => a.flush().map(|_| ()),
-            Op::Ensure { full, swa } => a.ensure_capacity(PageDemand {
-                full_pages: len_of(*full),
-                swa_pages: len_of(*swa),
-            }),
+            Op::Ensure { full, swa } => {
+                a.ensure_capacity(PageDemand::pages(len_of(*full), len_of(*swa)))
+            }
             Op::Reclaim { full, swa, ef, es } => {
-                let demand = PageDemand {
-                    full_pages: len_of(*full),
-                    swa_pages: len_of(*swa),
-                };
-                let evictable = Reclaimable {
-                    full_pages: len_of(*ef),
-                    swa_pages: len_of(*es),
-                };
+                let demand = PageDemand::pages(len_of(*full), len_of(*swa));
+                let evictable = Reclaimable::pages(len_of(*ef), len_of(*es));
                 let _ = a.allocation_fits(demand);
                 let _ = a.reclaim_plan(demand, evictable);
                 Ok(())

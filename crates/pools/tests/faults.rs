@@ -32,7 +32,7 @@ fn stamp(v: u32, side: Side) -> u8 {
 struct State {
     capacity: unikv_pools::Capacity,
     map: unikv_pools::PoolMap,
-    pending: [(unikv_pools::DeferredKind, usize); 4],
+    pending: [(unikv_pools::DeferredKind, usize); 5],
     group: bool,
     verify: Result<(), String>,
     mirror_current: bool,

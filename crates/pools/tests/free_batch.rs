@@ -8,7 +8,7 @@ mod common;
 use common::*;
 use unikv_invariants::{Level, scoped_level};
 use unikv_pools::invariants::FREE_BATCH_WELL_FORMED;
-use unikv_pools::{FreeOp, KvAllocator, Segment, VirtualPage, VirtualToken};
+use unikv_pools::{Error, FreeOp, KvAllocator, Segment, VirtualPage, VirtualSlot, VirtualToken};
 
 /// The host tables and views two pools are compared by.
 fn snapshot(a: &dyn KvAllocator) -> impl PartialEq + std::fmt::Debug + use<> {
@@ -62,6 +62,7 @@ fn checked(a: &mut dyn KvAllocator, ops: &[FreeOp<'_>]) {
                 cursor,
                 len,
             } => a.free_kv_row_segments(row, dead_lo, cursor, len),
+            FreeOp::Slots(slots) => a.free_slots(slots),
         }
         .unwrap_or_else(|e| panic!("{}: {e}", op.name()));
     }
@@ -130,6 +131,49 @@ fn a_refused_op_is_recorded_and_skipped_and_the_rest_is_applied() {
                 });
                 assert_eq!(n, 3, "{layout:?}/{ps} at {level}");
                 assert_eq!(scope.poll().is_err(), level == Level::Strict);
+                assert_eq!(allocated(&p), (before.0 - 3, before.1 - 3));
+                p.verify().unwrap();
+            });
+        }
+    });
+}
+
+#[test]
+fn a_slot_free_on_a_pool_without_slots_is_a_contained_breach() {
+    each_case(|layout, ps| {
+        for group in [false, true] {
+            let mut p = pool(layout, ps, 32);
+            let psz = ps as usize;
+            let rs = rows(&mut p);
+            if group {
+                p.free_group_begin().unwrap();
+            }
+            let slots = [VirtualSlot(1)];
+            // The checked method: a typed error that changes nothing.
+            let before = snapshot(&*p.alloc);
+            let err = p.free_slots(&slots).unwrap_err();
+            assert!(
+                matches!(err, Error::NoSlotPool { op: "free_slots" }),
+                "{err}"
+            );
+            assert_eq!(snapshot(&*p.alloc), before, "{layout:?}/{ps}");
+            // In a batch: recorded, skipped, and the rest applied.
+            let ops = [
+                FreeOp::Slots(&slots),
+                FreeOp::Segment(Segment::of_row(&rs[2], 0..3 * psz)),
+            ];
+            let scope = p.invariant_scope().clone();
+            scoped_level(Level::Strict, || {
+                scope.poll().unwrap();
+                let before = allocated(&p);
+                let (n, ()) = breaches(&mut p, &FREE_BATCH_WELL_FORMED, Level::Strict, |p| {
+                    p.free_batch(&ops)
+                });
+                assert_eq!(n, 1, "{layout:?}/{ps}");
+                assert!(scope.poll().is_err());
+                if group {
+                    p.free_group_end().unwrap();
+                }
                 assert_eq!(allocated(&p), (before.0 - 3, before.1 - 3));
                 p.verify().unwrap();
             });

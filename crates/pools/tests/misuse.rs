@@ -5,7 +5,7 @@ mod common;
 
 use common::{each_case, new_row, pool};
 use unikv_pools::{
-    DecodeRequest, Error, ExtendRequest, KvAllocator, PageDemand, Reclaimable, Segment,
+    DecodeRequest, Error, ExtendRequest, KvAllocator, PageDemand, Reclaimable, Segment, VirtualSlot,
 };
 
 /// What a refused call must leave as it was.
@@ -115,21 +115,12 @@ fn huge_sizes_are_typed_errors_without_wrapped_numbers() {
         let err = p.alloc_decode(&[decode], &mut out).unwrap_err();
         assert!(matches!(err, Error::BadRequest { index: 0, .. }), "{err}");
         assert!(out.is_empty());
-        let huge = PageDemand {
-            full_pages: usize::MAX,
-            swa_pages: usize::MAX,
-        };
+        let huge = PageDemand::pages(usize::MAX, usize::MAX);
         assert!(!p.allocation_fits(huge));
-        assert!(!p.allocation_fits(PageDemand {
-            full_pages: 0,
-            swa_pages: usize::MAX
-        }));
+        assert!(!p.allocation_fits(PageDemand::pages(0, usize::MAX)));
         let err = p.ensure_capacity(huge).unwrap_err();
         assert!(matches!(err, Error::OutOfCapacity { .. }), "{err}");
-        let all = Reclaimable {
-            full_pages: usize::MAX,
-            swa_pages: usize::MAX,
-        };
+        let all = Reclaimable::pages(usize::MAX, usize::MAX);
         assert_eq!(p.reclaim_plan(huge, all), None);
         assert!(p.reclaim_plan(PageDemand::joint(1), all).is_some());
         assert_eq!(snapshot(&*p.alloc), before);
@@ -255,5 +246,46 @@ fn a_segment_is_refused_for_its_real_cause_unaligned_or_mid_page() {
         );
         assert!(err.to_string().contains("starts mid-page"), "{err}");
         assert_eq!(snapshot(&*p.alloc), before);
+    });
+}
+
+#[test]
+fn slot_demands_on_a_pool_without_slots_are_typed_errors_that_change_nothing() {
+    each_case(|layout, ps| {
+        let mut p = pool(layout, ps, 16);
+        let row = new_row(&mut p, 2 * ps as usize);
+        // A deferred free is pending: a refused call must not flush it either.
+        p.free_group_begin().unwrap();
+        p.free(&row).unwrap();
+        let before = snapshot(&*p.alloc);
+        let mut out = vec![VirtualSlot(7)];
+        let err = p.alloc_slots(1, &mut out).unwrap_err();
+        assert!(
+            matches!(err, Error::NoSlotPool { op: "alloc_slots" }),
+            "{err}"
+        );
+        assert_eq!(out, [VirtualSlot(7)]);
+        assert!(!p.allocation_fits(PageDemand::slots(1)));
+        let err = p.ensure_capacity(PageDemand::slots(1)).unwrap_err();
+        assert!(matches!(err, Error::NoSlotPool { .. }), "{err}");
+        let everything = Reclaimable {
+            mamba_slots: usize::MAX,
+            ..Reclaimable::pages(usize::MAX, usize::MAX)
+        };
+        assert_eq!(p.reclaim_plan(PageDemand::slots(1), everything), None);
+        // Pages fit, slots do not: the demand as a whole does not.
+        let mixed = PageDemand {
+            mamba_slots: 1,
+            ..PageDemand::joint(1)
+        };
+        assert!(p.allocation_fits(PageDemand::joint(1)));
+        assert!(!p.allocation_fits(mixed));
+        assert_eq!(snapshot(&*p.alloc), before, "{layout:?}/{ps}");
+        // A page demand with slots evictable but none asked: sized as before.
+        assert_eq!(
+            p.reclaim_plan(PageDemand::joint(1), everything),
+            Some(unikv_pools::ReclaimPlan::default())
+        );
+        p.free_group_end().unwrap();
     });
 }

@@ -9,10 +9,7 @@ use unikv_pools::{
     DeferredKind, PageDemand, ReclaimPlan, Reclaimable, Segment, SwaState, VirtualToken,
 };
 
-const EVERYTHING: Reclaimable = Reclaimable {
-    full_pages: usize::MAX,
-    swa_pages: usize::MAX,
-};
+const EVERYTHING: Reclaimable = Reclaimable::pages(usize::MAX, usize::MAX);
 
 /// Fills the pool with rows of `pages` pages each until the joint capacity is gone.
 fn fill(pool: &mut Pool, pages: usize) -> Vec<Vec<VirtualToken>> {
@@ -43,6 +40,8 @@ fn queue(pool: &mut Pool, kind: DeferredKind, row: &[VirtualToken]) {
             pool.free_swa_segment(seg).unwrap();
             pool.free_full_segment(seg).unwrap();
         }
+        // No FULL/SWA layout has a slot pool, so none can queue a slot (see `misuse.rs`).
+        DeferredKind::Slots => unreachable!("a FULL/SWA pool has no slot list to fill"),
     }
 }
 
@@ -220,10 +219,10 @@ fn reclaim_plan_is_minimal_on_each_side() {
             p.allocation_fits(PageDemand::joint(k))
         };
         let (probe, rows) = build();
-        let evictable = Reclaimable {
-            full_pages: rows.iter().step_by(2).map(|r| r.len() / psz).sum(),
-            swa_pages: rows.iter().skip(1).step_by(2).map(|r| r.len() / psz).sum(),
-        };
+        let evictable = Reclaimable::pages(
+            rows.iter().step_by(2).map(|r| r.len() / psz).sum(),
+            rows.iter().skip(1).step_by(2).map(|r| r.len() / psz).sum(),
+        );
         drop(probe);
         let mut checked = [0usize; 2];
         for k in 1..=48 {

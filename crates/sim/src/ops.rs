@@ -20,7 +20,8 @@ use unikv::kernels::{BytesId, SyncLedger, TableId};
 use unikv::pools::{
     Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, FreeOp, Grid, KvAllocator,
     MoveGate, PageDemand, PageSize, PoolMap, ReclaimPlan, Reclaimable, Segment, Side, StaticSwa,
-    StaticSwaConfig, SwaState, UnifiedSwa, UnifiedSwaConfig, VirtualPage, VirtualToken,
+    StaticSwaConfig, SwaState, UnifiedSwa, UnifiedSwaConfig, VirtualPage, VirtualSlot,
+    VirtualToken,
 };
 
 /// The schema name in the header line.
@@ -149,6 +150,18 @@ pub enum Op {
         /// The ids handed out.
         out: Runs,
     },
+    /// `alloc_slots`, with the slots it returned.
+    AllocSlots {
+        /// Slots asked for.
+        n: usize,
+        /// The slots handed out.
+        out: Vec<u32>,
+    },
+    /// `free_slots`.
+    FreeSlots {
+        /// The slots.
+        slots: Vec<u32>,
+    },
     /// Set-shaped two-sided free.
     Free {
         /// The ids.
@@ -207,6 +220,9 @@ pub enum Op {
         full_pages: usize,
         /// SWA pages.
         swa_pages: usize,
+        /// Mamba slots (absent from the line when 0).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        mamba_slots: usize,
     },
     /// `reclaim_plan`.
     ReclaimPlan {
@@ -218,9 +234,21 @@ pub enum Op {
         evictable_full: usize,
         /// SWA pages the tree could evict.
         evictable_swa: usize,
+        /// Mamba slots demanded (absent from the line when 0).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        mamba_slots: usize,
+        /// Mamba slots the tree could evict (absent from the line when 0).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        evictable_mamba: usize,
     },
     /// The per-step mirror upload.
     UploadMirror,
+}
+
+/// Whether a count is 0 (serde's `skip_serializing_if`: a FULL/SWA trace's lines carry no
+/// slot fields).
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 impl Op {
@@ -230,6 +258,8 @@ impl Op {
             Op::Header { .. } => "header",
             Op::AllocExtend { .. } => "alloc_extend",
             Op::AllocDecode { .. } => "alloc_decode",
+            Op::AllocSlots { .. } => "alloc_slots",
+            Op::FreeSlots { .. } => "free_slots",
             Op::Free { .. } => "free",
             Op::FreeSwa { .. } => "free_swa",
             Op::FreeFull { .. } => "free_full",
@@ -362,6 +392,9 @@ fn recorded(op: FreeOp<'_>) -> Op {
             cursor,
             len,
         },
+        FreeOp::Slots(slots) => Op::FreeSlots {
+            slots: slots.iter().map(|s| s.0).collect(),
+        },
     }
 }
 
@@ -390,6 +423,24 @@ impl KvAllocator for RecordingAllocator {
             out: to_runs(&out[from..]),
         };
         self.recorder.write(&op);
+        Ok(())
+    }
+    fn alloc_slots(
+        &mut self,
+        n: usize,
+        out: &mut Vec<VirtualSlot>,
+    ) -> Result<(), unikv::pools::Error> {
+        let from = out.len();
+        self.inner.alloc_slots(n, out)?;
+        self.recorder.write(&Op::AllocSlots {
+            n,
+            out: out[from..].iter().map(|s| s.0).collect(),
+        });
+        Ok(())
+    }
+    fn free_slots(&mut self, slots: &[VirtualSlot]) -> Result<(), unikv::pools::Error> {
+        self.inner.free_slots(slots)?;
+        self.recorder.write(&recorded(FreeOp::Slots(slots)));
         Ok(())
     }
     fn alloc_decode(
@@ -491,7 +542,7 @@ impl KvAllocator for RecordingAllocator {
     fn in_free_group(&self) -> bool {
         self.inner.in_free_group()
     }
-    fn pending_frees(&self) -> [(DeferredKind, usize); 4] {
+    fn pending_frees(&self) -> [(DeferredKind, usize); 5] {
         self.inner.pending_frees()
     }
     fn flush_deferred(&mut self) -> bool {
@@ -513,6 +564,7 @@ impl KvAllocator for RecordingAllocator {
         self.recorder.write(&Op::EnsureCapacity {
             full_pages: demand.full_pages,
             swa_pages: demand.swa_pages,
+            mamba_slots: demand.mamba_slots,
         });
         result
     }
@@ -523,6 +575,8 @@ impl KvAllocator for RecordingAllocator {
             swa_pages: demand.swa_pages,
             evictable_full: evictable.full_pages,
             evictable_swa: evictable.swa_pages,
+            mamba_slots: demand.mamba_slots,
+            evictable_mamba: evictable.mamba_slots,
         });
         plan
     }
@@ -819,20 +873,39 @@ pub fn check(op: &Op, page_size: u32) -> Result<(), OpsProblem> {
         Op::EnsureCapacity {
             full_pages,
             swa_pages,
+            mamba_slots,
         } => {
             number("full_pages", *full_pages)?;
             number("swa_pages", *swa_pages)?;
+            number("mamba_slots", *mamba_slots)?;
         }
         Op::ReclaimPlan {
             full_pages,
             swa_pages,
             evictable_full,
             evictable_swa,
+            mamba_slots,
+            evictable_mamba,
         } => {
             number("full_pages", *full_pages)?;
             number("swa_pages", *swa_pages)?;
             number("evictable_full", *evictable_full)?;
             number("evictable_swa", *evictable_swa)?;
+            number("mamba_slots", *mamba_slots)?;
+            number("evictable_mamba", *evictable_mamba)?;
+        }
+        Op::AllocSlots { n, out } => {
+            number("n", *n)?;
+            total(out.len() as u64)?;
+            if out.len() != *n {
+                return Err(OpsProblem::OutCount {
+                    out: out.len() as u64,
+                    asked: *n as u64,
+                });
+            }
+        }
+        Op::FreeSlots { slots } => {
+            total(slots.len() as u64)?;
         }
         Op::GroupBegin | Op::GroupEnd | Op::FlushDeferred | Op::Flush | Op::UploadMirror => {}
     }
@@ -954,6 +1027,7 @@ pub fn replay(trace: &Trace) -> Result<BTreeMap<&'static str, OpThroughput>, Sim
     };
     let mut by_kind: BTreeMap<&'static str, OpThroughput> = BTreeMap::new();
     let mut out = Vec::new();
+    let mut scratch_slots: Vec<VirtualSlot> = Vec::new();
     for (line, op) in &trace.ops {
         let at = |problem| SimError::OpsLine {
             source_name: trace.source_name.clone(),
@@ -1110,6 +1184,7 @@ pub fn replay(trace: &Trace) -> Result<BTreeMap<&'static str, OpThroughput>, Sim
             Op::EnsureCapacity {
                 full_pages,
                 swa_pages,
+                mamba_slots,
             } => {
                 tokens = 0;
                 started = Instant::now();
@@ -1117,6 +1192,7 @@ pub fn replay(trace: &Trace) -> Result<BTreeMap<&'static str, OpThroughput>, Sim
                 let _ = alloc.ensure_capacity(PageDemand {
                     full_pages: *full_pages,
                     swa_pages: *swa_pages,
+                    mamba_slots: *mamba_slots,
                 });
             }
             Op::ReclaimPlan {
@@ -1124,6 +1200,8 @@ pub fn replay(trace: &Trace) -> Result<BTreeMap<&'static str, OpThroughput>, Sim
                 swa_pages,
                 evictable_full,
                 evictable_swa,
+                mamba_slots,
+                evictable_mamba,
             } => {
                 tokens = 0;
                 started = Instant::now();
@@ -1131,12 +1209,26 @@ pub fn replay(trace: &Trace) -> Result<BTreeMap<&'static str, OpThroughput>, Sim
                     PageDemand {
                         full_pages: *full_pages,
                         swa_pages: *swa_pages,
+                        mamba_slots: *mamba_slots,
                     },
                     Reclaimable {
                         full_pages: *evictable_full,
                         swa_pages: *evictable_swa,
+                        mamba_slots: *evictable_mamba,
                     },
                 );
+            }
+            Op::AllocSlots { n, .. } => {
+                tokens = 0;
+                scratch_slots.clear();
+                started = Instant::now();
+                alloc.alloc_slots(*n, &mut scratch_slots).map_err(pool)?;
+            }
+            Op::FreeSlots { slots } => {
+                tokens = 0;
+                let slots: Vec<VirtualSlot> = slots.iter().map(|&s| VirtualSlot(s)).collect();
+                started = Instant::now();
+                alloc.free_slots(&slots).map_err(pool)?;
             }
             Op::UploadMirror => {
                 tokens = 0;
@@ -1332,6 +1424,28 @@ mod tests {
             SimError::OpsLine { line, problem, .. } => (*line, problem.to_string()),
             other => panic!("expected an ops line error, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn slot_ops_parse_and_a_page_trace_carries_no_slot_fields() {
+        assert_eq!(problem(r#"{"op":"alloc_slots","n":1,"out":[3]}"#), None);
+        assert_eq!(problem(r#"{"op":"free_slots","slots":[3]}"#), None);
+        assert!(problem(r#"{"op":"alloc_slots","n":2,"out":[3]}"#).is_some());
+        // Lines written before the slot fields existed parse, with 0 slots...
+        let line = r#"{"op":"ensure_capacity","full_pages":1,"swa_pages":2}"#;
+        let op: Op = serde_json::from_str(line).unwrap();
+        assert_eq!(
+            op,
+            Op::EnsureCapacity {
+                full_pages: 1,
+                swa_pages: 2,
+                mamba_slots: 0
+            }
+        );
+        // ...and a FULL/SWA trace is written exactly as before.
+        assert_eq!(serde_json::to_string(&op).unwrap(), line);
+        let op = recorded(FreeOp::Slots(&[VirtualSlot(3)]));
+        assert_eq!(op, Op::FreeSlots { slots: vec![3] });
     }
 
     #[test]
