@@ -873,19 +873,21 @@ impl HybridCache {
                     .ensure_capacity(demand)
                     .map_err(|e| self.out_of_memory(e));
             }
-            // One node at a time, FULL before SWA, and the plan and the fit checked again
-            // after each: the plan prices SWA and FULL reclaim separately, but evicting a
-            // FULL leaf frees its SWA too, so evicting the plan's counts whole over-evicts.
-            let first = if plan.full_pages > 0 {
-                Component::Full
+            // FULL before SWA, and the plan and the fit checked again after each pass: the
+            // plan prices SWA and FULL reclaim separately, but evicting a FULL leaf frees
+            // its SWA too, so evicting the plan's counts whole over-evicts. A FULL pass
+            // evicts node by node up to the plan's floor (at least one node): no fit needs
+            // less FULL, so a recheck before it would evict the same nodes again.
+            let actions = if plan.full_pages > 0 {
+                let floor = plan.full_floor_pages.max(1);
+                let (actions, _) = self
+                    .tree
+                    .evict_until(Component::Full, |r| r.full.0 / ps >= floor);
+                Some(actions).filter(|a| !a.is_empty())
             } else {
-                Component::Swa
+                None
             };
-            let Some(actions) = self
-                .tree
-                .evict_one(first)
-                .or_else(|| self.tree.evict_one(Component::Swa))
-            else {
+            let Some(actions) = actions.or_else(|| self.tree.evict_one(Component::Swa)) else {
                 return Err(self.oom(demand));
             };
             self.epoch += 1;
