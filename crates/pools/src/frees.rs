@@ -85,9 +85,21 @@ impl DeferredFrees {
         ]
     }
 
-    /// Whether no list holds anything.
+    /// Whether no list holds anything (every flush asks: destructured like [`Self::lists`],
+    /// without building the array).
     pub(crate) fn is_empty(&self) -> bool {
-        self.lists().iter().all(|&(_, n)| n == 0)
+        let DeferredFrees {
+            tokens,
+            page_reps,
+            full_only_tokens,
+            full_only_page_reps,
+            slots,
+        } = self;
+        tokens.is_empty()
+            && page_reps.is_empty()
+            && full_only_tokens.is_empty()
+            && full_only_page_reps.is_empty()
+            && slots.is_empty()
     }
 }
 
@@ -958,6 +970,13 @@ mod tests {
         );
         assert!(!d.is_empty());
         assert!(DeferredFrees::default().is_empty());
+        // The slot list alone makes them non-empty (a flush would otherwise skip it).
+        let only_slots = DeferredFrees {
+            slots: vec![VirtualSlot(1)],
+            ..DeferredFrees::default()
+        };
+        assert!(!only_slots.is_empty());
+        assert_eq!(only_slots.lists()[4], (DeferredKind::Slots, 1));
     }
 
     #[test]
