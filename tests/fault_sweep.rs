@@ -401,7 +401,12 @@ impl Run {
         for side in [Side::Full, Side::Swa] {
             let mirror = self
                 .cpu
-                .read_table(&sync, alloc.mirror_table(side), 0, pages as usize)
+                .read_table(
+                    &sync,
+                    alloc.mirror_table(side).expect("a FULL/SWA side"),
+                    0,
+                    pages as usize,
+                )
                 .expect("read mirror");
             for v in 1..pages {
                 let host = alloc.physical_page(side, unikv::pools::VirtualPage(v));

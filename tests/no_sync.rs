@@ -138,7 +138,7 @@ fn the_uploaded_mirror_and_device_translation_match_the_host_after_every_step() 
             let pages = alloc.virtual_pages() as usize;
             for side in [Side::Full, Side::Swa] {
                 let mirror = device
-                    .read_table(&sync, alloc.mirror_table(side), 0, pages)
+                    .read_table(&sync, alloc.mirror_table(side).unwrap(), 0, pages)
                     .unwrap();
                 for (v, &entry) in mirror.iter().enumerate() {
                     let page = VirtualPage(v as u32);

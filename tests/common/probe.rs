@@ -400,7 +400,7 @@ impl KvAllocator for Probe {
         self.fault(Fault::UploadMirror)?;
         self.inner.upload_mirror()
     }
-    fn mirror_table(&self, side: Side) -> TableId {
+    fn mirror_table(&self, side: Side) -> Option<TableId> {
         self.inner.mirror_table(side)
     }
     fn stride(&self, side: Side) -> u32 {

@@ -560,7 +560,8 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     /// allocation may compact (moving pages and rewriting the host tables) and frees may
     /// release pages that a later allocation hands out again, so a kernel that reads the
     /// mirror between such a change and the upload would address stale pages.
-    fn mirror_table(&self, side: Side) -> TableId;
+    /// `None` for a side the allocator does not have ([`Side::Mamba`] without a slot pool).
+    fn mirror_table(&self, side: Side) -> Option<TableId>;
 
     /// Kernel rows per page envelope of `side`.
     fn stride(&self, side: Side) -> u32;

@@ -918,12 +918,15 @@ macro_rules! free_family_methods {
             out: TableId,
             out_width: usize,
         ) -> Result<(), Error> {
+            let Some(v2p) = self.mirror_table(side) else {
+                return Err(Error::NoSlotPool { op: "translate" });
+            };
             let pending = self.mirror_pending();
             if pending != 0 {
                 return Err(Error::MirrorBehind { pending });
             }
             self.device.translate(&Translate {
-                v2p: self.mirror_table(side),
+                v2p,
                 ids,
                 n,
                 page_size: self.ps.get(),

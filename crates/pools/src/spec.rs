@@ -4,21 +4,26 @@
 use crate::error::Error;
 use crate::ids::{Bytes, PageSize};
 
-/// Which side of a FULL/SWA allocator.
+/// Which side of an allocator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Side {
     /// Full-attention KV: mints the virtual pages.
     Full,
     /// Sliding-window KV: binds its pages to FULL's virtual pages.
     Swa,
+    /// Mamba state slots: their own virtual ids ([`crate::VirtualSlot`], page size 1).
+    /// No layout has a slot pool yet: to the FULL/SWA allocators it is an absent side
+    /// (an empty grid, no mirror, every id the sink).
+    Mamba,
 }
 
 impl Side {
-    /// `full` or `swa`.
+    /// `full`, `swa` or `mamba`.
     pub const fn as_str(self) -> &'static str {
         match self {
             Side::Full => "full",
             Side::Swa => "swa",
+            Side::Mamba => "mamba",
         }
     }
 }
@@ -98,6 +103,15 @@ pub struct Grid {
 }
 
 impl Grid {
+    /// The grid of a side an allocator does not have ([`Side::Mamba`] on the FULL/SWA
+    /// layouts): no pages, no rows.
+    pub const ABSENT: Grid = Grid {
+        envelope: 0,
+        pages: 0,
+        min_page: 0,
+        stride: 0,
+    };
+
     /// The grid of `spec` in a buffer of `total` bytes with a sink floor of `floor` bytes;
     /// `side` names it in errors. Fails when kernel ids would not fit in i32.
     pub fn new(

@@ -591,10 +591,11 @@ impl KvAllocator for StaticSwa {
         Ok(())
     }
 
-    fn mirror_table(&self, side: Side) -> TableId {
+    fn mirror_table(&self, side: Side) -> Option<TableId> {
         match side {
-            Side::Full => self.mirrors[0],
-            Side::Swa => self.mirrors[1],
+            Side::Full => Some(self.mirrors[0]),
+            Side::Swa => Some(self.mirrors[1]),
+            Side::Mamba => None,
         }
     }
 
@@ -615,6 +616,7 @@ impl KvAllocator for StaticSwa {
         match side {
             Side::Full => self.full_grid,
             Side::Swa => self.swa_grid,
+            Side::Mamba => Grid::ABSENT,
         }
     }
 
@@ -629,6 +631,7 @@ impl KvAllocator for StaticSwa {
                 (v != 0 && *self.full_live.get(v)?).then(|| self.full_base + v as u32 - 1)
             }
             Side::Swa => self.swa_of.get(v).filter(|&&p| p > 0).map(|&p| p as u32),
+            Side::Mamba => None,
         }
     }
 

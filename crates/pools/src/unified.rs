@@ -128,9 +128,11 @@ impl UnifiedSwa {
         })
     }
 
-    /// Byte range `[low, high)` of `side`'s span.
+    /// Byte range `[low, high)` of `side`'s span (an absent side: the empty span at the
+    /// sink floor).
     pub fn span_bytes(&self, side: Side) -> (u64, u64) {
-        self.side(side).span_bytes()
+        self.side(side)
+            .map_or((self.floor, self.floor), SubAllocator::span_bytes)
     }
 
     /// Mirror entries waiting for the upload (both sides).
@@ -138,10 +140,12 @@ impl UnifiedSwa {
         self.full.dirty_count() + self.swa.dirty_count()
     }
 
-    fn side(&self, side: Side) -> &SubAllocator {
+    /// `side`'s sub-pool; `None` for [`Side::Mamba`] (no slot pool).
+    fn side(&self, side: Side) -> Option<&SubAllocator> {
         match side {
-            Side::Full => &self.full,
-            Side::Swa => &self.swa,
+            Side::Full => Some(&self.full),
+            Side::Swa => Some(&self.swa),
+            Side::Mamba => None,
         }
     }
 
@@ -236,6 +240,7 @@ impl UnifiedSwa {
         match side {
             Side::Swa => self.plans[0].span,
             Side::Full => self.plans[1].span,
+            Side::Mamba => None,
         }
     }
 
@@ -517,6 +522,8 @@ impl UnifiedSwa {
                     Self::max_fitting(hi, |k| self.fits(0, k, 0, 0, !gated)),
                 )
             }
+            // No slot pool: no capacity.
+            Side::Mamba => return SideCapacity::default(),
         };
         SideCapacity {
             available_pages: avail,
@@ -680,24 +687,21 @@ impl KvAllocator for UnifiedSwa {
     }
 
     fn pool_map(&self) -> PoolMap {
-        let info = |side: Side| {
-            let sub = self.side(side);
-            SpanInfo {
-                side,
-                bytes: sub.span_bytes(),
-                envelope: sub.grid.envelope,
-                pages: sub.span_pages() as usize,
-                live: sub.live as usize,
-                holes: sub.holes.len(),
-                tombstones: sub.tombstones as usize,
-            }
+        let info = |side: Side, sub: &SubAllocator| SpanInfo {
+            side,
+            bytes: sub.span_bytes(),
+            envelope: sub.grid.envelope,
+            pages: sub.span_pages() as usize,
+            live: sub.live as usize,
+            holes: sub.holes.len(),
+            tombstones: sub.tombstones as usize,
         };
         PoolMap {
             layout: "unified",
             page_size: self.ps.get(),
             total_bytes: self.total_bytes,
             sink_floor: self.floor,
-            spans: vec![info(Side::Swa), info(Side::Full)],
+            spans: vec![info(Side::Swa, &self.swa), info(Side::Full, &self.full)],
         }
     }
 
@@ -727,19 +731,22 @@ impl KvAllocator for UnifiedSwa {
         Ok(())
     }
 
-    fn mirror_table(&self, side: Side) -> TableId {
+    fn mirror_table(&self, side: Side) -> Option<TableId> {
         match side {
-            Side::Full => self.mirrors[0],
-            Side::Swa => self.mirrors[1],
+            Side::Full => Some(self.mirrors[0]),
+            Side::Swa => Some(self.mirrors[1]),
+            Side::Mamba => None,
         }
     }
 
     fn stride(&self, side: Side) -> u32 {
-        self.side(side).grid.stride
+        self.grid(side).stride
     }
 
     fn kernel_id(&self, side: Side, token: VirtualToken) -> i32 {
-        let sub = self.side(side);
+        let Some(sub) = self.side(side) else {
+            return 0;
+        };
         match sub.v2p.get(token.page(self.ps).0 as usize) {
             Some(&p) if p > 0 && token.0 != 0 => {
                 p * sub.grid.stride as i32 + token.offset(self.ps) as i32
@@ -749,7 +756,7 @@ impl KvAllocator for UnifiedSwa {
     }
 
     fn grid(&self, side: Side) -> Grid {
-        self.side(side).grid
+        self.side(side).map_or(Grid::ABSENT, |sub| sub.grid)
     }
 
     fn sink_floor(&self) -> u64 {
@@ -757,7 +764,7 @@ impl KvAllocator for UnifiedSwa {
     }
 
     fn physical_page(&self, side: Side, page: VirtualPage) -> Option<u32> {
-        let p = *self.side(side).v2p.get(page.0 as usize)?;
+        let p = *self.side(side)?.v2p.get(page.0 as usize)?;
         (p > 0).then_some(p as u32)
     }
 

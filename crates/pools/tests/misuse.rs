@@ -4,8 +4,10 @@
 mod common;
 
 use common::{each_case, new_row, pool};
+use unikv_kernels::TableId;
 use unikv_pools::{
-    DecodeRequest, Error, ExtendRequest, KvAllocator, PageDemand, Reclaimable, Segment, VirtualSlot,
+    DecodeRequest, Error, ExtendRequest, Grid, KvAllocator, PageDemand, Reclaimable, Segment, Side,
+    VirtualPage, VirtualSlot, VirtualToken,
 };
 
 /// What a refused call must leave as it was.
@@ -287,5 +289,33 @@ fn slot_demands_on_a_pool_without_slots_are_typed_errors_that_change_nothing() {
             Some(unikv_pools::ReclaimPlan::default())
         );
         p.free_group_end().unwrap();
+    });
+}
+
+#[test]
+fn the_mamba_side_of_a_pool_without_slots_is_absent_not_a_panic() {
+    each_case(|layout, ps| {
+        let mut p = pool(layout, ps, 16);
+        let row = new_row(&mut p, 2 * ps as usize);
+        p.upload_mirror().unwrap();
+        let before = snapshot(&*p.alloc);
+        assert_eq!(p.grid(Side::Mamba), Grid::ABSENT);
+        assert_eq!(p.stride(Side::Mamba), 0);
+        assert_eq!(p.mirror_table(Side::Mamba), None);
+        assert!(p.mirror_table(Side::Full).is_some());
+        // A live FULL token is the sink on the absent side.
+        assert_ne!(p.kernel_id(Side::Full, row[0]), 0);
+        assert_eq!(p.kernel_id(Side::Mamba, row[0]), 0);
+        assert_eq!(p.kernel_id(Side::Mamba, VirtualToken(u32::MAX)), 0);
+        assert_eq!(p.physical_page(Side::Mamba, VirtualPage(1)), None);
+        let err = p
+            .translate(Side::Mamba, TableId(0), 1, TableId(0), 1)
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::NoSlotPool { op: "translate" }),
+            "{err}"
+        );
+        assert!(p.pool_map().spans.iter().all(|s| s.side != Side::Mamba));
+        assert_eq!(snapshot(&*p.alloc), before, "{layout:?}/{ps}");
     });
 }

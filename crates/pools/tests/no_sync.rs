@@ -80,7 +80,7 @@ fn segment_frees_alloc_and_flush_issue_no_sync_and_capacity_comes_back() {
 /// mirror (as the reference's boolean mask did) and frees only the live pages.
 fn filtering_free_swa_segment(pool: &mut Pool, row: &[VirtualToken]) {
     pool.upload_mirror().unwrap();
-    let mirror = pool.mirror_table(Side::Swa);
+    let mirror = pool.mirror_table(Side::Swa).unwrap();
     let n = pool.virtual_pages() as usize;
     let live = pool
         .ledger

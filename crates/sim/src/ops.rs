@@ -597,7 +597,7 @@ impl KvAllocator for RecordingAllocator {
     fn mirror_current(&self) -> bool {
         self.inner.mirror_current()
     }
-    fn mirror_table(&self, side: Side) -> TableId {
+    fn mirror_table(&self, side: Side) -> Option<TableId> {
         self.inner.mirror_table(side)
     }
     fn stride(&self, side: Side) -> u32 {
