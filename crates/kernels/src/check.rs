@@ -88,29 +88,83 @@ pub(crate) fn fill(buf: BytesId, spans: &[ByteSpan], total: u64) -> Result<(), E
         .try_for_each(|s| bytes_range("fill_spans", buf, s.offset, s.len, total))
 }
 
-/// Every source and destination is inside a buffer of `total` bytes and no two
-/// destinations overlap (empty moves are ignored). Sources may overlap anything.
+/// A non-empty range of a move: (start, end, index of the move in the call).
+type MoveRange = (u64, u64, usize);
+
+/// The non-empty destination (`dst`) or source ranges of `moves`, in call order.
+fn move_ranges(moves: &[SpanMove], dst: bool) -> impl Iterator<Item = MoveRange> + Clone + '_ {
+    moves
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.len > 0)
+        .map(move |(i, m)| {
+            let start = if dst { m.dst } else { m.src };
+            (start, start + m.len, i)
+        })
+}
+
+/// Every source and destination is inside a buffer of `total` bytes, and no destination
+/// overlaps another destination or any source (its own or another move's); empty moves
+/// are ignored and sources may overlap each other. O(k log k) for `k` moves and nothing
+/// per byte: two linear walks over the destinations and the sources in start order. The
+/// pools emit both already in that order (each side's compaction ascends, SWA below
+/// FULL), and then nothing is copied or allocated; otherwise both are sorted first.
 pub(crate) fn moves(buf: BytesId, moves: &[SpanMove], total: u64) -> Result<(), Error> {
     for m in moves {
         bytes_range("move_spans", buf, m.src, m.len, total)?;
         bytes_range("move_spans", buf, m.dst, m.len, total)?;
     }
-    let mut dsts: Vec<(u64, u64)> = moves
-        .iter()
-        .filter(|m| m.len > 0)
-        .map(|m| (m.dst, m.dst + m.len)) // no overflow: checked just above
-        .collect();
-    dsts.sort_unstable();
-    match dsts.windows(2).find(|w| w[1].0 < w[0].1) {
-        Some(w) => Err(Error::BadArguments {
-            op: "move_spans",
-            reason: format!(
-                "destinations {}..{} and {}..{} overlap",
-                w[0].0, w[0].1, w[1].0, w[1].1
-            ),
-        }),
-        None => Ok(()),
+    // No overflow in the ends: checked just above.
+    let in_order = |dst| move_ranges(moves, dst).is_sorted_by_key(|r| r.0);
+    if in_order(true) && in_order(false) {
+        return disjoint(buf, move_ranges(moves, true), move_ranges(moves, false));
     }
+    let sorted = |dst| {
+        let mut ranges: Vec<MoveRange> = move_ranges(moves, dst).collect();
+        ranges.sort_by_key(|r| r.0);
+        ranges
+    };
+    let (dsts, srcs) = (sorted(true), sorted(false));
+    disjoint(buf, dsts.iter().copied(), srcs.iter().copied())
+}
+
+/// The overlap check of [`moves`] over destinations and sources in start order.
+fn disjoint(
+    buf: BytesId,
+    dsts: impl Iterator<Item = MoveRange> + Clone,
+    srcs: impl Iterator<Item = MoveRange>,
+) -> Result<(), Error> {
+    let overlap = |dst: MoveRange, other: MoveRange, other_kind| {
+        Err(Error::OverlappingMoves {
+            buf: buf.0,
+            dst_move: dst.2,
+            dst: dst.0..dst.1,
+            other_move: other.2,
+            other_kind,
+            other: other.0..other.1,
+        })
+    };
+    // In start order, two destinations overlap only if two neighbours do.
+    let mut prev: Option<MoveRange> = None;
+    for d in dsts.clone() {
+        if let Some(p) = prev.filter(|p| d.0 < p.1) {
+            return overlap(d, p, "destination");
+        }
+        prev = Some(d);
+    }
+    // The destinations are now disjoint, so their ends ascend too: for sources in start
+    // order, the first destination ending after the source's start only moves forward,
+    // and the source overlaps a destination exactly when that one starts before its end.
+    let mut dsts = dsts.peekable();
+    for s in srcs {
+        while dsts.next_if(|d| d.1 <= s.0).is_some() {}
+        match dsts.peek() {
+            Some(&d) if d.0 < s.1 => return overlap(d, s, "source"),
+            Some(_) => {}
+            None => break,
+        }
+    }
+    Ok(())
 }
 
 /// `gather_table`'s host-known arguments: `indices` and `out` hold `n` entries and `out`

@@ -198,8 +198,7 @@ mod real {
 
     struct Kernels {
         translate: CudaFunction,
-        stage_spans: CudaFunction,
-        unstage_spans: CudaFunction,
+        move_spans: CudaFunction,
         fill_spans: CudaFunction,
         scatter: CudaFunction,
         gather: CudaFunction,
@@ -221,7 +220,7 @@ mod real {
     /// The CUDA backend: buffers and tables in GPU memory, every op one or two kernel
     /// launches (or one copy) on a single stream, in call order.
     ///
-    /// Temporary device buffers of an op (scatter pairs, span lists, move staging) are
+    /// Temporary device buffers of an op (scatter pairs, span and move lists) are
     /// freed stream-ordered (`cuMemFreeAsync`) on GPUs with memory pools, so no op of
     /// [`Device`] waits for the GPU; on a GPU without memory pools the driver frees
     /// synchronously.
@@ -283,10 +282,7 @@ mod real {
                     .collect()
             };
             let [translate] = take(load("translate.cu", &["unikv_translate"])?)?;
-            let [stage_spans, unstage_spans] = take(load(
-                "move_spans.cu",
-                &["unikv_stage_spans", "unikv_unstage_spans"],
-            )?)?;
+            let [move_spans] = take(load("move_spans.cu", &["unikv_move_spans"])?)?;
             let [fill_spans] = take(load("fill_spans.cu", &["unikv_fill_spans"])?)?;
             let [scatter, gather] = take(load("tables.cu", &["unikv_scatter", "unikv_gather"])?)?;
             Ok(CudaDevice {
@@ -294,8 +290,7 @@ mod real {
                 stream: ctx.default_stream(),
                 kernels: Kernels {
                     translate,
-                    stage_spans,
-                    unstage_spans,
+                    move_spans,
                     fill_spans,
                     scatter,
                     gather,
@@ -618,47 +613,28 @@ mod real {
                 .bytes_mut(buf)
                 .ok_or_else(|| self.unknown("bytes", buf.0))?;
             check::moves(buf, moves, b.len as u64)?;
-            let mut list: Vec<u64> = Vec::with_capacity(4 * moves.len());
-            let mut staged = 0u64;
-            for m in moves.iter().filter(|m| m.len > 0) {
-                list.extend([m.src, m.dst, m.len, staged]);
-                staged += m.len; // <= moves.len() * buffer length; no overflow in practice
-            }
+            let list: Vec<u64> = moves
+                .iter()
+                .filter(|m| m.len > 0)
+                .flat_map(|m| [m.src, m.dst, m.len])
+                .collect();
             if list.is_empty() {
                 return Ok(());
             }
-            let n = (list.len() / 4) as u64;
+            let n = (list.len() / 3) as u64;
             let list = self
                 .stream
                 .clone_htod(&list)
                 .map_err(cuda("move_spans: upload"))?;
-            let staged_len = usize::try_from(staged).map_err(|_| {
-                alloc_error(self.name(), staged)(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY))
-            })?;
-            // SAFETY: uninitialised staging; launch 1 writes every byte of it (the
-            // moves' staging ranges tile [0, staged)) before launch 2, later on the
-            // same stream, reads any.
-            let mut staging = unsafe { self.stream.alloc::<u8>(staged_len) }
-                .map_err(alloc_error(self.name(), staged))?;
-            let mut stage = self.stream.launch_builder(&self.kernels.stage_spans);
-            stage.arg(&b.data).arg(&list).arg(&n).arg(&mut staging);
-            // SAFETY: kernel `unikv_stage_spans(const unsigned char* buf, const unsigned
-            // long long* moves, unsigned long long n_moves, unsigned char* staging)`,
-            // arguments in that order with matching types. Bounds: `list` holds 4n
-            // entries; every source range was checked inside `buf`, and staging ranges
-            // lie inside `staging` (sized to the sum of lengths). Aliasing: reads from
-            // `buf`, writes to the separate `staging`, staging ranges are disjoint.
-            unsafe { stage.launch(per_span(n)) }.map_err(cuda("move_spans: stage"))?;
-            let mut unstage = self.stream.launch_builder(&self.kernels.unstage_spans);
-            unstage.arg(&mut b.data).arg(&list).arg(&n).arg(&staging);
-            // SAFETY: kernel `unikv_unstage_spans(unsigned char* buf, const unsigned long
-            // long* moves, unsigned long long n_moves, const unsigned char* staging)`,
-            // arguments in that order with matching types. Bounds as above, with every
-            // destination range checked inside `buf`. Aliasing: reads the separate
-            // `staging`, and destinations are pairwise disjoint (checked), so each byte
-            // of `buf` has at most one writer. Stream order puts it after the stage
-            // launch, so every source was read before any destination is written.
-            unsafe { unstage.launch(per_span(n)) }.map_err(cuda("move_spans: unstage"))?;
+            let mut launch = self.stream.launch_builder(&self.kernels.move_spans);
+            launch.arg(&mut b.data).arg(&list).arg(&n);
+            // SAFETY: kernel `unikv_move_spans(unsigned char* buf, const unsigned long
+            // long* moves, unsigned long long n_moves)`, arguments in that order with
+            // matching types. Bounds: `list` holds 3n entries and every source and
+            // destination range was checked inside `buf` on the host. Aliasing: no
+            // destination overlaps another destination or any source (checked), so no
+            // byte is both read and written and each written byte has one writer.
+            unsafe { launch.launch(per_span(n)) }.map_err(cuda("move_spans: launch"))?;
             Ok(())
         }
 

@@ -17,8 +17,10 @@ pub struct TableId(pub u32);
 
 /// One page-envelope copy inside a byte buffer: `len` bytes from `src` to `dst` (byte
 /// offsets). Within one [`Device::move_spans`] call no destination overlaps another
-/// destination; a destination may overlap sources (of its own or another move), since
-/// every source is read before any destination is written.
+/// destination or any source (its own or another move's); sources may overlap each
+/// other. So the moves commute and a backend copies each in place, with no staging copy.
+/// The pools keep this: compaction moves live pages into holes, and a float's slide moves
+/// pages to fresh pages beyond its span.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SpanMove {
     /// Source byte offset.
@@ -124,8 +126,10 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     #[track_caller]
     fn fill_spans(&self, buf: BytesId, spans: &[ByteSpan], value: u8) -> Result<(), Error>;
 
-    /// Copies page envelopes inside `buf` (compaction). All moves of one call behave as
-    /// if done at once: every source is read before any destination is written.
+    /// Copies page envelopes inside `buf` (compaction). No destination may overlap
+    /// another destination or any source (see [`SpanMove`]), so the order of the copies
+    /// does not matter. A call that breaks this, or reaches outside `buf`, fails with
+    /// [`Error::OverlappingMoves`] or [`Error::OutOfBounds`] before anything is written.
     #[track_caller]
     fn move_spans(&self, buf: BytesId, moves: &[SpanMove]) -> Result<(), Error>;
 

@@ -47,14 +47,34 @@ pub enum Error {
         /// Length of the buffer or table.
         len: u64,
     },
-    /// Arguments that break an op's contract (overlapping moves, `out_width < n`, a zero
-    /// page size, ...).
+    /// Arguments that break an op's contract (`out_width < n`, a zero page size, an
+    /// aliased output, ...).
     #[error("{op}: {reason}")]
     BadArguments {
         /// The op.
         op: &'static str,
         /// What is wrong.
         reason: String,
+    },
+    /// Two ranges of one [`Device::move_spans`](crate::Device::move_spans) call overlap
+    /// where its contract forbids it: a destination overlaps another destination or a
+    /// source (its own or another move's). Refused before anything is written.
+    #[error(
+        "move_spans on bytes {buf}: destination {dst:?} of move {dst_move} overlaps {other_kind} {other:?} of move {other_move}"
+    )]
+    OverlappingMoves {
+        /// The buffer's handle number.
+        buf: u32,
+        /// Index (in the call's slice) of the move whose destination overlaps.
+        dst_move: usize,
+        /// That destination's byte range.
+        dst: std::ops::Range<u64>,
+        /// Index of the move the other range belongs to (may be `dst_move`).
+        other_move: usize,
+        /// `source` or `destination`.
+        other_kind: &'static str,
+        /// The other range.
+        other: std::ops::Range<u64>,
     },
     /// The device could not allocate a buffer or table of the requested size.
     #[error("{device}: cannot allocate {bytes} bytes")]

@@ -159,24 +159,10 @@ fn move_spans_matches_cpu() {
             dev.fill_spans(buf, spans, value as u8)?;
         }
         let e = envelope as u64;
-        // A rotation of envelopes 0 → 1 → 2 → 0, a compaction 9 → 5, 12 → 9 (a
-        // destination that is another move's source), and a shifted self-overlap.
+        // A compaction 9 → 5, 12 → 6 and a slide 0 → 14, a source read twice (0 → 15),
+        // a move to a byte offset that is not a multiple of the envelope, and an empty
+        // move. No destination overlaps a source or another destination.
         let moves = [
-            SpanMove {
-                src: 0,
-                dst: e,
-                len: e,
-            },
-            SpanMove {
-                src: e,
-                dst: 2 * e,
-                len: e,
-            },
-            SpanMove {
-                src: 2 * e,
-                dst: 0,
-                len: e,
-            },
             SpanMove {
                 src: 9 * e,
                 dst: 5 * e,
@@ -184,12 +170,22 @@ fn move_spans_matches_cpu() {
             },
             SpanMove {
                 src: 12 * e,
-                dst: 9 * e,
+                dst: 6 * e,
                 len: e,
             },
             SpanMove {
-                src: 14 * e,
-                dst: 14 * e + 100,
+                src: 0,
+                dst: 14 * e,
+                len: e,
+            },
+            SpanMove {
+                src: 0,
+                dst: 15 * e,
+                len: e,
+            },
+            SpanMove {
+                src: 2 * e + 7,
+                dst: 10 * e + 100,
                 len: e,
             },
             SpanMove {
@@ -199,6 +195,8 @@ fn move_spans_matches_cpu() {
             },
         ];
         dev.move_spans(buf, &moves)?;
+        // Refused by both, naming the same ranges: destinations that overlap, and a
+        // destination that is another move's source.
         let overlapping = [
             SpanMove {
                 src: 0,
@@ -211,7 +209,23 @@ fn move_spans_matches_cpu() {
                 len: e,
             },
         ];
-        let rejected = format!("{:?}", dev.move_spans(buf, &overlapping));
+        let onto_a_source = [
+            SpanMove {
+                src: 9 * e,
+                dst: 5 * e,
+                len: e,
+            },
+            SpanMove {
+                src: 12 * e,
+                dst: 9 * e,
+                len: e,
+            },
+        ];
+        let rejected = format!(
+            "{:?} {:?}",
+            dev.move_spans(buf, &overlapping),
+            dev.move_spans(buf, &onto_a_source)
+        );
         Ok((
             rejected,
             dev.read_bytes(&sync(), buf, 0, pattern.len() as u64)?,
