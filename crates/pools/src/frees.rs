@@ -760,10 +760,19 @@ pub(crate) fn group_end<T: PageTables + ?Sized>(t: &mut T) -> Result<(), Error> 
 /// **The** flush of deferred frees: every list, every flush site. Applies the frees
 /// (containment only: their premises were checked at enqueue) and keeps the group open.
 /// Returns whether anything was pending.
+#[inline]
 pub(crate) fn flush_deferred<T: PageTables + ?Sized>(t: &mut T) -> bool {
+    // Most flush sites find nothing pending: keep that check inlined at each of them.
     if t.group_ref().deferred.is_empty() {
         return false;
     }
+    apply_deferred(t);
+    true
+}
+
+/// The body of [`flush_deferred`] once something is pending.
+#[inline(never)]
+fn apply_deferred<T: PageTables + ?Sized>(t: &mut T) {
     let DeferredFrees {
         mut tokens,
         mut page_reps,
@@ -800,7 +809,6 @@ pub(crate) fn flush_deferred<T: PageTables + ?Sized>(t: &mut T) -> bool {
     };
     g.scratch = pages;
     g.forget_freed();
-    true
 }
 
 /// The [`crate::KvAllocator`] methods both allocators implement the same way: allocation
