@@ -332,7 +332,17 @@ fn run(layout: Layout, ps: u32, ops: &[Op]) -> Result<(), TestCaseError> {
                 let demand = PageDemand::pages(len_of(*full), len_of(*swa));
                 let evictable = Reclaimable::pages(len_of(*ef), len_of(*es));
                 let _ = a.allocation_fits(demand);
-                let _ = a.reclaim_plan(demand, evictable);
+                if let Some(plan) = a.reclaim_plan(demand, evictable) {
+                    // The floor is the least FULL reclaim that fits with all SWA reclaim:
+                    // a lower bound of the plan's FULL, enough with all SWA, and no less is.
+                    let floor = plan.full_floor_pages;
+                    assert!(floor <= plan.full_pages, "{plan:?}");
+                    let with = |f| Reclaimable::pages(f, evictable.swa_pages);
+                    assert!(a.reclaim_plan(demand, with(floor)).is_some(), "{plan:?}");
+                    if floor > 0 {
+                        assert_eq!(a.reclaim_plan(demand, with(floor - 1)), None, "{plan:?}");
+                    }
+                }
                 Ok(())
             }
             Op::Upload => a.upload_mirror(),
