@@ -224,7 +224,7 @@ fn reclaim_plan_is_minimal_on_each_side() {
             rows.iter().skip(1).step_by(2).map(|r| r.len() / psz).sum(),
         );
         drop(probe);
-        let mut checked = [0usize; 2];
+        let mut checked = [0usize; 3];
         for k in 1..=48 {
             let (mut a, rows) = build();
             let Some(plan) = a.reclaim_plan(PageDemand::joint(k), evictable) else {
@@ -250,14 +250,30 @@ fn reclaim_plan_is_minimal_on_each_side() {
                 );
                 checked[0] += 1;
             }
+            // The floor: the least FULL eviction that fits once all SWA is evicted too.
+            let floor = plan.full_floor_pages;
+            assert!(floor <= plan.full_pages, "{layout:?}/{ps} k {k}: {plan:?}");
+            let (mut d, rows) = build();
+            assert!(
+                evict(&mut d, &rows, floor, evictable.swa_pages, k),
+                "{layout:?}/{ps} k {k}: the floor with all SWA must fit: {plan:?}"
+            );
+            if floor > 0 {
+                let (mut e, rows) = build();
+                assert!(
+                    !evict(&mut e, &rows, floor - 1, evictable.swa_pages, k),
+                    "{layout:?}/{ps} k {k}: one FULL page below the floor must not fit: {plan:?}"
+                );
+                checked[2] += 1;
+            }
             assert_clean(&a);
         }
         // Static: the released SWA of the FULL-only rows always covers the SWA side, so
         // only FULL is ever short there; unified prices both sides from one byte budget.
         let both = layout == Layout::Unified;
         assert!(
-            checked[0] > 0 && (checked[1] > 0 || !both),
-            "{layout:?}/{ps}: sides exercised (full, swa): {checked:?}"
+            checked[0] > 0 && (checked[1] > 0 || !both) && checked[2] > 0,
+            "{layout:?}/{ps}: sides exercised (full, swa, floor): {checked:?}"
         );
     });
 }
