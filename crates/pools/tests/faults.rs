@@ -245,24 +245,36 @@ fn a_failed_device_op_changes_nothing_and_the_retry_succeeds() {
     }
 }
 
+/// A unified rig with six rows of three pages each.
+fn six_rows(ps: u32) -> (Rig, Vec<Vec<VirtualToken>>) {
+    let mut rig = Rig::new(Layout::Unified, ps, 20);
+    let rows = (0..6)
+        .map(|_| {
+            let mut row = Vec::new();
+            rig.extend(&mut row, 3 * ps as usize);
+            row
+        })
+        .collect();
+    (rig, rows)
+}
+
+/// Releases the SWA of each row's first two pages: holes on the SWA side only.
+fn release_windows(rig: &mut Rig, rows: &[Vec<VirtualToken>], ps: u32) {
+    for row in rows {
+        rig.alloc
+            .free_swa_segment(Segment::of_row(row, 0..2 * ps as usize))
+            .unwrap();
+    }
+}
+
 #[test]
 fn a_failed_compaction_move_keeps_the_tables_on_the_bytes() {
     // The seed rewrote `v2p` before `move_spans`: after a failed move the tables pointed
     // at envelopes whose bytes were never copied.
     for ps in [1, 4] {
         let psz = ps as usize;
-        let mut rig = Rig::new(Layout::Unified, ps, 20);
-        let mut rows = Vec::new();
-        for _ in 0..6 {
-            let mut row = Vec::new();
-            rig.extend(&mut row, 3 * psz);
-            rows.push(row);
-        }
-        for row in &rows {
-            rig.alloc
-                .free_swa_segment(Segment::of_row(row, 0..2 * psz))
-                .unwrap();
-        }
+        let (mut rig, rows) = six_rows(ps);
+        release_windows(&mut rig, &rows, ps);
         let before = rig.state();
         rig.faults.fail_every(unikv_kernels::DeviceOp::MoveSpans);
         let mut out = Vec::new();
@@ -288,20 +300,10 @@ fn a_failed_compaction_move_keeps_the_tables_on_the_bytes() {
 fn translate_is_refused_between_a_compacting_allocation_and_the_upload() {
     for ps in [1, 4] {
         let psz = ps as usize;
-        let mut rig = Rig::new(Layout::Unified, ps, 20);
-        let mut rows = Vec::new();
-        for _ in 0..6 {
-            let mut row = Vec::new();
-            rig.extend(&mut row, 3 * psz);
-            rows.push(row);
-        }
+        let (mut rig, rows) = six_rows(ps);
         rig.alloc.upload_mirror().unwrap();
         assert!(rig.alloc.mirror_current());
-        for row in &rows {
-            rig.alloc
-                .free_swa_segment(Segment::of_row(row, 0..2 * psz))
-                .unwrap();
-        }
+        release_windows(&mut rig, &rows, ps);
         rig.alloc.upload_mirror().unwrap();
         let dev = rig.faults.inner().clone();
         let ids = dev.alloc_table(4, 0).unwrap();
