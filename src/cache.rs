@@ -445,15 +445,19 @@ impl HybridCache {
     /// The last prompt token is never served from the cache: its forward pass produces the
     /// logits of the first output token, so at least one token is always left to prefill.
     pub fn match_prefix(&mut self, prompt: Vec<TokenId>) -> PrefixMatch {
-        let result = self
-            .tree
-            .match_prefix(&prompt[..prompt.len().saturating_sub(1)]);
+        let result = self.match_in_tree(&prompt);
         PrefixMatch {
             tokens: prompt,
             result,
             epoch: self.epoch,
             cache: self.id,
         }
+    }
+
+    /// The tree's match for `prompt`, its last token excluded.
+    fn match_in_tree(&mut self, prompt: &[TokenId]) -> unikv_radix::MatchResult {
+        self.tree
+            .match_prefix(&prompt[..prompt.len().saturating_sub(1)])
     }
 
     /// Whether the request could be admitted now and grow by `reserve_tokens` past its
@@ -467,7 +471,13 @@ impl HybridCache {
         if hit.cache != self.id {
             return false;
         }
-        let cached = hit.cached_tokens();
+        // A match made before the tree changed is priced as admission would take it: matched
+        // again (its hit may have been evicted since).
+        let cached = if hit.epoch == self.epoch {
+            hit.cached_tokens()
+        } else {
+            self.match_in_tree(&hit.tokens).len.0
+        };
         // A target past `usize::MAX` cannot fit (and must not wrap to a small one).
         let Some(target) = hit.tokens.len().checked_add(reserve_tokens) else {
             return false;

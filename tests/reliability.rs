@@ -37,6 +37,37 @@ fn can_admit_refuses_a_foreign_match_and_a_reservation_whose_target_overflows() 
     });
 }
 
+/// A match whose hit was evicted after it was made is priced as admission would take it:
+/// matched again, so the hit it no longer has does not make an impossible prompt fit.
+#[test]
+fn can_admit_prices_a_stale_match_as_admission_would() {
+    for_each_layout_and_page_size(|layout, ps| {
+        let mut fx = fixture(layout, ps, 8, 16 * ps as u64);
+        let psz = ps as usize;
+        let mut req = fx.admit(text(0, 4 * psz));
+        fx.prefill(&mut req, 4 * psz);
+        let conversation = req.tokens().to_vec();
+        fx.cache.cache_finished(req).unwrap();
+        fx.step();
+        // A prompt one page longer than every FULL page: it fits only by its hit.
+        let total = fx.cache.stats().full.total_pages;
+        let extra: Vec<TokenId> = (0..(total + 1) * psz - conversation.len())
+            .map(|i| TokenId(500_000 + i as u32))
+            .collect();
+        let hit = fx.cache.match_prefix(concat(&conversation, &extra));
+        assert!(hit.cached_tokens() > 0, "{}: no hit", fx.label);
+        assert!(!fx.cache.can_admit(&hit, 0), "{}: fresh", fx.label);
+        fx.cache.evict_all().unwrap();
+        fx.step();
+        assert!(
+            !fx.cache.can_admit(&hit, 0),
+            "{}: a stale match counted a hit that was evicted",
+            fx.label
+        );
+        fx.teardown(vec![]);
+    });
+}
+
 #[test]
 fn alloc_extend_past_usize_max_is_a_bad_request_and_changes_nothing() {
     for_each_layout_and_page_size(|layout, ps| {
