@@ -236,15 +236,22 @@ pub struct SideCapacity {
     pub tombstones: usize,
 }
 
-/// The capacity views of a FULL/SWA allocator, in pages. Exact host integers.
+/// The capacity views of an allocator, in pages (slots for the Mamba side). Exact host
+/// integers.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Capacity {
     /// The page size.
     pub page_size: u32,
     /// FULL side.
     pub full: SideCapacity,
-    /// SWA side.
+    /// SWA side (all zero without an SWA side).
     pub swa: SideCapacity,
+    /// Mamba side, in slots (all zero without a slot pool).
+    pub mamba: SideCapacity,
+    /// What one slot costs in tokens of KV: `ceil(slot bytes / bytes of one token on
+    /// every KV side)`, the exchange rate of the shared byte budget (0 without a slot
+    /// pool, and for a static layout, whose pools do not share bytes).
+    pub slot_price_tokens: usize,
     /// Pages a joint allocation (one FULL + one SWA page each) could get now.
     pub joint_available_pages: usize,
     /// The same after compaction (what schedulers should plan with).
@@ -478,8 +485,20 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     fn alloc_slots(&mut self, n: usize, out: &mut Vec<VirtualSlot>) -> Result<(), Error>;
 
     /// Frees Mamba state slots (each live, none named twice). Deferred inside a free
-    /// group, through its own list. No slot pool: [`Error::NoSlotPool`], nothing changed.
+    /// group, through its own list. No slot pool: [`Error::NoSlotPool`]; a slot that
+    /// cannot be freed: [`Error::BadSlot`]; either way nothing changed.
     fn free_slots(&mut self, slots: &[VirtualSlot]) -> Result<(), Error>;
+
+    /// Copies the state of each pair's first slot into its second (copy-on-write of a
+    /// cached state into a request's own slot): one `move_spans` of whole slot envelopes
+    /// for the batch, a host-known shape, no sync. Every slot must be live and no
+    /// destination may be a source or named twice ([`Error::BadSlot`], nothing issued).
+    /// Changes no table.
+    fn copy_slots(&self, pairs: &[(VirtualSlot, VirtualSlot)]) -> Result<(), Error>;
+
+    /// The physical slot bound to `slot` (`None` when unbound, the sink, out of range,
+    /// or without a slot pool). Its envelope is at byte `slot × grid(Side::Mamba).envelope`.
+    fn physical_slot(&self, slot: VirtualSlot) -> Option<u32>;
 
     /// Applies `frees` in order and cannot fail: the infallible mode of the free family,
     /// for frees the caller makes from host state it trusts, after a change it cannot

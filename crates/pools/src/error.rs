@@ -147,7 +147,56 @@ pub enum Error {
         /// The operation refused.
         op: &'static str,
     },
+    /// An SWA operation (an SWA-only free or an SWA transfer) on an allocator that has
+    /// no SWA side (a FULL/Mamba layout).
+    #[error("this allocator has no SWA side: {op} needs one")]
+    NoSwaSide {
+        /// The operation refused.
+        op: &'static str,
+    },
+    /// A slot operation named a slot that cannot take it: outside the slot id space, the
+    /// sink, not live, or named twice (in the call, or pending in the open free group).
+    #[error("{op}: slot s{slot} {reason}")]
+    BadSlot {
+        /// The operation refused.
+        op: &'static str,
+        /// The slot.
+        slot: u32,
+        /// What is wrong.
+        reason: SlotFault,
+    },
     /// The device refused an op (a bug in the layout or a failing device).
     #[error("device: {0}")]
     Device(#[from] unikv_kernels::Error),
+}
+
+/// Why a slot was refused ([`Error::BadSlot`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotFault {
+    /// The id is past the slot id space.
+    OutOfRange {
+        /// Virtual slots of the id space (sink included).
+        slots: u32,
+    },
+    /// Slot 0, the sink, is never allocated or freed.
+    Sink,
+    /// The slot is not allocated.
+    NotLive,
+    /// The slot is named twice in one call, or is already pending in the open free group.
+    NamedTwice,
+}
+
+impl std::fmt::Display for SlotFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SlotFault::OutOfRange { slots } => {
+                write!(f, "is outside the slot id space ({slots} virtual slots)")
+            }
+            SlotFault::Sink => f.write_str("is the sink"),
+            SlotFault::NotLive => f.write_str("is not allocated"),
+            SlotFault::NamedTwice => {
+                f.write_str("is named twice (in the call or pending in the free group)")
+            }
+        }
+    }
 }

@@ -4,7 +4,7 @@
 //! flush site calls.
 
 use crate::api::{DeferredKind, ExtendRequest, FreeOp, Segment};
-use crate::error::Error;
+use crate::error::{Error, SlotFault};
 use crate::ids::{PageSize, VirtualPage, VirtualSlot, VirtualToken};
 use crate::invariants::{
     DOUBLE_FREE, FREE_BATCH_WELL_FORMED, ONE_FREE_PER_GROUP, PEER_MAPPED, PEER_RELEASED,
@@ -40,8 +40,22 @@ pub(crate) trait PageTables {
             release_page_silently(self, v);
         }
     }
-    /// Releases live Mamba slot `s`. No layout has a slot pool yet: [`free_slots`]
-    /// refuses every slot, so none is ever deferred and this is never reached.
+    /// Whether the layout has an SWA side. Without one (a FULL/Mamba layout) a
+    /// two-sided free is a FULL free with no SWA premise, and SWA-only frees and
+    /// transfers are refused ([`Error::NoSwaSide`]).
+    fn has_swa(&self) -> bool {
+        true
+    }
+    /// Virtual slots of the slot id space, sink included; 0 without a slot pool.
+    fn slot_ids(&self) -> u32 {
+        0
+    }
+    /// Whether slot `s` (in range) is allocated.
+    fn slot_live(&self, _s: u32) -> bool {
+        false
+    }
+    /// Releases live Mamba slot `s` and recycles its id. Reached only through
+    /// [`free_slots`], which checked `s` (so a layout without a slot pool never is).
     fn release_slot(&mut self, _s: u32) {}
     /// The free group state.
     fn group(&mut self) -> &mut FreeGroup;
@@ -116,6 +130,9 @@ pub(crate) struct FreeGroup {
     epoch: u32,
     /// Page list of the set-shaped free in progress.
     scratch: Vec<u32>,
+    /// `slot_pending[s]`: slot `s` is on the deferred slot list (grown on demand), so a
+    /// second free of it in the group is refused before it could release it twice.
+    slot_pending: Vec<bool>,
 }
 
 impl FreeGroup {
@@ -262,6 +279,15 @@ pub(crate) fn check_segment<T: PageTables + ?Sized>(t: &T, seg: &Segment<'_>) ->
     Ok(())
 }
 
+/// Refuses an SWA operation on a layout without an SWA side.
+fn require_swa<T: PageTables + ?Sized>(t: &T, op: &'static str) -> Result<(), Error> {
+    if t.has_swa() {
+        Ok(())
+    } else {
+        Err(Error::NoSwaSide { op })
+    }
+}
+
 /// Whether `v` is the sink; reports it (the sink is never freed).
 #[inline]
 fn is_sink(scope: &Scope, v: u32, op: &'static str) -> bool {
@@ -299,7 +325,7 @@ fn two_sided_page<T: PageTables + ?Sized>(t: &mut T, v: u32, premise: SwaPremise
     let swa = t.swa_entry(v);
     if swa > 0 {
         t.release_swa(v, false);
-    } else if report && premise == SwaPremise::MustBeLive {
+    } else if report && premise == SwaPremise::MustBeLive && t.has_swa() {
         t.scope().expect(&PEER_MAPPED, false, || {
             format!(
                 "two-sided segment free of virtual page {v}, whose SWA is not live ({swa}): the caller wants a FULL-only free"
@@ -363,7 +389,7 @@ fn check_at_enqueue<T: PageTables + ?Sized>(t: &T, v: u32, kind: DeferredKind) {
     }
     let swa = t.swa_entry(v);
     match kind {
-        DeferredKind::PageReps => {
+        DeferredKind::PageReps if t.has_swa() => {
             t.scope().expect(&PEER_MAPPED, swa > 0, || {
                 format!(
                     "two-sided segment free of virtual page {v}, whose SWA is not live ({swa}): the caller wants a FULL-only free"
@@ -375,7 +401,7 @@ fn check_at_enqueue<T: PageTables + ?Sized>(t: &T, v: u32, kind: DeferredKind) {
                 format!("FULL-only free of virtual page {v}, whose SWA page is still bound")
             });
         }
-        DeferredKind::Tokens | DeferredKind::Slots => {}
+        DeferredKind::PageReps | DeferredKind::Tokens | DeferredKind::Slots => {}
     }
 }
 
@@ -424,6 +450,7 @@ pub(crate) fn free_swa<T: PageTables + ?Sized>(
     t: &mut T,
     ids: &[VirtualToken],
 ) -> Result<(), Error> {
+    require_swa(t, "free_swa")?;
     check_tokens(t, ids)?;
     let mut pages = take_scratch(t);
     sorted_pages(t.ps(), ids, &mut pages);
@@ -537,6 +564,7 @@ pub(crate) fn free_swa_segment<T: PageTables + ?Sized>(
     t: &mut T,
     seg: Segment<'_>,
 ) -> Result<(), Error> {
+    require_swa(t, "free_swa_segment")?;
     check_segment(t, &seg)?;
     for v in seg.pages(t.ps()) {
         let v = v.0;
@@ -642,6 +670,7 @@ pub(crate) fn transfer_swa<T: PageTables + ?Sized>(
     from: Segment<'_>,
     to: Segment<'_>,
 ) -> Result<(), Error> {
+    require_swa(t, "transfer_swa")?;
     check_segment(t, &from)?;
     check_segment(t, &to)?;
     let ps = t.ps();
@@ -724,14 +753,67 @@ pub(crate) fn free_batch<T: PageTables + ?Sized>(t: &mut T, frees: &[FreeOp<'_>]
     }
 }
 
-/// Frees Mamba state slots. No layout has a slot pool yet, so every call is refused
-/// (typed, nothing changed); the slot pool brings the range and liveness checks and the
-/// deferral to [`DeferredFrees`]'s slot list.
-pub(crate) fn free_slots<T: PageTables + ?Sized>(
-    _t: &mut T,
-    _slots: &[VirtualSlot],
+/// Refuses, before anything changes, a slot list a free could not take: no slot pool
+/// ([`Error::NoSlotPool`]), or a slot outside the id space, the sink, not live, named
+/// twice in `slots`, or already pending in the open group ([`Error::BadSlot`]). Slots
+/// are few per call (a request's states), so the duplicate check is a sort of a copy.
+pub(crate) fn check_slots<T: PageTables + ?Sized>(
+    t: &T,
+    slots: &[VirtualSlot],
+    op: &'static str,
 ) -> Result<(), Error> {
-    Err(Error::NoSlotPool { op: "free_slots" })
+    let ids = t.slot_ids();
+    if ids == 0 {
+        return Err(Error::NoSlotPool { op });
+    }
+    let bad = |slot: u32, reason| Err(Error::BadSlot { op, slot, reason });
+    let pending = &t.group_ref().slot_pending;
+    for &VirtualSlot(s) in slots {
+        if s >= ids {
+            return bad(s, SlotFault::OutOfRange { slots: ids });
+        }
+        if s == 0 {
+            return bad(s, SlotFault::Sink);
+        }
+        if !t.slot_live(s) {
+            return bad(s, SlotFault::NotLive);
+        }
+        if pending.get(s as usize).copied().unwrap_or(false) {
+            return bad(s, SlotFault::NamedTwice);
+        }
+    }
+    if slots.len() > 1 {
+        let mut sorted: Vec<u32> = slots.iter().map(|s| s.0).collect();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return bad(w[0], SlotFault::NamedTwice);
+        }
+    }
+    Ok(())
+}
+
+/// Frees Mamba state slots (checked by [`check_slots`]; a refusal changes nothing).
+/// Deferred inside a free group through the slot list, like every other deferred free.
+pub(crate) fn free_slots<T: PageTables + ?Sized>(
+    t: &mut T,
+    slots: &[VirtualSlot],
+) -> Result<(), Error> {
+    check_slots(t, slots, "free_slots")?;
+    if t.group_ref().open {
+        let g = t.group();
+        for &VirtualSlot(s) in slots {
+            if s as usize >= g.slot_pending.len() {
+                g.slot_pending.resize((s as usize + 1).next_power_of_two(), false);
+            }
+            g.slot_pending[s as usize] = true;
+        }
+        g.deferred.slots.extend_from_slice(slots);
+    } else {
+        for &VirtualSlot(s) in slots {
+            t.release_slot(s);
+        }
+    }
+    Ok(())
 }
 
 /// Opens a group.
@@ -791,6 +873,7 @@ fn apply_deferred<T: PageTables + ?Sized>(t: &mut T) {
     t.release_pages(pages.iter().copied());
     t.release_pages(full_only_page_reps.iter().map(|v| v.0));
     for s in &slots {
+        t.group().slot_pending[s.0 as usize] = false;
         t.release_slot(s.0);
     }
     // Hand the emptied buffers back so the next group reuses their capacity.

@@ -100,7 +100,7 @@ pub use api::{
     MoveGate, PageDemand, PoolMap, ReclaimPlan, Reclaimable, Segment, SideCapacity, SpanInfo,
     SwaState,
 };
-pub use error::Error;
+pub use error::{Error, SlotFault};
 pub use ids::{Bytes, PageSize, PhysicalPage, VirtualPage, VirtualSlot, VirtualToken};
 pub use spec::{Grid, Grow, Side, SubPoolSpec, sink_floor};
 pub use static_paged::{StaticSwa, StaticSwaConfig};

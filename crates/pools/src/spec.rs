@@ -12,8 +12,8 @@ pub enum Side {
     /// Sliding-window KV: binds its pages to FULL's virtual pages.
     Swa,
     /// Mamba state slots: their own virtual ids ([`crate::VirtualSlot`], page size 1).
-    /// No layout has a slot pool yet: to the FULL/SWA allocators it is an absent side
-    /// (an empty grid, no mirror, every id the sink).
+    /// On an allocator without a slot pool it is an absent side (an empty grid, no
+    /// mirror, every id the sink).
     Mamba,
 }
 
@@ -88,6 +88,48 @@ impl SubPoolSpec {
     }
 }
 
+/// The Mamba (recurrent state) sub-pool: one slot holds one request's state across all
+/// recurrent layers (conv and temporal states, then any sibling side states, so that one
+/// envelope move carries them all). Slots have page size 1 and their own virtual ids
+/// ([`crate::VirtualSlot`]); a slot's kernel id is its physical slot (stride 1).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotPoolSpec {
+    /// A short name for reports.
+    pub name: &'static str,
+    /// Recurrent layers whose state a slot holds.
+    pub layers: u32,
+    /// Bytes of one slot (its envelope), a multiple of 8.
+    pub bytes_per_slot: u64,
+}
+
+impl SlotPoolSpec {
+    /// The grid of the slots in a buffer of `total` bytes above a sink floor of `floor`
+    /// bytes: envelope `bytes_per_slot`, stride 1.
+    pub fn grid(&self, total: u64, floor: u64) -> Result<Grid, Error> {
+        if self.layers == 0 || self.bytes_per_slot == 0 || self.bytes_per_slot % 8 != 0 {
+            return Err(Error::BadConfig(format!(
+                "slot pool {:?} needs layers > 0 and a positive multiple of 8 bytes per slot (not {})",
+                self.name, self.bytes_per_slot
+            )));
+        }
+        let pages = total / self.bytes_per_slot;
+        if pages > i32::MAX as u64 {
+            return Err(Error::KernelIdOverflow {
+                side: "mamba",
+                pages,
+                stride: 1,
+            });
+        }
+        let min_page = floor.div_ceil(self.bytes_per_slot).max(1);
+        Ok(Grid {
+            envelope: self.bytes_per_slot,
+            pages: pages as u32,
+            min_page: min_page.min(pages) as u32,
+            stride: 1,
+        })
+    }
+}
+
 /// The geometry of one sub-pool's grid inside the buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Grid {
@@ -158,11 +200,13 @@ impl Grid {
 }
 
 /// The sink floor: the bottom bytes reserved for padded-token writes, one page envelope
-/// of the largest sub-pool (`max(page size × bytes per token)`).
-pub fn sink_floor(specs: &[&SubPoolSpec], ps: PageSize) -> u64 {
+/// of the largest sub-pool (`max(page size × bytes per token)`), or one slot when a slot
+/// is larger (a slot is charged once, not per page: its page size is 1).
+pub fn sink_floor(specs: &[&SubPoolSpec], slots: Option<&SlotPoolSpec>, ps: PageSize) -> u64 {
     specs
         .iter()
         .map(|s| s.bytes_per_token.saturating_mul(ps.get() as u64))
+        .chain(slots.map(|s| s.bytes_per_slot))
         .max()
         .unwrap_or(0)
 }
