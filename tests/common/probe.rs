@@ -432,6 +432,12 @@ impl KvAllocator for Probe {
     fn physical_page(&self, side: Side, page: VirtualPage) -> Option<u32> {
         self.inner.physical_page(side, page)
     }
+    fn physical_slot(&self, slot: VirtualSlot) -> Option<u32> {
+        self.inner.physical_slot(slot)
+    }
+    fn copy_slots(&self, pairs: &[(VirtualSlot, VirtualSlot)]) -> Result<(), Error> {
+        self.inner.copy_slots(pairs)
+    }
     fn full_live(&self, page: VirtualPage) -> bool {
         self.inner.full_live(page)
     }

@@ -803,7 +803,8 @@ pub(crate) fn free_slots<T: PageTables + ?Sized>(
         let g = t.group();
         for &VirtualSlot(s) in slots {
             if s as usize >= g.slot_pending.len() {
-                g.slot_pending.resize((s as usize + 1).next_power_of_two(), false);
+                g.slot_pending
+                    .resize((s as usize + 1).next_power_of_two(), false);
             }
             g.slot_pending[s as usize] = true;
         }
@@ -814,6 +815,61 @@ pub(crate) fn free_slots<T: PageTables + ?Sized>(
         }
     }
     Ok(())
+}
+
+/// The layouts' device half of [`crate::KvAllocator::copy_slots`].
+pub(crate) trait SlotCopy: PageTables {
+    /// Issues one envelope copy per pair (each slot checked live, the pairs checked).
+    fn issue_slot_copies(&self, pairs: &[(VirtualSlot, VirtualSlot)]) -> Result<(), Error>;
+}
+
+/// Copies slot states: every slot live, no destination a source or named twice
+/// ([`Error::BadSlot`], nothing issued), then the layout issues the copies.
+pub(crate) fn copy_slots<T: SlotCopy + ?Sized>(
+    t: &T,
+    pairs: &[(VirtualSlot, VirtualSlot)],
+) -> Result<(), Error> {
+    if pairs.is_empty() {
+        return Ok(());
+    }
+    let op = "copy_slots";
+    let ids = t.slot_ids();
+    if ids == 0 {
+        return Err(Error::NoSlotPool { op });
+    }
+    for &(VirtualSlot(src), VirtualSlot(dst)) in pairs {
+        for s in [src, dst] {
+            let reason = if s >= ids {
+                SlotFault::OutOfRange { slots: ids }
+            } else if s == 0 {
+                SlotFault::Sink
+            } else if !t.slot_live(s) {
+                SlotFault::NotLive
+            } else {
+                continue;
+            };
+            return Err(Error::BadSlot {
+                op,
+                slot: s,
+                reason,
+            });
+        }
+    }
+    let mut dsts: Vec<u32> = pairs.iter().map(|p| p.1.0).collect();
+    dsts.sort_unstable();
+    let twice = dsts.windows(2).find(|w| w[0] == w[1]).map(|w| w[0]);
+    let src_is_dst = pairs
+        .iter()
+        .find(|p| dsts.binary_search(&p.0.0).is_ok())
+        .map(|p| p.0.0);
+    if let Some(slot) = twice.or(src_is_dst) {
+        return Err(Error::BadSlot {
+            op,
+            slot,
+            reason: SlotFault::NamedTwice,
+        });
+    }
+    t.issue_slot_copies(pairs)
 }
 
 /// Opens a group.
@@ -975,6 +1031,13 @@ macro_rules! free_family_methods {
 
         fn free_slots(&mut self, slots: &[$crate::ids::VirtualSlot]) -> Result<(), Error> {
             $crate::frees::free_slots(self, slots)
+        }
+
+        fn copy_slots(
+            &self,
+            pairs: &[($crate::ids::VirtualSlot, $crate::ids::VirtualSlot)],
+        ) -> Result<(), Error> {
+            $crate::frees::copy_slots(self, pairs)
         }
 
         fn free_batch(&mut self, frees: &[$crate::api::FreeOp<'_>]) {

@@ -90,7 +90,7 @@ impl StaticSwa {
             )));
         }
         let total = config.total_bytes;
-        let floor = sink_floor(&[&config.full, &config.swa], ps);
+        let floor = sink_floor(&[&config.full, &config.swa], None, ps);
         let full_grid = Grid::new(&config.full, ps, total, floor, "full")?;
         let swa_grid = Grid::new(&config.swa, ps, total, floor, "swa")?;
         let (ef, es) = (full_grid.envelope, swa_grid.envelope);
@@ -414,6 +414,15 @@ impl PageTables for StaticSwa {
     }
 }
 
+impl frees::SlotCopy for StaticSwa {
+    fn issue_slot_copies(
+        &self,
+        _pairs: &[(crate::ids::VirtualSlot, crate::ids::VirtualSlot)],
+    ) -> Result<(), Error> {
+        Err(Error::NoSlotPool { op: "copy_slots" })
+    }
+}
+
 impl KvAllocator for StaticSwa {
     fn page_size(&self) -> PageSize {
         self.ps
@@ -515,6 +524,7 @@ impl KvAllocator for StaticSwa {
             },
             joint_available_pages: joint,
             joint_schedulable_pages: joint,
+            ..Capacity::default()
         }
     }
 
@@ -633,6 +643,10 @@ impl KvAllocator for StaticSwa {
             Side::Swa => self.swa_of.get(v).filter(|&&p| p > 0).map(|&p| p as u32),
             Side::Mamba => None,
         }
+    }
+
+    fn physical_slot(&self, _slot: crate::ids::VirtualSlot) -> Option<u32> {
+        None
     }
 
     fn full_live(&self, page: VirtualPage) -> bool {

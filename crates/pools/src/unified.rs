@@ -72,7 +72,7 @@ impl UnifiedSwa {
         let ps = PageSize::new(config.page_size)
             .ok_or_else(|| Error::BadConfig("page size must be at least 1".into()))?;
         let total = config.total_bytes;
-        let floor = sink_floor(&[&config.full, &config.swa], ps);
+        let floor = sink_floor(&[&config.full, &config.swa], None, ps);
         let grids = |bytes| -> Result<(Grid, Grid), Error> {
             Ok((
                 Grid::new(&config.full, ps, bytes, floor, "full")?,
@@ -593,6 +593,15 @@ impl PageTables for UnifiedSwa {
     }
 }
 
+impl frees::SlotCopy for UnifiedSwa {
+    fn issue_slot_copies(
+        &self,
+        _pairs: &[(crate::ids::VirtualSlot, crate::ids::VirtualSlot)],
+    ) -> Result<(), Error> {
+        Err(Error::NoSlotPool { op: "copy_slots" })
+    }
+}
+
 impl KvAllocator for UnifiedSwa {
     fn page_size(&self) -> PageSize {
         self.ps
@@ -683,6 +692,7 @@ impl KvAllocator for UnifiedSwa {
             } else {
                 self.joint_pages(true)
             },
+            ..Capacity::default()
         }
     }
 
@@ -766,6 +776,10 @@ impl KvAllocator for UnifiedSwa {
     fn physical_page(&self, side: Side, page: VirtualPage) -> Option<u32> {
         let p = *self.side(side)?.v2p.get(page.0 as usize)?;
         (p > 0).then_some(p as u32)
+    }
+
+    fn physical_slot(&self, _slot: crate::ids::VirtualSlot) -> Option<u32> {
+        None
     }
 
     fn full_live(&self, page: VirtualPage) -> bool {

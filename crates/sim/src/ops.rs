@@ -628,6 +628,13 @@ impl KvAllocator for RecordingAllocator {
     fn physical_page(&self, side: Side, page: VirtualPage) -> Option<u32> {
         self.inner.physical_page(side, page)
     }
+    fn physical_slot(&self, slot: VirtualSlot) -> Option<u32> {
+        self.inner.physical_slot(slot)
+    }
+    // A device copy changes no table: not an allocator op of the trace.
+    fn copy_slots(&self, pairs: &[(VirtualSlot, VirtualSlot)]) -> Result<(), unikv::pools::Error> {
+        self.inner.copy_slots(pairs)
+    }
     fn full_live(&self, page: VirtualPage) -> bool {
         self.inner.full_live(page)
     }
