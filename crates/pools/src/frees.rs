@@ -1020,15 +1020,6 @@ macro_rules! free_family_methods {
             $crate::frees::transfer_swa(self, from, to)
         }
 
-        fn alloc_slots(
-            &mut self,
-            _n: usize,
-            _out: &mut Vec<$crate::ids::VirtualSlot>,
-        ) -> Result<(), Error> {
-            // Neither FULL/SWA layout has a slot pool: refused, nothing changed.
-            Err(Error::NoSlotPool { op: "alloc_slots" })
-        }
-
         fn free_slots(&mut self, slots: &[$crate::ids::VirtualSlot]) -> Result<(), Error> {
             $crate::frees::free_slots(self, slots)
         }

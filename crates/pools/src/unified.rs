@@ -621,6 +621,14 @@ impl KvAllocator for UnifiedSwa {
 
     crate::frees::free_family_methods!();
 
+    fn alloc_slots(
+        &mut self,
+        _n: usize,
+        _out: &mut Vec<crate::ids::VirtualSlot>,
+    ) -> Result<(), Error> {
+        Err(Error::NoSlotPool { op: "alloc_slots" })
+    }
+
     fn flush(&mut self) -> Result<FlushReport, Error> {
         let deferred_flushed = frees::flush_deferred(self);
         let gated = self.gated();
