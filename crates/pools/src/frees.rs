@@ -1074,7 +1074,8 @@ macro_rules! free_family_methods {
                 v2p,
                 ids,
                 n,
-                page_size: self.ps.get(),
+                // A slot is a page of one: its id is its page.
+                page_size: if side == Side::Mamba { 1 } else { self.ps.get() },
                 stride: self.stride(side),
                 out,
                 out_width,
