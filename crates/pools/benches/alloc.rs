@@ -37,7 +37,8 @@ fn pool(case: &str, tokens: u64) -> Box<dyn KvAllocator> {
                     page_size: ps,
                     window: 128,
                     full: spec(),
-                    swa: spec(),
+                    swa: Some(spec()),
+                    mamba: None,
                     zero_on_handout: false,
                 },
             )

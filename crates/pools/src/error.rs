@@ -9,18 +9,17 @@ pub enum Error {
     /// A configuration that cannot describe a pool (zero sizes, a ratio out of range).
     #[error("bad pool configuration: {0}")]
     BadConfig(String),
-    /// The buffer cannot hold the sink plus one request's window of SWA (and its FULL
-    /// pages): the batch-size-1 floor. Failing at boot avoids a retract loop at run time.
-    #[error(
-        "buffer of {have} cannot hold one request's window: the sink floor and {window_tokens} tokens of SWA and FULL need {needed}"
-    )]
+    /// The buffer cannot hold one request at batch size 1 (the sink plus one window of
+    /// SWA and its FULL pages, and/or the Mamba states of one request): the batch-size-1
+    /// floor. Failing at boot avoids a retract loop at run time.
+    #[error("buffer of {have} cannot hold one request: the sink floor and {floor} need {needed}")]
     BufferTooSmall {
         /// Bytes needed.
         needed: Bytes,
         /// Bytes given.
         have: Bytes,
-        /// Tokens of the window (window + one page).
-        window_tokens: usize,
+        /// What one request needs.
+        floor: Bs1Floor,
     },
     /// A kernel id (`physical page × stride + offset`) of this layout would not fit in i32.
     #[error("{side}: {pages} pages × stride {stride} do not fit kernel ids in i32")]
@@ -43,6 +42,15 @@ pub enum Error {
         swa_pages: usize,
         /// Pages a symmetric allocation could get now (after compaction).
         available_pages: usize,
+    },
+    /// Not enough Mamba state slots (virtual slots, or bytes for their envelopes) for the
+    /// demand; nothing was allocated.
+    #[error("out of Mamba state slots: {requested} requested, {available} available now")]
+    OutOfSlots {
+        /// Slots asked for.
+        requested: usize,
+        /// Slots an allocation could get now (after compaction).
+        available: usize,
     },
     /// A virtual token id outside this allocator's id space.
     #[error("virtual token {token} is outside the id space ({pages} virtual pages)")]
@@ -197,6 +205,26 @@ impl std::fmt::Display for SlotFault {
             SlotFault::NamedTwice => {
                 f.write_str("is named twice (in the call or pending in the free group)")
             }
+        }
+    }
+}
+
+/// What the batch-size-1 floor charges ([`Error::BufferTooSmall`]): one request's window
+/// of SWA with its FULL pages, and/or its Mamba states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bs1Floor {
+    /// Tokens of one window (window + one page) on SWA and FULL; `None` without SWA.
+    pub window_tokens: Option<usize>,
+    /// Mamba state slots of one request (0 without a slot pool).
+    pub slots: u32,
+}
+
+impl std::fmt::Display for Bs1Floor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.window_tokens, self.slots) {
+            (Some(w), 0) => write!(f, "{w} tokens of SWA and FULL"),
+            (Some(w), s) => write!(f, "{w} tokens of SWA and FULL and {s} Mamba state slots"),
+            (None, s) => write!(f, "{s} Mamba state slots and one FULL page"),
         }
     }
 }

@@ -28,7 +28,8 @@
 //!     page_size: 4,
 //!     window: 8,
 //!     full: SubPoolSpec::mha("full", 2, 1, 8, 2),
-//!     swa: SubPoolSpec::mha("swa", 2, 1, 8, 2),
+//!     swa: Some(SubPoolSpec::mha("swa", 2, 1, 8, 2)),
+//!     mamba: None,
 //!     zero_on_handout: false,
 //! })?;
 //! let mut row = Vec::new();
@@ -100,9 +101,9 @@ pub use api::{
     MoveGate, PageDemand, PoolMap, ReclaimPlan, Reclaimable, Segment, SideCapacity, SpanInfo,
     SwaState,
 };
-pub use error::{Error, SlotFault};
+pub use error::{Bs1Floor, Error, SlotFault};
 pub use ids::{Bytes, PageSize, PhysicalPage, VirtualPage, VirtualSlot, VirtualToken};
-pub use spec::{Grid, Grow, Side, SubPoolSpec, sink_floor};
+pub use spec::{BS1_STATE_SLOTS, Grid, Grow, Side, SlotPoolSpec, SubPoolSpec, sink_floor};
 pub use static_paged::{StaticSwa, StaticSwaConfig};
 pub use sub::{Edge, SubAllocator, VirtualIds};
 pub use unified::{UnifiedSwa, UnifiedSwaConfig};

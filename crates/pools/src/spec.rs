@@ -1,7 +1,7 @@
 //! Sub-pool specs and the byte layout of the one buffer: page envelopes, grids anchored at
 //! byte 0, the reserved sink floor, kernel-id strides and the batch-size-1 floor.
 
-use crate::error::Error;
+use crate::error::{Bs1Floor, Error};
 use crate::ids::{Bytes, PageSize};
 
 /// Which side of an allocator.
@@ -106,7 +106,7 @@ impl SlotPoolSpec {
     /// The grid of the slots in a buffer of `total` bytes above a sink floor of `floor`
     /// bytes: envelope `bytes_per_slot`, stride 1.
     pub fn grid(&self, total: u64, floor: u64) -> Result<Grid, Error> {
-        if self.layers == 0 || self.bytes_per_slot == 0 || self.bytes_per_slot % 8 != 0 {
+        if self.layers == 0 || self.bytes_per_slot == 0 || !self.bytes_per_slot.is_multiple_of(8) {
             return Err(Error::BadConfig(format!(
                 "slot pool {:?} needs layers > 0 and a positive multiple of 8 bytes per slot (not {})",
                 self.name, self.bytes_per_slot
@@ -211,18 +211,17 @@ pub fn sink_floor(specs: &[&SubPoolSpec], slots: Option<&SlotPoolSpec>, ps: Page
         .unwrap_or(0)
 }
 
-/// The batch-size-1 floor: a buffer of `total` bytes must hold the sink plus one
-/// request's window (`window + page size` tokens, in whole pages) on both sides, which
-/// `holds(bytes)` decides for a buffer of `bytes` (it must be monotone in `bytes`). When
-/// it does not, [`Error::BufferTooSmall`] states the **least** size that does (found by
-/// doubling, then bisection, over `holds` itself, so the stated need is exactly enough).
+/// The batch-size-1 floor: a buffer of `total` bytes must hold the sink plus what one
+/// request needs (`floor`: a window of `window + page size` tokens, in whole pages, on
+/// FULL and SWA, and/or its Mamba state slots), which `holds(bytes)` decides for a buffer
+/// of `bytes` (it must be monotone in `bytes`). When it does not,
+/// [`Error::BufferTooSmall`] states the **least** size that does (found by doubling, then
+/// bisection, over `holds` itself, so the stated need is exactly enough).
 pub(crate) fn check_bs1_floor(
     total: u64,
-    ps: PageSize,
-    window: u32,
+    floor: Bs1Floor,
     holds: impl Fn(u64) -> bool,
 ) -> Result<(), Error> {
-    let window_tokens = window as usize + ps.get() as usize;
     if holds(total) {
         return Ok(());
     }
@@ -232,9 +231,7 @@ pub(crate) fn check_bs1_floor(
             .checked_mul(2)
             .filter(|&h| h <= u64::MAX / 2)
             .ok_or_else(|| {
-                Error::BadConfig(format!(
-                    "no buffer size holds the sink and one window of {window_tokens} tokens on both sides"
-                ))
+                Error::BadConfig(format!("no buffer size holds the sink and {floor}"))
             })?;
     }
     // `holds(lo)` is false, `holds(hi)` true.
@@ -250,8 +247,21 @@ pub(crate) fn check_bs1_floor(
     Err(Error::BufferTooSmall {
         needed: Bytes(hi),
         have: Bytes(total),
-        window_tokens,
+        floor,
     })
+}
+
+/// Mamba state slots one request holds at batch size 1 with the prefix cache on: one
+/// running state and two checkpoints (the reference engine's floor,
+/// `_check_bs1_feasibility_floor`: `3 × state entry bytes + sink`).
+pub const BS1_STATE_SLOTS: u32 = 3;
+
+/// The floor of a layout: a window when it has SWA, [`BS1_STATE_SLOTS`] with a slot pool.
+pub(crate) fn bs1_floor(ps: PageSize, window: Option<u32>, slots: bool) -> Bs1Floor {
+    Bs1Floor {
+        window_tokens: window.map(|w| w as usize + ps.get() as usize),
+        slots: if slots { BS1_STATE_SLOTS } else { 0 },
+    }
 }
 
 /// Pages of one window on both sides: `window + page size` tokens, in whole pages.

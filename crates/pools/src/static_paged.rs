@@ -11,7 +11,7 @@ use crate::error::Error;
 use crate::frees::{self, FreeGroup, PageTables};
 use crate::ids::{PageSize, VirtualPage, VirtualToken};
 use crate::invariants::{CONSERVATION, ROOM_CHECK};
-use crate::spec::{Grid, Side, SubPoolSpec, check_bs1_floor, sink_floor, window_pages};
+use crate::spec::{Grid, Side, SubPoolSpec, bs1_floor, check_bs1_floor, sink_floor, window_pages};
 use crate::sub::{resident_list, resident_table};
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
@@ -117,7 +117,7 @@ impl StaticSwa {
             Ok((full_pages, swa_pages, swa_base, full_base))
         };
         let window_pages = window_pages(ps, config.window);
-        check_bs1_floor(total, ps, config.window, |bytes| {
+        check_bs1_floor(total, bs1_floor(ps, Some(config.window), false), |bytes| {
             pools(bytes).is_ok_and(|(nf, ns, ..)| nf >= window_pages && ns >= window_pages)
         })?;
         let (full_pages, swa_pages, swa_base, full_base) = pools(total)?;

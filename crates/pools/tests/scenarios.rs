@@ -103,7 +103,8 @@ fn s02_swa_v2p_is_sized_by_full_virtual_ids() {
             page_size: ps,
             window: WINDOW,
             full,
-            swa,
+            swa: Some(swa),
+            mamba: None,
             zero_on_handout: false,
         };
         let ledger = std::sync::Arc::new(unikv_kernels::SyncLedger::cpu());
@@ -165,7 +166,7 @@ fn s03_bs1_floor_is_a_boot_error() {
             page_size: ps,
             window: 64,
             full: u.full.clone(),
-            swa: u.swa.clone(),
+            swa: swa_spec(),
             swa_full_ratio: 0.8,
             zero_on_handout: false,
         };

@@ -952,7 +952,8 @@ pub fn allocator_for(
                 page_size: *page_size,
                 window: m.window,
                 full,
-                swa,
+                swa: Some(swa),
+                mamba: None,
                 zero_on_handout: false,
             },
         )

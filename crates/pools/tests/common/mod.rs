@@ -41,7 +41,8 @@ pub fn unified_config(ps: u32, pages: u64) -> UnifiedSwaConfig {
         page_size: ps,
         window: WINDOW,
         full,
-        swa,
+        swa: Some(swa),
+        mamba: None,
         zero_on_handout: true,
     }
 }
@@ -50,11 +51,11 @@ pub fn static_config(ps: u32, pages: u64) -> StaticSwaConfig {
     let u = unified_config(ps, pages);
     StaticSwaConfig {
         // Room for alignment of the SWA region.
-        total_bytes: u.total_bytes + 2 * ps as u64 * u.swa.bytes_per_token,
+        total_bytes: u.total_bytes + 2 * ps as u64 * swa_spec().bytes_per_token,
         page_size: ps,
         window: WINDOW,
         full: u.full,
-        swa: u.swa,
+        swa: swa_spec(),
         swa_full_ratio: 1.0,
         zero_on_handout: true,
     }
