@@ -15,6 +15,7 @@ mod common;
 use common::{Sim, cases_from, tokens};
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
+use std::num::NonZeroUsize;
 use unikv_invariants::testing::page_sizes;
 use unikv_radix::{Component, TreeConfig};
 
@@ -74,17 +75,34 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// A window for the page size: below, at and above a page, several pages, or no SWA.
+/// A window for the page size: below, at and above a page, several pages, or no SWA;
+/// with Mamba, sometimes a path cap of 1 to 3 states and a checkpoint interval of 1 to 3
+/// pages.
 fn config() -> impl Strategy<Value = TreeConfig> {
-    (prop::sample::select(page_sizes()), 0usize..6, any::<bool>()).prop_map(|(ps, w, mamba)| {
-        let p = ps as usize;
-        let window = [1, p.div_ceil(2), p, p + 1, 3 * p].get(w).copied();
-        TreeConfig {
-            page_size: ps,
-            window: window.map(unikv_radix::Tokens),
-            mamba,
-        }
-    })
+    (
+        prop::sample::select(page_sizes()),
+        0usize..6,
+        any::<bool>(),
+        prop::option::of(1usize..4),
+        prop::option::of(1usize..4),
+    )
+        .prop_map(|(ps, w, mamba, cap, interval)| {
+            let p = ps as usize;
+            let mut config = match [1, p.div_ceil(2), p, p + 1, 3 * p].get(w) {
+                Some(&window) => TreeConfig::swa(ps, window),
+                None => TreeConfig::full_only(ps),
+            };
+            if mamba {
+                config = config.with_mamba();
+                if let Some(cap) = cap.and_then(NonZeroUsize::new) {
+                    config = config.with_mamba_path_cap(cap);
+                }
+                if let Some(pages) = interval {
+                    config = config.with_mamba_checkpoint_interval(pages * p);
+                }
+            }
+            config
+        })
 }
 
 fn run(config: TreeConfig, ops: &[Op]) -> Sim {
@@ -185,10 +203,8 @@ fn regression_cases() {
     ];
     for ps in page_sizes() {
         for (w, mamba, ops) in &cases {
-            let config = TreeConfig {
-                mamba: *mamba,
-                ..TreeConfig::swa(ps, w * ps as usize)
-            };
+            let mut config = TreeConfig::swa(ps, w * ps as usize);
+            config.mamba = *mamba;
             run(config, ops);
         }
     }

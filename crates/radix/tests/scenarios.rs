@@ -531,12 +531,7 @@ fn evict_until_stops_as_soon_as_the_predicate_holds() {
 fn a_tree_without_swa_frees_duplicates_and_evicts_leaves() {
     for ps in page_sizes() {
         let p = ps as usize;
-        let config = TreeConfig {
-            page_size: ps,
-            window: None,
-            mamba: false,
-        };
-        let mut sim = Sim::new(config);
+        let mut sim = Sim::new(TreeConfig::full_only(ps));
         let key = tokens(&pages(5), p);
         let a = sim.start_fresh(key.clone());
         let b = sim.start_fresh(key.clone()) - 1;
