@@ -223,6 +223,12 @@ pub struct Sim {
     pub reqs: Vec<Req>,
     /// Locks taken on arbitrary nodes (not by requests), with the node.
     pub extra_locks: Vec<(LockHandle, NodeId)>,
+    /// States inserts evicted for the Mamba path cap.
+    pub cap_evictions: usize,
+    /// Inserts that left their path over the cap (every other state on it locked).
+    pub cap_overruns: usize,
+    /// Matches that reported a Mamba branching length.
+    pub mamba_branchings: usize,
 }
 
 impl Sim {
@@ -234,6 +240,9 @@ impl Sim {
             ps,
             reqs: Vec::new(),
             extra_locks: Vec::new(),
+            cap_evictions: 0,
+            cap_overruns: 0,
+            mamba_branchings: 0,
         }
     }
 
@@ -443,7 +452,7 @@ impl Sim {
     /// states for the cap, each an unlocked state on an ancestor of its node, no more than
     /// the excess; afterwards the path holds at most `cap` states, or more only when every
     /// state on it but the new one is locked (the cap is best-effort over unlocked states).
-    fn check_path_cap(&self, slot: Option<MambaSlot>, out: &unikv_radix::InsertOutcome) {
+    fn check_path_cap(&mut self, slot: Option<MambaSlot>, out: &unikv_radix::InsertOutcome) {
         let evicted: Vec<NodeId> = out
             .actions
             .iter()
@@ -492,6 +501,8 @@ impl Sim {
                 "evicted more than the excess"
             );
         }
+        self.cap_evictions += evicted.len();
+        self.cap_overruns += usize::from(held > cap.get());
     }
 
     /// An unfinished request caches what it has and keeps the new node locked.
@@ -564,7 +575,7 @@ impl Sim {
     /// SWA states (a whole window of live pages behind it unless no page before it is a
     /// tombstone; with Mamba, a state on the node), and no deeper node of the FULL hit is
     /// valid.
-    pub fn check_match(&self, key: &[TokenId], m: &MatchResult) {
+    pub fn check_match(&mut self, key: &[TokenId], m: &MatchResult) {
         let ps = self.ps;
         assert!(m.len <= m.full_hit);
         assert_eq!(m.len.get() % ps, 0);
@@ -580,6 +591,7 @@ impl Sim {
             m.mamba_branching,
             (config.mamba && aligned > m.len.get()).then_some(Tokens(aligned))
         );
+        self.mamba_branchings += usize::from(m.mamba_branching.is_some());
         // The FULL hit path, root first.
         let mut path = Vec::new();
         let mut id = Some(m.full_hit_node);
