@@ -43,12 +43,19 @@ impl RadixTree {
         let s = self.sizes;
         let mut out = String::new();
         let window = c.window.map_or("none".to_string(), |w| w.0.to_string());
+        let mut mamba = if c.mamba { "on" } else { "off" }.to_string();
+        if let Some(cap) = c.mamba_path_cap {
+            let _ = write!(mamba, " path_cap={cap}");
+        }
+        if let Some(interval) = c.mamba_checkpoint_interval {
+            let _ = write!(mamba, " ckpt={}", interval.0);
+        }
         let _ = writeln!(
             out,
             "tree ps={} W={} mamba={} nodes={} locks={}",
             c.page_size,
             window,
-            if c.mamba { "on" } else { "off" },
+            mamba,
             self.node_count(),
             self.locks.len()
         );

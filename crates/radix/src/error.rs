@@ -5,7 +5,8 @@ use crate::{LockHandle, NodeId};
 /// Why a tree operation refused its input. The tree is unchanged when one is returned.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RadixError {
-    /// The configuration is unusable (page size or window of zero).
+    /// The configuration is unusable (page size, window or Mamba checkpoint interval of
+    /// zero, or a Mamba option without the Mamba component).
     #[error("invalid tree configuration: {reason}")]
     InvalidConfig {
         /// What is wrong.

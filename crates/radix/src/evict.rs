@@ -93,7 +93,7 @@ impl RadixTree {
         }
     }
 
-    fn evict_mamba(&mut self, ix: Ix, actions: &mut Vec<Action>) {
+    pub(crate) fn evict_mamba(&mut self, ix: Ix, actions: &mut Vec<Action>) {
         let id = self.id(ix);
         if let Some(slot) = self.with_node(ix, |n| n.mamba.take()) {
             actions.push(Action::EvictMambaState { node: id, slot });

@@ -14,6 +14,9 @@
 //! New tokens past the matched path become a tombstone parent for the part below the
 //! cursor and live nodes above it, the live leaf capped at one page-aligned window. Tokens
 //! that would only form an all-tombstone leaf are not cached: they stay the caller's.
+//!
+//! With a Mamba path cap, an insert that attaches a state then frees the least recently
+//! used unlocked states above it until its path holds no more than the cap.
 
 use crate::error::RadixError;
 use crate::matching::common_pages;
@@ -137,9 +140,11 @@ impl RadixTree {
         }
         let cached_len = pos;
 
+        let mut attached = false;
         if let Some(slot) = req.mamba {
             if x != ROOT && cached_len == len && self.nodes[x as usize].mamba.is_none() {
                 self.with_node(x, |n| n.mamba = Some(slot));
+                attached = true;
             } else {
                 actions.push(Action::FreeMambaSlot { slot });
             }
@@ -155,6 +160,9 @@ impl RadixTree {
         if x != ROOT {
             self.with_node(x, |n| n.mamba_tick = t);
         }
+        if attached {
+            self.evict_excess_path_states(x, &mut actions);
+        }
 
         let lock = if req.lock {
             Some(self.lock_ix(x))
@@ -167,6 +175,39 @@ impl RadixTree {
             cached_len: Tokens(cached_len),
             lock,
         })
+    }
+
+    /// Enforces [`crate::TreeConfig::mamba_path_cap`] on the path from the root to `x`,
+    /// whose state was just attached: while the path holds more states than the cap, frees
+    /// the least recently used unlocked state above `x` (`EvictMambaState`). Every such
+    /// state sits on an ancestor of `x`, an internal node, so only the state goes. Locked
+    /// states and `x`'s own are never taken: the cap is best-effort over unlocked states.
+    fn evict_excess_path_states(&mut self, x: Ix, actions: &mut Vec<Action>) {
+        let Some(cap) = self.config.mamba_path_cap else {
+            return;
+        };
+        let mut held = 1; // x's own state
+        let mut candidates: Vec<(u64, Ix)> = Vec::new();
+        let mut y = self.nodes[x as usize].parent;
+        while y != ROOT {
+            let n = &self.nodes[y as usize];
+            if n.mamba.is_some() {
+                held += 1;
+                if n.mamba_lock == 0 {
+                    candidates.push((n.mamba_tick, y));
+                }
+            }
+            y = n.parent;
+        }
+        if held <= cap.get() {
+            return;
+        }
+        // Least recently used first; the index breaks tick ties deterministically, as in
+        // the Mamba LRU set.
+        candidates.sort_unstable();
+        for (_, y) in candidates.into_iter().take(held - cap.get()) {
+            self.evict_mamba(y, actions);
+        }
     }
 
     fn validate_insert(&self, req: &InsertRequest<'_>) -> Result<(), RadixError> {

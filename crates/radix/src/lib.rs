@@ -41,7 +41,9 @@
 //!   by the insert that ends there and kept by the lower part when a node splits); a lock
 //!   on the locked node only; an LRU set of unlocked states. Evicting a state on an
 //!   unlocked leaf removes the leaf whole (it could never end a match again); on any other
-//!   node it frees the state alone.
+//!   node it frees the state alone. Optionally a cap on the states of one root-to-node
+//!   path (applied by the insert that attaches a state), and a checkpoint grid that
+//!   [`MatchResult::mamba_branching`] is aligned to.
 //!
 //! Main entry points: [`RadixTree::match_prefix`], [`RadixTree::insert`] (with
 //! [`InsertRequest`]), [`RadixTree::lock`] / [`RadixTree::release_window`] /
@@ -61,6 +63,15 @@
 //!   ([`RadixTree::invariant_scope`]; its own until a cache hands it the cache's).
 //! - A match ends only where a whole window of live SWA precedes it (from the root none
 //!   is needed) and, with Mamba, only on a node with a state.
+//! - Mamba path cap ([`TreeConfig::mamba_path_cap`]): when an insert attaches a state and
+//!   the path from the root to that node then holds more states than the cap, the insert
+//!   evicts the least recently used unlocked states on that path (each an
+//!   [`Action::EvictMambaState`] in its actions, in the order applied; they sit on internal
+//!   nodes, so only the state goes) until the path is within the cap. Best-effort over
+//!   unlocked states: the state just attached and locked states are never evicted for it,
+//!   so a path stays above the cap exactly when every other state on it is locked. Checked
+//!   at the insert's commit only: a descendant's path that gains the state, or a path whose
+//!   excess states are unlocked later, is brought within the cap by its next attach.
 //! - Insert frees each duplicate page exactly once, FULL-only below the request's window
 //!   cursor and two-sided above it; no page appears in two actions of one operation.
 //! - A fresh live leaf holds at most one page-aligned window, `ceil(W / ps) × ps` tokens;

@@ -5,7 +5,8 @@
 //! accepts it: SWA needs a whole window of live SWA right behind the end unless the path
 //! from the root is live all the way (a tombstone resets the running length to zero and is
 //! never an end); Mamba needs a state on the node. The FULL hit beyond the last valid end
-//! is reported as a branching length.
+//! is reported as a branching length, and with Mamba also aligned down to the checkpoint
+//! grid (where a checkpointed state would extend future matches).
 
 use crate::tree::{Ix, ROOT};
 use crate::{NodeId, RadixTree, TokenId, Tokens, VirtualToken};
@@ -26,6 +27,11 @@ pub struct MatchResult {
     /// `Some(full_hit)` when the FULL hit is longer than the valid match: the position
     /// where a later insert can branch so that future requests reuse more.
     pub branching: Option<Tokens>,
+    /// With Mamba, where a checkpointed state would let future requests reuse more: the
+    /// FULL hit aligned down to [`crate::TreeConfig::mamba_grid`] (the checkpoint interval,
+    /// else the page size), when that is still longer than `len`; `None` otherwise and
+    /// without Mamba. The reference engine's `mamba_branching_seqlen`.
+    pub mamba_branching: Option<Tokens>,
 }
 
 /// Length of the common prefix of `a` and `b`, floored to whole pages of `ps`.
@@ -119,7 +125,19 @@ impl RadixTree {
             full_hit_node: self.id(full_hit_ix),
             full_hit: Tokens(full_hit),
             branching: (full_hit > best_len).then_some(Tokens(full_hit)),
+            mamba_branching: self.mamba_branching(full_hit, best_len),
         }
+    }
+
+    /// The FULL hit aligned down to the Mamba grid, when Mamba is on and that is still
+    /// past the valid match.
+    fn mamba_branching(&self, full_hit: usize, matched: usize) -> Option<Tokens> {
+        if !self.config.mamba {
+            return None;
+        }
+        let grid = self.config.mamba_grid().0; // ≥ ps ≥ 1: `new` refused anything else
+        let aligned = full_hit / grid * grid;
+        (aligned > matched).then_some(Tokens(aligned))
     }
 
     /// How many tokens of `key` (whole pages) the tree holds on FULL, without splitting a

@@ -167,6 +167,28 @@ impl RadixTree {
                 reason: "window must be at least 1 token",
             });
         }
+        let ps = config.page_size as usize;
+        if let Some(interval) = config.mamba_checkpoint_interval {
+            if interval.0 == 0 {
+                return Err(RadixError::InvalidConfig {
+                    reason: "Mamba checkpoint interval must be at least one page",
+                });
+            }
+            if !interval.0.is_multiple_of(ps) {
+                return Err(RadixError::NotPageAligned {
+                    what: "Mamba checkpoint interval",
+                    len: interval.0,
+                    page_size: config.page_size,
+                });
+            }
+        }
+        if !config.mamba
+            && (config.mamba_path_cap.is_some() || config.mamba_checkpoint_interval.is_some())
+        {
+            return Err(RadixError::InvalidConfig {
+                reason: "Mamba path cap or checkpoint interval without the Mamba component",
+            });
+        }
         let root = Node {
             alive: true,
             parent: NIL,

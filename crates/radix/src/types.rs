@@ -6,6 +6,7 @@
 
 use std::fmt;
 use std::hash::{Hash, Hasher};
+use std::num::NonZeroUsize;
 use std::ops::{Add, AddAssign, Sub, SubAssign};
 
 /// A token of the model's vocabulary: what the tree's keys are made of.
@@ -169,6 +170,15 @@ pub struct TreeConfig {
     pub window: Option<Tokens>,
     /// Whether the model has Mamba (recurrent state) layers.
     pub mamba: bool,
+    /// At most this many Mamba states on one root-to-node path, enforced when an insert
+    /// attaches a state (best-effort: only unlocked states other than the new one are
+    /// evicted for it); `None` for no cap. Needs `mamba`. The reference engine's
+    /// `MambaEvictExcessPathStates`.
+    pub mamba_path_cap: Option<NonZeroUsize>,
+    /// The grid (in tokens, a positive multiple of the page size) on which the engine
+    /// checkpoints Mamba states; [`crate::MatchResult::mamba_branching`] is aligned down to
+    /// it. `None` uses the page size. Needs `mamba`.
+    pub mamba_checkpoint_interval: Option<Tokens>,
 }
 
 impl TreeConfig {
@@ -178,6 +188,21 @@ impl TreeConfig {
             page_size,
             window: Some(Tokens(window)),
             mamba: false,
+            mamba_path_cap: None,
+            mamba_checkpoint_interval: None,
+        }
+    }
+
+    /// FULL only (no sliding window) at page size `page_size`: full-attention models, and,
+    /// with [`TreeConfig::with_mamba`], Mamba hybrids such as Qwen3-Next, whose attention
+    /// layers are all full.
+    pub const fn full_only(page_size: u32) -> Self {
+        TreeConfig {
+            page_size,
+            window: None,
+            mamba: false,
+            mamba_path_cap: None,
+            mamba_checkpoint_interval: None,
         }
     }
 
@@ -185,6 +210,28 @@ impl TreeConfig {
     pub const fn with_mamba(mut self) -> Self {
         self.mamba = true;
         self
+    }
+
+    /// The same configuration with at most `cap` Mamba states per root-to-node path (see
+    /// [`TreeConfig::mamba_path_cap`]).
+    pub const fn with_mamba_path_cap(mut self, cap: NonZeroUsize) -> Self {
+        self.mamba_path_cap = Some(cap);
+        self
+    }
+
+    /// The same configuration with Mamba states checkpointed every `interval` tokens (see
+    /// [`TreeConfig::mamba_checkpoint_interval`]; [`crate::RadixTree::new`] refuses an
+    /// interval that is not a positive multiple of the page size).
+    pub const fn with_mamba_checkpoint_interval(mut self, interval: usize) -> Self {
+        self.mamba_checkpoint_interval = Some(Tokens(interval));
+        self
+    }
+
+    /// The grid Mamba branching lengths are aligned down to: the checkpoint interval, or
+    /// the page size without one.
+    pub fn mamba_grid(&self) -> Tokens {
+        self.mamba_checkpoint_interval
+            .unwrap_or(Tokens(self.page_size as usize))
     }
 
     /// One page-aligned window, `ceil(W / ps) × ps`: the length a fresh live leaf is

@@ -7,7 +7,9 @@
 //! counts), conservation (every allocated page owned by exactly one of the tree or a
 //! request, in the SWA state the owner implies; same for Mamba slots), every match checked
 //! against the ledger's SWA states, every action applied to the ledger (a page freed twice
-//! or on the wrong side fails), and the invariant poll. At the end everything is drained
+//! or on the wrong side fails), the Mamba path cap after every insert (only unlocked path
+//! states evicted, no more than the excess, over the cap only when the rest are locked)
+//! and every match's Mamba branching length, and the invariant poll. At the end everything is drained
 //! and nothing may be left allocated.
 
 mod common;
@@ -15,6 +17,7 @@ mod common;
 use common::{Sim, cases_from, tokens};
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
+use std::num::NonZeroUsize;
 use unikv_invariants::testing::page_sizes;
 use unikv_radix::{Component, TreeConfig};
 
@@ -74,17 +77,34 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// A window for the page size: below, at and above a page, several pages, or no SWA.
+/// A window for the page size: below, at and above a page, several pages, or no SWA;
+/// with Mamba, mostly a path cap of 1 or 2 states and a checkpoint interval of 1 to 3
+/// pages.
 fn config() -> impl Strategy<Value = TreeConfig> {
-    (prop::sample::select(page_sizes()), 0usize..6, any::<bool>()).prop_map(|(ps, w, mamba)| {
-        let p = ps as usize;
-        let window = [1, p.div_ceil(2), p, p + 1, 3 * p].get(w).copied();
-        TreeConfig {
-            page_size: ps,
-            window: window.map(unikv_radix::Tokens),
-            mamba,
-        }
-    })
+    (
+        prop::sample::select(page_sizes()),
+        0usize..6,
+        any::<bool>(),
+        prop::option::weighted(0.8, 1usize..3),
+        prop::option::of(1usize..4),
+    )
+        .prop_map(|(ps, w, mamba, cap, interval)| {
+            let p = ps as usize;
+            let mut config = match [1, p.div_ceil(2), p, p + 1, 3 * p].get(w) {
+                Some(&window) => TreeConfig::swa(ps, window),
+                None => TreeConfig::full_only(ps),
+            };
+            if mamba {
+                config = config.with_mamba();
+                if let Some(cap) = cap.and_then(NonZeroUsize::new) {
+                    config = config.with_mamba_path_cap(cap);
+                }
+                if let Some(pages) = interval {
+                    config = config.with_mamba_checkpoint_interval(pages * p);
+                }
+            }
+            config
+        })
 }
 
 fn run(config: TreeConfig, ops: &[Op]) -> Sim {
@@ -185,10 +205,8 @@ fn regression_cases() {
     ];
     for ps in page_sizes() {
         for (w, mamba, ops) in &cases {
-            let config = TreeConfig {
-                mamba: *mamba,
-                ..TreeConfig::swa(ps, w * ps as usize)
-            };
+            let mut config = TreeConfig::swa(ps, w * ps as usize);
+            config.mamba = *mamba;
             run(config, ops);
         }
     }
@@ -206,13 +224,28 @@ fn random_sequences_reach_every_kind_of_action() {
     );
     let mut seen = std::collections::BTreeMap::new();
     let strategy = (config(), prop::collection::vec(op(), 20..40));
+    let (mut cap_evictions, mut cap_overruns, mut mamba_branchings) = (0, 0, 0);
     for _ in 0..64 {
         let (config, ops) = strategy.new_tree(&mut runner).unwrap().current();
         let sim = run(config, &ops);
         for (kind, n) in sim.ledger.seen {
             *seen.entry(kind).or_insert(0) += n;
         }
+        cap_evictions += sim.cap_evictions;
+        cap_overruns += sim.cap_overruns;
+        mamba_branchings += sim.mamba_branchings;
     }
+    // The Mamba path cap both evicts and, with every other state locked, stays over; the
+    // grid-aligned branching length is reported.
+    assert!(cap_evictions > 0, "the path cap never evicted");
+    assert!(
+        cap_overruns > 0,
+        "the path cap never met locked states only"
+    );
+    assert!(
+        mamba_branchings > 0,
+        "no match reported a Mamba branching length"
+    );
     for kind in [
         "FreeDeviceKv",
         "FreeDeviceKvFullOnly",

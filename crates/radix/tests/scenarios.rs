@@ -531,12 +531,7 @@ fn evict_until_stops_as_soon_as_the_predicate_holds() {
 fn a_tree_without_swa_frees_duplicates_and_evicts_leaves() {
     for ps in page_sizes() {
         let p = ps as usize;
-        let config = TreeConfig {
-            page_size: ps,
-            window: None,
-            mamba: false,
-        };
-        let mut sim = Sim::new(config);
+        let mut sim = Sim::new(TreeConfig::full_only(ps));
         let key = tokens(&pages(5), p);
         let a = sim.start_fresh(key.clone());
         let b = sim.start_fresh(key.clone()) - 1;
@@ -646,4 +641,240 @@ fn empty_matches_and_inserts_are_harmless() {
     assert_eq!((m.len, m.full_hit), (Tokens(0), Tokens(0)));
     tree.sanity_check().unwrap();
     tree.invariant_scope().poll().unwrap();
+}
+
+/// Caches `key` as a request that matched nothing (its own Mamba state attached at the
+/// key's end) and returns the insert's actions with the request's row.
+fn cache_fresh(sim: &mut Sim, key: Vec<TokenId>) -> (Vec<Action>, Vec<VirtualToken>) {
+    let r = sim.start_fresh(key);
+    let row = sim.reqs[r].row.clone();
+    (sim.finish(r), row)
+}
+
+fn evicted_states(actions: &[Action]) -> Vec<(unikv_radix::NodeId, MambaSlot)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::EvictMambaState { node, slot } => Some((*node, *slot)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The Mamba path cap: an insert that attaches a state to a path already holding `cap`
+/// evicts the least recently used unlocked states of that path (not the shallowest, not
+/// the deepest), each as `EvictMambaState` after the insert's frees, and only those. A
+/// state attached on an internal node is checked against its own path only: the deeper
+/// path is brought within the cap by its next attach, which then evicts several.
+#[test]
+fn the_mamba_path_cap_evicts_the_least_recently_used_unlocked_path_states() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let cap = std::num::NonZeroUsize::new(2).unwrap();
+        let config = TreeConfig::full_only(ps)
+            .with_mamba()
+            .with_mamba_path_cap(cap);
+        let mut sim = Sim::new(config);
+        let k = |n| tokens(&pages(n), p);
+        for n in [1, 3, 2] {
+            let (actions, _) = cache_fresh(&mut sim, k(n));
+            assert!(evicted_states(&actions).is_empty(), "ps {ps} key {n}");
+            sim.check();
+        }
+        // States at p, 3p and (attached last, on the node a split made) 2p: the path to 3p
+        // holds three, over the cap, until the next attach on it.
+        let state = |sim: &Sim, n| {
+            let id = node_ending(sim, &k(n));
+            (id, sim.tree.node(id).unwrap().mamba.unwrap())
+        };
+        let (s1, s3) = (state(&sim, 1), state(&sim, 3));
+        let (actions, row) = cache_fresh(&mut sim, k(4));
+        assert_eq!(
+            actions,
+            vec![
+                Action::FreeDeviceKv {
+                    tokens: slice(&row, 0, 3 * p)
+                },
+                Action::EvictMambaState {
+                    node: s1.0,
+                    slot: s1.1
+                },
+                Action::EvictMambaState {
+                    node: s3.0,
+                    slot: s3.1
+                },
+            ],
+            "ps {ps}"
+        );
+        sim.check();
+        assert_eq!(sim.tree.held().2.get(), 2);
+        assert_eq!(sim.probe(&k(1)).len, Tokens(0));
+        assert_eq!(sim.probe(&k(2)).len, Tokens(2 * p));
+        let m = sim.probe(&k(3));
+        assert_eq!((m.len, m.full_hit), (Tokens(2 * p), Tokens(3 * p)));
+        assert_eq!(sim.probe(&k(4)).len, Tokens(4 * p));
+        assert!(sim.tree.dump().starts_with("tree ps="));
+        assert!(
+            sim.tree
+                .dump()
+                .lines()
+                .next()
+                .unwrap()
+                .contains("path_cap=2")
+        );
+        sim.check();
+        sim.drain();
+    }
+}
+
+/// The cap is best-effort over unlocked states: a locked state is never evicted for it,
+/// so the path stays over the cap while only locked states could go; once unlocked, the
+/// next attach on the path evicts the excess in LRU order (the unlocking request's insert
+/// refreshed its state, so the other one goes first).
+#[test]
+fn the_mamba_path_cap_never_evicts_a_locked_state() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let cap = std::num::NonZeroUsize::new(1).unwrap();
+        let config = TreeConfig::swa(ps, p).with_mamba().with_mamba_path_cap(cap);
+        let mut sim = Sim::new(config);
+        let k = |n| tokens(&pages(n), p);
+        cache_fresh(&mut sim, k(1));
+        let reader = sim.start(k(1)); // locks the state at p
+        let n1 = node_ending(&sim, &k(1));
+        assert_eq!(sim.tree.node(n1).unwrap().mamba_lock, 1);
+        let (actions, _) = cache_fresh(&mut sim, k(2));
+        assert!(evicted_states(&actions).is_empty(), "ps {ps}: {actions:?}");
+        let n2 = node_ending(&sim, &k(2));
+        let slot1 = sim.tree.node(n1).unwrap().mamba.unwrap();
+        let slot2 = sim.tree.node(n2).unwrap().mamba.unwrap();
+        assert_eq!(sim.tree.sizes().mamba_protected.get(), 1);
+        assert_eq!(sim.tree.sizes().mamba_evictable.get(), 1);
+        sim.check();
+        // The reader finishes: its duplicate state is handed back, the path's is unlocked
+        // and refreshed.
+        sim.finish(reader);
+        sim.check();
+        let (actions, _) = cache_fresh(&mut sim, k(3));
+        assert_eq!(
+            evicted_states(&actions),
+            vec![(n2, slot2), (n1, slot1)],
+            "ps {ps}"
+        );
+        assert_eq!(sim.tree.held().2.get(), 1);
+        sim.check();
+        sim.drain();
+    }
+}
+
+/// Without a cap the same sequence keeps every state (the cap is what evicts).
+#[test]
+fn without_a_path_cap_an_insert_evicts_no_state() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let mut sim = Sim::new(TreeConfig::full_only(ps).with_mamba());
+        for n in 1..=4 {
+            let (actions, _) = cache_fresh(&mut sim, tokens(&pages(n), p));
+            assert!(evicted_states(&actions).is_empty());
+        }
+        assert_eq!(sim.tree.held().2.get(), 4);
+        sim.check();
+        sim.drain();
+    }
+}
+
+/// (interval in pages, or `None` for the page-size grid; probe symbols; expected len,
+/// FULL hit and Mamba branching, in pages).
+type BranchingCase = (Option<usize>, &'static [u32], usize, usize, Option<usize>);
+
+/// `mamba_branching` is the FULL hit aligned down to the checkpoint grid when that is
+/// still past the (state-valid) match: the page size without an interval, `None` without
+/// Mamba or when the aligned hit is no longer than the match.
+#[test]
+fn mamba_branching_is_the_full_hit_aligned_down_to_the_checkpoint_grid() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let t = |symbols: &[u32]| tokens(symbols, p);
+        // States at 2 and 5 pages.
+        let cases: [BranchingCase; 7] = [
+            (Some(2), &[0, 1, 2, 7], 2, 3, None),
+            (Some(2), &[0, 1, 2, 3, 7], 2, 4, Some(4)),
+            (Some(3), &[0, 1, 2, 3, 7], 2, 4, Some(3)),
+            (Some(2), &[0, 7], 0, 1, None),
+            (Some(2), &[0, 1, 2, 3, 4], 5, 5, None),
+            (None, &[0, 1, 2, 7], 2, 3, Some(3)),
+            (None, &[0, 7], 0, 1, Some(1)),
+        ];
+        for (interval, probe, len, hit, expected) in cases {
+            let mut config = TreeConfig::full_only(ps).with_mamba();
+            if let Some(pages) = interval {
+                config = config.with_mamba_checkpoint_interval(pages * p);
+            }
+            let mut sim = Sim::new(config);
+            cache_fresh(&mut sim, t(&[0, 1, 2, 3, 4]));
+            cache_fresh(&mut sim, t(&[0, 1]));
+            let m = sim.probe(&t(probe));
+            let case = format!("ps {ps} interval {interval:?} probe {probe:?}");
+            assert_eq!(
+                (m.len, m.full_hit),
+                (Tokens(len * p), Tokens(hit * p)),
+                "{case}"
+            );
+            assert_eq!(
+                m.branching,
+                (hit > len).then_some(Tokens(hit * p)),
+                "{case}"
+            );
+            assert_eq!(m.mamba_branching, expected.map(|e| Tokens(e * p)), "{case}");
+            sim.check();
+            sim.drain();
+        }
+        // Without Mamba there is no Mamba branching, even where FULL branches (below a
+        // tombstone the match needs a whole window).
+        let mut sim = Sim::new(TreeConfig::swa(ps, 2 * p));
+        let key = t(&[0, 1, 2, 3, 4, 5]);
+        cache_fresh(&mut sim, key.clone());
+        sim.evict(Component::Swa, 1);
+        let m = sim.probe(&t(&[0, 1, 2, 3, 4, 7]));
+        assert!(m.branching.is_some(), "ps {ps}: {m:?}");
+        assert_eq!(m.mamba_branching, None);
+        sim.check();
+        sim.drain();
+    }
+}
+
+/// The Mamba options are checked when the tree is built: an interval that is not a
+/// positive multiple of the page size, or a Mamba option without Mamba, is a typed error.
+#[test]
+fn mamba_options_are_checked_when_the_tree_is_built() {
+    let cap = std::num::NonZeroUsize::new(1).unwrap();
+    let mamba = TreeConfig::full_only(4).with_mamba();
+    assert_eq!(
+        RadixTree::new(mamba.with_mamba_checkpoint_interval(6)).err(),
+        Some(RadixError::NotPageAligned {
+            what: "Mamba checkpoint interval",
+            len: 6,
+            page_size: 4
+        })
+    );
+    assert!(matches!(
+        RadixTree::new(mamba.with_mamba_checkpoint_interval(0)),
+        Err(RadixError::InvalidConfig { .. })
+    ));
+    for without_mamba in [
+        TreeConfig::full_only(4).with_mamba_path_cap(cap),
+        TreeConfig::swa(4, 8).with_mamba_checkpoint_interval(8),
+    ] {
+        assert!(matches!(
+            RadixTree::new(without_mamba),
+            Err(RadixError::InvalidConfig { .. })
+        ));
+    }
+    let tree = RadixTree::new(
+        mamba
+            .with_mamba_checkpoint_interval(8)
+            .with_mamba_path_cap(cap),
+    );
+    assert_eq!(tree.unwrap().config().mamba_grid(), Tokens(8));
+    assert_eq!(mamba.mamba_grid(), Tokens(4));
 }

@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use unikv_radix::{
     Action, Component, InsertRequest, LockHandle, MambaSlot, MatchResult, NodeId, RadixError,
-    RadixTree, SwaSide, TokenId, TreeConfig, VirtualToken,
+    RadixTree, SwaSide, TokenId, Tokens, TreeConfig, VirtualToken,
 };
 
 /// A page's state in the ledger: FULL allocated, SWA live or released.
@@ -223,6 +223,12 @@ pub struct Sim {
     pub reqs: Vec<Req>,
     /// Locks taken on arbitrary nodes (not by requests), with the node.
     pub extra_locks: Vec<(LockHandle, NodeId)>,
+    /// States inserts evicted for the Mamba path cap.
+    pub cap_evictions: usize,
+    /// Inserts that left their path over the cap (every other state on it locked).
+    pub cap_overruns: usize,
+    /// Matches that reported a Mamba branching length.
+    pub mamba_branchings: usize,
 }
 
 impl Sim {
@@ -234,6 +240,9 @@ impl Sim {
             ps,
             reqs: Vec::new(),
             extra_locks: Vec::new(),
+            cap_evictions: 0,
+            cap_overruns: 0,
+            mamba_branchings: 0,
         }
     }
 
@@ -378,6 +387,7 @@ impl Sim {
         let hit_before = self.tree.full_hit_len(&req.key).get();
         let out = self.tree.insert(ins).unwrap();
         self.check_actions_disjoint(&out.actions);
+        self.check_path_cap(mamba, &out);
         self.check_cached(r, hit_before, &out);
         self.ledger.apply_all(&out.actions);
         let old = self.reqs[r].lock.take();
@@ -436,6 +446,63 @@ impl Sim {
             }
             id = v.parent;
         }
+    }
+
+    /// The model of the Mamba path cap: only an insert that attached its state evicts
+    /// states for the cap, each an unlocked state on an ancestor of its node, no more than
+    /// the excess; afterwards the path holds at most `cap` states, or more only when every
+    /// state on it but the new one is locked (the cap is best-effort over unlocked states).
+    fn check_path_cap(&mut self, slot: Option<MambaSlot>, out: &unikv_radix::InsertOutcome) {
+        let evicted: Vec<NodeId> = out
+            .actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::EvictMambaState { node, .. } => Some(*node),
+                _ => None,
+            })
+            .collect();
+        let attached = slot.is_some_and(|s| {
+            !out.actions.contains(&Action::FreeMambaSlot { slot: s })
+                && self.tree.node(out.node).unwrap().mamba == Some(s)
+        });
+        let Some(cap) = self.tree.config().mamba_path_cap else {
+            assert!(evicted.is_empty(), "states evicted without a cap");
+            return;
+        };
+        if !attached {
+            assert!(evicted.is_empty(), "states evicted without an attach");
+            return;
+        }
+        let mut ancestors = Vec::new();
+        let mut id = self.tree.node(out.node).unwrap().parent;
+        while let Some(n) = id {
+            let v = self.tree.node(n).unwrap();
+            ancestors.push(v);
+            id = v.parent;
+        }
+        for e in &evicted {
+            let v = ancestors
+                .iter()
+                .find(|v| v.id == *e)
+                .expect("an evicted state is not on the inserted path");
+            assert_eq!((v.mamba, v.mamba_lock), (None, 0));
+        }
+        let held = 1 + ancestors.iter().filter(|v| v.mamba.is_some()).count();
+        let all_locked = ancestors
+            .iter()
+            .all(|v| v.mamba.is_none() || v.mamba_lock > 0);
+        assert!(
+            held <= cap.get() || all_locked,
+            "path holds {held} states over cap {cap} with unlocked ones left"
+        );
+        if !evicted.is_empty() {
+            assert!(
+                held == cap.get() || all_locked,
+                "evicted more than the excess"
+            );
+        }
+        self.cap_evictions += evicted.len();
+        self.cap_overruns += usize::from(held > cap.get());
     }
 
     /// An unfinished request caches what it has and keeps the new node locked.
@@ -508,13 +575,23 @@ impl Sim {
     /// SWA states (a whole window of live pages behind it unless no page before it is a
     /// tombstone; with Mamba, a state on the node), and no deeper node of the FULL hit is
     /// valid.
-    pub fn check_match(&self, key: &[TokenId], m: &MatchResult) {
+    pub fn check_match(&mut self, key: &[TokenId], m: &MatchResult) {
         let ps = self.ps;
         assert!(m.len <= m.full_hit);
         assert_eq!(m.len.get() % ps, 0);
         assert_eq!(m.full_hit.get() % ps, 0);
         assert_eq!(m.values, self.tree.prefix_values(m.node).unwrap());
         assert_eq!(m.branching, (m.full_hit > m.len).then_some(m.full_hit));
+        let config = self.tree.config();
+        let grid = config
+            .mamba_checkpoint_interval
+            .map_or(ps, |interval| interval.get());
+        let aligned = m.full_hit.get() / grid * grid;
+        assert_eq!(
+            m.mamba_branching,
+            (config.mamba && aligned > m.len.get()).then_some(Tokens(aligned))
+        );
+        self.mamba_branchings += usize::from(m.mamba_branching.is_some());
         // The FULL hit path, root first.
         let mut path = Vec::new();
         let mut id = Some(m.full_hit_node);
