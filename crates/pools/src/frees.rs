@@ -1075,7 +1075,11 @@ macro_rules! free_family_methods {
                 ids,
                 n,
                 // A slot is a page of one: its id is its page.
-                page_size: if side == Side::Mamba { 1 } else { self.ps.get() },
+                page_size: if side == Side::Mamba {
+                    1
+                } else {
+                    self.ps.get()
+                },
                 stride: self.stride(side),
                 out,
                 out_width,
