@@ -9,8 +9,10 @@
 //!   Capacity is bytes at the frontier; compaction is lazy (a free leaves a hole, an
 //!   alloc drains holes first, a flush moves survivors into holes with one
 //!   `Device::move_spans` for both sides and then rewrites only `v2p`/`p2v`).
-//! - [`StaticSwa`]: two fixed pools sized by a SWA:FULL token ratio and a FULL→SWA index
-//!   map, the baseline every comparison runs against.
+//! - [`StaticSwa`]: fixed pools sized by a SWA:FULL token ratio and a FULL→SWA index
+//!   map, the baseline every comparison runs against; optionally without SWA and with a
+//!   fixed pool of Mamba state slots ([`StaticSlots`], sized like the reference engine by
+//!   [`reference_slot_pool`]).
 //!
 //! Building blocks for other composites (FULL/Mamba and the tri-pool in `unikv-mamba`):
 //! [`SubAllocator`] (one span — an `Up` end, a `Down` end or a `Float` between them — with
@@ -104,6 +106,9 @@ pub use api::{
 pub use error::{Bs1Floor, Error, SlotFault};
 pub use ids::{Bytes, PageSize, PhysicalPage, VirtualPage, VirtualSlot, VirtualToken};
 pub use spec::{BS1_STATE_SLOTS, Grid, Grow, Side, SlotPoolSpec, SubPoolSpec, sink_floor};
-pub use static_paged::{StaticSwa, StaticSwaConfig};
+pub use static_paged::{
+    PrefixCaching, REFERENCE_MAMBA_FULL_MEMORY_RATIO, REFERENCE_SLOTS_PER_RUNNING_REQUEST,
+    ReferenceSlotPool, StaticSlots, StaticSwa, StaticSwaConfig, reference_slot_pool,
+};
 pub use sub::{Edge, SubAllocator, VirtualIds};
 pub use unified::{UnifiedSwa, UnifiedSwaConfig};

@@ -1,7 +1,11 @@
-//! `StaticSwa`: the static paged FULL/SWA baseline. Two fixed pools in the same buffer,
-//! sized at boot by a SWA:FULL token ratio, and a FULL→SWA index map. FULL pages are the
-//! virtual pages (they never move); SWA pages are bound to them through the map (> 0
-//! live, -1 tombstone, 0 unbound). Same operations and invariants as [`crate::UnifiedSwa`].
+//! `StaticSwa`: the static paged baseline. Fixed pools in one buffer, never moved: an
+//! optional fixed pool of Mamba state slots, then an SWA pool and a FULL pool sized at
+//! boot by a SWA:FULL token ratio, with a FULL→SWA index map. FULL pages are the virtual
+//! pages (they never move); SWA pages are bound to them through the map (> 0 live, -1
+//! tombstone, 0 unbound). Without an SWA side (a FULL/Mamba model) the SWA pool is empty
+//! and allocations bind FULL only. Same operations and invariants as [`crate::UnifiedSwa`].
+//!
+//! Byte layout, low to high: `[sink floor | Mamba slots | SWA pool | FULL pool]`.
 
 use crate::api::{
     Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, KvAllocator, MoveGate,
@@ -9,42 +13,159 @@ use crate::api::{
 };
 use crate::error::Error;
 use crate::frees::{self, FreeGroup, PageTables};
-use crate::ids::{PageSize, VirtualPage, VirtualToken};
+use crate::ids::{PageSize, VirtualPage, VirtualSlot, VirtualToken};
 use crate::invariants::{CONSERVATION, ROOM_CHECK};
-use crate::spec::{Grid, Side, SubPoolSpec, bs1_floor, check_bs1_floor, sink_floor, window_pages};
+use crate::spec::{
+    BS1_STATE_SLOTS, Grid, Side, SlotPoolSpec, SubPoolSpec, bs1_floor, check_bs1_floor, sink_floor,
+    window_pages,
+};
 use crate::sub::{resident_list, resident_table};
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 use unikv_invariants::{Scope, enabled};
-use unikv_kernels::{ByteSpan, BytesId, Device, TableId, Translate};
+use unikv_kernels::{ByteSpan, BytesId, Device, SpanMove, TableId, Translate};
 
 /// How to build a [`StaticSwa`].
 #[derive(Clone, Debug)]
 pub struct StaticSwaConfig {
-    /// Bytes of the buffer both pools live in.
+    /// Bytes of the buffer every pool lives in.
     pub total_bytes: u64,
     /// Tokens per page.
     pub page_size: u32,
-    /// The sliding window, in tokens (sizes the batch-size-1 floor).
+    /// The sliding window, in tokens (sizes the batch-size-1 floor). Unused without an
+    /// SWA side.
     pub window: u32,
     /// The FULL pool.
     pub full: SubPoolSpec,
-    /// The SWA pool.
-    pub swa: SubPoolSpec,
-    /// SWA tokens per FULL token (the reference engine's default is 0.8).
+    /// The SWA pool; `None` for a model without sliding-window layers (a FULL/Mamba
+    /// hybrid such as Qwen3-Next): the SWA pool then has 0 pages and allocations bind
+    /// FULL only.
+    pub swa: Option<SubPoolSpec>,
+    /// A fixed pool of Mamba state slots at the low end of the buffer, or `None` for a
+    /// model without recurrent layers.
+    pub mamba: Option<StaticSlots>,
+    /// SWA tokens per FULL token (the reference engine's default is 0.8). Unused without
+    /// an SWA side.
     pub swa_full_ratio: f64,
-    /// Zero page envelopes when they are handed out.
+    /// Zero page and slot envelopes when they are handed out.
     pub zero_on_handout: bool,
 }
 
-/// The static paged FULL/SWA allocator.
+/// A fixed pool of Mamba state slots: `slots` slots of `spec` (virtual slots
+/// `1..=slots`; slot 0 is the sink). Size it with [`reference_slot_pool`] to match the
+/// reference engine's default.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StaticSlots {
+    /// One slot: one request's state across all recurrent layers.
+    pub spec: SlotPoolSpec,
+    /// Slots in the pool (at least [`BS1_STATE_SLOTS`]).
+    pub slots: u32,
+}
+
+/// The reference engine's default `mamba_full_memory_ratio`, the ratio of Mamba state
+/// bytes to FULL KV bytes it splits the KV budget by (SGLang `ServerArgs`,
+/// `python/sglang/srt/server_args.py`: `mamba_full_memory_ratio: float = 0.9`).
+pub const REFERENCE_MAMBA_FULL_MEMORY_RATIO: f64 = 0.9;
+
+/// State slots the reference engine charges each running request with a radix cache
+/// (`MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO = 3` in SGLang
+/// `python/sglang/srt/model_executor/model_runner_kv_cache_mixin.py`; the default
+/// `mamba_scheduler_strategy` `no_buffer` adds no extra-buffer slots).
+pub const REFERENCE_SLOTS_PER_RUNNING_REQUEST: u32 = 3;
+
+/// Whether the engine keeps a prefix (radix) cache: it decides how many state slots the
+/// reference engine charges each running request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefixCaching {
+    /// A radix cache: each running request is charged
+    /// [`REFERENCE_SLOTS_PER_RUNNING_REQUEST`] slots (its own state plus checkpoints).
+    Radix,
+    /// No prefix cache: one slot per running request.
+    Disabled,
+}
+
+/// A slot pool sized as the reference engine sizes it ([`reference_slot_pool`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReferenceSlotPool {
+    /// State slots of the pool (the reference's `max_mamba_cache_size`).
+    pub slots: u32,
+    /// The running-request cap the slot pool implies (`slots // 3` with a radix cache,
+    /// `slots` without); the reference takes the minimum of this and its token-derived
+    /// cap.
+    pub max_running_requests: u32,
+}
+
+/// Sizes a static slot pool the way the reference engine does by default for a hybrid
+/// (Mamba/linear-attention) model: of the KV budget `total_bytes`, the Mamba states get
+/// `total × r / (1 + r)` bytes, `r = mamba_full_memory_ratio`
+/// ([`REFERENCE_MAMBA_FULL_MEMORY_RATIO`] = 0.9 by default), so that state bytes : FULL KV
+/// bytes = r; the slot count is that share divided by the slot's bytes, rounded down, and
+/// the KV pools get the rest of the buffer. Reference: SGLang
+/// `ModelRunnerKVCacheMixin.handle_max_mamba_cache`
+/// (`python/sglang/srt/model_executor/model_runner_kv_cache_mixin.py`), the branch taken
+/// when neither `max_mamba_cache_size` nor (with the radix cache disabled)
+/// `max_running_requests` is given; `init_memory` then caps the running requests at
+/// `max_mamba_cache_size // calculate_mamba_ratio()` (3 with a radix cache, 1 without).
+/// Speculative decoding's intermediate states are not modelled.
+///
+/// A ratio that is not positive and finite, or a slot spec [`SlotPoolSpec::grid`]
+/// refuses, is [`Error::BadConfig`]. The count may be below [`BS1_STATE_SLOTS`]; then
+/// [`StaticSwa::new`] refuses the pool.
+pub fn reference_slot_pool(
+    total_bytes: u64,
+    spec: &SlotPoolSpec,
+    mamba_full_memory_ratio: f64,
+    caching: PrefixCaching,
+) -> Result<ReferenceSlotPool, Error> {
+    let r = mamba_full_memory_ratio;
+    if !(r > 0.0 && r.is_finite()) {
+        return Err(Error::BadConfig(format!(
+            "mamba_full_memory_ratio must be positive, got {r}"
+        )));
+    }
+    // Validates the spec; its page count (total / slot bytes) fits i32, so the count
+    // below, a share of it, fits u32.
+    spec.grid(total_bytes, 0)?;
+    // The reference computes the share in floating point and truncates; so does this.
+    let state_bytes = (total_bytes as f64 * r / (1.0 + r)) as u64;
+    let slots = (state_bytes / spec.bytes_per_slot).min(total_bytes / spec.bytes_per_slot) as u32;
+    let per_request = match caching {
+        PrefixCaching::Radix => REFERENCE_SLOTS_PER_RUNNING_REQUEST,
+        PrefixCaching::Disabled => 1,
+    };
+    Ok(ReferenceSlotPool {
+        slots,
+        max_running_requests: slots / per_request,
+    })
+}
+
+/// The fixed pools a buffer holds, in pages (slots for Mamba) and base pages of each
+/// side's grid.
+#[derive(Clone, Copy, Debug)]
+struct Pools {
+    full_pages: u64,
+    swa_pages: u64,
+    full_base: u64,
+    swa_base: u64,
+    /// Physical slot of virtual slot 1.
+    slot_base: u64,
+    /// Whether the slots fit in the buffer at all.
+    slots_fit: bool,
+}
+
+/// The static paged allocator: fixed FULL, SWA and Mamba slot pools.
 #[derive(Debug)]
 pub struct StaticSwa {
     device: Arc<dyn Device>,
     buffer: BytesId,
     ps: PageSize,
     full_grid: Grid,
+    /// [`Grid::ABSENT`] without an SWA side.
     swa_grid: Grid,
+    /// [`Grid::ABSENT`] without a slot pool.
+    slot_grid: Grid,
+    /// Whether the model has an SWA side.
+    swa_side: bool,
     floor: u64,
     total_bytes: u64,
     /// FULL physical page of virtual page `v` is `full_base + v - 1`.
@@ -65,79 +186,165 @@ pub struct StaticSwa {
     free_swa: Vec<u32>,
     swa_live: u32,
     tombstones: u32,
+    /// Physical slot of virtual slot `s` is `slot_base + s - 1` (slots never move).
+    slot_base: u32,
+    /// Slots in the pool (0 without one).
+    slots: u32,
+    /// Slot liveness by virtual slot (`slots + 1` entries, the sink included).
+    slot_live: Vec<bool>,
+    /// Free virtual slots (a stack).
+    free_slots: Vec<u32>,
+    live_slots: u32,
     group: FreeGroup,
     /// Where this allocator's invariant breaches are counted (its cache's scope).
     scope: Scope,
     gates: Arc<AtomicUsize>,
-    mirrors: [TableId; 2],
+    full_mirror: TableId,
+    swa_mirror: Option<TableId>,
+    slot_mirror: Option<TableId>,
     zero_on_handout: bool,
-    /// Envelopes to zero before an allocation binds them (both pools, one `fill_spans`).
+    /// Envelopes to zero before an allocation binds them (every pool, one `fill_spans`).
     spans: Vec<ByteSpan>,
     dirty: Vec<u32>,
     dirty_flag: Vec<bool>,
+    /// Virtual slots whose mirror entry changed since the last upload.
+    slot_dirty: Vec<u32>,
+    slot_dirty_flag: Vec<bool>,
     entries: Vec<(u32, i32)>,
 }
 
 impl StaticSwa {
-    /// Sizes the two pools from the ratio and allocates the buffer and the mirror tables.
+    /// Places the slot pool above the sink floor, then sizes the SWA and FULL pools from
+    /// the ratio in the rest, and allocates the buffer and the mirror tables. A buffer that
+    /// cannot hold the slots, the sink and one request's window on each KV side is
+    /// [`Error::BufferTooSmall`] (stating the least size that can); a slot pool of fewer
+    /// than [`BS1_STATE_SLOTS`] slots is [`Error::BadConfig`].
     pub fn new(device: Arc<dyn Device>, config: StaticSwaConfig) -> Result<StaticSwa, Error> {
         let ps = PageSize::new(config.page_size)
             .ok_or_else(|| Error::BadConfig("page size must be at least 1".into()))?;
-        if !(config.swa_full_ratio > 0.0 && config.swa_full_ratio.is_finite()) {
+        let swa_spec = config.swa.as_ref();
+        if swa_spec.is_some() && !(config.swa_full_ratio > 0.0 && config.swa_full_ratio.is_finite())
+        {
             return Err(Error::BadConfig(format!(
                 "swa_full_ratio must be positive, got {}",
                 config.swa_full_ratio
             )));
         }
+        let slot_spec = config.mamba.as_ref().map(|m| &m.spec);
+        let slots = config.mamba.as_ref().map_or(0, |m| m.slots);
+        if config.mamba.is_some() && slots < BS1_STATE_SLOTS {
+            return Err(Error::BadConfig(format!(
+                "a slot pool of {slots} slots is below the batch-size-1 floor of {BS1_STATE_SLOTS} (one running state and two radix checkpoints)"
+            )));
+        }
         let total = config.total_bytes;
-        let floor = sink_floor(&[&config.full, &config.swa], None, ps);
+        let kv_specs: Vec<&SubPoolSpec> = std::iter::once(&config.full).chain(swa_spec).collect();
+        let floor = sink_floor(&kv_specs, slot_spec, ps);
         let full_grid = Grid::new(&config.full, ps, total, floor, "full")?;
-        let swa_grid = Grid::new(&config.swa, ps, total, floor, "swa")?;
-        let (ef, es) = (full_grid.envelope, swa_grid.envelope);
+        let swa_grid = match swa_spec {
+            Some(spec) => Grid::new(spec, ps, total, floor, "swa")?,
+            None => Grid::ABSENT,
+        };
+        let slot_grid = match slot_spec {
+            Some(spec) => spec.grid(total, floor)?,
+            None => Grid::ABSENT,
+        };
+        let (ef, es, eslot) = (full_grid.envelope, swa_grid.envelope, slot_grid.envelope);
         let ratio = config.swa_full_ratio;
-        // The two pools a buffer of `bytes` holds: N_f FULL pages from the FULL grid's
-        // first page above the floor, then N_s = ratio × N_f SWA pages (aligned to the SWA
-        // grid), as many as fit. Returns `(N_f, N_s, SWA base page, FULL base page)`.
-        let pools = |bytes: u64| -> Result<(u64, u64, u64, u32), Error> {
-            let full_base = Grid::new(&config.full, ps, bytes, floor, "full")?.min_page;
-            Grid::new(&config.swa, ps, bytes, floor, "swa")?;
-            let start = full_grid.offset(full_base);
+        // The pools a buffer of `bytes` holds: the slots from the slot grid's first page
+        // above the floor; then, from the first SWA page above them, N_s = ratio × N_f SWA
+        // pages; then N_f FULL pages from the next FULL page boundary, as many as fit.
+        // Without SWA, FULL takes everything above the slots.
+        let pools = |bytes: u64| -> Pools {
+            let slot_base = if slot_spec.is_some() {
+                floor.div_ceil(eslot).max(1)
+            } else {
+                0
+            };
+            let kv_start = floor.max((slot_base + slots as u64) * eslot);
+            let slots_fit = kv_start <= bytes;
+            if swa_spec.is_none() {
+                let full_base = kv_start.div_ceil(ef).max(1);
+                return Pools {
+                    full_pages: (bytes / ef).saturating_sub(full_base),
+                    swa_pages: 0,
+                    full_base,
+                    swa_base: 0,
+                    slot_base,
+                    slots_fit,
+                };
+            }
+            let swa_base = kv_start.div_ceil(es).max(1);
+            let start = swa_base * es;
             let usable = bytes.saturating_sub(start);
             let per_full = ef as f64 + ratio * es as f64;
             let layout = |nf: u64| {
                 let ns = (nf as f64 * ratio) as u64;
-                let swa_base = (start + nf * ef).div_ceil(es);
-                (ns, swa_base, (swa_base + ns).saturating_mul(es) <= bytes)
+                let full_base = (start + ns * es).div_ceil(ef);
+                (ns, full_base, (full_base + nf).saturating_mul(ef) <= bytes)
             };
-            let mut full_pages = (usable.saturating_sub(es) as f64 / per_full) as u64;
+            // The FULL region's alignment costs less than one FULL envelope.
+            let mut full_pages = (usable.saturating_sub(ef) as f64 / per_full) as u64;
             while full_pages > 0 && !layout(full_pages).2 {
                 full_pages -= 1;
             }
-            let (swa_pages, swa_base, _) = layout(full_pages);
-            Ok((full_pages, swa_pages, swa_base, full_base))
+            let (swa_pages, full_base, _) = layout(full_pages);
+            Pools {
+                full_pages,
+                swa_pages,
+                full_base,
+                swa_base,
+                slot_base,
+                slots_fit,
+            }
         };
-        let window_pages = window_pages(ps, config.window);
-        check_bs1_floor(total, bs1_floor(ps, Some(config.window), false), |bytes| {
-            pools(bytes).is_ok_and(|(nf, ns, ..)| nf >= window_pages && ns >= window_pages)
-        })?;
-        let (full_pages, swa_pages, swa_base, full_base) = pools(total)?;
-        let (full_pages, swa_pages, swa_base) =
-            (full_pages as u32, swa_pages as u32, swa_base as u32);
+        // Without SWA only one page of FULL is charged (the reference does not charge
+        // FULL: its request length is clamped to the pool).
+        let window = if swa_spec.is_some() { config.window } else { 0 };
+        let window_pages = window_pages(ps, window);
+        check_bs1_floor(
+            total,
+            bs1_floor(ps, swa_spec.map(|_| config.window), config.mamba.is_some()),
+            |bytes| {
+                let p = pools(bytes);
+                p.slots_fit
+                    && p.full_pages >= window_pages
+                    && (swa_spec.is_none() || p.swa_pages >= window_pages)
+            },
+        )?;
+        let p = pools(total);
+        let (full_pages, swa_pages, full_base, swa_base, slot_base) = (
+            p.full_pages as u32,
+            p.swa_pages as u32,
+            p.full_base as u32,
+            p.swa_base as u32,
+            p.slot_base as u32,
+        );
         let virtual_pages = full_pages + 1;
         if virtual_pages as u64 * ps.get() as u64 > i32::MAX as u64 {
             return Err(Error::BadConfig(format!(
                 "{virtual_pages} virtual pages × page size {ps} overflow i32 token ids"
             )));
         }
+        let slot_ids = if slot_spec.is_some() { slots + 1 } else { 0 };
         let buffer = device.alloc_bytes(total, 0)?;
         let full_mirror = device.alloc_table(virtual_pages as usize, 0)?;
-        let swa_mirror = device.alloc_table(virtual_pages as usize, 0)?;
+        let swa_mirror = match swa_spec {
+            Some(_) => Some(device.alloc_table(virtual_pages as usize, 0)?),
+            None => None,
+        };
+        let slot_mirror = match slot_spec {
+            Some(_) => Some(device.alloc_table(slot_ids as usize, 0)?),
+            None => None,
+        };
         Ok(StaticSwa {
             device,
             buffer,
             ps,
             full_grid,
             swa_grid,
+            slot_grid,
+            swa_side: swa_spec.is_some(),
             floor,
             total_bytes: total,
             full_base,
@@ -151,17 +358,26 @@ impl StaticSwa {
             free_swa: (swa_base..swa_base + swa_pages).rev().collect(),
             swa_live: 0,
             tombstones: 0,
+            slot_base,
+            slots: if slot_spec.is_some() { slots } else { 0 },
+            slot_live: resident_table(slot_ids as usize),
+            free_slots: (1..slot_ids).rev().collect(),
+            live_slots: 0,
             group: FreeGroup::new(virtual_pages),
             scope: Scope::new(),
             gates: Arc::new(AtomicUsize::new(0)),
-            mirrors: [full_mirror, swa_mirror],
+            full_mirror,
+            swa_mirror,
+            slot_mirror,
             zero_on_handout: config.zero_on_handout,
             spans: Vec::new(),
             dirty: resident_list(virtual_pages as usize),
             dirty_flag: resident_table(virtual_pages as usize),
-            // Both tables' entries of one upload: sized and mapped at boot.
+            slot_dirty: resident_list(slot_ids as usize),
+            slot_dirty_flag: resident_table(slot_ids as usize),
+            // Every table's entries of one upload: sized and mapped at boot.
             entries: {
-                let n = 2 * virtual_pages as usize;
+                let n = 2 * virtual_pages as usize + slot_ids as usize;
                 let mut entries = Vec::with_capacity(n);
                 entries.resize(n, std::hint::black_box((0, 0)));
                 entries.clear();
@@ -170,14 +386,20 @@ impl StaticSwa {
         })
     }
 
+    /// Slots of the fixed Mamba pool (0 without one).
+    pub fn pool_slots(&self) -> u32 {
+        self.slots
+    }
+
     /// FULL pages and SWA pages of the two fixed pools.
     pub fn pool_pages(&self) -> (u32, u32) {
         (self.full_pages, self.swa_pages)
     }
 
-    /// Mirror entries waiting for the upload (one list serves both tables).
+    /// Mirror entries waiting for the upload (one list serves both page tables; slots
+    /// have their own).
     fn mirror_pending(&self) -> usize {
-        self.dirty.len()
+        self.dirty.len() + self.slot_dirty.len()
     }
 
     #[inline]
@@ -189,9 +411,94 @@ impl StaticSwa {
         }
     }
 
+    #[inline]
+    fn mark_slot(&mut self, s: u32) {
+        let flag = &mut self.slot_dirty_flag[s as usize];
+        if !*flag {
+            *flag = true;
+            self.slot_dirty.push(s);
+        }
+    }
+
+    /// Whether the page demand fits with `r_f`/`r_s` pages reclaimed. Without an SWA
+    /// side an SWA demand is vacuous: nothing binds SWA.
     fn fits(&self, d: PageDemand, r_f: usize, r_s: usize) -> bool {
         d.full_pages <= self.free_full.len().saturating_add(r_f)
-            && d.swa_pages <= self.free_swa.len().saturating_add(r_s)
+            && (!self.swa_side || d.swa_pages <= self.free_swa.len().saturating_add(r_s))
+    }
+
+    /// Whether the slot demand fits with `r_m` slots reclaimed (static: free slots only,
+    /// no byte budget is shared with the KV pools).
+    fn fits_slots(&self, d: PageDemand, r_m: usize) -> bool {
+        d.mamba_slots <= self.free_slots.len().saturating_add(r_m)
+    }
+
+    /// Pages a joint allocation could get now.
+    fn joint_free(&self) -> usize {
+        if self.swa_side {
+            self.free_full.len().min(self.free_swa.len())
+        } else {
+            self.free_full.len()
+        }
+    }
+
+    /// The physical slot of live virtual slot `s`.
+    #[inline]
+    fn slot_phys(&self, s: u32) -> u32 {
+        self.slot_base + s - 1
+    }
+
+    /// The short-capacity error of a slot demand.
+    fn out_of_slots(&self) -> Error {
+        // The trait's short-capacity error; its page counts are zero because only slots
+        // were asked for, and `available_pages` is the free slot count.
+        Error::OutOfCapacity {
+            full_pages: 0,
+            swa_pages: 0,
+            available_pages: self.free_slots.len(),
+        }
+    }
+
+    /// A slot allocation as one transaction: size it, zero the envelopes the pops will
+    /// hand out (the top of the free stack) on the device, and only then bind. A failed
+    /// zeroing changes nothing.
+    fn alloc_slot_ids(&mut self, n: usize, out: &mut Vec<VirtualSlot>) -> Result<(), Error> {
+        if self.slot_mirror.is_none() {
+            return Err(Error::NoSlotPool { op: "alloc_slots" });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        if n > self.free_slots.len() {
+            return Err(self.out_of_slots());
+        }
+        let handed = self.free_slots.len() - n..;
+        if self.zero_on_handout {
+            let (grid, base) = (self.slot_grid, self.slot_base);
+            self.spans.clear();
+            self.spans.extend(
+                self.free_slots[handed.clone()]
+                    .iter()
+                    .rev()
+                    .map(|&s| ByteSpan {
+                        offset: grid.offset(base + s - 1),
+                        len: grid.envelope,
+                    }),
+            );
+            self.device.fill_spans(self.buffer, &self.spans, 0)?;
+        }
+        out.reserve(n);
+        for _ in 0..n {
+            // `n` entries checked above.
+            let Some(s) = self.free_slots.pop() else {
+                break;
+            };
+            self.slot_live[s as usize] = true;
+            self.live_slots += 1;
+            self.mark_slot(s);
+            out.push(VirtualSlot(s));
+        }
+        Ok(())
     }
 
     fn validate(&self, requests: impl Iterator<Item = ExtendRequest>) -> Result<usize, Error> {
@@ -234,17 +541,22 @@ impl StaticSwa {
         if !self.fits(PageDemand::joint(pages), 0, 0) {
             return Err(Error::OutOfCapacity {
                 full_pages: pages,
-                swa_pages: pages,
-                available_pages: self.free_full.len().min(self.free_swa.len()),
+                swa_pages: if self.swa_side { pages } else { 0 },
+                available_pages: self.joint_free(),
             });
         }
         if self.zero_on_handout && pages > 0 {
             let (fg, sg, full_base) = (self.full_grid, self.swa_grid, self.full_base);
             let spans = &mut self.spans;
             spans.clear();
-            // `fits` checked both stacks hold `pages` entries; pops take the last first.
+            // `fits` checked both stacks hold `pages` entries (SWA's only with an SWA
+            // side); pops take the last first.
             let full = &self.free_full[self.free_full.len() - pages..];
-            let swa = &self.free_swa[self.free_swa.len() - pages..];
+            let swa = if self.swa_side {
+                &self.free_swa[self.free_swa.len() - pages..]
+            } else {
+                &[]
+            };
             spans.extend(full.iter().rev().map(|&v| ByteSpan {
                 offset: fg.offset(full_base + v - 1),
                 len: fg.envelope,
@@ -270,19 +582,26 @@ impl StaticSwa {
                 }
             }
             while pos < r.seq_len {
-                let (Some(v), Some(s)) = (self.free_full.pop(), self.free_swa.pop()) else {
+                if self.free_full.is_empty() || (self.swa_side && self.free_swa.is_empty()) {
                     self.scope.expect(&ROOM_CHECK, false, || {
                         "an allocation ran out of pages past its room check".to_string()
                     });
                     break;
+                }
+                let Some(v) = self.free_full.pop() else {
+                    break;
                 };
                 self.full_live[v as usize] = true;
-                if self.swa_of[v as usize] == -1 {
-                    self.tombstones -= 1;
+                if self.swa_side
+                    && let Some(s) = self.free_swa.pop()
+                {
+                    if self.swa_of[v as usize] == -1 {
+                        self.tombstones -= 1;
+                    }
+                    self.swa_of[v as usize] = s as i32;
+                    self.swa_owner[(s - self.swa_base) as usize] = v;
+                    self.swa_live += 1;
                 }
-                self.swa_of[v as usize] = s as i32;
-                self.swa_owner[(s - self.swa_base) as usize] = v;
-                self.swa_live += 1;
                 self.mark(v);
                 let n = (r.seq_len - pos).min(ps);
                 let base = v * ps as u32;
@@ -403,6 +722,21 @@ impl PageTables for StaticSwa {
         self.mark(from);
         self.mark(to);
     }
+    fn has_swa(&self) -> bool {
+        self.swa_side
+    }
+    fn slot_ids(&self) -> u32 {
+        self.slot_live.len() as u32
+    }
+    fn slot_live(&self, s: u32) -> bool {
+        self.slot_live[s as usize]
+    }
+    fn release_slot(&mut self, s: u32) {
+        self.slot_live[s as usize] = false;
+        self.live_slots -= 1;
+        self.free_slots.push(s);
+        self.mark_slot(s);
+    }
     fn group(&mut self) -> &mut FreeGroup {
         &mut self.group
     }
@@ -415,11 +749,21 @@ impl PageTables for StaticSwa {
 }
 
 impl frees::SlotCopy for StaticSwa {
-    fn issue_slot_copies(
-        &self,
-        _pairs: &[(crate::ids::VirtualSlot, crate::ids::VirtualSlot)],
-    ) -> Result<(), Error> {
-        Err(Error::NoSlotPool { op: "copy_slots" })
+    /// One `move_spans` of whole slot envelopes. A copy, not a move: the sources stay
+    /// bound and intact (`frees::copy_slots` checked that no destination is a source or
+    /// named twice, which is also what `move_spans` requires).
+    fn issue_slot_copies(&self, pairs: &[(VirtualSlot, VirtualSlot)]) -> Result<(), Error> {
+        let grid = self.slot_grid;
+        let moves: Vec<SpanMove> = pairs
+            .iter()
+            .map(|&(src, dst)| SpanMove {
+                src: grid.offset(self.slot_phys(src.0)),
+                dst: grid.offset(self.slot_phys(dst.0)),
+                len: grid.envelope,
+            })
+            .collect();
+        self.device.move_spans(self.buffer, &moves)?;
+        Ok(())
     }
 }
 
@@ -442,12 +786,8 @@ impl KvAllocator for StaticSwa {
 
     crate::frees::free_family_methods!();
 
-    fn alloc_slots(
-        &mut self,
-        _n: usize,
-        _out: &mut Vec<crate::ids::VirtualSlot>,
-    ) -> Result<(), Error> {
-        Err(Error::NoSlotPool { op: "alloc_slots" })
+    fn alloc_slots(&mut self, n: usize, out: &mut Vec<VirtualSlot>) -> Result<(), Error> {
+        self.alloc_slot_ids(n, out)
     }
 
     fn flush(&mut self) -> Result<FlushReport, Error> {
@@ -463,30 +803,32 @@ impl KvAllocator for StaticSwa {
     }
 
     fn allocation_fits(&self, demand: PageDemand) -> bool {
-        // No slot pool: a slot demand never fits.
-        demand.mamba_slots == 0 && self.fits(demand, 0, 0)
+        // Without a slot pool a slot demand never fits (no free slots).
+        self.fits(demand, 0, 0) && self.fits_slots(demand, 0)
     }
 
     fn ensure_capacity(&mut self, demand: PageDemand) -> Result<(), Error> {
-        if demand.mamba_slots > 0 {
+        if demand.mamba_slots > 0 && self.slot_mirror.is_none() {
             return Err(Error::NoSlotPool {
                 op: "ensure_capacity",
             });
         }
         frees::flush_deferred(self);
-        if self.fits(demand, 0, 0) {
-            Ok(())
-        } else {
-            Err(Error::OutOfCapacity {
+        if !self.fits(demand, 0, 0) {
+            return Err(Error::OutOfCapacity {
                 full_pages: demand.full_pages,
                 swa_pages: demand.swa_pages,
-                available_pages: self.free_full.len().min(self.free_swa.len()),
-            })
+                available_pages: self.joint_free(),
+            });
         }
+        if !self.fits_slots(demand, 0) {
+            return Err(self.out_of_slots());
+        }
+        Ok(())
     }
 
     fn reclaim_plan(&mut self, demand: PageDemand, evictable: Reclaimable) -> Option<ReclaimPlan> {
-        if demand.mamba_slots > 0 {
+        if demand.mamba_slots > 0 && self.slot_mirror.is_none() {
             // No slot pool: no eviction makes a slot demand fit (and nothing is flushed).
             return None;
         }
@@ -496,22 +838,27 @@ impl KvAllocator for StaticSwa {
             .full_pages
             .min(self.full_pages as usize - self.free_full.len());
         let rs_max = evictable.swa_pages.min(self.swa_live as usize);
-        if !self.fits(demand, rf_max, rs_max) {
+        let rm_max = evictable.mamba_slots.min(self.live_slots as usize);
+        if !self.fits(demand, rf_max, rs_max) || !self.fits_slots(demand, rm_max) {
             return None;
         }
-        // The sides are separate pools: the FULL reclaim does not depend on the SWA one.
+        // The pools are separate: no side's reclaim depends on another's.
         let full_pages = demand.full_pages.saturating_sub(self.free_full.len());
         Some(ReclaimPlan {
-            swa_pages: demand.swa_pages.saturating_sub(self.free_swa.len()),
+            swa_pages: if self.swa_side {
+                demand.swa_pages.saturating_sub(self.free_swa.len())
+            } else {
+                0
+            },
             full_pages,
-            mamba_slots: 0,
+            mamba_slots: demand.mamba_slots.saturating_sub(self.free_slots.len()),
             full_floor_pages: full_pages,
         })
     }
 
     fn capacity(&self) -> Capacity {
         let full_alloc = self.full_pages as usize - self.free_full.len();
-        let joint = self.free_full.len().min(self.free_swa.len());
+        let joint = self.joint_free();
         Capacity {
             page_size: self.ps.get(),
             full: SideCapacity {
@@ -530,45 +877,61 @@ impl KvAllocator for StaticSwa {
                 hole_pages: 0,
                 tombstones: self.tombstones as usize,
             },
+            mamba: SideCapacity {
+                available_pages: self.free_slots.len(),
+                schedulable_pages: self.free_slots.len(),
+                allocated_pages: self.live_slots as usize,
+                total_pages: self.slots as usize,
+                hole_pages: 0,
+                tombstones: 0,
+            },
+            // The static pools share no bytes: a slot costs no KV tokens.
+            slot_price_tokens: 0,
             joint_available_pages: joint,
             joint_schedulable_pages: joint,
-            ..Capacity::default()
         }
     }
 
     fn pool_map(&self) -> PoolMap {
         let full_live = self.full_pages as usize - self.free_full.len();
+        let mut spans = Vec::with_capacity(3);
+        if self.slot_mirror.is_some() {
+            spans.push(SpanInfo {
+                side: Side::Mamba,
+                bytes: self.region(Side::Mamba),
+                envelope: self.slot_grid.envelope,
+                pages: self.slots as usize,
+                live: self.live_slots as usize,
+                holes: 0,
+                tombstones: 0,
+            });
+        }
+        if self.swa_side {
+            spans.push(SpanInfo {
+                side: Side::Swa,
+                bytes: self.region(Side::Swa),
+                envelope: self.swa_grid.envelope,
+                pages: self.swa_pages as usize,
+                live: self.swa_live as usize,
+                holes: 0,
+                tombstones: self.tombstones as usize,
+            });
+        }
+        spans.push(SpanInfo {
+            side: Side::Full,
+            bytes: self.region(Side::Full),
+            envelope: self.full_grid.envelope,
+            pages: self.full_pages as usize,
+            live: full_live,
+            holes: 0,
+            tombstones: 0,
+        });
         PoolMap {
             layout: "static",
             page_size: self.ps.get(),
             total_bytes: self.total_bytes,
             sink_floor: self.floor,
-            spans: vec![
-                SpanInfo {
-                    side: Side::Full,
-                    bytes: (
-                        self.full_grid.offset(self.full_base),
-                        self.full_grid.offset(self.full_base + self.full_pages),
-                    ),
-                    envelope: self.full_grid.envelope,
-                    pages: self.full_pages as usize,
-                    live: full_live,
-                    holes: 0,
-                    tombstones: 0,
-                },
-                SpanInfo {
-                    side: Side::Swa,
-                    bytes: (
-                        self.swa_grid.offset(self.swa_base),
-                        self.swa_grid.offset(self.swa_base + self.swa_pages),
-                    ),
-                    envelope: self.swa_grid.envelope,
-                    pages: self.swa_pages as usize,
-                    live: self.swa_live as usize,
-                    holes: 0,
-                    tombstones: self.tombstones as usize,
-                },
-            ],
+            spans,
         }
     }
 
@@ -578,12 +941,13 @@ impl KvAllocator for StaticSwa {
     }
 
     fn upload_mirror(&mut self) -> Result<(), Error> {
-        if self.dirty.is_empty() {
+        if self.mirror_pending() == 0 {
             return Ok(());
         }
         // FULL's entry follows liveness too (unbound reads as the sink, as in the unified
-        // layout), so one dirty list serves both tables. The entries stay dirty until
-        // both scatters were issued, so a failed upload is retried whole.
+        // layout), so one dirty list serves both page tables; slots have their own (a
+        // slot's entry is its fixed physical slot while live, else the sink). Every entry
+        // stays dirty until every scatter was issued, so a failed upload is retried whole.
         // Exact-size extends: no capacity check per entry.
         let (full_live, full_base, swa_of) = (&self.full_live, self.full_base, &self.swa_of);
         let n = self.dirty.len();
@@ -596,24 +960,50 @@ impl KvAllocator for StaticSwa {
             };
             (v, full)
         }));
-        self.entries
-            .extend(self.dirty.iter().map(|&v| (v, swa_of[v as usize])));
-        let (full, swa) = self.entries.split_at(n);
-        self.device.scatter_table(self.mirrors[0], full)?;
-        self.device.scatter_table(self.mirrors[1], swa)?;
+        if self.swa_side {
+            self.entries
+                .extend(self.dirty.iter().map(|&v| (v, swa_of[v as usize])));
+        }
+        let (slot_live, slot_base) = (&self.slot_live, self.slot_base);
+        self.entries.extend(self.slot_dirty.iter().map(|&s| {
+            let phys = if slot_live[s as usize] {
+                (slot_base + s - 1) as i32
+            } else {
+                0
+            };
+            (s, phys)
+        }));
+        let (full, rest) = self.entries.split_at(n);
+        let (swa, slots) = rest.split_at(if self.swa_side { n } else { 0 });
+        if n > 0 {
+            self.device.scatter_table(self.full_mirror, full)?;
+            if let Some(t) = self.swa_mirror {
+                self.device.scatter_table(t, swa)?;
+            }
+        }
+        if let Some(t) = self.slot_mirror
+            && !slots.is_empty()
+        {
+            self.device.scatter_table(t, slots)?;
+        }
         let flags = &mut self.dirty_flag;
         for &v in &self.dirty {
             flags[v as usize] = false;
         }
         self.dirty.clear();
+        let flags = &mut self.slot_dirty_flag;
+        for &s in &self.slot_dirty {
+            flags[s as usize] = false;
+        }
+        self.slot_dirty.clear();
         Ok(())
     }
 
     fn mirror_table(&self, side: Side) -> Option<TableId> {
         match side {
-            Side::Full => Some(self.mirrors[0]),
-            Side::Swa => Some(self.mirrors[1]),
-            Side::Mamba => None,
+            Side::Full => Some(self.full_mirror),
+            Side::Swa => self.swa_mirror,
+            Side::Mamba => self.slot_mirror,
         }
     }
 
@@ -622,6 +1012,11 @@ impl KvAllocator for StaticSwa {
     }
 
     fn kernel_id(&self, side: Side, token: VirtualToken) -> i32 {
+        // Slots are not addressed by virtual tokens: their ids come from `physical_slot`
+        // (or a Mamba translate).
+        if side == Side::Mamba {
+            return 0;
+        }
         match self.physical_page(side, token.page(self.ps)) {
             Some(p) if token.0 != 0 => {
                 p as i32 * self.stride(side) as i32 + token.offset(self.ps) as i32
@@ -634,7 +1029,7 @@ impl KvAllocator for StaticSwa {
         match side {
             Side::Full => self.full_grid,
             Side::Swa => self.swa_grid,
-            Side::Mamba => Grid::ABSENT,
+            Side::Mamba => self.slot_grid,
         }
     }
 
@@ -653,8 +1048,9 @@ impl KvAllocator for StaticSwa {
         }
     }
 
-    fn physical_slot(&self, _slot: crate::ids::VirtualSlot) -> Option<u32> {
-        None
+    fn physical_slot(&self, slot: VirtualSlot) -> Option<u32> {
+        let s = slot.0;
+        (s != 0 && *self.slot_live.get(s as usize)?).then(|| self.slot_phys(s))
     }
 
     fn full_live(&self, page: VirtualPage) -> bool {
@@ -674,20 +1070,31 @@ impl KvAllocator for StaticSwa {
 
     fn check_conservation(&self) -> bool {
         let full_live = self.full_pages as usize - self.free_full.len();
+        let (mamba, swa, full) = (
+            self.region(Side::Mamba),
+            self.region(Side::Swa),
+            self.region(Side::Full),
+        );
         let holds = self.free_swa.len() + self.swa_live as usize == self.swa_pages as usize
             && self.free_full.len() <= self.full_pages as usize
             && (self.swa_live + self.tombstones) as usize <= full_live
-            && self.full_grid.offset(self.full_base + self.full_pages)
-                <= self.swa_grid.offset(self.swa_base);
+            && self.free_slots.len() + self.live_slots as usize == self.slots as usize
+            && (self.slots == 0 || self.floor <= mamba.0)
+            && mamba.1 <= swa.0.max(full.0)
+            && swa.1 <= full.0
+            && full.1 <= self.total_bytes;
         self.scope.expect(&CONSERVATION, holds, || {
             format!(
-                "static: full {} free of {}; swa {} live {} free of {}; {} tombstones",
+                "static: full {} free of {}; swa {} live {} free of {}; {} tombstones; slots {} live {} free of {}",
                 self.free_full.len(),
                 self.full_pages,
                 self.swa_live,
                 self.free_swa.len(),
                 self.swa_pages,
-                self.tombstones
+                self.tombstones,
+                self.live_slots,
+                self.free_slots.len(),
+                self.slots
             )
         })
     }
@@ -746,6 +1153,55 @@ impl KvAllocator for StaticSwa {
                 self.swa_live, self.tombstones
             ));
         }
+        if !self.swa_side && (self.swa_pages != 0 || swa_live != 0 || tomb != 0) {
+            return Err("an allocator without SWA binds SWA pages".into());
+        }
+        self.verify_slots()
+    }
+}
+
+impl StaticSwa {
+    /// The byte range `[low, high)` of a side's fixed pool (empty at the pool's base when
+    /// the side is absent).
+    fn region(&self, side: Side) -> (u64, u64) {
+        let (grid, base, pages) = match side {
+            Side::Full => (self.full_grid, self.full_base, self.full_pages),
+            Side::Swa => (self.swa_grid, self.swa_base, self.swa_pages),
+            Side::Mamba => (self.slot_grid, self.slot_base, self.slots),
+        };
+        (grid.offset(base), grid.offset(base + pages))
+    }
+
+    /// The slot half of [`KvAllocator::verify`]: the free stack and the liveness table
+    /// agree with each other and with the counter, and the sink is never live.
+    fn verify_slots(&self) -> Result<(), String> {
+        if self.slot_live.first() == Some(&true) {
+            return Err("the sink slot is live".into());
+        }
+        let mut free = self.free_slots.clone();
+        free.sort_unstable();
+        if free.windows(2).any(|w| w[0] == w[1]) || free.first() == Some(&0) {
+            return Err("free slot list holds a duplicate or the sink".into());
+        }
+        if let Some(&s) = free.iter().find(|&&s| self.slot_live[s as usize]) {
+            return Err(format!("free slot s{s} is live"));
+        }
+        let live = self.slot_live.iter().filter(|&&l| l).count();
+        if live != self.live_slots as usize || live + free.len() != self.slots as usize {
+            return Err(format!(
+                "{live} live + {} free slots != {} (counter says {} live)",
+                free.len(),
+                self.slots,
+                self.live_slots
+            ));
+        }
+        if let Some(&s) = self
+            .slot_dirty
+            .iter()
+            .find(|&&s| !self.slot_dirty_flag[s as usize])
+        {
+            return Err(format!("dirty slot s{s} is not flagged"));
+        }
         Ok(())
     }
 }
@@ -754,7 +1210,10 @@ impl Drop for StaticSwa {
     fn drop(&mut self) {
         // Tear-down; a failure here has nobody to report to.
         let _ = self.device.free_bytes(self.buffer);
-        for t in self.mirrors {
+        for t in [Some(self.full_mirror), self.swa_mirror, self.slot_mirror]
+            .into_iter()
+            .flatten()
+        {
             let _ = self.device.free_table(t);
         }
     }

@@ -166,7 +166,8 @@ fn s03_bs1_floor_is_a_boot_error() {
             page_size: ps,
             window: 64,
             full: u.full.clone(),
-            swa: swa_spec(),
+            swa: u.swa.clone(),
+            mamba: None,
             swa_full_ratio: 0.8,
             zero_on_handout: false,
         };

@@ -55,7 +55,8 @@ pub fn static_config(ps: u32, pages: u64) -> StaticSwaConfig {
         page_size: ps,
         window: WINDOW,
         full: u.full,
-        swa: swa_spec(),
+        swa: u.swa,
+        mamba: None,
         swa_full_ratio: 1.0,
         zero_on_handout: true,
     }
