@@ -6,8 +6,8 @@
 //! The slot allocator (`SubAllocator`, `VirtualIds`, page size 1 on its own grid) and the
 //! composites that place slots in the shared buffer live in `unikv-pools`; this crate
 //! hands them a [`unikv_pools::SlotPoolSpec`] ([`MambaSpec::slot_pool_spec`]) and speaks
-//! of slots as [`unikv_pools::VirtualSlot`]s. It allocates nothing, touches no device and
-//! holds no state beyond one [`CheckpointTrack`] per request.
+//! of slots as [`unikv_pools::VirtualSlot`]s. It allocates nothing and touches no device;
+//! its one mutable type is the per-request [`CheckpointTrack`], which the caller owns.
 //!
 //! - [`RecurrentState`]: the per-layer state shape (the facade's `ModelSpec.recurrent`).
 //! - [`MambaSpec`] → [`SlotLayout`]: the byte ranges inside one slot envelope.
