@@ -1,12 +1,41 @@
-//! Mamba/GDN state slots and the tri-pool composite (Mamba end, SWA float, FULL end).
+//! The Mamba/GDN side of unikv that is not allocation: the **geometry** of one state slot
+//! (which bytes of a slot envelope hold which layer's conv and temporal state, and the
+//! side states) and the **checkpoint policy** (how many slots a request holds and when
+//! its state is saved for the prefix cache).
 //!
-//! Skeleton: the slot allocator and the tri-pool arrive with the Mamba issue. What this
-//! crate will keep is stated now, so the crates below it are built to allow it.
+//! The slot allocator (`SubAllocator`, `VirtualIds`, page size 1 on its own grid) and the
+//! composites that place slots in the shared buffer live in `unikv-pools`; this crate
+//! hands them a [`unikv_pools::SlotPoolSpec`] ([`MambaSpec::slot_pool_spec`]) and speaks
+//! of slots as [`unikv_pools::VirtualSlot`]s. It allocates nothing and touches no device;
+//! its one mutable type is the per-request [`CheckpointTrack`], which the caller owns.
 //!
-//! # Invariants this crate keeps (planned)
-//! - Mamba state is one slot per page (page size 1) with its own virtual ids; a slot is
-//!   never handed out twice and the sink slot is never handed out.
-//! - A slot shortfall that is byte-bound evicts FULL as a donor (flushing deferred frees
-//!   before each recheck); one that is id-bound evicts Mamba states only.
-//! - In the tri-pool the float lies strictly between the two ends' frontiers, and moving
-//!   it relocates whole page envelopes through the device layer only.
+//! - [`RecurrentState`]: the per-layer state shape (the facade's `ModelSpec.recurrent`).
+//! - [`MambaSpec`] → [`SlotLayout`]: the byte ranges inside one slot envelope.
+//! - [`StatePolicy`], [`CheckpointTrack`]: the checkpoint grid and the ping-pong writes.
+//!
+//! # Invariants this crate keeps
+//! - A [`SlotLayout`]'s ranges are disjoint and in slot order (every layer's conv state,
+//!   then every layer's temporal state, then the side states), each starts at a multiple
+//!   of [`SLOT_ALIGN`] and all lie inside [`SlotLayout::entry_bytes`], a positive multiple
+//!   of [`SLOT_ALIGN`]. Sizes and offsets use checked arithmetic: a geometry that does not
+//!   fit in 64 bits is [`Error::LayoutOverflow`], never a wrapped size.
+//! - A checkpoint interval is a positive multiple of the page size
+//!   ([`CheckpointInterval::new`]), so every checkpoint ends on a page boundary.
+//! - A checkpointed request holds [`BS1_SLOTS`] = 3 slots (the running state and two
+//!   checkpoints), the pools' batch-size-1 floor constant itself.
+//! - A [`CheckpointTrack`]'s latest checkpoint is the largest grid point crossed since it
+//!   started (or was last taken), and a write it emits never goes to the slot holding the
+//!   latest checkpoint. A tracker that returns an error is unchanged.
+
+mod error;
+mod layout;
+mod policy;
+mod state;
+
+pub use error::Error;
+pub use layout::{MambaSpec, SLOT_ALIGN, SlotLayout, SlotPart};
+pub use policy::{
+    BS1_SLOTS, CheckpointInterval, CheckpointTrack, CheckpointWrite, DEFAULT_CHECKPOINT_INTERVAL,
+    StatePolicy,
+};
+pub use state::RecurrentState;
