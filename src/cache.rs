@@ -4,18 +4,21 @@
 use crate::error::Error;
 use crate::invariants_decl::CONSERVATION;
 use crate::model::ModelSpec;
-use crate::request::{PrefixMatch, Request};
+use crate::request::{PrefixMatch, Request, RequestState};
 use crate::stats::{CacheStats, EvictionCounts, SideStats, StepReport};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use unikv_invariants::Scope;
 use unikv_kernels::{CpuDevice, Device, TableId};
+use unikv_mamba::{CheckpointTrack, StatePolicy};
 use unikv_pools::{
-    DecodeRequest, ExtendRequest, FreeOp, KvAllocator, PageDemand, Reclaimable, Segment, Side,
-    StaticSwa, StaticSwaConfig, UnifiedSwa, UnifiedSwaConfig, VirtualToken as PoolToken,
+    DecodeRequest, ExtendRequest, FreeOp, KvAllocator, PageDemand, PrefixCaching,
+    REFERENCE_MAMBA_FULL_MEMORY_RATIO, Reclaimable, Segment, Side, StaticSlots, StaticSwa,
+    StaticSwaConfig, UnifiedSwa, UnifiedSwaConfig, VirtualSlot, VirtualToken as PoolToken,
+    reference_slot_pool,
 };
 use unikv_radix::{
-    Action, Component, InsertRequest, RadixTree, SwaSide, TokenId, TreeConfig,
+    Action, Component, InsertRequest, MambaSlot, RadixTree, SwaSide, TokenId, TreeConfig,
     VirtualToken as TreeToken,
 };
 
@@ -53,6 +56,12 @@ pub const DEFAULT_EVICTION_INTERVAL: u32 = 16;
 /// amortised instead of a walk of every node at every step.
 pub const TREE_SANITY_INTERVAL: u64 = 128;
 
+/// At most this many cached recurrent states on one root-to-leaf path of the prefix
+/// tree (the reference engine caps them per path too): beyond it, the least recently
+/// used unlocked ones are evicted when an insert adds one, so one long conversation
+/// cannot fill the slot pool with checkpoints of itself.
+pub const MAMBA_PATH_CAP: std::num::NonZeroUsize = std::num::NonZeroUsize::new(4).unwrap();
+
 /// Distinguishes caches so a request handle cannot be used on another one.
 static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -65,6 +74,7 @@ pub struct HybridCacheBuilder {
     device: Option<Arc<dyn Device>>,
     eviction_interval: Option<u32>,
     zero_on_handout: bool,
+    checkpoint_interval: Option<u32>,
     wrap: Option<AllocatorWrapper>,
 }
 
@@ -82,6 +92,7 @@ impl std::fmt::Debug for HybridCacheBuilder {
             .field("device", &self.device.as_ref().map(|d| d.name()))
             .field("eviction_interval", &self.eviction_interval)
             .field("zero_on_handout", &self.zero_on_handout)
+            .field("checkpoint_interval", &self.checkpoint_interval)
             .field("wrapped", &self.wrap.is_some())
             .finish()
     }
@@ -134,6 +145,17 @@ impl HybridCacheBuilder {
         self
     }
 
+    /// The grid, in tokens, on which a request's recurrent state is checkpointed for the
+    /// prefix cache (a model with Mamba/GDN layers; default
+    /// [`unikv_mamba::DEFAULT_CHECKPOINT_INTERVAL`] rounded up to whole pages). A cached
+    /// state lets a later request skip the prefill up to it, so a finer grid reuses more
+    /// of a prompt; each request holds two checkpoint slots whatever the grid. Must be a
+    /// positive multiple of the page size.
+    pub fn checkpoint_interval(mut self, tokens: u32) -> Self {
+        self.checkpoint_interval = Some(tokens);
+        self
+    }
+
     /// Wraps the allocator the builder makes, e.g. in a recorder of every allocator-level
     /// operation (the replay's `--record-ops`) or a fault injector in tests. The wrapper
     /// must forward every call.
@@ -153,31 +175,33 @@ impl HybridCacheBuilder {
         if self.page_size == 0 {
             return config_error("page size must be at least 1 token".into());
         }
-        // A recurrent model is refused first, by name: its missing SWA side or window is
-        // not what is wrong with it.
-        if m.has_recurrent_state() {
-            return config_error(format!(
-                "model {} has {} recurrent (Mamba/GDN) layers ({} bytes of state per \
-                 request); the cache does not hold recurrent state until the Mamba pool \
-                 is built",
-                m.name,
-                m.mamba_layers,
-                m.state_bytes_per_request()
-            ));
-        }
         if m.full_layers == 0 {
             return config_error(format!("model {} has no full-attention layer", m.name));
         }
-        if m.swa_layers == 0 {
+        let has_swa = m.swa_layers > 0;
+        let has_state = m.has_recurrent_state();
+        if !has_swa && !has_state {
             return config_error(format!(
-                "model {} has no sliding-window layer; unikv's FULL/SWA pools need one",
+                "model {} has neither sliding-window nor recurrent layers; unikv's pools \
+                 share a buffer between FULL and one of them",
                 m.name
             ));
         }
-        if m.window == 0 {
+        if has_swa && has_state && self.layout == Layout::Unified {
+            return config_error(format!(
+                "model {} has FULL, SWA and recurrent layers: the unified tri-pool is not \
+                 built yet (the static layout holds it)",
+                m.name
+            ));
+        }
+        if has_swa && m.window == 0 {
             return config_error(format!("model {}: a sliding window of 0 tokens", m.name));
         }
-        for (kind, rows) in [("full-attention", m.full), ("sliding-window", m.swa)] {
+        let mut kinds = vec![("full-attention", m.full)];
+        if has_swa {
+            kinds.push(("sliding-window", m.swa));
+        }
+        for (kind, rows) in kinds {
             if rows.is_empty() {
                 return config_error(format!(
                     "model {}: the {kind} layers' KV heads, head dim and dtype bytes must \
@@ -187,7 +211,7 @@ impl HybridCacheBuilder {
             }
         }
         // Every byte size the allocator derives (a page's envelope on each side, a joint
-        // page) must fit in 64 bits, or it would be quoted wrapped.
+        // page, a state slot) must fit in 64 bits, or it would be quoted wrapped.
         let ps = u64::from(self.page_size);
         let joint_page_bytes = m
             .checked_full_bytes_per_token()
@@ -202,6 +226,26 @@ impl HybridCacheBuilder {
                 "model {m} at page size {ps}: a page's KV bytes do not fit in 64 bits"
             ));
         }
+        let slots = if has_state {
+            Some(m.slot_pool().map_err(|e| {
+                Error::Config(format!("model {}: its recurrent state: {e}", m.name))
+            })?)
+        } else {
+            None
+        };
+        let states = if has_state {
+            let interval = self.checkpoint_interval.unwrap_or_else(|| {
+                unikv_mamba::DEFAULT_CHECKPOINT_INTERVAL.div_ceil(self.page_size) * self.page_size
+            });
+            let page = unikv_pools::PageSize::new(self.page_size)
+                .ok_or_else(|| Error::Config("page size must be at least 1 token".into()))?;
+            Some(
+                StatePolicy::checkpointed(interval, page)
+                    .map_err(|e| Error::Config(format!("model {}: {e}", m.name)))?,
+            )
+        } else {
+            None
+        };
         if self.memory_bytes == 0 {
             return config_error("a memory budget of 0 bytes (set memory_bytes)".into());
         }
@@ -216,6 +260,7 @@ impl HybridCacheBuilder {
         }
         let device = self.device.unwrap_or_else(|| Arc::new(CpuDevice::new()));
         let (full, swa) = m.kv_sub_pools();
+        let swa = has_swa.then_some(swa);
         let mut alloc: Box<dyn KvAllocator> = match self.layout {
             Layout::Unified => Box::new(UnifiedSwa::new(
                 device,
@@ -224,8 +269,8 @@ impl HybridCacheBuilder {
                     page_size: self.page_size,
                     window: m.window,
                     full,
-                    swa: Some(swa),
-                    mamba: None,
+                    swa,
+                    mamba: slots,
                     zero_on_handout: self.zero_on_handout,
                 },
             )?),
@@ -239,6 +284,22 @@ impl HybridCacheBuilder {
                     window: m.window,
                     full,
                     swa,
+                    mamba: match slots {
+                        // The reference engine's default split of the budget between
+                        // states and KV (its running-request cap, a third of the slots,
+                        // follows from admission taking three slots a request).
+                        Some(spec) => Some(StaticSlots {
+                            slots: reference_slot_pool(
+                                self.memory_bytes,
+                                &spec,
+                                REFERENCE_MAMBA_FULL_MEMORY_RATIO,
+                                PrefixCaching::Radix,
+                            )?
+                            .slots,
+                            spec,
+                        }),
+                        None => None,
+                    },
                     swa_full_ratio: swa_full_tokens_ratio,
                     zero_on_handout: self.zero_on_handout,
                 },
@@ -252,7 +313,24 @@ impl HybridCacheBuilder {
         // their breaches where the step boundary polls.
         let scope = Scope::new();
         alloc.set_invariant_scope(scope.clone());
-        let mut tree = RadixTree::new(TreeConfig::swa(self.page_size, window))?;
+        let tree_config = if has_swa {
+            TreeConfig::swa(self.page_size, window)
+        } else {
+            TreeConfig::full_only(self.page_size)
+        };
+        let tree_config = match states {
+            Some(policy) => {
+                let tree_config = tree_config.with_mamba().with_mamba_path_cap(MAMBA_PATH_CAP);
+                match policy.interval() {
+                    Some(interval) => {
+                        tree_config.with_mamba_checkpoint_interval(interval.get() as usize)
+                    }
+                    None => tree_config,
+                }
+            }
+            None => tree_config,
+        };
+        let mut tree = RadixTree::new(tree_config)?;
         tree.set_invariant_scope(scope.clone());
         // Frees are grouped per step: a freed virtual id is recycled only at a flush (the
         // boundary, or an eviction loop), never while an action naming it is unapplied.
@@ -279,6 +357,9 @@ impl HybridCacheBuilder {
             hit_tokens: 0,
             admitted_prompt_tokens: 0,
             evictions: EvictionCounts::default(),
+            has_swa,
+            states,
+            held_slots: 0,
             scratch: Vec::new(),
             decode_scratch: Vec::new(),
         })
@@ -360,6 +441,13 @@ pub struct HybridCache {
     hit_tokens: u64,
     admitted_prompt_tokens: u64,
     evictions: EvictionCounts,
+    /// Whether the model has sliding-window layers (without, nothing is released by
+    /// the window and SWA accounting is all zero).
+    has_swa: bool,
+    /// How requests' recurrent states are checkpointed (`None` without recurrent layers).
+    states: Option<StatePolicy>,
+    /// State slots held by live requests (running and checkpoints).
+    held_slots: usize,
     /// Ids an allocation returned (reused across calls).
     scratch: Vec<PoolToken>,
     /// The decode batch handed to the allocator (reused across calls).
@@ -377,6 +465,7 @@ impl HybridCache {
             device: None,
             eviction_interval: None,
             zero_on_handout: false,
+            checkpoint_interval: None,
             wrap: None,
         }
     }
@@ -484,7 +573,10 @@ impl HybridCache {
             return false;
         };
         let pages = target.div_ceil(self.ps) - cached / self.ps;
-        let demand = PageDemand::joint(pages);
+        let demand = PageDemand {
+            mamba_slots: self.states.map_or(0, |p| p.slots_per_request() as usize),
+            ..self.kv_demand(pages)
+        };
         if !self.could_ever_fit(demand) {
             return false;
         }
@@ -492,19 +584,30 @@ impl HybridCache {
             return true;
         }
         let sizes = self.tree.sizes();
-        // The hit itself will be locked (FULL, and SWA over its last window), so it cannot
-        // be evicted for this request.
-        let evictable = Reclaimable::pages(
-            (sizes.full_evictable.0 / self.ps).saturating_sub(cached / self.ps),
-            (sizes.swa_evictable.0 / self.ps).saturating_sub(cached / self.ps),
-        );
+        // The hit itself will be locked (FULL, SWA over its last window, its state), so it
+        // cannot be evicted for this request.
+        let evictable = Reclaimable {
+            full_pages: (sizes.full_evictable.0 / self.ps).saturating_sub(cached / self.ps),
+            swa_pages: (sizes.swa_evictable.0 / self.ps).saturating_sub(cached / self.ps),
+            mamba_slots: sizes
+                .mamba_evictable
+                .0
+                .saturating_sub(usize::from(cached > 0 && self.states.is_some())),
+        };
         self.alloc.reclaim_plan(demand, evictable).is_some()
     }
 
     /// Admits a matched prompt: locks the hit so no eviction takes it, and returns the
     /// request, which starts with the hit's KV. A match made before the tree changed is
-    /// matched again first. Nothing is allocated here; prefill with
+    /// matched again first. No KV is allocated here; prefill with
     /// [`HybridCache::alloc_extend`].
+    ///
+    /// A model with recurrent layers also gets its state slots here (a running state and,
+    /// with the prefix cache, two checkpoints; evicting unlocked prefixes if memory is
+    /// short), and the cached state its match ends at is copied into its running slot
+    /// (one device copy of a host-known shape; a match of such a model only ends where a
+    /// state is cached). On error nothing is locked or allocated
+    /// ([`Error::OutOfMemory`] when the slots do not fit).
     pub fn admit(&mut self, hit: PrefixMatch) -> Result<Request, Error> {
         if hit.cache != self.id {
             return Err(Error::ForeignRequest { request: u64::MAX });
@@ -519,6 +622,25 @@ impl HybridCache {
             Some(self.tree.lock(hit.result.node)?)
         } else {
             None
+        };
+        let state = match self.states {
+            Some(policy) => {
+                let matched = if cached > 0 {
+                    self.tree.node(hit.result.node)?.mamba
+                } else {
+                    None
+                };
+                match self.admit_state(policy, cached, matched) {
+                    Ok(state) => Some(state),
+                    Err(e) => {
+                        if let Some(lock) = lock {
+                            self.tree.unlock(lock)?;
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+            None => None,
         };
         let id = self.next_request;
         self.next_request += 1;
@@ -536,7 +658,63 @@ impl HybridCache {
             lock,
             window_lock_released: false,
             cached_at_admission: cached,
+            state,
         })
+    }
+
+    /// Allocates a request's state slots (evicting if memory is short) and copies the
+    /// matched state into its running slot. On error nothing stays allocated.
+    fn admit_state(
+        &mut self,
+        policy: StatePolicy,
+        cached: usize,
+        matched: Option<MambaSlot>,
+    ) -> Result<RequestState, Error> {
+        let n = policy.slots_per_request() as usize;
+        self.make_room(PageDemand::slots(n))?;
+        let mut slots = Vec::with_capacity(n);
+        self.alloc
+            .alloc_slots(n, &mut slots)
+            .map_err(|e| self.out_of_memory(e))?;
+        let running = slots[0];
+        if let Some(MambaSlot(src)) = matched
+            && let Err(e) = self.alloc.copy_slots(&[(VirtualSlot(src), running)])
+        {
+            // Nothing was copied; the slots go back whole.
+            self.alloc.free_batch(&[FreeOp::Slots(&slots)]);
+            return Err(e.into());
+        }
+        // `n` is 3 exactly when the policy checkpoints, so the track's slots exist.
+        let track = match policy {
+            StatePolicy::NoPrefixCache => None,
+            StatePolicy::Checkpointed { .. } => {
+                CheckpointTrack::new(policy, [slots[1], slots[2]], cached).ok()
+            }
+        };
+        self.held_slots += n;
+        Ok(RequestState {
+            running,
+            track,
+            pending: None,
+        })
+    }
+
+    /// The KV pages a demand of `pages` new pages takes: on FULL, and on SWA when the
+    /// model has it.
+    fn kv_demand(&self, pages: usize) -> PageDemand {
+        PageDemand::pages(pages, if self.has_swa { pages } else { 0 })
+    }
+
+    /// Records the checkpoint a request's growth from `old_len` asks for.
+    fn advance_checkpoint(req: &mut Request, old_len: usize) {
+        let new_len = req.len();
+        if let Some(state) = &mut req.state {
+            // The track follows the row step by step, so it is never out of step with it.
+            state.pending = state
+                .track
+                .as_mut()
+                .and_then(|t| t.advance(old_len, new_len).ok().flatten());
+        }
     }
 
     // ----- allocation ------------------------------------------------------------------
@@ -565,7 +743,7 @@ impl HybridCache {
             last_token: req.row.last().copied(),
         };
         let pages = extend.new_pages(self.alloc.page_size());
-        self.make_room(PageDemand::joint(pages))?;
+        self.make_room(self.kv_demand(pages))?;
         let before = self.held(req);
         self.scratch.clear();
         self.alloc
@@ -573,6 +751,7 @@ impl HybridCache {
             .map_err(|e| self.out_of_memory(e))?;
         req.row.extend_from_slice(&self.scratch);
         self.account(before, self.held(req));
+        Self::advance_checkpoint(req, len);
         Ok(())
     }
 
@@ -621,7 +800,7 @@ impl HybridCache {
             .iter()
             .map(|d| ExtendRequest::from(*d).new_pages(ps))
             .sum();
-        let result = self.make_room(PageDemand::joint(pages)).and_then(|()| {
+        let result = self.make_room(self.kv_demand(pages)).and_then(|()| {
             self.scratch.clear();
             self.alloc
                 .alloc_decode(&requests, &mut self.scratch)
@@ -635,6 +814,8 @@ impl HybridCache {
             req.tokens.push(next_tokens[i]);
             let after = self.held(req);
             self.account(before, after);
+            let grown_from = req.len() - 1;
+            Self::advance_checkpoint(req, grown_from);
         }
         Ok(())
     }
@@ -648,6 +829,9 @@ impl HybridCache {
     /// Returns the tokens released. Called by the alloc methods; engines may call it too.
     pub fn release_out_of_window(&mut self, req: &mut Request) -> Result<usize, Error> {
         self.check_owner(req)?;
+        if !self.has_swa {
+            return Ok(0);
+        }
         let len = req.len();
         let dead_lo = req.protected;
         let evicted = req.cursor.max(dead_lo);
@@ -702,7 +886,9 @@ impl HybridCache {
     }
 
     /// Finishes `req`: its whole pages enter the tree for future requests, duplicates and
-    /// the partial last page are freed, and its lock is released.
+    /// the partial last page are freed, and its lock is released. With recurrent layers,
+    /// its latest checkpoint (the state after the last checkpoint-grid position it
+    /// passed) enters the tree at that position, and its other state slots are freed.
     pub fn cache_finished(&mut self, req: Request) -> Result<(), Error> {
         self.check_owner(&req)?;
         let before = self.held(&req);
@@ -715,11 +901,40 @@ impl HybridCache {
             cursor: req.cursor.max(cached),
             len,
         }]);
+        if let Some(state) = &req.state {
+            let mut slots = state.slots();
+            let latest = state.track.as_ref().and_then(|t| t.latest());
+            if let Some((slot, at)) = latest.filter(|&(_, at)| at > 0 && at <= cached) {
+                // The tree adopts the slot, or hands it back in a `FreeMambaSlot`.
+                slots.retain(|&s| s != slot);
+                self.insert_state(&req.tokens[..at], outcome.node, slot)?;
+            }
+            self.alloc.free_batch(&[FreeOp::Slots(&slots)]);
+            self.held_slots -= state.slots().len();
+        }
         if let Some(lock) = req.lock {
             self.tree.unlock(lock)?;
         }
         self.account(before, (0, 0));
         self.live_requests -= 1;
+        Ok(())
+    }
+
+    /// Attaches `slot`, the state after `key`, to the tree at `key`'s end. `key` is a
+    /// prefix of the path to `node`, which the tree already holds, so no KV is freed.
+    fn insert_state(
+        &mut self,
+        key: &[TokenId],
+        node: unikv_radix::NodeId,
+        slot: VirtualSlot,
+    ) -> Result<(), Error> {
+        let values = self.tree.prefix_values(node)?;
+        let insert = InsertRequest::new(key, &values[..key.len()])
+            .prev_prefix_len(key.len())
+            .mamba(MambaSlot(slot.0));
+        let outcome = self.tree.insert(insert)?;
+        self.epoch += 1;
+        self.apply(&outcome.actions);
         Ok(())
     }
 
@@ -737,6 +952,11 @@ impl HybridCache {
             cursor: req.cursor.max(dead_lo),
             len,
         }]);
+        if let Some(state) = &req.state {
+            let slots = state.slots();
+            self.alloc.free_batch(&[FreeOp::Slots(&slots)]);
+            self.held_slots -= slots.len();
+        }
         if let Some(lock) = req.lock {
             self.tree.unlock(lock)?;
             self.epoch += 1;
@@ -800,6 +1020,7 @@ impl HybridCache {
             start..tokens.len()
         };
         let mut planned = Vec::with_capacity(actions.len() + 1);
+        let mut slots: Vec<VirtualSlot> = Vec::new();
         for action in actions {
             match action {
                 Action::FreeDeviceKv { tokens } => planned.push(Planned::Both(push(tokens))),
@@ -827,15 +1048,18 @@ impl HybridCache {
                     self.evictions.swa_tombstones += 1;
                     self.evictions.swa_tokens += tokens.len() as u64;
                 }
-                // The tree is built without the Mamba component, so it emits no slot frees.
-                Action::EvictMambaState { .. } | Action::FreeMambaSlot { .. } => {}
+                Action::EvictMambaState { slot, .. } => {
+                    slots.push(VirtualSlot(slot.0));
+                    self.evictions.mamba_states += 1;
+                }
+                Action::FreeMambaSlot { slot } => slots.push(VirtualSlot(slot.0)),
             }
         }
         let seg = |r: &Range<usize>| Segment {
             tokens: &tokens[r.clone()],
             start: 0,
         };
-        let frees: Vec<FreeOp<'_>> = planned
+        let mut frees: Vec<FreeOp<'_>> = planned
             .iter()
             .map(|p| match p {
                 Planned::Both(r) => FreeOp::Segment(seg(r)),
@@ -847,6 +1071,10 @@ impl HybridCache {
                 },
             })
             .collect();
+        // Slots have their own ids: their frees commute with the pages'.
+        if !slots.is_empty() {
+            frees.push(FreeOp::Slots(&slots));
+        }
         if !frees.is_empty() {
             self.alloc.free_batch(&frees);
         }
@@ -873,12 +1101,18 @@ impl HybridCache {
         let ps = self.ps;
         loop {
             let sizes = self.tree.sizes();
-            let evictable =
-                Reclaimable::pages(sizes.full_evictable.0 / ps, sizes.swa_evictable.0 / ps);
+            let evictable = Reclaimable {
+                full_pages: sizes.full_evictable.0 / ps,
+                swa_pages: sizes.swa_evictable.0 / ps,
+                mamba_slots: sizes.mamba_evictable.0,
+            };
+            // Flushes every deferred list first (so a recheck sees what the last pass
+            // freed), then sizes the least eviction: SWA, then Mamba states, then FULL,
+            // the byte donor of a slot demand.
             let Some(plan) = self.alloc.reclaim_plan(demand, evictable) else {
                 return Err(self.oom(demand));
             };
-            if plan.full_pages == 0 && plan.swa_pages == 0 {
+            if plan.full_pages == 0 && plan.swa_pages == 0 && plan.mamba_slots == 0 {
                 return self
                     .alloc
                     .ensure_capacity(demand)
@@ -894,11 +1128,19 @@ impl HybridCache {
                 let (actions, _) = self
                     .tree
                     .evict_until(Component::Full, |r| r.full.0 / ps >= floor);
+                if demand.mamba_slots > 0 {
+                    self.evictions.donor_nodes += actions
+                        .iter()
+                        .filter(|a| matches!(a, Action::EvictNode { .. }))
+                        .count() as u64;
+                }
                 Some(actions).filter(|a| !a.is_empty())
+            } else if plan.swa_pages > 0 {
+                self.tree.evict_one(Component::Swa)
             } else {
-                None
+                self.tree.evict_one(Component::Mamba)
             };
-            let Some(actions) = actions.or_else(|| self.tree.evict_one(Component::Swa)) else {
+            let Some(actions) = actions else {
                 return Err(self.oom(demand));
             };
             self.epoch += 1;
@@ -922,7 +1164,9 @@ impl HybridCache {
     /// caller passes can overflow there).
     fn could_ever_fit(&self, demand: PageDemand) -> bool {
         let cap = self.alloc.capacity();
-        demand.full_pages <= cap.full.total_pages && demand.swa_pages <= cap.swa.total_pages
+        demand.full_pages <= cap.full.total_pages
+            && demand.swa_pages <= cap.swa.total_pages
+            && demand.mamba_slots <= cap.mamba.total_pages
     }
 
     fn oom(&self, demand: PageDemand) -> Error {
@@ -930,8 +1174,10 @@ impl HybridCache {
         Error::OutOfMemory {
             full_pages: demand.full_pages,
             swa_pages: demand.swa_pages,
+            mamba_slots: demand.mamba_slots,
             full_available: cap.full.schedulable_pages,
             swa_available: cap.swa.schedulable_pages,
+            mamba_available: cap.mamba.schedulable_pages,
         }
     }
 
@@ -941,14 +1187,9 @@ impl HybridCache {
                 full_pages,
                 swa_pages,
                 ..
-            } => {
-                let cap = self.alloc.capacity();
-                Error::OutOfMemory {
-                    full_pages,
-                    swa_pages,
-                    full_available: cap.full.schedulable_pages,
-                    swa_available: cap.swa.schedulable_pages,
-                }
+            } => self.oom(PageDemand::pages(full_pages, swa_pages)),
+            unikv_pools::Error::OutOfSlots { requested, .. } => {
+                self.oom(PageDemand::slots(requested))
             }
             other => Error::Pool(other),
         }
@@ -1015,7 +1256,7 @@ impl HybridCache {
     /// requests = total. Deferred frees must have been applied (step boundary).
     fn check_conservation(&self) -> Result<(), Error> {
         let stats = self.stats();
-        for side in [&stats.full, &stats.swa] {
+        for side in [&stats.full, &stats.swa, &stats.mamba] {
             let sum = side.available_pages
                 + side.evictable_pages
                 + side.protected_pages
@@ -1050,7 +1291,11 @@ impl HybridCache {
     fn held(&self, req: &Request) -> (usize, usize) {
         let end = req.len().div_ceil(self.ps);
         let full = end - req.protected / self.ps;
-        let swa = end.saturating_sub(req.cursor.max(req.protected) / self.ps);
+        let swa = if self.has_swa {
+            end.saturating_sub(req.cursor.max(req.protected) / self.ps)
+        } else {
+            0
+        };
         (full, swa)
     }
 
@@ -1108,6 +1353,15 @@ impl HybridCache {
                 sizes.swa_evictable.0,
                 sizes.swa_protected.0,
                 self.held_swa_pages,
+            ),
+            // A slot is a page of one: its counts go through `side` times the page size.
+            mamba: side(
+                "mamba",
+                Side::Mamba,
+                &cap.mamba,
+                sizes.mamba_evictable.0 * ps,
+                sizes.mamba_protected.0 * ps,
+                self.held_slots,
             ),
             live_requests: self.live_requests,
             hit_tokens: self.hit_tokens,

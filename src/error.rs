@@ -19,18 +19,23 @@ pub enum Error {
     /// Not enough memory even after evicting everything the prefix cache may give up (or
     /// a demand beyond a side's total, refused before evicting anything).
     #[error(
-        "out of memory: need {full_pages} FULL and {swa_pages} SWA pages, \
-         {full_available} and {swa_available} free after evicting every unlocked prefix"
+        "out of memory: need {full_pages} FULL and {swa_pages} SWA pages and {mamba_slots} \
+         Mamba state slots, {full_available}, {swa_available} and {mamba_available} free \
+         after evicting every unlocked prefix"
     )]
     OutOfMemory {
         /// FULL pages asked for.
         full_pages: usize,
         /// SWA pages asked for.
         swa_pages: usize,
+        /// Mamba state slots asked for.
+        mamba_slots: usize,
         /// FULL pages free after eviction.
         full_available: usize,
         /// SWA pages free after eviction.
         swa_available: usize,
+        /// Mamba state slots free after eviction.
+        mamba_available: usize,
     },
     /// A request handle of another cache.
     #[error("request {request} belongs to another cache")]

@@ -300,6 +300,14 @@ impl ModelSpec {
         saturated(self.checked_state_bytes_per_request())
     }
 
+    /// The Mamba slot pool of this model's recurrent state: one slot holds every
+    /// recurrent layer's conv and temporal state ([`unikv_mamba::MambaSpec`]'s layout).
+    /// A model without recurrent layers, or one whose slot overflows 64 bits, is an
+    /// error.
+    pub fn slot_pool(&self) -> Result<unikv_pools::SlotPoolSpec, unikv_mamba::Error> {
+        unikv_mamba::MambaSpec::new(self.mamba_layers, self.recurrent).slot_pool_spec("mamba")
+    }
+
     /// The FULL and SWA sub-pools of this model's KV, each with its own rows.
     pub const fn kv_sub_pools(&self) -> (SubPoolSpec, SubPoolSpec) {
         (

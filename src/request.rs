@@ -1,7 +1,8 @@
 //! A request's state, held by the engine: a value that the cache's finishing methods
 //! consume, so it cannot be used after release.
 
-use unikv_pools::VirtualToken as PoolToken;
+use unikv_mamba::{CheckpointTrack, CheckpointWrite};
+use unikv_pools::{VirtualSlot, VirtualToken as PoolToken};
 use unikv_radix::{LockHandle, MatchResult, TokenId};
 
 /// The result of [`crate::HybridCache::match_prefix`]: how much of a prompt the prefix
@@ -52,6 +53,30 @@ pub struct Request {
     pub(crate) lock: Option<LockHandle>,
     pub(crate) window_lock_released: bool,
     pub(crate) cached_at_admission: usize,
+    /// Its recurrent state slots (a model with Mamba/GDN layers).
+    pub(crate) state: Option<RequestState>,
+}
+
+/// The Mamba state slots a request owns.
+#[derive(Debug)]
+pub(crate) struct RequestState {
+    /// The running state: the recurrent kernels read and update it every step.
+    pub(crate) running: VirtualSlot,
+    /// With the prefix cache: the two checkpoint slots and which holds the latest.
+    pub(crate) track: Option<CheckpointTrack>,
+    /// The checkpoint the last allocation asks the engine to write in this step.
+    pub(crate) pending: Option<CheckpointWrite>,
+}
+
+impl RequestState {
+    /// Every slot it owns.
+    pub(crate) fn slots(&self) -> Vec<VirtualSlot> {
+        let mut slots = vec![self.running];
+        if let Some(track) = &self.track {
+            slots.extend(track.slots());
+        }
+        slots
+    }
 }
 
 impl Request {
@@ -98,5 +123,27 @@ impl Request {
     /// Tokens reused from the prefix cache when it was admitted.
     pub fn cached_at_admission(&self) -> usize {
         self.cached_at_admission
+    }
+
+    /// Its running recurrent state slot (`None` for a model without recurrent layers):
+    /// the slot the recurrent kernels read and update. At admission it holds a copy of
+    /// the cached state its prefix ended at, or zeros.
+    pub fn state_slot(&self) -> Option<VirtualSlot> {
+        self.state.as_ref().map(|s| s.running)
+    }
+
+    /// The checkpoint the engine writes in this step's forward: after the last
+    /// allocation the row crossed the checkpoint grid, and the state after
+    /// `at_len` tokens goes into `slot` (never the slot holding the latest completed
+    /// checkpoint). `None` when no grid point was crossed, or without the prefix cache.
+    pub fn checkpoint_write(&self) -> Option<CheckpointWrite> {
+        self.state.as_ref().and_then(|s| s.pending)
+    }
+
+    /// Every state slot it owns (running first, then its checkpoints).
+    pub fn state_slots(&self) -> Vec<VirtualSlot> {
+        self.state
+            .as_ref()
+            .map_or_else(Vec::new, RequestState::slots)
     }
 }

@@ -4,7 +4,7 @@
 /// `available + evictable + protected + held = total` exactly.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SideStats {
-    /// `full` or `swa`.
+    /// `full`, `swa` or `mamba` (the Mamba side counts state slots as its pages).
     pub name: &'static str,
     /// The side's page capacity (conservation view).
     pub total_pages: usize,
@@ -40,6 +40,10 @@ pub struct EvictionCounts {
     pub swa_tombstones: u64,
     /// Tokens of those nodes.
     pub swa_tokens: u64,
+    /// Cached Mamba states evicted (alone, or with their node).
+    pub mamba_states: u64,
+    /// Whole nodes evicted to make room for Mamba state slots (FULL as the byte donor).
+    pub donor_nodes: u64,
 }
 
 /// A snapshot of the cache's accounting.
@@ -49,8 +53,10 @@ pub struct CacheStats {
     pub step: u64,
     /// The FULL side.
     pub full: SideStats,
-    /// The SWA side.
+    /// The SWA side (all zero for a model without sliding-window layers).
     pub swa: SideStats,
+    /// The Mamba side, in state slots (all zero for a model without recurrent layers).
+    pub mamba: SideStats,
     /// Requests admitted and not yet finished or released.
     pub live_requests: usize,
     /// Prompt tokens served from the prefix cache at admission.

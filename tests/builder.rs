@@ -69,10 +69,19 @@ fn unusable_configurations_are_typed_errors_with_clear_messages() {
             "window of 0",
         ),
         (
-            "Mamba layers",
+            "FULL, SWA and Mamba layers on the unified layout",
             with_model(|m| m.mamba_layers = 2),
             config,
-            "Mamba",
+            "tri-pool",
+        ),
+        (
+            "Mamba layers without a state geometry",
+            with_model(|m| {
+                m.mamba_layers = 2;
+                m.swa_layers = 0;
+            }),
+            config,
+            "recurrent state",
         ),
         (
             "no FULL layer",
@@ -220,7 +229,7 @@ fn sound_configurations_build_for_every_layout_and_named_model() {
 }
 
 #[test]
-fn named_models_with_recurrent_layers_are_refused_by_name_as_config_errors() {
+fn named_models_with_recurrent_layers_build_and_the_unified_tri_pool_is_refused_by_name() {
     let recurrent: Vec<ModelSpec> = ModelSpec::NAMED
         .into_iter()
         .filter(ModelSpec::has_recurrent_state)
@@ -237,22 +246,27 @@ fn named_models_with_recurrent_layers_are_refused_by_name_as_config_errors() {
                 swa_full_tokens_ratio: 0.8,
             },
         ] {
-            match HybridCache::builder()
+            let built = HybridCache::builder()
                 .model(model)
-                .memory_bytes(1 << 30)
+                .memory_bytes(4 << 30)
                 .layout(layout)
-                .build()
-            {
-                Ok(_) => panic!("{model} built"),
-                Err(Error::Config(message)) => {
-                    assert!(
-                        message.contains(model.name)
-                            && message.contains("recurrent")
-                            && message.contains(&model.state_bytes_per_request().to_string()),
-                        "{model}: {message:?}"
+                .build();
+            match (model.swa_layers > 0, layout, built) {
+                (true, Layout::Unified, Err(Error::Config(message))) => assert!(
+                    message.contains(model.name) && message.contains("tri-pool"),
+                    "{model}: {message:?}"
+                ),
+                (true, Layout::Unified, other) => panic!("{model}: {other:?}"),
+                (_, _, Ok(cache)) => {
+                    let stats = cache.stats();
+                    assert!(stats.mamba.total_pages >= 3, "{model} {layout:?}: {stats:?}");
+                    assert_eq!(
+                        stats.mamba.page_bytes,
+                        model.state_bytes_per_request(),
+                        "{model}: one slot holds one request's state"
                     );
                 }
-                Err(e) => panic!("{model}: not a config error: {e:?}"),
+                (_, _, Err(e)) => panic!("{model} {layout:?}: {e}"),
             }
         }
     }
