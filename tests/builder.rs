@@ -259,7 +259,10 @@ fn named_models_with_recurrent_layers_build_and_the_unified_tri_pool_is_refused_
                 (true, Layout::Unified, other) => panic!("{model}: {other:?}"),
                 (_, _, Ok(cache)) => {
                     let stats = cache.stats();
-                    assert!(stats.mamba.total_pages >= 3, "{model} {layout:?}: {stats:?}");
+                    assert!(
+                        stats.mamba.total_pages >= 3,
+                        "{model} {layout:?}: {stats:?}"
+                    );
                     assert_eq!(
                         stats.mamba.page_bytes,
                         model.state_bytes_per_request(),

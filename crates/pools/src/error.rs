@@ -223,7 +223,10 @@ impl std::fmt::Display for Bs1Floor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match (self.window_tokens, self.slots) {
             (Some(w), 0) => write!(f, "one window of {w} tokens of SWA and FULL"),
-            (Some(w), s) => write!(f, "one window of {w} tokens of SWA and FULL and {s} Mamba state slots"),
+            (Some(w), s) => write!(
+                f,
+                "one window of {w} tokens of SWA and FULL and {s} Mamba state slots"
+            ),
             (None, s) => write!(f, "{s} Mamba state slots and one FULL page"),
         }
     }
