@@ -68,3 +68,155 @@ fn a_finished_request_caches_its_latest_checkpoint_and_a_follow_up_copies_it() {
         }
     }
 }
+
+mod tiny {
+    use unikv::{KvRows, ModelSpec, RecurrentState};
+
+    /// One FULL layer (32 B/token) and two recurrent layers: a 64-byte slot, the KV of two
+    /// tokens.
+    pub const MODEL: ModelSpec = ModelSpec {
+        name: "tiny-mamba",
+        full_layers: 1,
+        swa_layers: 0,
+        mamba_layers: 2,
+        full: KvRows::new(1, 8, 2),
+        swa: KvRows::NONE,
+        recurrent: RecurrentState {
+            conv_channels: 4,
+            conv_kernel: 3,
+            heads: 1,
+            head_dim: 2,
+            state_size: 2,
+            conv_dtype_bytes: 2,
+            state_dtype_bytes: 4,
+        },
+        window: 0,
+    };
+}
+
+fn tiny_cache(memory: u64, device: std::sync::Arc<dyn unikv::kernels::Device>) -> HybridCache {
+    HybridCache::builder()
+        .model(tiny::MODEL)
+        .page_size(1)
+        .memory_bytes(memory)
+        .layout(Layout::Unified)
+        .checkpoint_interval(64)
+        .device(device)
+        .build()
+        .unwrap()
+}
+
+/// Admits, prefills and finishes a distinct 40-token prompt (below the checkpoint grid,
+/// so only its KV is cached, no state).
+fn finish_one(c: &mut HybridCache, base: u32) {
+    let hit = c.match_prefix(prompt(40, base));
+    let mut req = c.admit(hit).unwrap();
+    c.alloc_extend(&mut req, 40).unwrap();
+    c.cache_finished(req).unwrap();
+    c.step_boundary().unwrap();
+}
+
+/// SGLang #34441: the buffer full of cached FULL pages, a gap smaller than one state slot
+/// while the slot counters say free. Admission (three slots) evicts FULL leaves as donors
+/// (no cached state is touched), with no host sync; with no FULL evictable it is a typed
+/// error at once, never a loop.
+#[test]
+fn a_slot_shortfall_with_free_slot_ids_evicts_full_donors_and_never_loops() {
+    let ledger = std::sync::Arc::new(unikv::kernels::SyncLedger::cpu());
+    // 64 B sink + 3 slots + 600 tokens of KV.
+    let mut c = tiny_cache(64 + 3 * 64 + 600 * 32, ledger.clone());
+    let mut base = 0;
+    while c.allocator().capacity().full.schedulable_pages >= 40 + 3 * 2 {
+        finish_one(&mut c, base);
+        base += 1000;
+    }
+    // A running request decodes into the gap until three slots no longer fit in it.
+    let hit = c.match_prefix(prompt(40, 500_000));
+    let mut filler = c.admit(hit).unwrap();
+    c.alloc_extend(&mut filler, 40).unwrap();
+    let mut t = 0;
+    while c
+        .allocator()
+        .allocation_fits(unikv::pools::PageDemand::slots(3))
+    {
+        c.alloc_decode(&mut [&mut filler], &[TokenId(600_000 + t)])
+            .unwrap();
+        c.step_boundary().unwrap();
+        t += 1;
+    }
+    let before = c.stats();
+    assert!(
+        before.mamba.available_pages >= 3,
+        "slot ids are free: {:?}",
+        before.mamba
+    );
+    assert!(
+        !c.allocator()
+            .allocation_fits(unikv::pools::PageDemand::slots(3)),
+        "the gap is smaller than three slots"
+    );
+    ledger.reset();
+    let hit = c.match_prefix(prompt(40, 999_000));
+    assert!(c.can_admit(&hit, 0));
+    let mut req = c.admit(hit).unwrap();
+    c.alloc_extend(&mut req, 40).unwrap();
+    ledger.check_no_syncs().unwrap();
+    let after = c.stats();
+    assert!(after.evictions.donor_nodes > 0, "{:?}", after.evictions);
+    assert_eq!(after.evictions.mamba_states, 0);
+    // Now hold the rest of the memory in running requests: nothing is evictable.
+    let mut held = vec![filler, req];
+    loop {
+        let hit = c.match_prefix(prompt(40, 2_000_000 + held.len() as u32 * 1000));
+        match c.admit(hit) {
+            Ok(mut r) => match c.alloc_extend(&mut r, 40) {
+                Ok(()) => held.push(r),
+                // It keeps its slots: the next admission finds even less room.
+                Err(unikv::Error::OutOfMemory { .. }) => held.push(r),
+                Err(e) => panic!("{e}"),
+            },
+            Err(unikv::Error::OutOfMemory { mamba_slots, .. }) => {
+                assert_eq!(mamba_slots, 3);
+                break;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    // Admission evicted every FULL donor it could before refusing; so does the next one.
+    let hit = c.match_prefix(prompt(40, 7_000_000));
+    let locks = c.tree().lock_count();
+    match c.admit(hit) {
+        Err(unikv::Error::OutOfMemory { mamba_slots: 3, .. }) => {}
+        other => panic!("expected a typed shortfall, got {other:?}"),
+    }
+    assert_eq!(
+        c.tree().lock_count(),
+        locks,
+        "a refused admission locks nothing"
+    );
+    for r in held {
+        c.release(r).unwrap();
+    }
+    c.step_boundary().unwrap();
+    let s = c.stats();
+    assert_eq!(s.mamba.held_pages, 0);
+    assert_eq!(s.mamba.available_pages, s.mamba.total_pages);
+}
+
+/// Abort between `match_prefix` and `admit`, and a release, leave no slot behind.
+#[test]
+fn an_abort_before_admission_and_a_release_leak_no_slot() {
+    let mut c = tiny_cache(
+        1 << 20,
+        std::sync::Arc::new(unikv::kernels::CpuDevice::new()),
+    );
+    let total = c.stats().mamba.total_pages;
+    drop(c.match_prefix(prompt(100, 0)));
+    let hit = c.match_prefix(prompt(100, 0));
+    let mut req = c.admit(hit).unwrap();
+    c.alloc_extend(&mut req, 100).unwrap();
+    assert_eq!(c.stats().mamba.available_pages, total - 3);
+    c.release(req).unwrap();
+    c.step_boundary().unwrap();
+    assert_eq!(c.stats().mamba.available_pages, total);
+}
