@@ -2,6 +2,9 @@
 //! the grid, the latest checkpoint cached at finish, copy-on-write on a hit, no leak on
 //! release, three-side conservation at every boundary.
 
+mod common;
+
+use common::TINY_MAMBA;
 use unikv::{HybridCache, Layout, ModelSpec, TokenId};
 
 fn cache(model: ModelSpec, layout: Layout, ps: u32, memory: u64) -> HybridCache {
@@ -69,34 +72,9 @@ fn a_finished_request_caches_its_latest_checkpoint_and_a_follow_up_copies_it() {
     }
 }
 
-mod tiny {
-    use unikv::{KvRows, ModelSpec, RecurrentState};
-
-    /// One FULL layer (32 B/token) and two recurrent layers: a 64-byte slot, the KV of two
-    /// tokens.
-    pub const MODEL: ModelSpec = ModelSpec {
-        name: "tiny-mamba",
-        full_layers: 1,
-        swa_layers: 0,
-        mamba_layers: 2,
-        full: KvRows::new(1, 8, 2),
-        swa: KvRows::NONE,
-        recurrent: RecurrentState {
-            conv_channels: 4,
-            conv_kernel: 3,
-            heads: 1,
-            head_dim: 2,
-            state_size: 2,
-            conv_dtype_bytes: 2,
-            state_dtype_bytes: 4,
-        },
-        window: 0,
-    };
-}
-
 fn tiny_cache(memory: u64, device: std::sync::Arc<dyn unikv::kernels::Device>) -> HybridCache {
     HybridCache::builder()
-        .model(tiny::MODEL)
+        .model(TINY_MAMBA)
         .page_size(1)
         .memory_bytes(memory)
         .layout(Layout::Unified)

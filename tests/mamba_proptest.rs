@@ -12,34 +12,13 @@
 
 mod common;
 
-use common::proptest_config;
+use common::{TINY_MAMBA, proptest_config};
 use proptest::prelude::*;
 use std::sync::Arc;
 use unikv::invariants::{Level, scoped_level};
 use unikv::kernels::{ByteSpan, CpuDevice, Device, HostSync, Readback};
 use unikv::pools::{Side, VirtualSlot};
-use unikv::{Error, HybridCache, KvRows, Layout, ModelSpec, RecurrentState, Request, TokenId};
-
-/// One FULL layer (one KV head of dimension 8, bf16: 32 B/token) and two recurrent
-/// layers of 32 B each: a 64-byte slot, the KV of two tokens.
-pub const TINY_MAMBA: ModelSpec = ModelSpec {
-    name: "tiny-mamba",
-    full_layers: 1,
-    swa_layers: 0,
-    mamba_layers: 2,
-    full: KvRows::new(1, 8, 2),
-    swa: KvRows::NONE,
-    recurrent: RecurrentState {
-        conv_channels: 4,
-        conv_kernel: 3,
-        heads: 1,
-        head_dim: 2,
-        state_size: 2,
-        conv_dtype_bytes: 2,
-        state_dtype_bytes: 4,
-    },
-    window: 0,
-};
+use unikv::{Error, HybridCache, Layout, Request, TokenId};
 
 const BASE_LEN: usize = 40;
 

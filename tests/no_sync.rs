@@ -8,8 +8,8 @@ mod common;
 
 use common::*;
 use std::sync::Arc;
-use unikv::TokenId;
 use unikv::kernels::SyncLedger;
+use unikv::{Layout, TokenId};
 
 const W: u32 = 8;
 
@@ -245,4 +245,103 @@ fn the_uploaded_mirror_and_device_translation_match_the_host_after_every_step() 
         );
         fx.teardown(vec![b]);
     });
+}
+
+/// The Mamba paths of a step on a FULL + recurrent-state hybrid, both layouts: admission
+/// with a cached state (slot allocation, the copy-on-write of the matched state), on the
+/// unified layout under a slot shortfall that evicts FULL donors, chunked prefill across
+/// the checkpoint grid, decode, finishing (the latest checkpoint inserted, the other
+/// slots freed), a release, and the step boundary: zero host syncs, and nothing but
+/// asynchronous moves and zeroing before the boundary.
+#[test]
+fn a_mamba_hybrid_step_issues_no_host_sync() {
+    for layout in LAYOUTS {
+        for ps in [1u32, 4] {
+            let ledger = Arc::new(SyncLedger::cpu());
+            let mut cache = unikv::HybridCache::builder()
+                .model(TINY_MAMBA)
+                .page_size(ps)
+                .memory_bytes(64 * 32 + 32 * 400)
+                .layout(layout)
+                .checkpoint_interval(16)
+                .device(ledger.clone())
+                .build()
+                .unwrap();
+            let label = format!("{} ps {ps}", layout.as_str());
+            let finish = |cache: &mut unikv::HybridCache, prompt: Vec<TokenId>| {
+                let n = prompt.len();
+                let hit = cache.match_prefix(prompt);
+                let mut r = cache.admit(hit).unwrap();
+                cache.alloc_extend(&mut r, n).unwrap();
+                cache.cache_finished(r).unwrap();
+                cache.step_boundary().unwrap();
+            };
+            // A cached prefix with its state at 32 tokens, then fillers.
+            let prefix = text(0, 40);
+            finish(&mut cache, prefix.clone());
+            let mut i = 1;
+            while cache.allocator().capacity().full.schedulable_pages * (ps as usize) >= 120 {
+                finish(&mut cache, text(1_000_000 * i, 12));
+                i += 1;
+            }
+            // On the unified layout a running request decodes into the gap until three
+            // slots no longer fit in it (the slot ids stay free: #34441's shape).
+            let hit = cache.match_prefix(text(500_000, 8));
+            let mut running = cache.admit(hit).unwrap();
+            cache.alloc_extend(&mut running, 8).unwrap();
+            if layout == Layout::Unified {
+                let mut t = 0;
+                while cache
+                    .allocator()
+                    .allocation_fits(unikv::pools::PageDemand::slots(3))
+                {
+                    cache
+                        .alloc_decode(&mut [&mut running], &[TokenId(600_000 + t)])
+                        .unwrap();
+                    t += 1;
+                }
+            }
+            cache.step_boundary().unwrap();
+            let donors = cache.stats().evictions.donor_nodes;
+            ledger.reset();
+
+            // The step.
+            let hit = cache.match_prefix(concat(&prefix, &text(700_000, 20)));
+            assert_eq!(hit.cached_tokens(), 32, "{label}");
+            let mut req = cache.admit(hit).unwrap();
+            cache.alloc_extend(&mut req, 28).unwrap();
+            assert!(
+                req.checkpoint_write().is_some(),
+                "{label}: 60 tokens cross 48"
+            );
+            cache
+                .alloc_decode(&mut [&mut req, &mut running], &[TokenId(1), TokenId(2)])
+                .unwrap();
+            cache.cache_finished(req).unwrap();
+            cache.release(running).unwrap();
+            if layout == Layout::Unified {
+                assert!(
+                    cache.stats().evictions.donor_nodes > donors,
+                    "{label}: the admission evicted FULL donors for its slots"
+                );
+            }
+            let scheduling = ledger.ops();
+            assert!(
+                scheduling
+                    .iter()
+                    .all(|r| matches!(r.op, "move_spans" | "fill_spans")),
+                "{label}: device work on the scheduling path: {scheduling:?}"
+            );
+            assert!(
+                scheduling.iter().any(|r| r.op == "move_spans"),
+                "{label}: the state copy is a device move"
+            );
+            cache.step_boundary().unwrap();
+            ledger
+                .check_no_syncs()
+                .unwrap_or_else(|report| panic!("{label}: {report}"));
+            let s = cache.stats();
+            assert_eq!(s.mamba.held_pages, 0, "{label}");
+        }
+    }
 }

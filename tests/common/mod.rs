@@ -54,6 +54,28 @@ pub fn tiny_asymmetric_model(window: u32) -> ModelSpec {
     }
 }
 
+/// A tiny Mamba hybrid (FULL + recurrent state, no SWA): one FULL layer of one KV head
+/// of dimension 8 in bf16 (32 B/token) and two recurrent layers of 32 B each: a 64-byte
+/// state slot, the KV of two tokens.
+pub const TINY_MAMBA: ModelSpec = ModelSpec {
+    name: "tiny-mamba",
+    full_layers: 1,
+    swa_layers: 0,
+    mamba_layers: 2,
+    full: KvRows::new(1, 8, 2),
+    swa: KvRows::NONE,
+    recurrent: RecurrentState {
+        conv_channels: 4,
+        conv_kernel: 3,
+        heads: 1,
+        head_dim: 2,
+        state_size: 2,
+        conv_dtype_bytes: 2,
+        state_dtype_bytes: 4,
+    },
+    window: 0,
+};
+
 /// How a test cache is built.
 #[derive(Clone, Debug)]
 pub struct Config {
