@@ -1,9 +1,10 @@
 //! Facade benchmarks: the allocator + tree CPU time of one scheduler step
-//! (DESIGN.md §10: a decode step of a batch of 256 at page size 1 within 20 µs), and the
-//! lifecycle operations around it. Run with `cargo bench -p unikv --bench step`.
+//! (DESIGN.md §10: a decode step of a batch of 256 at page size 1 within 20 µs), the
+//! same for a Mamba hybrid, and the lifecycle operations around it. Run with
+//! `cargo bench -p unikv --bench step`.
 
 use divan::Bencher;
-use unikv::{HybridCache, Layout, ModelSpec, Request, TokenId};
+use unikv::{HybridCache, Layout, ModelSpec, RecurrentState, Request, TokenId};
 
 fn main() {
     divan::main();
@@ -12,10 +13,28 @@ fn main() {
 const BATCH: usize = 256;
 const PROMPT: usize = 512;
 
-/// A cache with `BATCH` requests past prefill, decoding.
-fn decoding(layout: Layout, page_size: u32) -> (HybridCache, Vec<Request>) {
+/// Qwen3-Next-80B-A3B's layers and KV rows with its recurrent state scaled down to 48
+/// bytes a layer, so that 256 requests' three slots each fit a CPU device's host buffer
+/// (the real state is 77 MB a request). The allocator's and tree's work is per slot,
+/// not per byte: the decode step's CPU time is the real model's.
+const QWEN3_NEXT_SCALED_STATE: ModelSpec = ModelSpec {
+    name: "qwen3-next-80b-a3b (scaled state)",
+    recurrent: RecurrentState {
+        conv_channels: 4,
+        conv_kernel: 4,
+        heads: 1,
+        head_dim: 2,
+        state_size: 3,
+        conv_dtype_bytes: 2,
+        state_dtype_bytes: 4,
+    },
+    ..ModelSpec::QWEN3_NEXT_80B_A3B
+};
+
+/// A cache of `model` with `BATCH` requests past prefill, decoding.
+fn decoding_model(model: ModelSpec, layout: Layout, page_size: u32) -> (HybridCache, Vec<Request>) {
     let mut cache = HybridCache::builder()
-        .model(ModelSpec::GPT_OSS_20B)
+        .model(model)
         .page_size(page_size)
         .memory_bytes(16 << 30)
         .layout(layout)
@@ -33,6 +52,11 @@ fn decoding(layout: Layout, page_size: u32) -> (HybridCache, Vec<Request>) {
     }
     cache.step_boundary().expect("a clean step");
     (cache, requests)
+}
+
+/// A gpt-oss-20b cache with `BATCH` requests past prefill, decoding.
+fn decoding(layout: Layout, page_size: u32) -> (HybridCache, Vec<Request>) {
+    decoding_model(ModelSpec::GPT_OSS_20B, layout, page_size)
 }
 
 const LAYOUTS: [(&str, Layout); 2] = [
@@ -56,6 +80,25 @@ fn decode_step_batch_256(bencher: Bencher, (layout, page_size): (&str, u32)) {
         .expect("a layout")
         .1;
     let (mut cache, mut requests) = decoding(layout, page_size);
+    let tokens = vec![TokenId(7); BATCH];
+    bencher.bench_local(|| {
+        let mut batch: Vec<&mut Request> = requests.iter_mut().collect();
+        cache.alloc_decode(&mut batch, &tokens).expect("decoded");
+        cache.step_boundary().expect("a clean step");
+    });
+}
+
+/// One decode step of 256 requests of a Mamba hybrid (Qwen3-Next's FULL layers, three
+/// state slots a request, a checkpoint every 256 tokens): `alloc_decode` (with each
+/// request's checkpoint bookkeeping) and the step boundary (three-side conservation).
+#[divan::bench(args = [("static", 1), ("unified", 1), ("static", 64), ("unified", 64)], sample_count = 200)]
+fn mamba_decode_step_batch_256(bencher: Bencher, (layout, page_size): (&str, u32)) {
+    let layout = LAYOUTS
+        .iter()
+        .find(|(name, _)| *name == layout)
+        .expect("a layout")
+        .1;
+    let (mut cache, mut requests) = decoding_model(QWEN3_NEXT_SCALED_STATE, layout, page_size);
     let tokens = vec![TokenId(7); BATCH];
     bencher.bench_local(|| {
         let mut batch: Vec<&mut Request> = requests.iter_mut().collect();

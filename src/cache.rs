@@ -22,11 +22,13 @@ use unikv_radix::{
     VirtualToken as TreeToken,
 };
 
-/// How the FULL and SWA KV share the memory budget.
+/// How the FULL KV, the SWA KV and the Mamba state slots share the memory budget.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Layout {
-    /// The baseline: two fixed pools. `swa_full_tokens_ratio` is SWA tokens per FULL
-    /// token (the reference engine's `--swa-full-tokens-ratio`, default 0.8).
+    /// The baseline: fixed pools. `swa_full_tokens_ratio` is SWA tokens per FULL
+    /// token (the reference engine's `--swa-full-tokens-ratio`, default 0.8); a model
+    /// with recurrent state gets a fixed slot pool sized as the reference engine sizes
+    /// it ([`unikv_pools::reference_slot_pool`]).
     Static {
         /// SWA token capacity per FULL token capacity (> 0).
         swa_full_tokens_ratio: f64,
@@ -366,8 +368,9 @@ impl HybridCacheBuilder {
     }
 }
 
-/// The one object an engine holds: FULL and SWA KV of a hybrid model in one allocator,
-/// a radix prefix cache over it, and every rule of a request's life written once.
+/// The one object an engine holds: FULL and SWA KV and Mamba/GDN state slots of a
+/// hybrid model in one allocator, a radix prefix cache over it, and every rule of a
+/// request's life written once.
 ///
 /// A scheduler step looks like this:
 ///
@@ -405,6 +408,37 @@ impl HybridCacheBuilder {
 /// // The bare prompt does not: its SWA left the window while the request decoded, and a
 /// // match may only end where a whole window of live SWA precedes it.
 /// assert_eq!(cache.match_prefix((0..300).map(TokenId).collect()).cached_tokens(), 0);
+/// # Ok::<(), unikv::Error>(())
+/// ```
+///
+/// # Models with recurrent state (Mamba, Gated DeltaNet)
+///
+/// Each request holds state slots from admission to its end: the running state and, with
+/// the prefix cache, two checkpoints written on a grid
+/// ([`HybridCacheBuilder::checkpoint_interval`]). A match ends only at a cached state,
+/// which admission copies into the request's own running slot on the device.
+///
+/// ```
+/// use unikv::{HybridCache, Layout, ModelSpec, TokenId};
+///
+/// let mut cache = HybridCache::builder()
+///     .model(ModelSpec::QWEN3_NEXT_80B_A3B)
+///     .page_size(64)
+///     .memory_bytes(2 << 30)
+///     .layout(Layout::Unified)
+///     .build()?;
+/// let prompt: Vec<TokenId> = (0..600).map(TokenId).collect();
+/// let hit = cache.match_prefix(prompt.clone());
+/// let mut req = cache.admit(hit)?;
+/// assert_eq!(req.state_slots().len(), 3); // running + two checkpoints
+/// cache.alloc_extend(&mut req, 600)?;
+/// // The engine's kernel saves the state at 512 tokens into this slot.
+/// let write = req.checkpoint_write().expect("600 tokens cross the grid at 512");
+/// assert_eq!(write.at_len, 512);
+/// cache.cache_finished(req)?; // the checkpoint at 512 is cached, the other slots freed
+/// cache.step_boundary()?;
+/// let again = cache.match_prefix(prompt);
+/// assert_eq!(again.cached_tokens(), 512); // ends at the cached state
 /// # Ok::<(), unikv::Error>(())
 /// ```
 ///

@@ -8,8 +8,8 @@
 //! |---|---|---|
 //! | [`invariants`] | `unikv-invariants` | named, levelled invariants (`UNIKV_INVARIANT_CHECK`) |
 //! | [`kernels`] | `unikv-kernels` | the sync-free `Device` trait, CPU and CUDA backends, `SyncLedger` |
-//! | [`pools`] | `unikv-pools` | the byte buffer, FULL/SWA sub-allocators, the static baseline |
-//! | [`mamba`] | `unikv-mamba` | Mamba state slots and the tri-pool |
+//! | [`pools`] | `unikv-pools` | the byte buffer, FULL/SWA sub-allocators and Mamba slots, the static baseline |
+//! | [`mamba`] | `unikv-mamba` | the state geometry of a Mamba slot and the checkpoint policy |
 //! | [`radix`] | `unikv-radix` | the prefix tree that emits actions |
 //!
 //! Call [`init`] once at start-up: it reports a bad `UNIKV_INVARIANT_CHECK` value or a

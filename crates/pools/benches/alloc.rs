@@ -1,6 +1,8 @@
 //! Allocator micro-benchmarks (divan): alloc_extend, alloc_decode for a batch of 256,
 //! the three segment frees of 4,096 and 32,768 tokens, and a flush with 10% holes — at
-//! page sizes 1 and 256, unified and static. Inputs are built outside the timed region.
+//! page sizes 1 and 256, unified and static — and Mamba state slots (alloc and free of a
+//! batch's slots, the copy-on-write copies) on FULL + Mamba pools. Inputs are built
+//! outside the timed region.
 //!
 //! `cargo bench -p unikv-pools --bench alloc`
 
@@ -8,8 +10,8 @@ use divan::Bencher;
 use std::sync::Arc;
 use unikv_kernels::{CpuDevice, Device};
 use unikv_pools::{
-    DecodeRequest, ExtendRequest, KvAllocator, Segment, StaticSwa, StaticSwaConfig, SubPoolSpec,
-    UnifiedSwa, UnifiedSwaConfig, VirtualToken,
+    DecodeRequest, ExtendRequest, KvAllocator, Segment, SlotPoolSpec, StaticSlots, StaticSwa,
+    StaticSwaConfig, SubPoolSpec, UnifiedSwa, UnifiedSwaConfig, VirtualSlot, VirtualToken,
 };
 
 fn main() {
@@ -196,4 +198,99 @@ fn alloc_free_cycle_4096(bencher: Bencher, case: &str) {
         pool.flush().unwrap();
         pool.upload_mirror().unwrap();
     });
+}
+
+/// FULL + Mamba layouts for the slot benches.
+const SLOT_LAYOUTS: [&str; 2] = ["unified", "static"];
+
+/// Slots per batch: 256 requests × 3 (running + two checkpoints).
+const BATCH_SLOTS: usize = 768;
+
+/// A FULL + Mamba pool with room for 2 × [`BATCH_SLOTS`] slots of 64 bytes and 8,192
+/// tokens of FULL KV (page size 1; slots have their own page size 1 id space).
+fn slot_pool(layout: &str) -> Box<dyn KvAllocator> {
+    let full = SubPoolSpec::mha("kv", 1, 1, 2, 2); // 8 B/token
+    let slots = SlotPoolSpec {
+        name: "mamba",
+        layers: 2,
+        bytes_per_slot: 64,
+    };
+    let n = 2 * BATCH_SLOTS as u64;
+    let total = 64 + (n + 1) * 64 + 8192 * 8 + 64;
+    let device: Arc<dyn Device> = Arc::new(CpuDevice::new());
+    match layout {
+        "unified" => Box::new(
+            UnifiedSwa::new(
+                device,
+                UnifiedSwaConfig {
+                    total_bytes: total,
+                    page_size: 1,
+                    window: 128,
+                    full,
+                    swa: None,
+                    mamba: Some(slots),
+                    zero_on_handout: false,
+                },
+            )
+            .unwrap(),
+        ),
+        _ => Box::new(
+            StaticSwa::new(
+                device,
+                StaticSwaConfig {
+                    total_bytes: total,
+                    page_size: 1,
+                    window: 128,
+                    full,
+                    swa: None,
+                    mamba: Some(StaticSlots {
+                        spec: slots,
+                        slots: n as u32,
+                    }),
+                    swa_full_ratio: 1.0,
+                    zero_on_handout: false,
+                },
+            )
+            .unwrap(),
+        ),
+    }
+}
+
+/// Allocation of a batch's slots (256 requests × 3) on a warm pool, then their free.
+#[divan::bench(args = SLOT_LAYOUTS)]
+fn alloc_free_slots_768(bencher: Bencher, layout: &str) {
+    let mut pool = slot_pool(layout);
+    let mut out = Vec::with_capacity(BATCH_SLOTS);
+    bencher.bench_local(|| {
+        out.clear();
+        pool.alloc_slots(BATCH_SLOTS, &mut out).unwrap();
+        pool.free_slots(&out).unwrap();
+    });
+}
+
+/// Allocation of one request's three slots, then their free (admission and release).
+#[divan::bench(args = SLOT_LAYOUTS)]
+fn alloc_free_slots_3(bencher: Bencher, layout: &str) {
+    let mut pool = slot_pool(layout);
+    let mut out = Vec::with_capacity(3);
+    bencher.bench_local(|| {
+        out.clear();
+        pool.alloc_slots(3, &mut out).unwrap();
+        pool.free_slots(&out).unwrap();
+    });
+}
+
+/// Copy-on-write of 256 matched states into the admitted requests' slots (one device
+/// move batch; the CPU device copies 64-byte envelopes).
+#[divan::bench(args = SLOT_LAYOUTS)]
+fn copy_slots_256(bencher: Bencher, layout: &str) {
+    let mut pool = slot_pool(layout);
+    let mut s: Vec<VirtualSlot> = Vec::with_capacity(512);
+    pool.alloc_slots(512, &mut s).unwrap();
+    let pairs: Vec<(VirtualSlot, VirtualSlot)> = s[..256]
+        .iter()
+        .copied()
+        .zip(s[256..].iter().copied())
+        .collect();
+    bencher.bench_local(|| pool.copy_slots(&pairs).unwrap());
 }
