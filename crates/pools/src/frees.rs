@@ -1064,7 +1064,11 @@ macro_rules! free_family_methods {
             out_width: usize,
         ) -> Result<(), Error> {
             let Some(v2p) = self.mirror_table(side) else {
-                return Err(Error::NoSlotPool { op: "translate" });
+                let op = "translate";
+                return Err(match side {
+                    Side::Swa => Error::NoSwaSide { op },
+                    _ => Error::NoSlotPool { op },
+                });
             };
             let pending = self.mirror_pending();
             if pending != 0 {

@@ -176,6 +176,13 @@ fn slots_grow_up_from_the_floor_full_grows_down_and_a_slot_is_priced_in_tokens()
         assert_eq!(a.physical_slot(VirtualSlot(0)), None);
         assert_eq!(a.physical_slot(VirtualSlot(u32::MAX)), None);
         assert_eq!(a.stride(Side::Mamba), 1, "slots translate at page size 1");
+        // No SWA side: its translation is a typed refusal naming the side.
+        a.upload_mirror().unwrap();
+        let ids = unikv_kernels::TableId(0);
+        assert!(matches!(
+            a.translate(Side::Swa, ids, 1, ids, 1),
+            Err(Error::NoSwaSide { op: "translate" })
+        ));
         // Every slot costs the FULL side its price: fewer FULL pages fit with more slots.
         let full_before = a.capacity().full.available_pages;
         let more = alloc_slots(&mut a, 2);
@@ -396,6 +403,23 @@ fn compaction_moves_whole_slot_envelopes_and_every_slot_keeps_its_bytes() {
                 a.physical_slot(*slot).unwrap() as i32
             );
         }
+        // The device gather the kernels use: moved slots and a freed one (the sink).
+        let ids_t = ledger.alloc_table(kept.len() + 1, 0).unwrap();
+        let out = ledger.alloc_table(kept.len() + 1, -1).unwrap();
+        let mut ids: Vec<i32> = kept.iter().map(|s| s.0 as i32).collect();
+        ids.push(gone[0].0 as i32);
+        ledger.upload_table(ids_t, 0, &ids).unwrap();
+        a.translate(Side::Mamba, ids_t, ids.len(), out, ids.len())
+            .unwrap();
+        let got = dev
+            .read_table(&HostSync::acquire("test: read slot ids"), out, 0, ids.len())
+            .unwrap();
+        let mut want: Vec<i32> = kept
+            .iter()
+            .map(|s| a.physical_slot(*s).unwrap() as i32)
+            .collect();
+        want.push(0);
+        assert_eq!(got, want, "ps {ps}");
         a.free_slots(&kept).unwrap();
         assert_clean(&a);
     }
