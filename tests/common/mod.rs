@@ -76,6 +76,16 @@ pub const TINY_MAMBA: ModelSpec = ModelSpec {
     window: 0,
 };
 
+/// A tiny model with all three kinds (the tri-pool): [`TINY_MAMBA`] plus two SWA layers
+/// of one KV head of dimension 4 in bf16 (32 B/token) and a window of 8 tokens.
+pub const TINY_TRI: ModelSpec = ModelSpec {
+    name: "tiny-tri",
+    swa_layers: 2,
+    swa: KvRows::new(1, 4, 2),
+    window: 8,
+    ..TINY_MAMBA
+};
+
 /// How a test cache is built.
 #[derive(Clone, Debug)]
 pub struct Config {
