@@ -614,18 +614,23 @@ fn too_few_slots_or_a_buffer_without_room_for_them_is_refused_at_boot() {
                 StaticSwa::new(device(), c.clone()),
                 Err(Error::BadConfig(_))
             ));
-            c.mamba.as_mut().unwrap().slots = 1000;
+            // More slots than the whole buffer holds, whatever the page size.
+            let too_many = (c.total_bytes / slot_spec().bytes_per_slot) as u32 + 1;
+            c.mamba.as_mut().unwrap().slots = too_many;
             let Err(Error::BufferTooSmall { needed, have, .. }) =
                 StaticSwa::new(device(), c.clone())
             else {
-                panic!("ps {ps} {kv:?}: 1000 slots do not fit");
+                panic!("ps {ps} {kv:?}: {too_many} slots do not fit");
             };
             assert_eq!(have.0, c.total_bytes);
-            assert!(needed.0 >= 1000 * 256, "the slots are charged");
+            assert!(
+                needed.0 >= u64::from(too_many) * slot_spec().bytes_per_slot,
+                "the slots are charged"
+            );
             // The stated need is exactly enough.
             c.total_bytes = needed.0;
             let a = StaticSwa::new(device(), c.clone()).unwrap();
-            assert_eq!(a.pool_slots(), 1000);
+            assert_eq!(a.pool_slots(), too_many);
             assert_clean(&a);
             c.total_bytes = needed.0 - 1;
             assert!(matches!(
