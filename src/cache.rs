@@ -189,13 +189,6 @@ impl HybridCacheBuilder {
                 m.name
             ));
         }
-        if has_swa && has_state && self.layout == Layout::Unified {
-            return config_error(format!(
-                "model {} has FULL, SWA and recurrent layers: the unified tri-pool is not \
-                 built yet (the static layout holds it)",
-                m.name
-            ));
-        }
         if has_swa && m.window == 0 {
             return config_error(format!("model {}: a sliding window of 0 tokens", m.name));
         }

@@ -334,7 +334,6 @@ proptest! {
         interval in 1u32..4,
         ops in prop::collection::vec(op(), 1..80),
     ) {
-        prop_assume!(!(unified && model.swa_layers > 0), "the unified tri-pool is not merged yet");
         let layout = if unified {
             Layout::Unified
         } else {

@@ -1,23 +1,29 @@
-//! unikv-pools: one byte buffer holding FULL and SWA KV of a hybrid model, with
-//! host-authoritative sub-allocators, segment frees with no host sync, and the static
-//! paged baseline.
+//! unikv-pools: one byte buffer holding the FULL and SWA KV and the Mamba state slots of a
+//! hybrid model, with host-authoritative sub-allocators, segment frees with no host
+//! sync, and the static paged baseline.
 //!
 //! Two allocators implement one trait, [`KvAllocator`]:
 //! - [`UnifiedSwa`]: one buffer; FULL grows down from the high end and mints virtual
-//!   pages, SWA grows up from the sink floor and binds its physical pages to the same
-//!   virtual pages (`swa.v2p` *is* the FULL→SWA map: > 0 live, -1 tombstone, 0 unbound).
-//!   Capacity is bytes at the frontier; compaction is lazy (a free leaves a hole, an
-//!   alloc drains holes first, a flush moves survivors into holes with one
-//!   `Device::move_spans` for both sides and then rewrites only `v2p`/`p2v`).
+//!   pages, the low end grows up from the sink floor: SWA, which binds its physical pages
+//!   to the same virtual pages (`swa.v2p` *is* the FULL→SWA map: > 0 live, -1 tombstone,
+//!   0 unbound), or the Mamba state slots (their own virtual ids, page size 1). With all
+//!   three (the tri-pool, `[slots up | SWA float | FULL down]`) SWA floats between the
+//!   ends: an empty float parks and is transparent, its first page lands at the midpoint
+//!   of the room between the ends, it grows toward the roomier side, and when an end
+//!   needs bytes it holds the shortfall ladder packs the ends and relays the fewest
+//!   boundary SWA pages (their data stays readable through `v2p`). Capacity is bytes at
+//!   the frontier; compaction is lazy (a free leaves a hole, an alloc drains holes first,
+//!   a flush moves survivors into holes with one `Device::move_spans` for every side and
+//!   then rewrites only `v2p`/`p2v`).
 //! - [`StaticSwa`]: fixed pools sized by a SWA:FULL token ratio and a FULL→SWA index
 //!   map, the baseline every comparison runs against; optionally without SWA and with a
 //!   fixed pool of Mamba state slots ([`StaticSlots`], sized like the reference engine by
 //!   [`reference_slot_pool`]).
 //!
-//! Building blocks for other composites (FULL/Mamba and the tri-pool in `unikv-mamba`):
-//! [`SubAllocator`] (one span — an `Up` end, a `Down` end or a `Float` between them — with
-//! its `v2p`/`p2v`, holes, lazy compaction and dirty mirror entries), [`VirtualIds`] (an
-//! id owner's free ids), [`Grid`], [`SubPoolSpec`] and [`sink_floor`].
+//! Building blocks: [`SubAllocator`] (one span — an `Up` end, a `Down` end or a `Float`
+//! between them — with its `v2p`/`p2v`, holes, lazy compaction, relays and dirty mirror
+//! entries), [`VirtualIds`] (an id owner's free ids), [`Grid`], [`SubPoolSpec`],
+//! [`SlotPoolSpec`] and [`sink_floor`].
 //!
 //! ```
 //! use std::sync::Arc;
@@ -61,16 +67,19 @@
 //! - **The sink** (virtual page 0 ↔ physical page 0, inside the reserved floor) is never
 //!   handed out and never freed.
 //! - **One flush of deferred frees.** Every deferred list of a free group (tokens, page
-//!   reps, FULL-only tokens, FULL-only page reps) is enumerated in one place and drained
+//!   reps, FULL-only tokens, FULL-only page reps, Mamba slots) is enumerated in one place and drained
 //!   by one function that every flush site uses (group end, `flush_deferred`, `flush`,
 //!   `ensure_capacity`, `reclaim_plan`, which flushes **before** sizing).
 //! - **Typed errors change nothing.** A failing operation (capacity, bad ids, unaligned
 //!   segments, shared pages, split pages, repeated transfer pages, nested groups, a
 //!   failed device op) leaves the allocator as it was. Device work is transactional: the
 //!   host plans, issues the device op, and commits its tables only after it was issued
-//!   (compaction, zeroing on hand-out, the mirror upload). The one exception is a flush
-//!   site's deferred frees (`flush`, `ensure_capacity`), which are host-only and due:
-//!   they stay applied when the device work after them fails. Sizes are overflow-safe:
+//!   (compaction, a float's relay, zeroing on hand-out, the mirror upload). Two
+//!   exceptions, both invisible above the allocator: a flush site's deferred frees
+//!   (`flush`, `ensure_capacity`), which are host-only and due, stay applied when the
+//!   device work after them fails; and a tri-pool relay over ends with holes first packs
+//!   the ends as a transaction of its own, which stays when the relay fails (every page
+//!   keeps its virtual id and its bytes). Sizes are overflow-safe:
 //!   a huge demand is out of capacity with a saturated, never wrapped, count.
 //! - **Mirror epochs.** [`KvAllocator::translate`] refuses while the device mirror is
 //!   behind the host tables ([`KvAllocator::mirror_current`]); upload first.

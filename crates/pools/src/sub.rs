@@ -62,6 +62,9 @@ pub struct SubAllocator {
     pub(crate) live: u32,
     /// Virtual pages with `v2p = -1`.
     pub(crate) tombstones: u32,
+    /// The edge a float takes fresh pages at (the composite steers it before binding;
+    /// an end always grows at its own frontier).
+    float_edge: Edge,
     /// Virtual pages whose `v2p` entry changed since the last mirror upload.
     dirty: Vec<u32>,
     dirty_flag: Vec<bool>,
@@ -89,6 +92,7 @@ impl SubAllocator {
             holes: resident_list((grid.pages - grid.min_page.min(grid.pages)) as usize),
             live: 0,
             tombstones: 0,
+            float_edge: Edge::High,
             dirty: resident_list(virtual_pages as usize),
             dirty_flag: resident_table(virtual_pages as usize),
         }
@@ -179,11 +183,32 @@ impl SubAllocator {
     /// by one). The caller checked the room: the frontier must not cross its neighbour's.
     #[inline(always)]
     pub(crate) fn take(&mut self) -> u32 {
-        let edge = match self.grow {
+        self.take_at(self.growth_edge())
+    }
+
+    /// The edge fresh pages are taken at: an end's frontier, or the edge a float was
+    /// steered to ([`SubAllocator::set_float_edge`]).
+    #[inline(always)]
+    pub fn growth_edge(&self) -> Edge {
+        match self.grow {
             Grow::Down => Edge::Low,
-            Grow::Up | Grow::Float => Edge::High,
-        };
-        self.take_at(edge)
+            Grow::Up => Edge::High,
+            Grow::Float => self.float_edge,
+        }
+    }
+
+    /// Steers a float's growth to `edge` (no effect on an end).
+    pub(crate) fn set_float_edge(&mut self, edge: Edge) {
+        self.float_edge = edge;
+    }
+
+    /// The span as it is: its holes and edges.
+    pub(crate) fn view(&self) -> SpanView<'_> {
+        SpanView {
+            holes: &self.holes,
+            lo: self.lo,
+            hi: self.hi,
+        }
     }
 
     /// Takes a physical page: a hole first, else the span extends by one page at `edge`
@@ -208,7 +233,6 @@ impl SubAllocator {
 
     /// Places an empty float's span at page `at` (`min_page ≤ at ≤ pages`). Returns false,
     /// changing nothing, when the span holds pages or `at` is outside the grid.
-    #[allow(dead_code)] // the float serves the tri-pool composite; unit-tested here
     pub(crate) fn place(&mut self, at: u32) -> bool {
         if self.live != 0
             || !self.holes.is_empty()
@@ -286,21 +310,6 @@ impl SubAllocator {
             offset: self.grid.offset(p),
             len: self.grid.envelope,
         }
-    }
-
-    /// Moves the page bound at `src` to the free page `dst`, recording the envelope copy.
-    #[allow(dead_code)] // used by `slide`
-    fn move_page(&mut self, src: u32, dst: u32, moves: &mut Vec<SpanMove>) {
-        let v = self.p2v[src as usize];
-        moves.push(SpanMove {
-            src: self.grid.offset(src),
-            dst: self.grid.offset(dst),
-            len: self.grid.envelope,
-        });
-        self.p2v[src as usize] = 0;
-        self.p2v[dst as usize] = v;
-        self.v2p[v as usize] = dst as i32;
-        self.mark(v);
     }
 
     /// Compacts the span toward its fixed end (a float: toward its low edge) at once:
@@ -401,23 +410,20 @@ impl SubAllocator {
     }
 
     /// Appends the envelopes of the `n` pages the next binds would take, in the order
-    /// they take them: from the state as it is, or, with `packed` (the packed span of a
-    /// planned compaction), from the state after that compaction commits (no holes,
-    /// frontier at the packed edge). Pure; lets a caller zero the pages on the device
-    /// before it binds them. An end only (a float's edge is the caller's choice).
+    /// they take them, from the span `view` (the span as it is, or as a planned
+    /// compaction or relay leaves it) growing at `edge`: holes first (the last listed
+    /// first), then fresh pages beyond that edge. Pure; lets a caller zero the pages on
+    /// the device before it binds them.
     pub(crate) fn handout_envelopes(
         &self,
         n: usize,
-        packed: Option<(u32, u32)>,
+        view: SpanView<'_>,
+        edge: Edge,
         out: &mut Vec<ByteSpan>,
     ) {
-        let (holes, lo, hi): (&[u32], u32, u32) = match packed {
-            Some((lo, hi)) => (&[], lo, hi),
-            None => (&self.holes, self.lo, self.hi),
-        };
+        let SpanView { holes, lo, hi } = view;
         let from_holes = n.min(holes.len());
         let fresh = (n - from_holes) as u32;
-        let down = self.grow == Grow::Down;
         let grid = self.grid;
         let envelope = |p: u32| ByteSpan {
             offset: grid.offset(p),
@@ -429,40 +435,80 @@ impl SubAllocator {
                 .rev()
                 .map(|&p| envelope(p)),
         );
-        out.extend((0..fresh).map(|i| envelope(if down { lo - 1 - i } else { hi + i })));
+        out.extend((0..fresh).map(|i| {
+            envelope(match edge {
+                Edge::Low => lo - 1 - i,
+                Edge::High => hi + i,
+            })
+        }));
     }
 
-    /// A float's leapfrog step: moves the `count` live pages at edge `from` to fresh
-    /// pages just beyond the opposite edge, so the span slides away from `from` by
-    /// `count` pages. Requires no holes (compact first and issue those moves in their own
-    /// `move_spans` call) and room beyond the opposite edge (the composite's arithmetic).
-    /// Returns how many pages moved (0, changing nothing, when the preconditions fail).
-    #[allow(dead_code)] // the float serves the tri-pool composite; unit-tested here
-    pub(crate) fn slide(&mut self, from: Edge, count: u32, moves: &mut Vec<SpanMove>) -> u32 {
-        let room = match from {
-            Edge::Low => self.grid.pages - self.hi,
-            Edge::High => self.lo - self.grid.min_page,
-        };
-        if self.grow != Grow::Float || !self.holes.is_empty() || count > self.live || count > room {
-            return 0;
+    /// Plans a float's relay between the ends (the shortfall ladder's last rung) **without
+    /// changing anything**: the span becomes `T ⊂ [a, b)` with room for `extra` more
+    /// pages (`|T| ≥ live + extra`), `T` keeps every page of the span inside `[a, b)`, so
+    /// only the live pages outside `[a, b)` move (the fewest possible), each into a free
+    /// page of `T`. The envelope copies are appended to `moves` (sources lie outside `T`,
+    /// destinations inside: no destination is a source) and `plan` (cleared first)
+    /// records the pairs, `T` and the free pages left in it (the holes after the commit).
+    /// Requires `b - a ≥ live + extra` and nothing live on any side in `[a, b)` but this
+    /// span's pages (the composite's arithmetic); with less room it moves what fits.
+    /// O(span + extra).
+    pub(crate) fn plan_relay(
+        &self,
+        (a, b): (u32, u32),
+        extra: u32,
+        moves: &mut Vec<SpanMove>,
+        plan: &mut RelayPlan,
+    ) {
+        plan.pairs.clear();
+        plan.holes.clear();
+        let need = self.live.saturating_add(extra);
+        let (mut t0, mut t1) = (self.lo.max(a), self.hi.min(b));
+        if t0 > t1 {
+            // The whole span is outside [a, b): start at its nearest edge.
+            t0 = self.lo.clamp(a, b);
+            t1 = t0;
         }
-        for _ in 0..count {
-            match from {
-                Edge::Low => {
-                    let (src, dst) = (self.lo, self.hi);
-                    self.move_page(src, dst, moves);
-                    self.lo += 1;
-                    self.hi += 1;
-                }
-                Edge::High => {
-                    let (src, dst) = (self.hi - 1, self.lo - 1);
-                    self.move_page(src, dst, moves);
-                    self.lo -= 1;
-                    self.hi -= 1;
-                }
-            }
+        if t1 - t0 < need {
+            t1 += (need - (t1 - t0)).min(b - t1);
+            t0 -= (need - (t1 - t0)).min(t0 - a);
         }
-        count
+        let p2v = &self.p2v;
+        let mut free = (t0..t1).filter(|&p| p2v[p as usize] == 0);
+        let outside = (self.lo..self.hi).filter(|&p| (p < t0 || p >= t1) && p2v[p as usize] != 0);
+        for src in outside {
+            let Some(dst) = free.next() else { break };
+            moves.push(SpanMove {
+                src: self.grid.offset(src),
+                dst: self.grid.offset(dst),
+                len: self.grid.envelope,
+            });
+            plan.pairs.push((src, dst));
+        }
+        plan.holes.extend(free);
+        plan.span = Some((t0, t1));
+    }
+
+    /// Applies a planned relay (after the device moved the bytes): each moved page is
+    /// rebound to its new page, the span becomes the plan's, its free pages the holes.
+    pub(crate) fn commit_relay(&mut self, plan: &RelayPlan) {
+        let Some((lo, hi)) = plan.span else { return };
+        for &(src, dst) in &plan.pairs {
+            let v = self.p2v[src as usize];
+            self.p2v[src as usize] = 0;
+            self.p2v[dst as usize] = v;
+            self.v2p[v as usize] = dst as i32;
+            self.mark(v);
+        }
+        self.lo = lo;
+        self.hi = hi;
+        self.holes.clear();
+        if self.live == 0 {
+            // Nothing live: the float parks, as after its last free.
+            self.hi = self.lo;
+        } else {
+            self.holes.extend_from_slice(&plan.holes);
+        }
     }
 
     /// Batch release for a flush: for each `v` of `pages` with `filter(v)`, in order, a
@@ -567,30 +613,24 @@ impl SubAllocator {
     /// dirty order as those calls one by one. The caller checked the room.
     #[inline(always)]
     pub(crate) fn bind_each(&mut self, pages: impl ExactSizeIterator<Item = u32>) {
-        if self.grow == Grow::Float {
-            for v in pages {
-                let p = self.take();
-                self.bind(v, p);
-            }
-            return;
-        }
         let n = pages.len();
         // `take` pops holes (last first), then moves the frontier one page at a time.
         let from_holes = n.min(self.holes.len());
         let hole_split = self.holes.len() - from_holes;
-        let frontier = match self.grow {
-            Grow::Down => {
+        let edge = self.growth_edge();
+        let frontier = match edge {
+            Edge::Low => {
                 let lo = self.lo;
                 self.lo -= (n - from_holes) as u32;
                 lo
             }
-            Grow::Up | Grow::Float => {
+            Edge::High => {
                 let hi = self.hi;
                 self.hi += (n - from_holes) as u32;
                 hi
             }
         };
-        let down = self.grow == Grow::Down;
+        let down = edge == Edge::Low;
         let SubAllocator {
             v2p,
             p2v,
@@ -753,6 +793,60 @@ pub(crate) struct CompactionPlan {
     inner: Vec<u32>,
 }
 
+impl CompactionPlan {
+    /// Forgets the plan (nothing to commit).
+    pub(crate) fn clear(&mut self) {
+        self.pairs.clear();
+        self.span = None;
+    }
+
+    /// The span after the commit, with no holes (`None`: nothing planned).
+    pub(crate) fn view(&self) -> Option<SpanView<'static>> {
+        self.span.map(|(lo, hi)| SpanView { holes: &[], lo, hi })
+    }
+}
+
+/// A float's relay planned by [`SubAllocator::plan_relay`] and not yet applied: the
+/// moved page → free page pairs, the span after the commit and the free pages left in it.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct RelayPlan {
+    /// `(source page, destination page)` per moved page.
+    pub(crate) pairs: Vec<(u32, u32)>,
+    /// The span after the commit; `None`: nothing planned.
+    pub(crate) span: Option<(u32, u32)>,
+    /// The span's free pages after the commit (its holes; the last is taken first).
+    pub(crate) holes: Vec<u32>,
+}
+
+impl RelayPlan {
+    /// Forgets the plan (nothing to commit).
+    pub(crate) fn clear(&mut self) {
+        self.pairs.clear();
+        self.holes.clear();
+        self.span = None;
+    }
+
+    /// The span after the commit (`None`: nothing planned).
+    pub(crate) fn view(&self) -> Option<SpanView<'_>> {
+        self.span.map(|(lo, hi)| SpanView {
+            holes: &self.holes,
+            lo,
+            hi,
+        })
+    }
+}
+
+/// A span's shape as allocations see it: its holes (the last is taken first) and edges.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SpanView<'a> {
+    /// Free pages inside the span.
+    pub(crate) holes: &'a [u32],
+    /// First page.
+    pub(crate) lo: u32,
+    /// One past the last page.
+    pub(crate) hi: u32,
+}
+
 /// A zeroed table of `len` entries whose memory is mapped now: one write per 4 KiB page
 /// (through `black_box`, so it is not elided), instead of a page fault at the first
 /// write on the scheduling path.
@@ -858,7 +952,12 @@ mod tests {
         assert_eq!(state(&sub), before, "{grow:?}: planning changed the tables");
         let mut predicted = Vec::new();
         let room = (sub.grid.pages - sub.grid.min_page - sub.live).min(3) as usize;
-        sub.handout_envelopes(room, plan.span, &mut predicted);
+        sub.handout_envelopes(
+            room,
+            plan.view().unwrap_or(sub.view()),
+            sub.growth_edge(),
+            &mut predicted,
+        );
         let mut committed = sub.clone();
         committed.commit_compaction(&plan);
         let taken: Vec<ByteSpan> = (0..room)
@@ -960,9 +1059,12 @@ mod tests {
                     let n = next(room.min(free.len() as u32).min(6) + 1) as usize;
                     let ids: Vec<u32> = (0..n).map(|_| free.pop().unwrap()).collect();
                     let (mut spans_batch, mut spans_single) = (Vec::new(), Vec::new());
-                    if grow != Grow::Float {
-                        batch.handout_envelopes(ids.len(), None, &mut spans_batch);
-                    }
+                    batch.handout_envelopes(
+                        ids.len(),
+                        batch.view(),
+                        batch.growth_edge(),
+                        &mut spans_batch,
+                    );
                     batch.bind_each(ids.iter().copied());
                     bound += ids.len();
                     for &v in &ids {
@@ -970,9 +1072,7 @@ mod tests {
                         single.bind(v, p);
                         spans_single.push(single.envelope(p));
                     }
-                    if grow != Grow::Float {
-                        assert_eq!(spans_batch, spans_single, "{grow:?} round {round}");
-                    }
+                    assert_eq!(spans_batch, spans_single, "{grow:?} round {round}");
                 } else {
                     // Any pages, bound or not, with repeats and the sink: the filter and
                     // the table decide, as in a flush.
@@ -1020,7 +1120,7 @@ mod tests {
     }
 
     #[test]
-    fn a_float_is_placed_grows_both_ways_packs_slides_and_parks() {
+    fn a_float_is_placed_grows_both_ways_packs_relays_and_parks() {
         let mut f = SubAllocator::new(grid(), Grow::Float, 64);
         assert!(f.accounting_holds(), "parked at start");
         assert!(f.place(16));
@@ -1043,16 +1143,39 @@ mod tests {
         assert_eq!(f.compact_toward(Edge::High, &mut moves), 1);
         assert_eq!(f.span(), (15, 18));
         f.verify("float").unwrap();
-        moves.clear();
-        assert_eq!(f.slide(Edge::High, 2, &mut moves), 2, "slide down by two");
-        assert_eq!(f.span(), (13, 16));
-        assert_eq!(moves.len(), 2);
+        // A relay into [4, 10) with room for two more: the span lies above it, so all
+        // three pages move, into the low pages of T = [5, 10); the rest are its holes.
+        let (mut moves, mut plan) = (Vec::new(), RelayPlan::default());
+        let before = state(&f);
+        f.plan_relay((4, 10), 2, &mut moves, &mut plan);
+        assert_eq!(state(&f), before, "planning changed the tables");
+        assert_eq!(plan.span, Some((5, 10)));
+        assert_eq!(plan.pairs, vec![(15, 5), (16, 6), (17, 7)]);
+        assert_eq!(plan.holes, vec![8, 9]);
+        let mut predicted = Vec::new();
+        f.handout_envelopes(2, plan.view().unwrap(), Edge::High, &mut predicted);
+        f.commit_relay(&plan);
         f.verify("float").unwrap();
-        assert_eq!(
-            f.slide(Edge::Low, 9, &mut moves),
-            0,
-            "more than live: refused"
-        );
+        assert_eq!((f.span(), f.live), ((5, 10), 3));
+        let taken: Vec<ByteSpan> = (0..2)
+            .map(|i| {
+                let p = f.take();
+                f.bind(40 + i, p);
+                f.envelope(p)
+            })
+            .collect();
+        assert_eq!(predicted, taken, "the holes the plan predicted are taken");
+        for v in [40, 41] {
+            f.unbind(v, false);
+        }
+        // Only the pages outside [a, b) move: here one, into the first free page.
+        f.plan_relay((6, 20), 0, &mut moves, &mut plan);
+        assert_eq!(plan.span, Some((6, 10)));
+        assert_eq!(plan.pairs, vec![(5, 8)]);
+        f.commit_relay(&plan);
+        f.verify("float").unwrap();
+        assert_eq!(moves.len(), 4, "whole envelopes, appended");
+        assert!(moves.iter().all(|m| m.len == 8));
         for v in [1, 3, 4] {
             f.unbind(v, false);
         }

@@ -1,8 +1,11 @@
-//! `UnifiedSwa`: the unified pool, FULL KV and SWA KV or Mamba state in one byte buffer.
-//! FULL grows down from the high end and mints virtual pages; the other side grows up
-//! from the sink floor. SWA binds its pages to FULL's virtual pages (so `swa.v2p` is the
-//! FULL→SWA map); Mamba state slots have their own virtual ids. Capacity is bytes between
-//! the frontiers, so the split follows the workload; compaction is lazy.
+//! `UnifiedSwa`: the unified pool, FULL KV with SWA KV, Mamba state or both in one byte
+//! buffer. FULL grows down from the high end and mints virtual pages; the low end grows up
+//! from the sink floor (SWA, or the Mamba slots); with all three kinds (the tri-pool,
+//! `[Mamba up | SWA float | FULL down]`) SWA is a float between the ends. SWA binds its
+//! pages to FULL's virtual pages (so `swa.v2p` is the FULL→SWA map); Mamba state slots
+//! have their own virtual ids. Capacity is bytes between the frontiers, so the split
+//! follows the workload; compaction is lazy, and a float moves only when an end needs the
+//! bytes it holds (the shortfall ladder).
 
 use crate::api::{
     Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, KvAllocator, MoveGate,
@@ -16,7 +19,7 @@ use crate::spec::{
     BS1_STATE_SLOTS, Grid, Grow, Side, SlotPoolSpec, SubPoolSpec, bs1_floor, check_bs1_floor,
     sink_floor, window_pages,
 };
-use crate::sub::{CompactionPlan, Edge, SubAllocator, VirtualIds};
+use crate::sub::{CompactionPlan, Edge, RelayPlan, SpanView, SubAllocator, VirtualIds};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use unikv_invariants::{Scope, enabled};
@@ -38,8 +41,8 @@ pub struct UnifiedSwaConfig {
     /// sliding-window layers.
     pub swa: Option<SubPoolSpec>,
     /// The Mamba state slots (grow up from the sink floor); `None` for a model without
-    /// recurrent layers. A layout has SWA or Mamba, not both (the tri-pool is not built
-    /// yet: [`Error::BadConfig`]).
+    /// recurrent layers. With SWA as well the layout is the tri-pool: SWA floats between
+    /// the slots and FULL.
     pub mamba: Option<SlotPoolSpec>,
     /// Zero page envelopes and slots when they are handed out (one `fill_spans` per
     /// allocation).
@@ -55,13 +58,43 @@ const fn ix(side: Side) -> usize {
     }
 }
 
-/// How a fit is priced: with the pages where they are, or after compacting every side.
+/// How a fit is priced: with the pages where they are, or after moving some.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Placement {
     /// Holes first, then each frontier extends into the gap.
     Now,
-    /// Every side packed against its end, no holes.
+    /// Both ends packed against their ends, no holes; a float stays where it is (its
+    /// holes reused).
     Compacted,
+    /// Both ends packed and a float relaid anywhere between them (the shortfall ladder's
+    /// last rung). The same as `Compacted` without a float.
+    Relaid,
+}
+
+/// Where a fitting demand's float pages go (the tri-pool's SWA).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FloatFit {
+    /// No float, or no float page wanted.
+    Stay,
+    /// Holes first, then fresh pages at this edge (the roomier side).
+    Grow(Edge),
+    /// The float is empty (parked): its span starts at this page, the midpoint of the
+    /// room between the ends, and grows up.
+    Place(u32),
+    /// The float must move: it fits in the pages `[a, b)` of its grid between the packed
+    /// ends ([`SubAllocator::plan_relay`]).
+    Relay((u32, u32)),
+}
+
+/// Where an allocation's pages come from, once its planned moves are issued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Source {
+    /// Every side as it is.
+    AsIs,
+    /// The sides after the planned compaction (`plans`); a float as it is.
+    Compacted,
+    /// The float after the planned relay (`relay`); the ends as they are (packed).
+    Relaid,
 }
 
 /// The unified allocator over one byte buffer on a [`Device`]: FULL at the high end, SWA
@@ -98,6 +131,8 @@ pub struct UnifiedSwa {
     moves: Vec<SpanMove>,
     /// The planned compaction per side, committed after the device moved.
     plans: [CompactionPlan; 3],
+    /// The planned relay of the tri-pool's float, committed after the device moved.
+    relay: RelayPlan,
     /// Mirror entries of an upload, side after side.
     dirty: Vec<(u32, i32)>,
 }
@@ -111,66 +146,80 @@ impl UnifiedSwa {
         let ps = PageSize::new(config.page_size)
             .ok_or_else(|| Error::BadConfig("page size must be at least 1".into()))?;
         let total = config.total_bytes;
-        let (swa_spec, slot_spec) = match (&config.swa, &config.mamba) {
-            (Some(_), Some(_)) => {
-                return Err(Error::BadConfig(
-                    "FULL, SWA and Mamba in one buffer (the tri-pool) is not built yet".into(),
-                ));
-            }
-            (None, None) => {
-                return Err(Error::BadConfig(
-                    "a unified pool needs an SWA side or a Mamba slot pool beside FULL".into(),
-                ));
-            }
-            (swa, mamba) => (swa.as_ref(), mamba.as_ref()),
-        };
+        let (swa_spec, slot_spec) = (config.swa.as_ref(), config.mamba.as_ref());
+        if swa_spec.is_none() && slot_spec.is_none() {
+            return Err(Error::BadConfig(
+                "a unified pool needs an SWA side or a Mamba slot pool beside FULL".into(),
+            ));
+        }
         let kv: Vec<&SubPoolSpec> = std::iter::once(&config.full).chain(swa_spec).collect();
         let floor = sink_floor(&kv, slot_spec, ps);
-        // Each layout's low end: its grid and what one request needs of it at bs = 1.
-        let low_grid = |bytes| match (swa_spec, slot_spec) {
-            (Some(swa), _) => Grid::new(swa, ps, bytes, floor, "swa"),
-            (None, Some(slots)) => slots.grid(bytes, floor),
-            (None, None) => unreachable!("refused above"),
-        };
-        let grids = |bytes| -> Result<(Grid, Grid), Error> {
+        // Every side's grid in a buffer of `bytes` (absent sides: `None`).
+        let grids = |bytes| -> Result<(Grid, Option<Grid>, Option<Grid>), Error> {
             Ok((
                 Grid::new(&config.full, ps, bytes, floor, "full")?,
-                low_grid(bytes)?,
+                swa_spec
+                    .map(|swa| Grid::new(swa, ps, bytes, floor, "swa"))
+                    .transpose()?,
+                slot_spec
+                    .map(|slots| slots.grid(bytes, floor))
+                    .transpose()?,
             ))
         };
-        let (full_grid, low) = grids(total)?;
+        let (full_grid, swa_grid, slot_grid) = grids(total)?;
         let floor_need = bs1_floor(ps, swa_spec.map(|_| config.window), slot_spec.is_some());
-        let need = |f: &Grid, l: &Grid| -> u64 {
-            match swa_spec {
-                Some(_) => window_pages(ps, config.window).saturating_mul(f.envelope + l.envelope),
-                None => (BS1_STATE_SLOTS as u64 * l.envelope).saturating_add(f.envelope),
+        let wp = window_pages(ps, config.window);
+        // One request at batch size 1: its slots packed above the floor (or the floor),
+        // one window of FULL below the top and, between them, one window of SWA pages on
+        // their own grid (or, without SWA, one FULL page).
+        let holds_one = |(f, s, m): (Grid, Option<Grid>, Option<Grid>)| -> bool {
+            let low = m.map_or(floor, |m| {
+                m.offset(m.min_page)
+                    .saturating_add(BS1_STATE_SLOTS as u64 * m.envelope)
+            });
+            let full_pages = if s.is_some() { wp } else { 1 };
+            let Some(full_lo) = (f.pages as u64).checked_sub(full_pages) else {
+                return false;
+            };
+            let full_lo = full_lo * f.envelope;
+            match s {
+                None => full_lo >= low,
+                Some(s) => {
+                    full_lo >= low
+                        && (full_lo / s.envelope).saturating_sub(low.div_ceil(s.envelope)) >= wp
+                }
             }
         };
-        check_bs1_floor(total, floor_need, |bytes| {
-            grids(bytes).is_ok_and(|(f, l)| {
-                f.offset(f.pages).saturating_sub(l.offset(l.min_page)) >= need(&f, &l)
-            })
-        })?;
+        check_bs1_floor(total, floor_need, |bytes| grids(bytes).is_ok_and(holds_one))?;
         let virtual_pages = full_grid.pages - full_grid.min_page + 1;
         if virtual_pages as u64 * ps.get() as u64 > i32::MAX as u64 {
             return Err(Error::BadConfig(format!(
                 "{virtual_pages} virtual pages × page size {ps} overflow i32 token ids"
             )));
         }
-        let virtual_slots = if slot_spec.is_some() {
-            low.pages - low.min_page + 1
-        } else {
-            0
-        };
+        let virtual_slots = slot_grid.map_or(0, |g| g.pages - g.min_page + 1);
         let buffer = device.alloc_bytes(total, 0)?;
         let mut mirrors = [None; 3];
         mirrors[ix(Side::Full)] = Some(device.alloc_table(virtual_pages as usize, 0)?);
-        let (swa, mamba) = if swa_spec.is_some() {
-            mirrors[ix(Side::Swa)] = Some(device.alloc_table(virtual_pages as usize, 0)?);
-            (Some(SubAllocator::new(low, Grow::Up, virtual_pages)), None)
+        // With the slots at the low end, SWA floats between them and FULL.
+        let swa_grow = if slot_grid.is_some() {
+            Grow::Float
         } else {
-            mirrors[ix(Side::Mamba)] = Some(device.alloc_table(virtual_slots as usize, 0)?);
-            (None, Some(SubAllocator::new(low, Grow::Up, virtual_slots)))
+            Grow::Up
+        };
+        let swa = match swa_grid {
+            Some(grid) => {
+                mirrors[ix(Side::Swa)] = Some(device.alloc_table(virtual_pages as usize, 0)?);
+                Some(SubAllocator::new(grid, swa_grow, virtual_pages))
+            }
+            None => None,
+        };
+        let mamba = match slot_grid {
+            Some(grid) => {
+                mirrors[ix(Side::Mamba)] = Some(device.alloc_table(virtual_slots as usize, 0)?);
+                Some(SubAllocator::new(grid, Grow::Up, virtual_slots))
+            }
+            None => None,
         };
         Ok(UnifiedSwa {
             device,
@@ -193,6 +242,7 @@ impl UnifiedSwa {
             spans: Vec::new(),
             moves: Vec::new(),
             plans: Default::default(),
+            relay: RelayPlan::default(),
             // At most one entry per virtual page (or slot) and side per upload: sized and
             // mapped at boot.
             dirty: {
@@ -233,69 +283,138 @@ impl UnifiedSwa {
             .chain(self.mamba.as_ref())
     }
 
-    /// The low (grow-up) end: SWA or the Mamba slots.
+    /// The low (grow-up) end: the Mamba slots, else SWA.
     fn low(&self) -> &SubAllocator {
-        match (&self.swa, &self.mamba) {
+        match (&self.mamba, &self.swa) {
             (Some(low), _) | (None, Some(low)) => low,
             (None, None) => unreachable!("a layout has SWA or Mamba (checked at boot)"),
         }
+    }
+
+    /// The float between the ends: SWA in the tri-pool.
+    fn float(&self) -> Option<&SubAllocator> {
+        self.swa.as_ref().filter(|swa| swa.grow == Grow::Float)
     }
 
     fn gated(&self) -> bool {
         self.gates.load(Ordering::Acquire) > 0
     }
 
-    /// The one feasibility predicate of the chain `[low end | FULL]`: whether `d` fits
-    /// after reclaiming `r` live pages and slots, priced `at` a placement. FULL needs
-    /// free virtual pages, Mamba free virtual slots, and the low end's high frontier must
-    /// stay at or below FULL's low frontier in bytes. A demand for a side the layout does
-    /// not have: SWA pages are vacuous without SWA (FULL pages carry the tokens), slots
-    /// never fit without a slot pool. Overflow-safe for any demand and reclaim: counts
-    /// are widened to u64 and saturate (a saturated demand never fits).
+    /// Whether `d` fits after reclaiming `r` live pages and slots, priced `at` a
+    /// placement: [`UnifiedSwa::fit`] found a way.
     fn fits(&self, d: PageDemand, r: Reclaimable, at: Placement) -> bool {
+        self.fit(d, r, at).is_some()
+    }
+
+    /// The one feasibility predicate of the chain `[low end | float | FULL]`: whether `d`
+    /// fits after reclaiming `r` live pages and slots, priced `at` a placement, and where
+    /// the float's pages would go. FULL needs free virtual pages, Mamba free virtual
+    /// slots; the low end's high frontier must stay at or below FULL's low frontier in
+    /// bytes, and a float's span (with its new pages) between them
+    /// ([`UnifiedSwa::float_fit`]). A demand for a side the layout does not have: SWA
+    /// pages are vacuous without SWA (FULL pages carry the tokens), slots never fit
+    /// without a slot pool. Overflow-safe for any demand and reclaim: counts are widened
+    /// to u64 and saturate (a saturated demand never fits). Monotone: less demand or
+    /// more reclaim never turns a fit into a misfit, and `Now` ⇒ `Compacted` ⇒ `Relaid`.
+    fn fit(&self, d: PageDemand, r: Reclaimable, at: Placement) -> Option<FloatFit> {
         let w = |n: usize| n as u64;
         if w(d.full_pages) > w(self.free_ids.available()).saturating_add(w(r.full_pages)) {
-            return false;
+            return None;
         }
-        let (low, d_low, r_low) = match (&self.swa, &self.mamba) {
-            (Some(swa), _) => (swa, d.swa_pages, r.swa_pages),
-            (None, Some(mamba)) => {
-                if w(d.mamba_slots) > w(self.slot_ids.available()).saturating_add(w(r.mamba_slots))
-                {
-                    return false;
-                }
-                (mamba, d.mamba_slots, r.mamba_slots)
+        if d.mamba_slots > 0 {
+            self.mamba.as_ref()?;
+            if w(d.mamba_slots) > w(self.slot_ids.available()).saturating_add(w(r.mamba_slots)) {
+                return None;
             }
-            (None, None) => return false,
-        };
-        if self.swa.is_some() && self.mamba.is_none() && d.mamba_slots > 0 {
-            return false;
         }
-        let low_f = Self::frontier_after(&self.full, w(d.full_pages), w(r.full_pages), at);
-        let high = Self::frontier_after(low, w(d_low), w(r_low), at);
-        // Pages are below 2^31 (kernel ids fit in i32), so `low_f × envelope` fits a u64
-        // when the buffer does; the low end saturates for an absurd demand.
-        low_f.is_some_and(|low_f| {
-            high.is_some_and(|high| {
-                low_f * self.full.grid.envelope >= high.saturating_mul(low.grid.envelope)
-            })
-        })
+        let ends = match at {
+            Placement::Now => Placement::Now,
+            Placement::Compacted | Placement::Relaid => Placement::Compacted,
+        };
+        let (low, d_low, r_low) = match &self.mamba {
+            Some(mamba) => (mamba, d.mamba_slots, r.mamba_slots),
+            None => (self.swa.as_ref()?, d.swa_pages, r.swa_pages),
+        };
+        let full_page = Self::frontier_after(&self.full, w(d.full_pages), w(r.full_pages), ends)?;
+        let low_page = Self::frontier_after(low, w(d_low), w(r_low), ends)?;
+        // Pages are below 2^31 (kernel ids fit in i32), so `full_page × envelope` fits a
+        // u64 when the buffer does; the low end saturates for an absurd demand.
+        let full_byte = full_page * self.full.grid.envelope;
+        let low_byte = low_page.saturating_mul(low.grid.envelope);
+        if low_byte > full_byte {
+            return None;
+        }
+        match self.float() {
+            None => Some(FloatFit::Stay),
+            Some(swa) => Self::float_fit(
+                swa,
+                w(d.swa_pages),
+                w(r.swa_pages),
+                (low_byte, full_byte),
+                at,
+            ),
+        }
+    }
+
+    /// Where a float's `d` more pages go, after reclaiming `r` of its live pages, when
+    /// the ends' frontiers are at the bytes `[low, high)`: on its own grid, the pages
+    /// `[a, b)` lie wholly between them. Empty (or emptied by the reclaim), the float is
+    /// transparent and is placed at the midpoint of that room; `Relaid`, it may move
+    /// anywhere in it; otherwise it must not be crossed by an end and grows at the edge
+    /// with more room (its holes first).
+    fn float_fit(
+        swa: &SubAllocator,
+        d: u64,
+        r: u64,
+        (low, high): (u64, u64),
+        at: Placement,
+    ) -> Option<FloatFit> {
+        let env = swa.grid.envelope;
+        // `high` is at most the buffer's size, so `b` is at most the float's grid pages.
+        let (a, b) = (low.div_ceil(env), high / env);
+        let room = b.saturating_sub(a);
+        let live = (swa.live as u64).saturating_sub(r);
+        let pages = |p: u64| p as u32;
+        if at == Placement::Relaid {
+            return (live.saturating_add(d) <= room)
+                .then_some(FloatFit::Relay((pages(a), pages(b))));
+        }
+        if live == 0 {
+            return match d {
+                0 => Some(FloatFit::Stay),
+                _ => (d <= room).then(|| FloatFit::Place(pages(a + (room - d) / 2))),
+            };
+        }
+        let (lo, hi) = (swa.lo as u64, swa.hi as u64);
+        if lo < a || hi > b {
+            // An end would cross the float: only a relay makes room.
+            return None;
+        }
+        let ext = d.saturating_sub((swa.holes.len() as u64).saturating_add(r));
+        let (below, above) = (lo - a, b - hi);
+        let edge = if above >= below {
+            Edge::High
+        } else {
+            Edge::Low
+        };
+        (ext <= below.max(above)).then_some(FloatFit::Grow(edge))
     }
 
     /// Where `sub`'s growth frontier would be after `d` more and `r` fewer live pages:
     /// its low page for a `Down` end, its high page for an `Up` end (`None`: below 0).
+    /// `Relaid` prices an end as `Compacted`.
     fn frontier_after(sub: &SubAllocator, d: u64, r: u64, at: Placement) -> Option<u64> {
         let live = (sub.live as u64).saturating_sub(r);
         let g = sub.grid;
         match (sub.grow, at) {
-            (Grow::Down, Placement::Compacted) => {
+            (Grow::Down, Placement::Compacted | Placement::Relaid) => {
                 (g.pages as u64).checked_sub(live.saturating_add(d))
             }
             (Grow::Down, Placement::Now) => {
                 let ext = d.saturating_sub((sub.holes.len() as u64).saturating_add(r));
                 (sub.frontier() as u64).checked_sub(ext)
             }
-            (_, Placement::Compacted) => {
+            (_, Placement::Compacted | Placement::Relaid) => {
                 Some((g.min_page as u64).saturating_add(live.saturating_add(d)))
             }
             (_, Placement::Now) => {
@@ -305,9 +424,10 @@ impl UnifiedSwa {
         }
     }
 
-    /// Whether `d` fits after reclaiming `r`, now or (moves allowed) after compaction.
+    /// Whether `d` fits after reclaiming `r`, now or (moves allowed) after compaction and
+    /// any relay of the float.
     fn fits_any(&self, d: PageDemand, r: Reclaimable) -> bool {
-        self.fits(d, r, Placement::Now) || (!self.gated() && self.fits(d, r, Placement::Compacted))
+        self.fits(d, r, Placement::Now) || (!self.gated() && self.fits(d, r, Placement::Relaid))
     }
 
     /// Largest `k` in `[0, hi]` with `ok(k)`, for monotone `ok`.
@@ -344,13 +464,19 @@ impl UnifiedSwa {
         hi
     }
 
-    /// Plans a compaction of every side into `self.plans` and `self.moves` (cleared
-    /// first), changing no table.
-    fn plan_compaction(&mut self) {
+    /// Plans a compaction of both ends (and of a float toward `float`, if given) into
+    /// `self.plans` and `self.moves` (cleared first), changing no table.
+    fn plan_compaction(&mut self, float: Option<Edge>) {
         self.moves.clear();
+        let is_float = self.float().is_some();
         let [full_plan, swa_plan, mamba_plan] = &mut self.plans;
+        swa_plan.clear();
         if let Some(swa) = &self.swa {
-            swa.plan_compaction(Edge::Low, &mut self.moves, swa_plan);
+            match (is_float, float) {
+                (false, _) => swa.plan_compaction(Edge::Low, &mut self.moves, swa_plan),
+                (true, Some(edge)) => swa.plan_compaction(edge, &mut self.moves, swa_plan),
+                (true, None) => {}
+            }
         }
         if let Some(mamba) = &self.mamba {
             mamba.plan_compaction(Edge::Low, &mut self.moves, mamba_plan);
@@ -359,29 +485,52 @@ impl UnifiedSwa {
             .plan_compaction(Edge::High, &mut self.moves, full_plan);
     }
 
-    /// The packed span of `side` after the planned compaction (`None`: unchanged).
-    fn planned_span(&self, side: Side) -> Option<(u32, u32)> {
-        self.plans[ix(side)].span
+    /// The edge a flush packs the float toward: the side with more room, so the bytes
+    /// its holes held go to the tighter neighbour (`None` without a float).
+    fn float_compaction_edge(&self) -> Option<Edge> {
+        let swa = self.float()?;
+        let (lo, hi) = swa.span_bytes();
+        let below = lo.saturating_sub(self.low().facing_byte());
+        let above = self.full.facing_byte().saturating_sub(hi);
+        Some(if below >= above {
+            Edge::Low
+        } else {
+            Edge::High
+        })
     }
 
-    /// Forgets a planned compaction (its moves failed, or it was applied).
+    /// Forgets the planned compaction and relay (their moves failed, or they were
+    /// applied).
     fn drop_plans(&mut self) {
         for plan in &mut self.plans {
-            plan.span = None;
+            plan.clear();
         }
+        self.relay.clear();
     }
 
-    /// Applies the planned compaction to the tables; returns the pages moved.
-    fn commit_compaction(&mut self) -> usize {
-        let [full_plan, swa_plan, mamba_plan] = &self.plans;
-        self.full.commit_compaction(full_plan);
-        if let Some(swa) = &mut self.swa {
-            swa.commit_compaction(swa_plan);
-        }
-        if let Some(mamba) = &mut self.mamba {
-            mamba.commit_compaction(mamba_plan);
-        }
-        let moved = self.plans.iter().map(|p| p.pairs.len()).sum();
+    /// Applies the planned compaction or relay (`from`) to the tables; returns the pages
+    /// moved.
+    fn commit_plans(&mut self, from: Source) -> usize {
+        let moved = match from {
+            Source::AsIs => 0,
+            Source::Compacted => {
+                let [full_plan, swa_plan, mamba_plan] = &self.plans;
+                self.full.commit_compaction(full_plan);
+                if let Some(swa) = &mut self.swa {
+                    swa.commit_compaction(swa_plan);
+                }
+                if let Some(mamba) = &mut self.mamba {
+                    mamba.commit_compaction(mamba_plan);
+                }
+                self.plans.iter().map(|p| p.pairs.len()).sum()
+            }
+            Source::Relaid => {
+                if let Some(swa) = &mut self.swa {
+                    swa.commit_relay(&self.relay);
+                }
+                self.relay.pairs.len()
+            }
+        };
         self.drop_plans();
         moved
     }
@@ -395,30 +544,51 @@ impl UnifiedSwa {
         Ok(())
     }
 
-    /// Compacts every side: plans, moves the envelopes on the device, and rewrites the
-    /// tables only once the move was issued. A failed move changes no table (the moves
-    /// only wrote holes, which nothing points to).
-    fn compact(&mut self) -> Result<usize, Error> {
+    /// Compacts both ends (and a float toward `float`): plans, moves the envelopes on the
+    /// device, and rewrites the tables only once the move was issued. A failed move
+    /// changes no table (the moves only wrote holes, which nothing points to).
+    fn compact(&mut self, float: Option<Edge>) -> Result<usize, Error> {
         if self.subs().all(|sub| sub.holes.is_empty()) {
             return Ok(0);
         }
-        self.plan_compaction();
+        self.plan_compaction(float);
         if let Err(e) = self.issue_moves() {
             self.drop_plans();
             return Err(e);
         }
-        Ok(self.commit_compaction())
+        Ok(self.commit_plans(Source::Compacted))
     }
 
-    /// Whether `d` fits now (`Ok(false)`) or only after compaction (`Ok(true)`);
-    /// [`Error::OutOfCapacity`] otherwise. Changes nothing.
-    fn room_for(&self, d: PageDemand) -> Result<bool, Error> {
+    /// Sizes the room for `d` and plans the moves that make it, changing no table, with
+    /// one exception: a relay of the float over ends with holes first compacts the ends
+    /// as a transaction of its own (the ladder's first rung: every page keeps its
+    /// virtual id and its bytes). Returns where the pages come from once the planned
+    /// moves are issued, and where the float's go; [`Error::OutOfCapacity`] (or
+    /// [`Error::OutOfSlots`]) when no placement fits.
+    fn plan_room(&mut self, d: PageDemand) -> Result<(Source, FloatFit), Error> {
         let none = Reclaimable::default();
-        if self.fits(d, none, Placement::Now) {
-            return Ok(false);
+        if let Some(float) = self.fit(d, none, Placement::Now) {
+            return Ok((Source::AsIs, float));
         }
-        if !self.gated() && self.fits(d, none, Placement::Compacted) {
-            return Ok(true);
+        if !self.gated() {
+            if let Some(float) = self.fit(d, none, Placement::Compacted) {
+                self.plan_compaction(None);
+                return Ok((Source::Compacted, float));
+            }
+            if self.fits(d, none, Placement::Relaid) {
+                self.compact(None)?;
+                // The ends are packed now, so the float's room is what `Relaid` priced.
+                if let (Some(FloatFit::Relay(room)), Some(swa)) =
+                    (self.fit(d, none, Placement::Relaid), &self.swa)
+                {
+                    self.moves.clear();
+                    swa.plan_relay(room, d.swa_pages as u32, &mut self.moves, &mut self.relay);
+                    return Ok((Source::Relaid, FloatFit::Grow(Edge::High)));
+                }
+                self.scope.expect(&ROOM_CHECK, false, || {
+                    format!("{d:?} fitted relaid but not once the ends were packed")
+                });
+            }
         }
         if d.mamba_slots > 0 {
             return Err(Error::OutOfSlots {
@@ -433,12 +603,28 @@ impl UnifiedSwa {
         })
     }
 
-    /// The placement a scheduler may count on: compacted unless a gate holds the pages.
+    /// Points the float's growth where `float` says (after its pages' device work).
+    fn steer_float(&mut self, float: FloatFit) {
+        let Some(swa) = self.swa.as_mut().filter(|swa| swa.grow == Grow::Float) else {
+            return;
+        };
+        match float {
+            FloatFit::Stay | FloatFit::Relay(_) => {}
+            FloatFit::Grow(edge) => swa.set_float_edge(edge),
+            FloatFit::Place(at) => {
+                swa.place(at);
+                swa.set_float_edge(Edge::High);
+            }
+        }
+    }
+
+    /// The placement a scheduler may count on: compacted and relaid unless a gate holds
+    /// the pages.
     fn placement(&self) -> Placement {
         if self.gated() {
             Placement::Now
         } else {
-            Placement::Compacted
+            Placement::Relaid
         }
     }
 
@@ -593,58 +779,80 @@ impl UnifiedSwa {
     }
 
     /// An allocation as one transaction: validate, size the room, plan any compaction
-    /// and the envelopes to zero, issue the device work (moves, then zeroing), and only
-    /// then commit the compaction and bind the pages. A failed device op leaves every
-    /// table, list and counter as it was (the device wrote only pages nothing points to).
+    /// or relay and the envelopes to zero, issue the device work (moves, then zeroing),
+    /// and only then commit the moves and bind the pages. A failed device op leaves every
+    /// table, list and counter as it was (the device wrote only pages nothing points to),
+    /// except that a relay's first rung may have packed the ends ([`UnifiedSwa::plan_room`]).
     fn alloc(
         &mut self,
         requests: impl Iterator<Item = ExtendRequest> + Clone,
         out: &mut Vec<VirtualToken>,
     ) -> Result<(), Error> {
         let (pages, tokens) = self.validate(requests.clone())?;
-        let compact = self.room_for(PageDemand::joint(pages))?;
-        if compact {
-            self.plan_compaction();
-        }
-        let device_work = self.issue_handout_work(Side::Full, pages, compact);
-        if let Err(e) = device_work {
-            self.drop_plans();
-            return Err(e);
-        }
-        if compact {
-            self.commit_compaction();
-        }
+        self.prepare_handout(Side::Full, PageDemand::joint(pages), pages)?;
         out.reserve(tokens);
         self.extend_unchecked(requests, pages, out);
         Ok(())
     }
 
-    /// The device half of an allocation of `n` pages (`Side::Full`: FULL and any SWA
-    /// page of each) or `n` slots (`Side::Mamba`): the planned moves, then the zeroing of
-    /// the envelopes the binds will take (predicted from the state after the planned
-    /// compaction). Changes no host table.
-    fn issue_handout_work(&mut self, what: Side, n: usize, compact: bool) -> Result<(), Error> {
-        if compact {
+    /// Everything before an allocation's binds of `n` pages (`Side::Full`: FULL and any
+    /// SWA page of each) or `n` slots (`Side::Mamba`) for demand `d`: the room, the
+    /// planned moves and the zeroing issued, then the moves committed and the float
+    /// steered. A failed device op commits nothing.
+    fn prepare_handout(&mut self, what: Side, d: PageDemand, n: usize) -> Result<(), Error> {
+        let (from, float) = self.plan_room(d)?;
+        if let Err(e) = self.issue_handout_work(what, n, from, float) {
+            self.drop_plans();
+            return Err(e);
+        }
+        self.commit_plans(from);
+        self.steer_float(float);
+        Ok(())
+    }
+
+    /// The device half of an allocation of `n` pages or slots (see
+    /// [`UnifiedSwa::prepare_handout`]): the planned moves, then the zeroing of the
+    /// envelopes the binds will take (predicted from the state after the planned moves,
+    /// and for the float from where `float` puts its pages). Changes no host table.
+    fn issue_handout_work(
+        &mut self,
+        what: Side,
+        n: usize,
+        from: Source,
+        float: FloatFit,
+    ) -> Result<(), Error> {
+        if from != Source::AsIs {
             self.issue_moves()?;
         }
         if self.zero_on_handout && n > 0 {
             let mut spans = std::mem::take(&mut self.spans);
             spans.clear();
-            let packed = |side| {
-                if compact {
-                    self.planned_span(side)
-                } else {
-                    None
-                }
-            };
             let sides: &[Side] = match what {
                 Side::Mamba => &[Side::Mamba],
                 _ => &[Side::Full, Side::Swa],
             };
+            let is_float = self.float().is_some();
             for &side in sides {
-                if let Some(sub) = self.side(side) {
-                    sub.handout_envelopes(n, packed(side), &mut spans);
-                }
+                let Some(sub) = self.side(side) else { continue };
+                let planned = match from {
+                    Source::AsIs => None,
+                    Source::Compacted => self.plans[ix(side)].view(),
+                    Source::Relaid if side == Side::Swa => self.relay.view(),
+                    Source::Relaid => None,
+                };
+                let (view, edge) = match (side == Side::Swa && is_float, float) {
+                    (true, FloatFit::Place(at)) => (
+                        SpanView {
+                            holes: &[],
+                            lo: at,
+                            hi: at,
+                        },
+                        Edge::High,
+                    ),
+                    (true, FloatFit::Grow(edge)) => (planned.unwrap_or(sub.view()), edge),
+                    _ => (planned.unwrap_or(sub.view()), sub.growth_edge()),
+                };
+                sub.handout_envelopes(n, view, edge, &mut spans);
             }
             let filled = self.device.fill_spans(self.buffer, &spans, 0);
             self.spans = spans;
@@ -829,19 +1037,9 @@ impl KvAllocator for UnifiedSwa {
         if self.mamba.is_none() {
             return Err(Error::NoSlotPool { op: "alloc_slots" });
         }
-        // One transaction, as a page allocation: room, planned compaction, device work
+        // One transaction, as a page allocation: room, planned moves, device work
         // (moves, zeroing), and only then the tables.
-        let compact = self.room_for(PageDemand::slots(n))?;
-        if compact {
-            self.plan_compaction();
-        }
-        if let Err(e) = self.issue_handout_work(Side::Mamba, n, compact) {
-            self.drop_plans();
-            return Err(e);
-        }
-        if compact {
-            self.commit_compaction();
-        }
+        self.prepare_handout(Side::Mamba, PageDemand::slots(n), n)?;
         out.reserve(n);
         self.bind_slots(n, out);
         Ok(())
@@ -850,7 +1048,11 @@ impl KvAllocator for UnifiedSwa {
     fn flush(&mut self) -> Result<FlushReport, Error> {
         let deferred_flushed = frees::flush_deferred(self);
         let gated = self.gated();
-        let pages_moved = if gated { 0 } else { self.compact()? };
+        let pages_moved = if gated {
+            0
+        } else {
+            self.compact(self.float_compaction_edge())?
+        };
         if enabled() {
             self.check_conservation();
         }
@@ -872,8 +1074,13 @@ impl KvAllocator for UnifiedSwa {
             });
         }
         frees::flush_deferred(self);
-        if self.room_for(demand)? {
-            self.compact()?;
+        let (from, _) = self.plan_room(demand)?;
+        if from != Source::AsIs {
+            if let Err(e) = self.issue_moves() {
+                self.drop_plans();
+                return Err(e);
+            }
+            self.commit_plans(from);
         }
         Ok(())
     }
@@ -965,7 +1172,7 @@ impl KvAllocator for UnifiedSwa {
             joint_schedulable_pages: if self.gated() {
                 available
             } else {
-                self.joint_pages(Placement::Compacted)
+                self.joint_pages(Placement::Relaid)
             },
         }
     }
@@ -1096,6 +1303,14 @@ impl KvAllocator for UnifiedSwa {
             .swa
             .as_ref()
             .is_none_or(|swa| swa.live + swa.tombstones <= self.full.live);
+        // `[low end | float | FULL]` in byte order (an empty float is transparent).
+        let chain_disjoint = match self.float().filter(|swa| swa.live > 0) {
+            Some(swa) => {
+                let (lo, hi) = swa.span_bytes();
+                low.facing_byte() <= lo && hi <= self.full.facing_byte()
+            }
+            None => low.facing_byte() <= self.full.facing_byte(),
+        };
         let slots_conserved = self.mamba.as_ref().is_none_or(|m| {
             m.tombstones == 0
                 && self.slot_ids.available() + m.live as usize == self.virtual_slots as usize - 1
@@ -1106,7 +1321,7 @@ impl KvAllocator for UnifiedSwa {
             && swa_fits_full
             && slots_conserved
             && self.full.tombstones == 0
-            && low.facing_byte() <= self.full.facing_byte()
+            && chain_disjoint
             && low_lo >= self.floor
             && full_hi <= self.total_bytes;
         self.scope.expect(&CONSERVATION, holds, || {
