@@ -187,7 +187,7 @@ impl SubAllocator {
     }
 
     /// The edge fresh pages are taken at: an end's frontier, or the edge a float was
-    /// steered to ([`SubAllocator::set_float_edge`]).
+    /// steered to by its composite.
     #[inline(always)]
     pub fn growth_edge(&self) -> Edge {
         match self.grow {
