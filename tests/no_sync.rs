@@ -247,7 +247,8 @@ fn the_uploaded_mirror_and_device_translation_match_the_host_after_every_step() 
     });
 }
 
-/// The Mamba paths of a step on a FULL + recurrent-state hybrid, both layouts: admission
+/// The Mamba paths of a step on a FULL + recurrent-state hybrid and on the tri-pool model
+/// (FULL, SWA and recurrent state: the float's placement and ladder), both layouts: admission
 /// with a cached state (slot allocation, the copy-on-write of the matched state), on the
 /// unified layout under a slot shortfall that evicts FULL donors, chunked prefill across
 /// the checkpoint grid, decode, finishing (the latest checkpoint inserted, the other
@@ -255,11 +256,14 @@ fn the_uploaded_mirror_and_device_translation_match_the_host_after_every_step() 
 /// asynchronous moves and zeroing before the boundary.
 #[test]
 fn a_mamba_hybrid_step_issues_no_host_sync() {
-    for layout in LAYOUTS {
+    for (model, layout) in [TINY_MAMBA, TINY_TRI]
+        .into_iter()
+        .flat_map(|m| LAYOUTS.map(|l| (m, l)))
+    {
         for ps in [1u32, 4] {
             let ledger = Arc::new(SyncLedger::cpu());
             let mut cache = unikv::HybridCache::builder()
-                .model(TINY_MAMBA)
+                .model(model)
                 .page_size(ps)
                 .memory_bytes(64 * 32 + 32 * 400)
                 .layout(layout)
@@ -267,7 +271,7 @@ fn a_mamba_hybrid_step_issues_no_host_sync() {
                 .device(ledger.clone())
                 .build()
                 .unwrap();
-            let label = format!("{} ps {ps}", layout.as_str());
+            let label = format!("{} {} ps {ps}", model.name, layout.as_str());
             let finish = |cache: &mut unikv::HybridCache, prompt: Vec<TokenId>| {
                 let n = prompt.len();
                 let hit = cache.match_prefix(prompt);
