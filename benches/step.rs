@@ -31,12 +31,27 @@ const QWEN3_NEXT_SCALED_STATE: ModelSpec = ModelSpec {
     ..ModelSpec::QWEN3_NEXT_80B_A3B
 };
 
-/// A cache of `model` with `BATCH` requests past prefill, decoding.
+/// The synthetic tri-pool model with its recurrent state scaled down as
+/// [`QWEN3_NEXT_SCALED_STATE`]'s.
+const SYNTHETIC_TRI_SCALED_STATE: ModelSpec = ModelSpec {
+    name: "synthetic-tri (scaled state)",
+    recurrent: QWEN3_NEXT_SCALED_STATE.recurrent,
+    ..ModelSpec::SYNTHETIC_TRI
+};
+
+/// A cache of `model` with `BATCH` requests past prefill, decoding. The CPU device maps
+/// only what is touched, so a large budget costs nothing; the tri-pool model's static
+/// SWA pool needs 32 GiB to hold 256 whole prompts before their window release.
 fn decoding_model(model: ModelSpec, layout: Layout, page_size: u32) -> (HybridCache, Vec<Request>) {
+    let memory: u64 = if model.swa_layers > 0 && model.has_recurrent_state() {
+        32 << 30
+    } else {
+        16 << 30
+    };
     let mut cache = HybridCache::builder()
         .model(model)
         .page_size(page_size)
-        .memory_bytes(16 << 30)
+        .memory_bytes(memory)
         .layout(layout)
         .build()
         .expect("the cache builds");
@@ -54,11 +69,6 @@ fn decoding_model(model: ModelSpec, layout: Layout, page_size: u32) -> (HybridCa
     (cache, requests)
 }
 
-/// A gpt-oss-20b cache with `BATCH` requests past prefill, decoding.
-fn decoding(layout: Layout, page_size: u32) -> (HybridCache, Vec<Request>) {
-    decoding_model(ModelSpec::GPT_OSS_20B, layout, page_size)
-}
-
 const LAYOUTS: [(&str, Layout); 2] = [
     (
         "static",
@@ -69,17 +79,16 @@ const LAYOUTS: [(&str, Layout); 2] = [
     ("unified", Layout::Unified),
 ];
 
-/// One decode step of 256 requests: `alloc_decode` for the batch (with each request's
-/// window release) and the step boundary (deferred frees, conservation, mirror upload,
-/// invariant poll).
-#[divan::bench(args = [("static", 1), ("unified", 1), ("static", 256), ("unified", 256)], sample_count = 200)]
-fn decode_step_batch_256(bencher: Bencher, (layout, page_size): (&str, u32)) {
+/// One decode step of `BATCH` requests of `model`: `alloc_decode` for the batch (with
+/// each request's window release and checkpoint bookkeeping) and the step boundary
+/// (deferred frees, conservation of every side, mirror upload, invariant poll).
+fn decode_step(bencher: Bencher, model: ModelSpec, layout: &str, page_size: u32) {
     let layout = LAYOUTS
         .iter()
         .find(|(name, _)| *name == layout)
         .expect("a layout")
         .1;
-    let (mut cache, mut requests) = decoding(layout, page_size);
+    let (mut cache, mut requests) = decoding_model(model, layout, page_size);
     let tokens = vec![TokenId(7); BATCH];
     bencher.bench_local(|| {
         let mut batch: Vec<&mut Request> = requests.iter_mut().collect();
@@ -88,23 +97,24 @@ fn decode_step_batch_256(bencher: Bencher, (layout, page_size): (&str, u32)) {
     });
 }
 
+/// One decode step of 256 requests of gpt-oss-20b.
+#[divan::bench(args = [("static", 1), ("unified", 1), ("static", 256), ("unified", 256)], sample_count = 200)]
+fn decode_step_batch_256(bencher: Bencher, (layout, page_size): (&str, u32)) {
+    decode_step(bencher, ModelSpec::GPT_OSS_20B, layout, page_size);
+}
+
 /// One decode step of 256 requests of a Mamba hybrid (Qwen3-Next's FULL layers, three
-/// state slots a request, a checkpoint every 256 tokens): `alloc_decode` (with each
-/// request's checkpoint bookkeeping) and the step boundary (three-side conservation).
+/// state slots a request, a checkpoint every 256 tokens).
 #[divan::bench(args = [("static", 1), ("unified", 1), ("static", 64), ("unified", 64)], sample_count = 200)]
 fn mamba_decode_step_batch_256(bencher: Bencher, (layout, page_size): (&str, u32)) {
-    let layout = LAYOUTS
-        .iter()
-        .find(|(name, _)| *name == layout)
-        .expect("a layout")
-        .1;
-    let (mut cache, mut requests) = decoding_model(QWEN3_NEXT_SCALED_STATE, layout, page_size);
-    let tokens = vec![TokenId(7); BATCH];
-    bencher.bench_local(|| {
-        let mut batch: Vec<&mut Request> = requests.iter_mut().collect();
-        cache.alloc_decode(&mut batch, &tokens).expect("decoded");
-        cache.step_boundary().expect("a clean step");
-    });
+    decode_step(bencher, QWEN3_NEXT_SCALED_STATE, layout, page_size);
+}
+
+/// One decode step of 256 requests of the tri-pool model (FULL, SWA and recurrent state;
+/// on the unified layout SWA floats between the slots and FULL).
+#[divan::bench(args = [("static", 1), ("unified", 1), ("static", 64), ("unified", 64)], sample_count = 200)]
+fn tri_decode_step_batch_256(bencher: Bencher, (layout, page_size): (&str, u32)) {
+    decode_step(bencher, SYNTHETIC_TRI_SCALED_STATE, layout, page_size);
 }
 
 /// Admission of a 4,096-token prompt whose first 4,032 tokens are cached: match, admit,

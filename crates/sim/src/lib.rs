@@ -30,6 +30,7 @@
 //! - Nothing imports `unikv-sim`; it drives the facade like an engine would.
 
 pub mod cli;
+pub mod dst;
 mod error;
 pub mod input;
 pub mod ops;
