@@ -5,9 +5,11 @@
 //!   under nextest, then the doctests; prints a table of cells.
 //! - `cargo xtask ci` — what CI runs: fmt check, clippy `-D warnings` (both feature
 //!   sets), rustdoc with warnings denied, the NVRTC compile check of every `.cu`, the
-//!   test matrix and the loom models.
+//!   test matrix, the loom models and a CI-sized run of the simulator.
 //! - `cargo xtask gpu` — the one script to run on a GPU machine: driver and NVRTC
 //!   versions, NVRTC compile check, CPU-vs-CUDA parity tests. Says so when there is no GPU.
+//! - `cargo xtask sim [--seeds N] [--seed S] [--first S]` — the deterministic simulator
+//!   with injected faults (`unikv sim`, release build): N seeds from S, or one seed.
 //! - `cargo xtask bench` — every crate's benchmarks.
 //! - `cargo xtask nvrtc` — installs libnvrtc (from PyPI) under `target/nvrtc` and
 //!   compile-checks every kernel.
@@ -25,6 +27,7 @@ fn main() -> ExitCode {
         Some("ci") => tasks::ci(),
         Some("gpu") => tasks::gpu(),
         Some("bench") => tasks::bench(&args[1..]),
+        Some("sim") => tasks::sim(&args[1..]),
         Some("nvrtc") => tasks::nvrtc_check(),
         Some("help" | "--help" | "-h") | None => {
             println!("{}", USAGE);
@@ -46,7 +49,11 @@ const USAGE: &str = "usage: cargo xtask <task>
 tasks:
   test [--quick]   the test matrix (features x invariant levels x page sizes), then doctests;
                    --quick runs only the default-feature cells
-  ci               fmt, clippy, rustdoc, NVRTC check, the test matrix, loom models
+  ci               fmt, clippy, rustdoc, NVRTC check, the test matrix, loom models,
+                   the simulator over CI_SIM_SEEDS seeds
+  sim [--seeds N] [--first S | --seed S]
+                   the deterministic simulator with faults: N seeds (default 10000) from
+                   S (default 0), or the one seed S; a failure prints its seed
   gpu              GPU checks (driver, NVRTC, CPU-vs-CUDA parity); skips loudly without a GPU
   bench [ARGS]     cargo bench for the workspace
   nvrtc            install libnvrtc under target/nvrtc and compile every kernel";

@@ -111,6 +111,27 @@ fn run_matrix(quick: bool, extra_env: &[(&str, String)]) -> Result<(), String> {
     }
 }
 
+/// Seeds of the simulator that `cargo xtask ci` runs (under a minute in a dev build on two
+/// cores).
+const CI_SIM_SEEDS: u64 = 500;
+
+/// `cargo xtask sim [ARGS]`: `unikv sim ARGS` in a release build.
+pub fn sim(args: &[String]) -> Result<(), String> {
+    Cmd::cargo(&[
+        "run",
+        "--release",
+        "--locked",
+        "-p",
+        "unikv-sim",
+        "--bin",
+        "unikv",
+        "--",
+        "sim",
+    ])
+    .args(args.iter().map(String::as_str))
+    .run()
+}
+
 /// `cargo xtask ci`: everything CI checks, failing at the first broken stage.
 pub fn ci() -> Result<(), String> {
     let started = Instant::now();
@@ -131,6 +152,20 @@ pub fn ci() -> Result<(), String> {
     // kernels for real instead of skipping.
     run_matrix(false, &[("LD_LIBRARY_PATH", library_path)])?;
     loom()?;
+    // The simulator, sized for CI (the dev build the matrix made; `cargo xtask sim` runs
+    // thousands in release).
+    Cmd::cargo(&[
+        "run",
+        "--locked",
+        "-p",
+        "unikv-sim",
+        "--bin",
+        "unikv",
+        "--",
+        "sim",
+    ])
+    .args(["--seeds", &CI_SIM_SEEDS.to_string()])
+    .run()?;
     println!(
         "ci: all stages passed in {:.0}s",
         started.elapsed().as_secs_f64()

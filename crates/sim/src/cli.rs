@@ -53,6 +53,8 @@ pub enum Command {
     Replay(ReplayArgs),
     /// `unikv bench-ops FILE`.
     BenchOps(BenchOpsArgs),
+    /// `unikv sim`.
+    Sim(SimArgs),
 }
 
 /// Which help text.
@@ -64,6 +66,8 @@ pub enum HelpTopic {
     Replay,
     /// `unikv bench-ops --help`.
     BenchOps,
+    /// `unikv sim --help`.
+    Sim,
 }
 
 impl HelpTopic {
@@ -73,6 +77,7 @@ impl HelpTopic {
             HelpTopic::Main => MAIN_HELP.to_string(),
             HelpTopic::Replay => replay_help(),
             HelpTopic::BenchOps => BENCH_OPS_HELP.to_string(),
+            HelpTopic::Sim => SIM_HELP.to_string(),
         }
     }
 }
@@ -148,6 +153,18 @@ pub struct BenchOpsArgs {
     pub json: bool,
 }
 
+/// The options of `unikv sim`: seeds `first..first + seeds` of [`crate::dst`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimArgs {
+    /// The first seed (`--first`, or `--seed` for one seed).
+    pub first: u64,
+    /// How many seeds (`--seeds`; 1 with `--seed`).
+    pub seeds: u64,
+}
+
+/// Seeds `unikv sim` runs without `--seeds`.
+pub const DEFAULT_SIM_SEEDS: u64 = 10_000;
+
 /// Parses the process's arguments (without the program name).
 pub fn parse_os_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, SimError> {
     let args = args
@@ -170,12 +187,14 @@ pub fn parse_args<S: AsRef<str>>(args: &[S]) -> Result<Command, SimError> {
             None => Ok(Command::Help(HelpTopic::Main)),
             Some("replay") => Ok(Command::Help(HelpTopic::Replay)),
             Some("bench-ops") => Ok(Command::Help(HelpTopic::BenchOps)),
+            Some("sim") => Ok(Command::Help(HelpTopic::Sim)),
             Some(other) => Err(SimError::UnknownCommand {
                 command: other.to_string(),
             }),
         },
         Some("replay") => parse_replay(&args[1..]),
         Some("bench-ops") => parse_bench_ops(&args[1..]),
+        Some("sim") => parse_sim(&args[1..]),
         Some(other) => Err(SimError::UnknownCommand {
             command: other.to_string(),
         }),
@@ -434,6 +453,59 @@ fn parse_bench_ops(args: &[&str]) -> Result<Command, SimError> {
     Ok(Command::BenchOps(BenchOpsArgs { file, levels, json }))
 }
 
+fn parse_sim(args: &[&str]) -> Result<Command, SimError> {
+    let mut args = Args {
+        command: "sim",
+        rest: args.iter(),
+        seen: Vec::new(),
+    };
+    let number = |option: &'static str, value: &str| {
+        value
+            .trim()
+            .parse::<u64>()
+            .map_err(|_| SimError::BadNumber {
+                option,
+                value: value.to_string(),
+                reason: "expected an integer from 0 to 2^64-1",
+            })
+    };
+    let (mut first, mut seeds, mut one) = (None, None, None);
+    while let Some(arg) = args.next() {
+        match arg {
+            Arg::Positional(p) => {
+                return Err(SimError::UnexpectedArgument {
+                    command: "sim",
+                    arg: p.to_string(),
+                });
+            }
+            Arg::Option("--help" | "-h", _) => return Ok(Command::Help(HelpTopic::Sim)),
+            Arg::Option("--seed", inline) => {
+                one = Some(number("--seed", args.single("--seed", inline)?)?);
+            }
+            Arg::Option("--first", inline) => {
+                first = Some(number("--first", args.single("--first", inline)?)?);
+            }
+            Arg::Option("--seeds", inline) => {
+                seeds = Some(number("--seeds", args.single("--seeds", inline)?)?);
+            }
+            Arg::Option(other, _) => return Err(args.unknown(other)),
+        }
+    }
+    match (one, first, seeds) {
+        (Some(seed), None, None) => Ok(Command::Sim(SimArgs {
+            first: seed,
+            seeds: 1,
+        })),
+        (Some(_), _, _) => Err(SimError::ConflictingOptions {
+            options: "--seed runs one seed; --first and --seeds choose a range",
+        }),
+        (None, first, seeds) => Ok(Command::Sim(SimArgs {
+            first: first.unwrap_or(0),
+            seeds: seeds.unwrap_or(DEFAULT_SIM_SEEDS),
+        })),
+    }
+}
+
 /// Comma-separated items, spaces trimmed; an empty item is an error.
 fn list<'a>(option: &'static str, value: &'a str) -> Result<Vec<&'a str>, SimError> {
     value
@@ -496,6 +568,9 @@ USAGE:
   unikv bench-ops FILE [OPTIONS]
                                 replay a recorded allocator operation trace and report
                                 its throughput (try `unikv bench-ops --help`)
+  unikv sim [OPTIONS]           the deterministic simulator with injected faults: random
+                                engines over random configurations, every step checked
+                                (try `unikv sim --help`)
   unikv help [COMMAND]          this text, or a command's
 
 ENVIRONMENT:
@@ -518,6 +593,25 @@ OPTIONS:
   --invariants LEVEL    off|warn|strict (or 0|1|2); repeat to measure at several levels
                         [default: off and strict]
   --json                print one JSON object instead of the table
+  -h, --help            this text
+";
+
+/// `unikv sim --help`.
+pub const SIM_HELP: &str = "\
+unikv sim: the deterministic simulator with injected faults. Each seed fixes a random
+configuration (model, layout, page size, budget near the batch-size-1 floor, fault rate)
+and a random engine driving the cache through it; every step checks the allocator, the
+tree, every stamped KV and state byte (through the device translation too) and every
+match against an independent oracle. A failing seed prints the command that reproduces it.
+
+USAGE:
+  unikv sim [--seeds N] [--first S]
+  unikv sim --seed S
+
+OPTIONS:
+  --seeds N             how many seeds [default: 10000]
+  --first S             the first seed [default: 0]
+  --seed S              run only seed S (what a failure says to run)
   -h, --help            this text
 ";
 
@@ -893,6 +987,53 @@ mod tests {
         check(&["smoke"], &|e| {
             matches!(e, SimError::UnexpectedArgument { .. })
         });
+    }
+
+    #[test]
+    fn sim_takes_a_range_of_seeds_or_one_seed() {
+        let sim = |args: &[&str]| match parse_args(args) {
+            Ok(Command::Sim(s)) => Ok(s),
+            Ok(other) => panic!("{args:?}: {other:?}"),
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(
+            sim(&["sim"]),
+            Ok(SimArgs {
+                first: 0,
+                seeds: DEFAULT_SIM_SEEDS
+            })
+        );
+        assert_eq!(
+            sim(&["sim", "--seeds", "50", "--first=7"]),
+            Ok(SimArgs {
+                first: 7,
+                seeds: 50
+            })
+        );
+        assert_eq!(
+            sim(&["sim", "--seed", "42"]),
+            Ok(SimArgs {
+                first: 42,
+                seeds: 1
+            })
+        );
+        let err = sim(&["sim", "--seed", "1", "--seeds", "2"]).unwrap_err();
+        assert!(err.contains("conflicting options"), "{err}");
+        let err = sim(&["sim", "--seeds", "-1"]).unwrap_err();
+        assert!(err.contains("--seeds"), "{err}");
+        let err = sim(&["sim", "--seeds", "1", "--seeds", "2"]).unwrap_err();
+        assert!(err.contains("given twice"), "{err}");
+        let err = sim(&["sim", "7"]).unwrap_err();
+        assert!(err.contains("unexpected argument"), "{err}");
+        assert_eq!(
+            parse_args(&["help", "sim"]).unwrap(),
+            Command::Help(HelpTopic::Sim)
+        );
+        assert_eq!(
+            parse_args(&["sim", "-h"]).unwrap(),
+            Command::Help(HelpTopic::Sim)
+        );
+        assert!(HelpTopic::Main.text().contains("unikv sim"));
     }
 
     #[test]

@@ -1009,6 +1009,54 @@ pub fn run_many(
     Ok(total)
 }
 
+/// `unikv sim`: runs the seeds of `args`, a progress line on stderr every tenth of them,
+/// and a summary on `out`. `Ok(false)` when a seed failed (its failure and reproduce
+/// command are on stderr).
+pub fn run_command(
+    args: &crate::cli::SimArgs,
+    out: &mut impl std::io::Write,
+) -> Result<bool, crate::SimError> {
+    let started = std::time::Instant::now();
+    let every = (args.seeds / 10).max(1);
+    let result = run_many(args.first, args.seeds, |seed, _| {
+        let done = seed - args.first + 1;
+        if done.is_multiple_of(every) && done < args.seeds {
+            eprintln!(
+                "sim: {done} of {} seeds clean ({:.1} s)",
+                args.seeds,
+                started.elapsed().as_secs_f64()
+            );
+        }
+    });
+    let secs = started.elapsed().as_secs_f64();
+    match result {
+        Ok(total) => {
+            writeln!(
+                out,
+                "sim: seeds {}..{} clean in {secs:.1} s: {} steps, {} requests admitted, {} finished, {} released, {} prompt tokens hit, {} device faults injected, {} stamps checked",
+                args.first,
+                args.first.saturating_add(args.seeds),
+                total.steps,
+                total.admitted,
+                total.finished,
+                total.released,
+                total.hit_tokens,
+                total.faults,
+                total.stamps_checked
+            )
+            .and_then(|()| writeln!(out, "sim: {} passed, 0 failed", args.seeds))
+            .map_err(crate::SimError::Output)?;
+            Ok(true)
+        }
+        Err(failure) => {
+            eprintln!("sim: {failure}");
+            writeln!(out, "sim: {} passed, 1 failed", failure.seed - args.first)
+                .map_err(crate::SimError::Output)?;
+            Ok(false)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -63,6 +63,12 @@ pub enum SimError {
         /// The option.
         option: &'static str,
     },
+    /// Options that contradict each other.
+    #[error("conflicting options: {options}")]
+    ConflictingOptions {
+        /// Which, and why.
+        options: &'static str,
+    },
     /// A list-valued option with an empty item (`--page-size 1,,256`).
     #[error("option {option}: empty item in {value:?} (items are separated by single commas)")]
     EmptyListItem {

@@ -1,6 +1,6 @@
 //! The `unikv` binary: `unikv replay` runs serving workloads through the static and the
 //! unified pool side by side; `unikv bench-ops` measures the allocator on a recorded
-//! operation trace.
+//! operation trace; `unikv sim` runs the deterministic simulator with injected faults.
 //!
 //! Exit status: 0 success (every run passed), 1 a report was printed and some run failed
 //! its checks, 2 an error (bad options, unreadable input, a run that could not finish,
@@ -45,6 +45,11 @@ fn main() -> ExitCode {
         },
         Command::BenchOps(args) => match replay::bench_ops(&args, &mut out) {
             Ok(()) => ExitCode::SUCCESS,
+            Err(err) => fail(&err),
+        },
+        Command::Sim(args) => match unikv_sim::dst::run_command(&args, &mut out) {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::from(1),
             Err(err) => fail(&err),
         },
     }
