@@ -42,7 +42,8 @@
 //!     "steps": u64,
 //!     "host_syncs": u64, "host_syncs_per_step": f64,
 //!     "invariant_violations": u64,
-//!     "leaked_pages": u64,          pages neither free nor owned at the end
+//!     "leaked_pages": u64,          pages (and state slots) neither free nor owned at
+//!                                   the end
 //!     "step_cpu_ns": { "steps_timed", "median", "p99", "max" } | null,
 //!                                   allocator + tree CPU time per step (null with
 //!                                   --no-timing or when nothing was timed)
@@ -136,8 +137,9 @@ pub struct RunStats {
     pub step_cpu_ns: Vec<u64>,
     /// Invariant violations recorded in the run's cache's invariant scope (must be 0).
     pub invariant_violations: u64,
-    /// Pages neither free nor owned by anyone once every request finished and the
-    /// tree was cleared (must be 0).
+    /// Pages (and, for a model with recurrent state, state slots) neither free nor owned
+    /// by anyone once every request finished and the tree was cleared, plus requests
+    /// still live (must be 0).
     pub leaked_pages: u64,
     /// Bytes per sub-pool over the run (see [`SampleRecorder`]).
     pub samples: Vec<StepSample>,
