@@ -47,6 +47,29 @@ impl Layout {
     }
 }
 
+/// The fixed slot pool [`Layout::Static`] gives a model whose state slots are `spec`, in
+/// a budget of `memory_bytes`: the reference engine's default split of the budget between
+/// states and KV ([`reference_slot_pool`] with [`REFERENCE_MAMBA_FULL_MEMORY_RATIO`] and a
+/// radix prefix cache, which every [`HybridCache`] keeps; its running-request cap, a third
+/// of the slots, follows from admission taking three slots a request). The builder and
+/// anything that rebuilds its allocator (the replay's ops-trace rerun) use this one
+/// mapping.
+pub fn static_slot_pool(
+    spec: unikv_pools::SlotPoolSpec,
+    memory_bytes: u64,
+) -> Result<StaticSlots, unikv_pools::Error> {
+    let pool = reference_slot_pool(
+        memory_bytes,
+        &spec,
+        REFERENCE_MAMBA_FULL_MEMORY_RATIO,
+        PrefixCaching::Radix,
+    )?;
+    Ok(StaticSlots {
+        slots: pool.slots,
+        spec,
+    })
+}
+
 /// The default eviction interval in tokens at small page sizes: releasing a request's
 /// out-of-window SWA every 16 tokens instead of every token cuts the per-step cost of a
 /// 256-request decode batch at page size 1 by about 40% (`cargo bench -p unikv --bench
@@ -279,22 +302,9 @@ impl HybridCacheBuilder {
                     window: m.window,
                     full,
                     swa,
-                    mamba: match slots {
-                        // The reference engine's default split of the budget between
-                        // states and KV (its running-request cap, a third of the slots,
-                        // follows from admission taking three slots a request).
-                        Some(spec) => Some(StaticSlots {
-                            slots: reference_slot_pool(
-                                self.memory_bytes,
-                                &spec,
-                                REFERENCE_MAMBA_FULL_MEMORY_RATIO,
-                                PrefixCaching::Radix,
-                            )?
-                            .slots,
-                            spec,
-                        }),
-                        None => None,
-                    },
+                    mamba: slots
+                        .map(|spec| static_slot_pool(spec, self.memory_bytes))
+                        .transpose()?,
                     swa_full_ratio: swa_full_tokens_ratio,
                     zero_on_handout: self.zero_on_handout,
                 },

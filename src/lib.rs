@@ -33,6 +33,7 @@ mod stats;
 
 pub use cache::{
     DEFAULT_EVICTION_INTERVAL, HybridCache, HybridCacheBuilder, Layout, TREE_SANITY_INTERVAL,
+    static_slot_pool,
 };
 pub use error::Error;
 pub use model::{KvRows, ModelSpec, RecurrentState};

@@ -295,6 +295,9 @@ fn parse_replay(args: &[&str]) -> Result<Command, SimError> {
         ..ReplayArgs::default()
     };
     let mut page_sizes: Vec<u32> = Vec::new();
+    // The `--workload` items in order, `None` for `all`: what `all` means depends on the
+    // model, which may come later on the line.
+    let mut workload_items: Vec<Option<Preset>> = Vec::new();
     let mut args = Args {
         command: "replay",
         rest: args.iter(),
@@ -314,39 +317,25 @@ fn parse_replay(args: &[&str]) -> Result<Command, SimError> {
             "--help" | "-h" => return Ok(Command::Help(HelpTopic::Replay)),
             "--workload" => {
                 for name in list("--workload", args.value("--workload", inline)?)? {
-                    let presets = if name.eq_ignore_ascii_case("all") {
-                        Preset::DEFAULTS.to_vec()
+                    let item = if name.eq_ignore_ascii_case("all") {
+                        None
                     } else {
-                        vec![
+                        Some(
                             Preset::from_name(name).ok_or_else(|| SimError::UnknownWorkload {
                                 name: name.to_string(),
                                 known: known_workloads(),
                             })?,
-                        ]
+                        )
                     };
-                    for preset in presets {
-                        if !parsed.workloads.contains(&preset) {
-                            parsed.workloads.push(preset);
-                        }
-                    }
+                    workload_items.push(item);
                 }
             }
             "--model" => {
                 let name = args.single("--model", inline)?;
-                let model = ModelSpec::by_name(name).ok_or_else(|| SimError::UnknownModel {
+                parsed.model = ModelSpec::by_name(name).ok_or_else(|| SimError::UnknownModel {
                     name: name.to_string(),
                     known: ModelSpec::NAMED.map(|m| m.name).join(", "),
                 })?;
-                if model.has_recurrent_state() {
-                    return Err(SimError::RecurrentModel {
-                        name: name.to_string(),
-                        replayable: replayable_models()
-                            .map(|m| m.name)
-                            .collect::<Vec<_>>()
-                            .join(", "),
-                    });
-                }
-                parsed.model = model;
             }
             "--page-size" => {
                 for value in list("--page-size", args.value("--page-size", inline)?)? {
@@ -397,8 +386,33 @@ fn parse_replay(args: &[&str]) -> Result<Command, SimError> {
             other => return Err(args.unknown(other)),
         }
     }
-    if parsed.workloads.is_empty() && parsed.trace.is_none() {
-        parsed.workloads = Preset::DEFAULTS.to_vec();
+    if workload_items.is_empty() && parsed.trace.is_none() {
+        workload_items.push(None);
+    }
+    for item in workload_items {
+        let presets = match item {
+            Some(preset) => vec![preset],
+            None => Preset::defaults_for(&parsed.model),
+        };
+        for preset in presets {
+            if !parsed.workloads.contains(&preset) {
+                parsed.workloads.push(preset);
+            }
+        }
+    }
+    if let Some(preset) = parsed
+        .workloads
+        .iter()
+        .find(|p| p.needs_recurrent_state() && !parsed.model.has_recurrent_state())
+    {
+        return Err(SimError::NeedsRecurrentModel {
+            workload: preset.name(),
+            model: parsed.model.name,
+            recurrent: recurrent_models()
+                .map(|m| m.name)
+                .collect::<Vec<_>>()
+                .join(", "),
+        });
     }
     if !page_sizes.is_empty() {
         parsed.page_sizes = page_sizes;
@@ -622,48 +636,30 @@ pub fn replay_help() -> String {
         .map(|p| {
             let default = if Preset::DEFAULTS.contains(p) {
                 ""
+            } else if p.needs_recurrent_state() {
+                " [default for a model with recurrent state]"
             } else {
                 " [not run by default]"
             };
             format!("  {:<18}{}{default}\n", p.name(), p.description())
         })
         .collect();
-    let models: String = replayable_models()
-        .map(|m| {
-            let bytes = if m.full_bytes_per_token() == m.swa_bytes_per_token() {
-                format!(
-                    "{} bytes/token/side",
-                    group_digits(m.full_bytes_per_token())
-                )
-            } else {
-                format!(
-                    "{} + {} bytes/token",
-                    group_digits(m.full_bytes_per_token()),
-                    group_digits(m.swa_bytes_per_token())
-                )
-            };
-            format!(
-                "  {:<18}{} FULL + {} SWA layers (window {}), {bytes}\n",
-                m.name, m.full_layers, m.swa_layers, m.window,
-            )
-        })
-        .collect();
-    let recurrent: Vec<&str> = ModelSpec::NAMED
+    let models: String = ModelSpec::NAMED
         .iter()
-        .filter(|m| m.has_recurrent_state())
-        .map(|m| m.name)
+        .map(|m| format!("  {:<17} {}\n", m.name, model_line(m)))
         .collect();
     format!(
         "\
 unikv replay: run serving workloads through a deterministic scheduler, once with the
-static paged FULL/SWA pools and once with the unified pool, and print a side-by-side
-report (on the CPU; no GPU needed)
+static paged pools (fixed FULL, SWA and state slot pools) and once with the unified
+pool, and print a side-by-side report (on the CPU; no GPU needed)
 
 USAGE:
   unikv replay [OPTIONS]
 
 OPTIONS:
-  --workload NAME[,NAME]  a preset to run; repeatable; `all` = the four defaults
+  --workload NAME[,NAME]  a preset to run; repeatable; `all` = the four defaults,
+                          and mamba-starvation too for a model with recurrent state
                           [default: all, or none when --trace is given]
   --trace FILE            also run the requests of a JSON Lines trace (format below)
   --model NAME            the model's KV shapes [default: gpt-oss-20b]
@@ -687,9 +683,7 @@ OPTIONS:
 WORKLOADS:
 {workloads}
 MODELS:
-{models}  Named but not replayable until the Mamba pool is built (recurrent layers):
-  {recurrent}
-
+{models}
 {trace}
 
 EXIT STATUS:
@@ -701,15 +695,53 @@ EXIT STATUS:
         memory = format_bytes(DEFAULT_MEMORY_BYTES),
         seed = DEFAULT_SEED,
         trace = trace::FORMAT_HELP,
-        recurrent = recurrent.join(", "),
     )
 }
 
-/// The named models the replay runs: those without recurrent layers.
-pub fn replayable_models() -> impl Iterator<Item = ModelSpec> {
+/// One model's line in `--help`: its layers and what a token (and a request's state)
+/// costs.
+fn model_line(m: &ModelSpec) -> String {
+    let mut layers = format!("{} FULL", m.full_layers);
+    if m.swa_layers > 0 {
+        layers += &format!(" + {} SWA", m.swa_layers);
+    }
+    if m.has_recurrent_state() {
+        layers += &format!(" + {} recurrent", m.mamba_layers);
+    }
+    layers += " layers";
+    if m.swa_layers > 0 {
+        layers += &format!(" (window {})", m.window);
+    }
+    let bytes = if m.swa_layers == 0 {
+        format!("{} bytes/token", group_digits(m.full_bytes_per_token()))
+    } else if m.full_bytes_per_token() == m.swa_bytes_per_token() {
+        format!(
+            "{} bytes/token/side",
+            group_digits(m.full_bytes_per_token())
+        )
+    } else {
+        format!(
+            "{} + {} bytes/token",
+            group_digits(m.full_bytes_per_token()),
+            group_digits(m.swa_bytes_per_token())
+        )
+    };
+    if m.has_recurrent_state() {
+        format!(
+            "{layers}, {bytes},\n{:20}{} bytes of state per request",
+            "",
+            group_digits(m.state_bytes_per_request())
+        )
+    } else {
+        format!("{layers}, {bytes}")
+    }
+}
+
+/// The named models with recurrent (Mamba/GDN) state: those `mamba-starvation` runs on.
+pub fn recurrent_models() -> impl Iterator<Item = ModelSpec> {
     ModelSpec::NAMED
         .into_iter()
-        .filter(|m| !m.has_recurrent_state())
+        .filter(|m| m.has_recurrent_state())
 }
 
 #[cfg(test)]
@@ -740,22 +772,63 @@ mod tests {
     }
 
     #[test]
-    fn every_replayable_named_model_is_accepted_and_recurrent_ones_are_refused() {
+    fn every_named_model_is_accepted_and_all_adds_mamba_starvation_for_recurrent_ones() {
         for model in ModelSpec::NAMED {
-            let parsed = replay(&["--model", model.name]);
+            let parsed = replay(&["--model", model.name]).unwrap();
+            assert_eq!(parsed.model, model);
+            let mut expected = Preset::DEFAULTS.to_vec();
             if model.has_recurrent_state() {
-                assert!(
-                    matches!(&parsed, Err(SimError::RecurrentModel { name, .. }) if name == model.name),
-                    "{model}: {parsed:?}"
-                );
-            } else {
-                assert_eq!(parsed.unwrap().model, model);
+                expected.push(Preset::MambaStarvation);
             }
+            assert_eq!(parsed.workloads, expected, "{model}");
+            // `all` means the same wherever --model comes on the line.
+            let late = replay(&["--workload", "all", "--model", model.name]).unwrap();
+            assert_eq!(late.workloads, expected, "{model}");
         }
         assert_eq!(
-            replayable_models().map(|m| m.name).collect::<Vec<_>>(),
-            ["gpt-oss-20b", "gpt-oss-120b", "gemma-4-31b"]
+            recurrent_models().map(|m| m.name).collect::<Vec<_>>(),
+            ["qwen3-next-80b-a3b", "nemotron-h-8b", "synthetic-tri"]
         );
+        let r = replay(&[
+            "--workload",
+            "mamba-starvation,smoke",
+            "--model",
+            "nemotron-h-8b",
+        ])
+        .unwrap();
+        assert_eq!(r.workloads, [Preset::MambaStarvation, Preset::Smoke]);
+    }
+
+    #[test]
+    fn mamba_starvation_needs_a_model_with_recurrent_state() {
+        for args in [
+            &["--workload", "mamba-starvation"][..],
+            &[
+                "--workload",
+                "smoke,mamba-starvation",
+                "--model",
+                "gemma-4-31b",
+            ],
+        ] {
+            let err = replay(args).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    SimError::NeedsRecurrentModel {
+                        workload: "mamba-starvation",
+                        ..
+                    }
+                ),
+                "{args:?}: {err:?}"
+            );
+            let message = err.to_string();
+            assert_eq!(message.lines().count(), 1);
+            assert!(
+                message.contains("needs a model with recurrent (Mamba/GDN) state")
+                    && message.contains("qwen3-next-80b-a3b, nemotron-h-8b, synthetic-tri"),
+                "{message}"
+            );
+        }
     }
 
     #[test]

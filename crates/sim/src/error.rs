@@ -117,17 +117,19 @@ pub enum SimError {
         /// The model names, comma-separated.
         known: String,
     },
-    /// `--model` names a model with recurrent (Mamba/GDN) layers, which the cache does
-    /// not hold yet.
+    /// A workload that needs a model with recurrent (Mamba/GDN) state
+    /// (`mamba-starvation`) was asked for with a model that has none.
     #[error(
-        "model {name:?} has recurrent (Mamba/GDN) layers, which the replay cannot run \
-         until the Mamba pool is built (replayable: {replayable})"
+        "workload {workload} needs a model with recurrent (Mamba/GDN) state, and {model} \
+         has none (models with it: {recurrent})"
     )]
-    RecurrentModel {
-        /// What was given.
-        name: String,
-        /// The replayable model names, comma-separated.
-        replayable: String,
+    NeedsRecurrentModel {
+        /// The workload.
+        workload: &'static str,
+        /// The model given.
+        model: &'static str,
+        /// The named models with recurrent state, comma-separated.
+        recurrent: String,
     },
     /// `--layout` is not `static`, `unified` or `both`.
     #[error("unknown layout {value:?} (expected static, unified or both)")]

@@ -2,19 +2,20 @@
 //!
 //! `unikv replay` runs serving workloads (named presets from the seed PR's load tests and
 //! `bench_serving` shapes, or a user's `--trace`) through a seeded scheduler that drives
-//! the cache the way an engine would, once with the static paged FULL/SWA pools and once
-//! with the unified pool, and prints a side-by-side report (DESIGN.md §9).
+//! the cache the way an engine would, once with the static paged pools (fixed FULL, SWA
+//! and Mamba state slot pools) and once with the unified pool, and prints a side-by-side
+//! report (DESIGN.md §9). Every named model replays, the Mamba hybrids included.
 //!
 //! | module | what it holds |
 //! |---|---|
 //! | [`rng`] | SplitMix64, the only source of randomness |
-//! | [`workload`] | [`Workload`], [`RequestSpec`], the presets ([`Preset`]) |
+//! | [`workload`] | [`Workload`], [`RequestSpec`], the presets ([`Preset`], [`StarvationPlan`]) |
 //! | [`input`] | input files read line by line within fixed limits |
 //! | [`trace`] | `--trace FILE` (JSON Lines) → [`Workload`] |
 //! | [`cli`] | the hand-written command line and help texts |
 //! | [`scheduler`] | the scheduler: [`scheduler::run`], [`RunConfig`], [`Layout`], [`StepProgress`] |
 //! | [`ops`] | allocator op traces: `--record-ops` and `bench-ops` |
-//! | [`report`] | [`RunStats`], the table, the JSON object, the verdict |
+//! | [`report`] | [`RunStats`], [`MambaStats`], the table, the JSON object, the verdict |
 //! | [`svg`] | one plot per run of each sub-pool's bytes over steps |
 //! | [`progress`] | the progress bar on stderr |
 //! | [`replay`] | the commands end to end |
@@ -45,6 +46,6 @@ pub mod units;
 pub mod workload;
 
 pub use error::{OpsProblem, SimError, TraceProblem};
-pub use report::{Report, RunStats, StepSample};
+pub use report::{MambaStats, Report, RunStats, StepSample};
 pub use scheduler::{Layout, RunConfig, StepProgress};
-pub use workload::{Preset, RequestSpec, Workload};
+pub use workload::{Preset, RequestSpec, StarvationPlan, Workload};

@@ -33,9 +33,14 @@ impl Outcome {
     }
 }
 
-/// The workloads `args` name, in order: the presets, then the trace. Each is validated.
+/// The workloads `args` name, in order: the presets (sized for the model and the budget
+/// where a preset is, [`crate::Preset::build_for`]), then the trace. Each is validated.
 pub fn build_workloads(args: &ReplayArgs) -> Result<Vec<Workload>, SimError> {
-    let mut workloads: Vec<Workload> = args.workloads.iter().map(|p| p.build(args.seed)).collect();
+    let mut workloads: Vec<Workload> = args
+        .workloads
+        .iter()
+        .map(|p| p.build_for(args.seed, &args.model, args.memory_bytes))
+        .collect();
     if let Some(path) = &args.trace {
         workloads.push(trace::load_trace(path, args.seed)?);
     }
@@ -175,8 +180,21 @@ fn check_writable_file(path: &Path) -> Result<(), SimError> {
     })
 }
 
-/// `unikv replay`: [`replay_with`] the real scheduler and a progress bar on stderr.
+/// `unikv replay`: [`replay_with`] the real scheduler and a progress bar on stderr, once
+/// every layout and page size was checked to be a cache the builder makes
+/// ([`scheduler::check_config`]): a combination it refuses (the unified tri-pool before
+/// it exists) is reported before any run, not after the runs before it.
 pub fn replay(args: &ReplayArgs, out: &mut dyn Write) -> Result<Outcome, SimError> {
+    for &layout in &args.layouts {
+        for &page_size in &args.page_sizes {
+            scheduler::check_config(&RunConfig::new(
+                args.model,
+                layout,
+                page_size,
+                args.memory_bytes,
+            ))?;
+        }
+    }
     let progress = ReplayProgress::for_stderr(args.runs());
     replay_with(args, &scheduler::run, &progress, out)
 }

@@ -7,14 +7,19 @@
 //! ratio unified / static (`—` where static is 0 or a layout is missing), then one
 //! verdict line for all runs.
 //!
-//! # The JSON object (`--json`, schema `unikv.replay.v2`)
+//! A model with recurrent state adds its Mamba rows (peak bytes of the slots, the slots in
+//! use at the peak and the capacity they had, cached states evicted, FULL nodes evicted as
+//! donors for slots); the table of any other model has none.
+//!
+//! # The JSON object (`--json`, schema `unikv.replay.v3`)
 //! ```text
 //! {
-//!   "schema": "unikv.replay.v2",
-//!   "model": { "name", "full_layers", "swa_layers", "sliding_window",
+//!   "schema": "unikv.replay.v3",
+//!   "model": { "name", "full_layers", "swa_layers", "mamba_layers", "sliding_window",
 //!              "full_rows": { "kv_heads", "head_dim", "dtype_bytes" },
 //!              "swa_rows": { "kv_heads", "head_dim", "dtype_bytes" },
-//!              "full_bytes_per_token", "swa_bytes_per_token" },
+//!              "full_bytes_per_token", "swa_bytes_per_token",
+//!              "state_bytes_per_request" },     0 without recurrent layers
 //!   "memory_bytes": u64,            the KV budget of every run
 //!   "seed": u64,
 //!   "invariant_level": "off" | "warn" | "strict",
@@ -27,12 +32,18 @@
 //!     "prompt_tokens": u64,         prompt tokens matched against the tree, all admissions
 //!     "prefix_hit_tokens": u64,     of those, tokens found in the tree
 //!     "prefix_hit_rate": f64 | null,  hit / prompt tokens (null when no prompt token)
-//!     "evictions_by_kind": { kind: u64 },      tokens evicted from the tree under memory pressure, by kind
-//!     "peak_bytes_by_subpool": { name: u64 },  largest bytes held by each sub-pool
+//!     "evictions_by_kind": { kind: u64 },      tokens evicted from the tree under memory
+//!                                   pressure, by kind: full, and swa for a model with SWA
+//!     "peak_bytes_by_subpool": { name: u64 },  largest bytes held by each sub-pool: full,
+//!                                   swa (a model with SWA), mamba (one with recurrent state)
+//!     "mamba": { "slot_bytes", "slots_total", "peak_slots", "state_evictions",
+//!                "donor_nodes" } | null,       state slots (see MambaStats); null for a
+//!                                   model without recurrent state
 //!     "steps": u64,
 //!     "host_syncs": u64, "host_syncs_per_step": f64,
 //!     "invariant_violations": u64,
-//!     "leaked_pages": u64,          pages neither free nor owned at the end
+//!     "leaked_pages": u64,          pages (and state slots) neither free nor owned at
+//!                                   the end
 //!     "step_cpu_ns": { "steps_timed", "median", "p99", "max" } | null,
 //!                                   allocator + tree CPU time per step (null with
 //!                                   --no-timing or when nothing was timed)
@@ -54,6 +65,9 @@ use std::fmt::{self, Write as _};
 use unikv::ModelSpec;
 use unikv_invariants::Level;
 
+/// The schema name of the JSON object (`--json`).
+pub const SCHEMA: &str = "unikv.replay.v3";
+
 /// The bytes each sub-pool held at one step.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct StepSample {
@@ -61,6 +75,24 @@ pub struct StepSample {
     pub step: u64,
     /// Sub-pool name (`full`, `swa`, ...) → bytes held (live pages × page envelope).
     pub bytes_by_subpool: BTreeMap<String, u64>,
+}
+
+/// What a run of a model with recurrent (Mamba/GDN) state did with its state slots. Slot
+/// bytes held are in [`RunStats::peak_bytes_by_subpool`] under `mamba`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MambaStats {
+    /// Bytes of one state slot (every recurrent layer's conv and temporal state).
+    pub slot_bytes: u64,
+    /// Slots the layout can hold: the static layout's fixed pool, or as many as the whole
+    /// unified buffer holds (when it holds nothing else).
+    pub slots_total: u64,
+    /// The most slots in use (held by requests or cached in the tree) at a step boundary.
+    pub peak_slots: u64,
+    /// Cached states evicted from the tree under memory pressure (alone, or with their
+    /// node).
+    pub state_evictions: u64,
+    /// Whole FULL nodes evicted to make room for state slots (FULL as the byte donor).
+    pub donor_nodes: u64,
 }
 
 /// What one run (a workload × a layout × a page size) did.
@@ -92,6 +124,8 @@ pub struct RunStats {
     pub evictions_by_kind: BTreeMap<String, u64>,
     /// The largest number of bytes each sub-pool held at any step boundary.
     pub peak_bytes_by_subpool: BTreeMap<String, u64>,
+    /// The state slots of a model with recurrent state (`None` for any other).
+    pub mamba: Option<MambaStats>,
     /// Host syncs the cache issued (must be 0).
     pub host_syncs: u64,
     /// Steps run.
@@ -103,8 +137,9 @@ pub struct RunStats {
     pub step_cpu_ns: Vec<u64>,
     /// Invariant violations recorded in the run's cache's invariant scope (must be 0).
     pub invariant_violations: u64,
-    /// Pages neither free nor owned by anyone once every request finished and the
-    /// tree was cleared (must be 0).
+    /// Pages (and, for a model with recurrent state, state slots) neither free nor owned
+    /// by anyone once every request finished and the tree was cleared, plus requests
+    /// still live (must be 0).
     pub leaked_pages: u64,
     /// Bytes per sub-pool over the run (see [`SampleRecorder`]).
     pub samples: Vec<StepSample>,
@@ -407,11 +442,31 @@ impl Report {
                 count(r.evictions_by_kind.get(&kind).copied().unwrap_or(0))
             });
         }
+        let recurrent = runs.iter().any(|r| r.mamba.is_some());
+        // A model with recurrent state: a Mamba cell of each run ("—" for a run without).
+        let mamba = |field: fn(&MambaStats) -> u64| {
+            move |r: &RunStats| match &r.mamba {
+                Some(m) => count(field(m)),
+                None => Cell::Text("—".into(), None),
+            }
+        };
+        if recurrent {
+            table.row(
+                "evictions (mamba states)",
+                runs,
+                mamba(|m| m.state_evictions),
+            );
+            table.row("evictions (donor nodes)", runs, mamba(|m| m.donor_nodes));
+        }
         for pool in union_keys(runs, |r| &r.peak_bytes_by_subpool) {
             table.row(&format!("peak bytes ({pool})"), runs, |r| {
                 let bytes = r.peak_bytes_by_subpool.get(&pool).copied().unwrap_or(0);
                 Cell::Text(format_bytes(bytes), Some(bytes as f64))
             });
+        }
+        if recurrent {
+            table.row("peak state slots", runs, mamba(|m| m.peak_slots));
+            table.row("state slot capacity", runs, mamba(|m| m.slots_total));
         }
         table.row("steps", runs, |r| count(r.steps));
         table.row("host syncs per step", runs, |r| {
@@ -481,16 +536,18 @@ impl Report {
     /// The JSON object documented in the module docs, pretty-printed, with a final newline.
     pub fn to_json(&self) -> Result<String, SimError> {
         let doc = JsonReport {
-            schema: "unikv.replay.v2",
+            schema: SCHEMA,
             model: JsonModel {
                 name: self.model.name,
                 full_layers: self.model.full_layers,
                 swa_layers: self.model.swa_layers,
+                mamba_layers: self.model.mamba_layers,
                 sliding_window: self.model.window,
                 full_rows: JsonRows::from(self.model.full),
                 swa_rows: JsonRows::from(self.model.swa),
                 full_bytes_per_token: self.model.full_bytes_per_token(),
                 swa_bytes_per_token: self.model.swa_bytes_per_token(),
+                state_bytes_per_request: self.model.state_bytes_per_request(),
             },
             memory_bytes: self.memory_bytes,
             seed: self.seed,
@@ -515,6 +572,7 @@ impl Report {
                         prefix_hit_rate: r.prefix_hit_rate(),
                         evictions_by_kind: &r.evictions_by_kind,
                         peak_bytes_by_subpool: &r.peak_bytes_by_subpool,
+                        mamba: r.mamba,
                         steps: r.steps,
                         host_syncs: r.host_syncs,
                         host_syncs_per_step: r.host_syncs_per_step(),
@@ -549,11 +607,13 @@ struct JsonModel {
     name: &'static str,
     full_layers: u32,
     swa_layers: u32,
+    mamba_layers: u32,
     sliding_window: u32,
     full_rows: JsonRows,
     swa_rows: JsonRows,
     full_bytes_per_token: u64,
     swa_bytes_per_token: u64,
+    state_bytes_per_request: u64,
 }
 
 /// One attention kind's KV rows per layer.
@@ -588,6 +648,7 @@ struct JsonRun<'a> {
     prefix_hit_rate: Option<f64>,
     evictions_by_kind: &'a BTreeMap<String, u64>,
     peak_bytes_by_subpool: &'a BTreeMap<String, u64>,
+    mamba: Option<MambaStats>,
     steps: u64,
     host_syncs: u64,
     host_syncs_per_step: f64,
@@ -788,6 +849,97 @@ pub(crate) mod tests {
             timing: true,
             runs: sample_pair(),
         }
+    }
+
+    /// A hand-made pair of runs of a model with recurrent state (qwen3-next: FULL and
+    /// state slots, no SWA), shaped like a `mamba-starvation` replay at page size 1.
+    pub(crate) fn sample_mamba_report() -> Report {
+        let map = |pairs: &[(&str, u64)]| -> BTreeMap<String, u64> {
+            pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+        };
+        let slot_bytes = 77_266_944;
+        let base = RunStats {
+            workload: "mamba-starvation".into(),
+            page_size: 1,
+            memory_bytes: 16 << 30,
+            requests_total: 171,
+            requests_completed: 171,
+            peak_admitted: 25,
+            steps: 219,
+            step_cpu_ns: vec![40_000, 60_000, 500_000],
+            ..RunStats::default()
+        };
+        let statik = RunStats {
+            layout: Layout::Static,
+            prompt_tokens: 713_216,
+            prefix_hit_tokens: 114_688,
+            evictions_by_kind: map(&[("full", 152_107)]),
+            peak_bytes_by_subpool: map(&[("full", 8_987_000_832), ("mamba", 105 * slot_bytes)]),
+            mamba: Some(MambaStats {
+                slot_bytes,
+                slots_total: 105,
+                peak_slots: 105,
+                state_evictions: 116,
+                donor_nodes: 0,
+            }),
+            ..base.clone()
+        };
+        let unified = RunStats {
+            layout: Layout::Unified,
+            prompt_tokens: 713_216,
+            prefix_hit_tokens: 204_800,
+            evictions_by_kind: map(&[("full", 291_881)]),
+            peak_bytes_by_subpool: map(&[("full", 7_473_233_920), ("mamba", 150 * slot_bytes)]),
+            mamba: Some(MambaStats {
+                slot_bytes,
+                slots_total: 221,
+                peak_slots: 150,
+                state_evictions: 71,
+                donor_nodes: 138,
+            }),
+            ..base
+        };
+        Report {
+            model: ModelSpec::QWEN3_NEXT_80B_A3B,
+            memory_bytes: 16 << 30,
+            seed: 1,
+            invariant_level: Level::Strict,
+            timing: false,
+            runs: vec![statik, unified],
+        }
+    }
+
+    #[test]
+    fn a_model_with_recurrent_state_gets_mamba_rows_and_no_swa_rows() {
+        let table = sample_mamba_report().render_table();
+        insta::assert_snapshot!(table);
+        for row in [
+            "evictions (mamba states)",
+            "evictions (donor nodes)",
+            "peak bytes (mamba)",
+            "peak state slots",
+            "state slot capacity",
+        ] {
+            assert!(table.contains(row), "{row}");
+            assert!(!sample_report().render_table().contains(row), "{row}");
+        }
+        assert!(!table.contains("(swa)"), "{table}");
+        let json = sample_mamba_report().to_json().unwrap();
+        let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(value["schema"], SCHEMA);
+        assert_eq!(value["model"]["mamba_layers"], 36);
+        assert_eq!(value["model"]["state_bytes_per_request"], 77_266_944);
+        let unified = &value["runs"][1]["mamba"];
+        assert_eq!(unified["donor_nodes"], 138);
+        assert_eq!(unified["peak_slots"], 150);
+        assert_eq!(unified["slots_total"], 221);
+        assert_eq!(unified["state_evictions"], 71);
+        assert_eq!(unified["slot_bytes"], 77_266_944);
+        // A model without recurrent state says so with null.
+        let plain: serde_json::Value =
+            serde_json::from_str(&sample_report().to_json().unwrap()).unwrap();
+        assert!(plain["runs"][0]["mamba"].is_null());
+        assert_eq!(plain["model"]["state_bytes_per_request"], 0);
     }
 
     #[test]

@@ -33,7 +33,7 @@
 //! - It fills `samples` through [`crate::report::SampleRecorder`] (bounded, evenly spaced).
 
 use crate::error::SimError;
-use crate::report::{RunStats, SampleRecorder};
+use crate::report::{MambaStats, RunStats, SampleRecorder};
 use crate::rng::SplitMix64;
 use crate::workload::Workload;
 use serde::Serialize;
@@ -50,12 +50,15 @@ use unikv_invariants::Level;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Layout {
-    /// The baseline: two fixed pools (FULL and SWA) sized at start-up by
-    /// [`RunConfig::swa_full_ratio`], and a FULL→SWA index map (`StaticSwa`). The
-    /// `Default`, so that `RunStats::default()` exists.
+    /// The baseline: fixed pools sized at start-up — FULL and SWA split by
+    /// [`RunConfig::swa_full_ratio`] with a FULL→SWA index map, and for a model with
+    /// recurrent state a fixed slot pool sized as the reference engine sizes it
+    /// ([`unikv::static_slot_pool`]) (`StaticSwa`). The `Default`, so that
+    /// `RunStats::default()` exists.
     #[default]
     Static,
-    /// One byte buffer, FULL growing from one end and SWA from the other (`UnifiedSwa`).
+    /// One byte buffer, FULL growing from one end and SWA or the Mamba state slots from
+    /// the other, the split following the workload (`UnifiedSwa`).
     Unified,
 }
 
@@ -213,18 +216,7 @@ struct Simulation<'a> {
 impl<'a> Simulation<'a> {
     fn new(workload: &'a Workload, config: &'a RunConfig) -> Result<Self, SimError> {
         let ledger = Arc::new(SyncLedger::cpu());
-        let layout = match config.layout {
-            Layout::Static => unikv::Layout::Static {
-                swa_full_tokens_ratio: config.swa_full_ratio,
-            },
-            Layout::Unified => unikv::Layout::Unified,
-        };
-        let mut builder = HybridCache::builder()
-            .model(config.model)
-            .page_size(config.page_size)
-            .memory_bytes(config.memory_bytes)
-            .layout(layout)
-            .device(ledger.clone());
+        let mut builder = cache_builder(config, ledger.clone());
         let mut record_status = None;
         if let Some(path) = &config.record_ops {
             let header = crate::ops::Op::Header {
@@ -247,13 +239,22 @@ impl<'a> Simulation<'a> {
                     page_size: config.page_size,
                     budget_bytes: config.memory_bytes,
                     needed_bytes: needed.0,
-                    reason: "the buffer cannot hold the sink and one window on both sides".into(),
+                    reason: bs1_floor(&config.model).into(),
                 }
             }
             other => SimError::Cache(other),
         })?;
         let mut arrivals: Vec<usize> = (0..workload.requests.len()).collect();
         arrivals.sort_by_key(|&i| (workload.requests[i].arrival_step, i));
+        let mut stats = RunStats::new(workload, config);
+        if config.model.has_recurrent_state() {
+            let slots = cache.stats().mamba;
+            stats.mamba = Some(MambaStats {
+                slot_bytes: slots.page_bytes,
+                slots_total: slots.total_pages as u64,
+                ..MambaStats::default()
+            });
+        }
         Ok(Simulation {
             workload,
             config,
@@ -263,7 +264,7 @@ impl<'a> Simulation<'a> {
             running: Vec::new(),
             next_arrival: 0,
             arrivals,
-            stats: RunStats::new(workload, config),
+            stats,
             samples: SampleRecorder::new(config.max_samples),
             tokens_done: 0,
             record_status,
@@ -544,20 +545,22 @@ impl<'a> Simulation<'a> {
         }
     }
 
-    /// Samples bytes per sub-pool and tracks their peaks.
+    /// Samples bytes per sub-pool and tracks their peaks (and the peak of state slots in
+    /// use).
     fn observe(&mut self, step: u64) {
         let stats = self.cache.stats();
-        let bytes = [
-            ("full", stats.full.used_bytes()),
-            ("swa", stats.swa.used_bytes()),
-        ];
-        for (name, b) in bytes {
+        let bytes = subpool_bytes(&self.config.model, &stats);
+        for (name, b) in &bytes {
             let peak = self
                 .stats
                 .peak_bytes_by_subpool
                 .entry(name.to_string())
                 .or_insert(0);
-            *peak = (*peak).max(b);
+            *peak = (*peak).max(*b);
+        }
+        if let Some(mamba) = &mut self.stats.mamba {
+            let in_use = (stats.mamba.total_pages - stats.mamba.available_pages) as u64;
+            mamba.peak_slots = mamba.peak_slots.max(in_use);
         }
         self.samples.record(step, || {
             bytes.iter().map(|(n, b)| (n.to_string(), *b)).collect()
@@ -575,18 +578,23 @@ impl<'a> Simulation<'a> {
         let report = self.cache.step_boundary();
         self.step_boundary_result(report)?;
         let stats = self.cache.stats();
-        self.stats.leaked_pages = [stats.full, stats.swa]
+        self.stats.leaked_pages = [stats.full, stats.swa, stats.mamba]
             .iter()
             .map(|s| (s.total_pages - s.available_pages) as u64)
             .sum::<u64>()
             + stats.live_requests as u64;
-        self.stats.evictions_by_kind = [
-            ("full".to_string(), e.full_tokens),
-            ("swa".to_string(), e.swa_tokens),
-        ]
-        .into();
+        let mut evictions = vec![("full".to_string(), e.full_tokens)];
+        if self.config.model.swa_layers > 0 {
+            evictions.push(("swa".to_string(), e.swa_tokens));
+        }
+        self.stats.evictions_by_kind = evictions.into_iter().collect();
+        if let Some(mamba) = &mut self.stats.mamba {
+            mamba.state_evictions = e.mamba_states;
+            mamba.donor_nodes = e.donor_nodes;
+        }
         self.stats.host_syncs += self.ledger.syncs() as u64;
         self.stats.invariant_violations = violations(&self.cache);
+        let model = self.config.model;
         let Simulation {
             cache,
             samples,
@@ -595,11 +603,10 @@ impl<'a> Simulation<'a> {
             ..
         } = self;
         run.samples = samples.finish(step, || {
-            [
-                ("full".to_string(), stats.full.used_bytes()),
-                ("swa".to_string(), stats.swa.used_bytes()),
-            ]
-            .into()
+            subpool_bytes(&model, &stats)
+                .into_iter()
+                .map(|(n, b)| (n.to_string(), b))
+                .collect()
         });
         // Dropping the cache flushes an ops recorder; then its status is final.
         drop(cache);
@@ -622,13 +629,69 @@ impl<'a> Simulation<'a> {
     fn too_small(&self, tokens: usize) -> SimError {
         let m = &self.config.model;
         let per_token = m.full_bytes_per_token() + m.swa_bytes_per_token();
+        // A request of a model with recurrent state also holds its three state slots.
+        let states = m.state_bytes_per_request().saturating_mul(3);
         SimError::BudgetTooSmall {
             workload: self.workload.name.clone(),
             layout: self.config.layout,
             page_size: self.config.page_size,
             budget_bytes: self.config.memory_bytes,
-            needed_bytes: tokens as u64 * per_token,
+            needed_bytes: (tokens as u64)
+                .saturating_mul(per_token)
+                .saturating_add(states),
             reason: format!("one request of {tokens} tokens does not fit alone"),
+        }
+    }
+}
+
+/// The builder of a run's cache, on `device`.
+fn cache_builder(config: &RunConfig, device: Arc<SyncLedger>) -> unikv::HybridCacheBuilder {
+    let layout = match config.layout {
+        Layout::Static => unikv::Layout::Static {
+            swa_full_tokens_ratio: config.swa_full_ratio,
+        },
+        Layout::Unified => unikv::Layout::Unified,
+    };
+    HybridCache::builder()
+        .model(config.model)
+        .page_size(config.page_size)
+        .memory_bytes(config.memory_bytes)
+        .layout(layout)
+        .device(device)
+}
+
+/// Checks that the builder makes `config`'s cache for some budget: a model and layout it
+/// refuses whatever the workload (the unified tri-pool before it is built) is the
+/// builder's typed error ([`SimError::Cache`]). A budget too small for one request is not
+/// an error here; the run reports it with its workload ([`SimError::BudgetTooSmall`]).
+pub fn check_config(config: &RunConfig) -> Result<(), SimError> {
+    match cache_builder(config, Arc::new(SyncLedger::cpu())).build() {
+        Err(e @ unikv::Error::Config(_)) => Err(SimError::Cache(e)),
+        _ => Ok(()),
+    }
+}
+
+/// The sub-pools a run of `model` reports, with the bytes each holds now: `full`, `swa`
+/// when the model has sliding-window layers, `mamba` (state slots × slot bytes) when it
+/// has recurrent state.
+fn subpool_bytes(model: &ModelSpec, stats: &unikv::CacheStats) -> Vec<(&'static str, u64)> {
+    let mut bytes = vec![("full", stats.full.used_bytes())];
+    if model.swa_layers > 0 {
+        bytes.push(("swa", stats.swa.used_bytes()));
+    }
+    if model.has_recurrent_state() {
+        bytes.push(("mamba", stats.mamba.used_bytes()));
+    }
+    bytes
+}
+
+/// Why a budget the builder refuses cannot hold one request (the batch-size-1 floor).
+fn bs1_floor(model: &ModelSpec) -> &'static str {
+    match (model.swa_layers > 0, model.has_recurrent_state()) {
+        (true, false) => "the buffer cannot hold the sink and one window on both sides",
+        (false, _) => "the buffer cannot hold the sink, three state slots and one FULL page",
+        (true, true) => {
+            "the buffer cannot hold the sink, one window on both sides and three state slots"
         }
     }
 }

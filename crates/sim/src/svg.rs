@@ -1,5 +1,7 @@
-//! `--svg DIR`: one plot per run of each sub-pool's bytes over steps, drawn with
-//! plotters' SVG backend.
+//! `--svg DIR`: one plot per run of each sub-pool's bytes over steps (`full`, `swa`,
+//! `mamba`, their total and the budget), drawn with plotters' SVG backend. A run of a model
+//! with recurrent state also carries one line of its state slots: the peak in use, the
+//! capacity, cached states and FULL donor nodes evicted for them ([`mamba_line`]).
 //!
 //! Text: plotters is built without its font features (`ttf`, `ab_glyph`), so it sizes
 //! labels with its built-in estimate and writes them as SVG `<text>` elements that the
@@ -159,8 +161,28 @@ fn draw(run: &RunStats, model: &str, path: &Path) -> Result<(), String> {
         .border_style(BLACK.mix(0.4))
         .draw()
         .map_err(|e| e.to_string())?;
+    if let Some(line) = mamba_line(run) {
+        // Upper left, inside the plot area (the legend is upper right).
+        root.draw(&Text::new(line, (100, 56), ("sans-serif", 15)))
+            .map_err(|e| e.to_string())?;
+    }
     root.present().map_err(|e| e.to_string())?;
     Ok(())
+}
+
+/// The line a plot of a run with recurrent state carries: its state slots and what was
+/// evicted for them (`None` for a model without recurrent state).
+pub fn mamba_line(run: &RunStats) -> Option<String> {
+    let m = run.mamba?;
+    let bytes = run.peak_bytes_by_subpool.get("mamba").copied().unwrap_or(0);
+    Some(format!(
+        "mamba: peak {} of {} state slots ({}), {} states evicted, {} FULL donor nodes evicted",
+        m.peak_slots,
+        m.slots_total,
+        crate::units::format_bytes(bytes),
+        m.state_evictions,
+        m.donor_nodes
+    ))
 }
 
 #[cfg(test)]
@@ -200,6 +222,32 @@ mod tests {
             // full, swa, total, budget and the legend's sample strokes.
             assert!(svg.matches("<polyline").count() >= 4);
         }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_run_with_recurrent_state_plots_its_slots_and_what_was_evicted_for_them() {
+        let dir = scratch("svg-mamba");
+        let mut report = crate::report::tests::sample_mamba_report();
+        for run in &mut report.runs {
+            run.samples = vec![crate::report::StepSample {
+                step: 100,
+                bytes_by_subpool: [
+                    ("full".to_string(), 1 << 30),
+                    ("mamba".to_string(), 2 << 30),
+                ]
+                .into(),
+            }];
+        }
+        let paths = write_plots(&report, &dir).unwrap();
+        let svg = std::fs::read_to_string(&paths[1]).unwrap();
+        let line = "mamba: peak 150 of 221 state slots (10.79 GiB), 71 states evicted, 138 FULL \
+                    donor nodes evicted";
+        assert_eq!(mamba_line(&report.runs[1]).as_deref(), Some(line));
+        for label in ["full", "mamba", "total", "budget", line] {
+            assert!(svg.contains(label), "{label}");
+        }
+        assert_eq!(mamba_line(&sample_report().runs[0]), None);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -29,9 +29,15 @@
 //! | `random-2048-512` | 200 | 2,048 | 512 | 64 | the PR's `bench_serving` random 2048/512 |
 //! | `random-8192-64` | 100 | 8,192 | 64 | 64 | the PR's `bench_serving` random 8192/64 |
 //! | `smoke` | 8 | 96–300 | 8–160 | 4 | none: a small mix for fast tests |
+//! | `mamba-starvation` | sized to the budget | 4,096 (+ 256) | 16 / 64 | sized | #34441's shape (recurrent models only) |
+//!
+//! `mamba-starvation` is the one preset sized by its run: its history overfills the
+//! budget whatever `--memory` is, so it is built from the model and the budget
+//! ([`Preset::build_for`], [`StarvationPlan`]). See [`Preset::MambaStarvation`].
 
 use crate::error::SimError;
 use crate::rng::SplitMix64;
+use unikv::ModelSpec;
 
 /// Size of the token-id space workloads draw from: gpt-oss's `o200k_harmony` vocabulary
 /// (201,088 ids). Any size works; this one makes the ids look like the model's.
@@ -216,25 +222,126 @@ pub enum Preset {
     /// gpt-oss's 128-token window), three are random; staggered arrivals, concurrency 4,
     /// outputs from 8 to 160 tokens. For fast tests and the report snapshot.
     Smoke,
+    /// The shape of the reference engine's "Mamba starvation" (#34441, in
+    /// `shared/reference/sglang-unified-memory.md` §8): the buffer fills with FULL pages
+    /// while slot counters look free, and new requests need state slots. First
+    /// [`StarvationPlan::histories`] long conversations (4,096-token prompts, 16 output
+    /// tokens, [`StarvationPlan::concurrency`] at once) whose KV and last state stay in
+    /// the prefix cache and together overfill the budget by a quarter, so once they ran
+    /// the free gap is smaller than one state slot; then [`StarvationPlan::follow_ups`]
+    /// follow-up turns of histories that finished last (the history and a 256-token
+    /// question, 64 output tokens), each needing three fresh state slots. In the unified
+    /// layout those slots can only come from the cached FULL KV (the donor); the static
+    /// layout has a fixed slot pool beside a fixed, smaller KV pool. Sized by the model
+    /// and the budget ([`Preset::build_for`]); meaningful only for a model with
+    /// recurrent state (the command line refuses it for others).
+    MambaStarvation,
+}
+
+/// How [`Preset::MambaStarvation`] is sized for a model and a budget: every count is
+/// derived from the bytes a history and a running request take.
+///
+/// Requests are admitted in workload order and every history has the same length, so
+/// histories finish in order, all before any follow-up (a follow-up is longer and starts
+/// later). Follow-up `k < concurrency` is admitted once `k + 1` of the last
+/// `concurrency` histories finished, so it continues history `histories − concurrency +
+/// k`, one that has just finished; the next ones continue the histories before those,
+/// newest first (the prefix cache evicts the least recently used first). See
+/// [`StarvationPlan::target`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StarvationPlan {
+    /// History conversations, enough that their cached KV and states overfill the budget
+    /// by a quarter (at least 2).
+    pub histories: u32,
+    /// Follow-up turns: two per request of `concurrency`, at most one per history.
+    pub follow_ups: u32,
+    /// Requests at once: as many running requests (three state slots and a history's KV
+    /// each) as half the budget holds (at least 1, at most 64, fewer than `histories`),
+    /// so the running set never needs what the prefix cache cannot give up.
+    pub concurrency: u32,
+}
+
+impl StarvationPlan {
+    /// Prompt tokens of a history (a multiple of every checkpoint grid up to 4,096
+    /// tokens, so its last checkpoint, which the prefix cache keeps, ends its prompt).
+    pub const HISTORY_PROMPT: u64 = 4_096;
+    /// Output tokens of a history.
+    pub const HISTORY_OUTPUT: u32 = 16;
+    /// Tokens a follow-up adds to its history.
+    pub const QUESTION: u64 = 256;
+    /// Output tokens of a follow-up.
+    pub const FOLLOW_UP_OUTPUT: u32 = 64;
+    /// State slots a running request holds (one running state, two checkpoints).
+    const SLOTS_PER_REQUEST: u64 = 3;
+
+    /// The plan for `model` in a budget of `memory_bytes`.
+    pub fn new(model: &ModelSpec, memory_bytes: u64) -> StarvationPlan {
+        let kv_per_token = model.full_bytes_per_token().max(1);
+        let state = model.state_bytes_per_request();
+        let history_tokens = Self::HISTORY_PROMPT + u64::from(Self::HISTORY_OUTPUT);
+        let history_kv = history_tokens.saturating_mul(kv_per_token);
+        // A finished history keeps its KV and its last state in the prefix cache.
+        let cached = history_kv.saturating_add(state).max(1);
+        let histories = (memory_bytes / 4 * 5).div_ceil(cached).clamp(2, 4_096) as u32;
+        let running = history_kv
+            .saturating_add(state.saturating_mul(Self::SLOTS_PER_REQUEST))
+            .max(1);
+        let concurrency = (memory_bytes / 2 / running).clamp(1, 64) as u32;
+        let concurrency = concurrency.min(histories - 1);
+        StarvationPlan {
+            histories,
+            follow_ups: (2 * concurrency).min(histories),
+            concurrency,
+        }
+    }
+
+    /// The history follow-up `k` (below [`StarvationPlan::follow_ups`]) continues: the
+    /// last `concurrency` histories in order, then the ones before them, newest first.
+    pub fn target(&self, k: u32) -> u32 {
+        let last_wave = self.histories - self.concurrency;
+        if k < self.concurrency {
+            last_wave + k
+        } else {
+            // `follow_ups ≤ histories` keeps this at 0 or above.
+            last_wave - 1 - (k - self.concurrency)
+        }
+    }
 }
 
 impl Preset {
     /// Every preset.
-    pub const ALL: [Preset; 5] = [
+    pub const ALL: [Preset; 6] = [
         Preset::SharedPrefix,
         Preset::LongOutputs,
         Preset::Random2048x512,
         Preset::Random8192x64,
         Preset::Smoke,
+        Preset::MambaStarvation,
     ];
 
-    /// The presets `unikv replay` runs when no `--workload` is given (not `smoke`).
+    /// The four presets of DESIGN.md §9, which `unikv replay` runs for every model when
+    /// no `--workload` is given (not `smoke`; see [`Preset::defaults_for`]).
     pub const DEFAULTS: [Preset; 4] = [
         Preset::SharedPrefix,
         Preset::LongOutputs,
         Preset::Random2048x512,
         Preset::Random8192x64,
     ];
+
+    /// What `--workload all` (and no `--workload`) runs for `model`: [`Preset::DEFAULTS`],
+    /// and `mamba-starvation` after them when the model has recurrent state.
+    pub fn defaults_for(model: &ModelSpec) -> Vec<Preset> {
+        let mut presets = Preset::DEFAULTS.to_vec();
+        if model.has_recurrent_state() {
+            presets.push(Preset::MambaStarvation);
+        }
+        presets
+    }
+
+    /// Whether the preset needs a model with recurrent state (`mamba-starvation`).
+    pub const fn needs_recurrent_state(self) -> bool {
+        matches!(self, Preset::MambaStarvation)
+    }
 
     /// The name `--workload` accepts.
     pub const fn name(self) -> &'static str {
@@ -244,6 +351,7 @@ impl Preset {
             Preset::Random2048x512 => "random-2048-512",
             Preset::Random8192x64 => "random-8192-64",
             Preset::Smoke => "smoke",
+            Preset::MambaStarvation => "mamba-starvation",
         }
     }
 
@@ -270,6 +378,10 @@ impl Preset {
             Preset::Smoke => {
                 "8 short requests, 5 sharing a 160-token prefix, concurrency 4 (tests)"
             }
+            Preset::MambaStarvation => {
+                "4,096-token histories overfill the budget, then follow-ups need state slots \
+                 (#34441; sized to the budget)"
+            }
         }
     }
 
@@ -282,7 +394,17 @@ impl Preset {
     /// assert_eq!(w.requests[0].prompt[..4096], w.requests[191].prompt[..4096]);
     /// assert_eq!(w, Preset::SharedPrefix.build(1));
     /// ```
+    ///
+    /// `mamba-starvation` is sized by a model and a budget ([`Preset::build_for`]); here
+    /// it is built for qwen3-next-80b-a3b in the default 16 GiB.
     pub fn build(self, seed: u64) -> Workload {
+        self.build_for(seed, &ModelSpec::QWEN3_NEXT_80B_A3B, 16 << 30)
+    }
+
+    /// The workload for a run of `model` in a budget of `memory_bytes`: the same as
+    /// [`Preset::build`] for every preset but `mamba-starvation`, which is sized by them
+    /// ([`StarvationPlan::new`]).
+    pub fn build_for(self, seed: u64, model: &ModelSpec, memory_bytes: u64) -> Workload {
         let mut tokens = TokenSource::new(seed, self.name());
         let mut requests = Vec::new();
         let mut push = |arrival_step: u64, prompt: Vec<u32>, output_len: u32| {
@@ -345,6 +467,21 @@ impl Preset {
                     push(arrival, prompt, output);
                 }
                 4
+            }
+            Preset::MambaStarvation => {
+                let plan = StarvationPlan::new(model, memory_bytes);
+                let histories: Vec<Vec<u32>> = (0..plan.histories)
+                    .map(|_| tokens.segment(StarvationPlan::HISTORY_PROMPT))
+                    .collect();
+                for history in &histories {
+                    push(0, history.clone(), StarvationPlan::HISTORY_OUTPUT);
+                }
+                for k in 0..plan.follow_ups {
+                    let mut prompt = histories[plan.target(k) as usize].clone();
+                    prompt.extend(tokens.segment(StarvationPlan::QUESTION));
+                    push(0, prompt, StarvationPlan::FOLLOW_UP_OUTPUT);
+                }
+                plan.concurrency
             }
         };
         Workload {
@@ -426,7 +563,7 @@ mod tests {
     }
 
     #[test]
-    fn names_round_trip_and_defaults_leave_out_smoke() {
+    fn names_round_trip_and_defaults_leave_out_smoke_and_mamba_starvation() {
         for preset in Preset::ALL {
             assert_eq!(Preset::from_name(preset.name()), Some(preset));
         }
@@ -436,6 +573,87 @@ mod tests {
         );
         assert_eq!(Preset::from_name("nope"), None);
         assert!(!Preset::DEFAULTS.contains(&Preset::Smoke));
+        assert!(!Preset::DEFAULTS.contains(&Preset::MambaStarvation));
+    }
+
+    #[test]
+    fn mamba_starvation_overfills_the_budget_and_follows_up_finished_histories() {
+        for model in [ModelSpec::QWEN3_NEXT_80B_A3B, ModelSpec::NEMOTRON_H_8B] {
+            for memory in [768u64 << 20, 2 << 30, 16 << 30, 80 << 30] {
+                let plan = StarvationPlan::new(&model, memory);
+                let w = Preset::MambaStarvation.build_for(5, &model, memory);
+                w.validate().unwrap();
+                let label = format!("{} at {memory}", model.name);
+                let (h, f, c) = (plan.histories, plan.follow_ups, plan.concurrency);
+                assert_eq!(w.requests.len() as u32, h + f, "{label}");
+                assert_eq!(w.concurrency, c, "{label}");
+                assert!(c >= 1 && c < h && f >= 1 && f <= h, "{label}: {plan:?}");
+                // The histories' KV and cached states overfill the budget.
+                let history_tokens =
+                    StarvationPlan::HISTORY_PROMPT + u64::from(StarvationPlan::HISTORY_OUTPUT);
+                let cached =
+                    history_tokens * model.full_bytes_per_token() + model.state_bytes_per_request();
+                assert!(u64::from(h) * cached >= memory / 4 * 5, "{label}");
+                // The running set fits in half the budget (at concurrency > 1).
+                let running = history_tokens * model.full_bytes_per_token()
+                    + 3 * model.state_bytes_per_request();
+                assert!(c == 1 || u64::from(c) * running <= memory / 2, "{label}");
+                let (histories, follow_ups) = w.requests.split_at(h as usize);
+                assert!(
+                    histories.iter().all(|r| r.prompt.len() == 4_096
+                        && r.output_len == StarvationPlan::HISTORY_OUTPUT)
+                );
+                let mut targets = Vec::new();
+                for (k, r) in follow_ups.iter().enumerate() {
+                    let target = plan.target(k as u32);
+                    // A follow-up is its history and a fresh question.
+                    assert_eq!(r.prompt.len(), 4_096 + 256);
+                    assert_eq!(r.prompt[..4_096], histories[target as usize].prompt[..]);
+                    assert_eq!(common_prefix(&r.prompt[4_096..], &histories[0].prompt), 0);
+                    targets.push(target);
+                }
+                // The last wave in order, then the ones before it, newest first; each
+                // history at most once.
+                let last_wave: Vec<u32> = (h - c..h).collect();
+                assert_eq!(targets[..c as usize], last_wave[..], "{label}");
+                assert!(targets[c as usize..].windows(2).all(|p| p[0] == p[1] + 1));
+                targets.sort_unstable();
+                targets.dedup();
+                assert_eq!(targets.len() as u32, f, "{label}");
+            }
+        }
+        // 16 GiB of qwen3-next: 121 histories, 25 at once, 50 follow-ups.
+        let plan = StarvationPlan::new(&ModelSpec::QWEN3_NEXT_80B_A3B, 16 << 30);
+        assert_eq!(
+            (plan.histories, plan.concurrency, plan.follow_ups),
+            (121, 25, 50)
+        );
+        // `build` is the qwen3-next, 16 GiB plan.
+        assert_eq!(
+            Preset::MambaStarvation.build(2),
+            Preset::MambaStarvation.build_for(2, &ModelSpec::QWEN3_NEXT_80B_A3B, 16 << 30)
+        );
+    }
+
+    #[test]
+    fn every_preset_but_mamba_starvation_ignores_the_model_and_budget() {
+        for preset in Preset::ALL {
+            let sized = preset.build_for(4, &ModelSpec::NEMOTRON_H_8B, 1 << 30);
+            assert_eq!(
+                sized == preset.build(4),
+                !preset.needs_recurrent_state(),
+                "{}",
+                preset.name()
+            );
+        }
+        assert_eq!(
+            Preset::defaults_for(&ModelSpec::GPT_OSS_20B),
+            Preset::DEFAULTS
+        );
+        assert_eq!(
+            Preset::defaults_for(&ModelSpec::SYNTHETIC_TRI).last(),
+            Some(&Preset::MambaStarvation)
+        );
     }
 
     #[test]

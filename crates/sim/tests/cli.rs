@@ -73,7 +73,11 @@ fn replay_help_documents_the_options_the_defaults_and_the_trace_format() {
         "shared-prefix",
         "EXIT STATUS",
         "gemma-4-31b       10 FULL + 50 SWA layers (window 1024), 81,920 + 819,200 bytes/token",
-        "qwen3-next-80b-a3b, nemotron-h-8b, synthetic-tri",
+        "qwen3-next-80b-a3b 12 FULL + 36 recurrent layers, 24,576 bytes/token,\n",
+        "77,266,944 bytes of state per request",
+        "synthetic-tri     4 FULL + 12 SWA + 16 recurrent layers (window 1024)",
+        "mamba-starvation  4,096-token histories",
+        "[default for a model with recurrent state]",
     ] {
         assert!(stdout.contains(needle), "{needle} missing from:\n{stdout}");
     }
@@ -103,12 +107,10 @@ fn bad_options_are_one_line_errors_with_status_2() {
         (&["replay", "--workload", "nope"], "unknown workload"),
         (&["replay", "--model", "llama"], "unknown model"),
         (
-            &["replay", "--model", "qwen3-next-80b-a3b"],
-            "model \"qwen3-next-80b-a3b\" has recurrent (Mamba/GDN) layers",
-        ),
-        (
-            &["replay", "--model=nemotron-h-8b"],
-            "replayable: gpt-oss-20b",
+            &["replay", "--workload", "mamba-starvation"],
+            "workload mamba-starvation needs a model with recurrent (Mamba/GDN) state, and \
+             gpt-oss-20b has none (models with it: qwen3-next-80b-a3b, nemotron-h-8b, \
+             synthetic-tri)",
         ),
         (&["replay", "--page-size", "0"], "--page-size"),
         (&["replay", "--layout", "paged"], "unknown layout"),
@@ -436,7 +438,7 @@ fn the_same_seed_gives_identical_json_twice() {
     let (s2, second, e2) = unikv(&args);
     assert_eq!((s1, s2), (Some(0), Some(0)), "{e1}{e2}");
     assert!(
-        first.starts_with('{') && first.contains("\"schema\": \"unikv.replay.v2\""),
+        first.starts_with('{') && first.contains("\"schema\": \"unikv.replay.v3\""),
         "{first}"
     );
     assert_eq!(first, second);
@@ -463,4 +465,236 @@ fn an_impossible_budget_is_a_clear_error_instead_of_a_hang() {
         stderr.contains("1048576") || stderr.contains("1 MiB") || stderr.contains("budget"),
         "{stderr}"
     );
+}
+
+/// Runs a replay with `--json --no-timing` and returns its document (the run must exit 0).
+fn replay_json(args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["replay", "--json", "--no-timing"];
+    all.extend_from_slice(args);
+    let (status, stdout, stderr) = unikv(&all);
+    assert_eq!(status, Some(0), "{args:?}: {stdout}{stderr}");
+    serde_json::from_str(&stdout).unwrap()
+}
+
+/// Asserts that every run of `doc` passed with 0 host syncs, 0 violations and 0 leaks,
+/// and returns its runs.
+fn passing_runs(doc: &serde_json::Value) -> &Vec<serde_json::Value> {
+    assert_eq!(doc["pass"], true, "{doc}");
+    let runs = doc["runs"].as_array().unwrap();
+    for run in runs {
+        assert_eq!(run["requests_completed"], run["requests_total"], "{run}");
+        assert_eq!(
+            (
+                &run["host_syncs"],
+                &run["invariant_violations"],
+                &run["leaked_pages"]
+            ),
+            (&0.into(), &0.into(), &0.into()),
+            "{run}"
+        );
+    }
+    runs
+}
+
+#[test]
+fn the_mamba_hybrids_replay_on_both_layouts_with_their_mamba_rows() {
+    // Qwen3-Next (GDN) and Nemotron-H (Mamba2): FULL and state slots, no SWA.
+    for (model, state) in [
+        ("qwen3-next-80b-a3b", 77_266_944u64),
+        ("nemotron-h-8b", 102_137_856),
+    ] {
+        let doc = replay_json(&[
+            "--model",
+            model,
+            "--workload",
+            "smoke",
+            "--page-size",
+            "1,16",
+            "--memory",
+            "1GiB",
+        ]);
+        assert_eq!(doc["model"]["state_bytes_per_request"], state);
+        let runs = passing_runs(&doc);
+        assert_eq!(runs.len(), 4, "two page sizes × two layouts");
+        for run in runs {
+            let peak = &run["peak_bytes_by_subpool"];
+            let mamba = &run["mamba"];
+            // Three slots a running request, within the layout's capacity (the static
+            // pool of 1 GiB holds 6: two requests at once).
+            let peak_slots = mamba["peak_slots"].as_u64().unwrap();
+            assert!(
+                peak_slots >= 3 * run["peak_admitted"].as_u64().unwrap()
+                    && peak_slots <= mamba["slots_total"].as_u64().unwrap(),
+                "{run}"
+            );
+            assert_eq!(
+                peak["mamba"].as_u64().unwrap(),
+                mamba["peak_slots"].as_u64().unwrap() * mamba["slot_bytes"].as_u64().unwrap(),
+                "{run}"
+            );
+            assert!(peak["full"].as_u64().unwrap() > 0, "{run}");
+            assert!(peak.get("swa").is_none(), "no SWA side: {run}");
+            assert!(run["evictions_by_kind"].get("swa").is_none(), "{run}");
+        }
+    }
+    // The table and the plot carry the Mamba rows too.
+    let dir = scratch("mamba-svg");
+    let (status, table, stderr) = unikv(&[
+        "replay",
+        "--model",
+        "qwen3-next-80b-a3b",
+        "--workload",
+        "smoke",
+        "--page-size",
+        "16",
+        "--layout",
+        "unified",
+        "--memory",
+        "1GiB",
+        "--no-timing",
+        "--svg",
+        dir.to_str().unwrap(),
+    ]);
+    assert_eq!(status, Some(0), "{stderr}");
+    for row in [
+        "evictions (mamba states)",
+        "evictions (donor nodes)",
+        "peak bytes (mamba)",
+        "peak state slots",
+        "state slot capacity",
+    ] {
+        assert!(table.contains(row), "{row} missing:\n{table}");
+    }
+    let svg = std::fs::read_to_string(dir.join("smoke-ps16-unified.svg")).unwrap();
+    assert!(
+        svg.contains("mamba: peak 1"),
+        "{}",
+        &svg[..svg.len().min(2000)]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn mamba_starvation_completes_on_unified_with_no_retraction_and_full_donors() {
+    // 768 MiB of qwen3-next: 6 histories of 4,096 tokens overfill the buffer, then 2
+    // follow-ups need three state slots each while the buffer is full of cached FULL KV.
+    let doc = replay_json(&[
+        "--model",
+        "qwen3-next-80b-a3b",
+        "--workload",
+        "mamba-starvation",
+        "--page-size",
+        "1,16",
+        "--memory",
+        "768MiB",
+    ]);
+    let runs = passing_runs(&doc);
+    assert_eq!(runs.len(), 4);
+    for run in runs {
+        let mamba = &run["mamba"];
+        assert_eq!(run["requests_total"], 8, "{run}");
+        // Cached states go in both layouts: the static slot pool is id-bound, the unified
+        // buffer byte-bound.
+        assert!(mamba["state_evictions"].as_u64().unwrap() > 0, "{run}");
+        if run["layout"] == "unified" {
+            // The slots of every admission into the full buffer came from FULL donors:
+            // no request was ever sent back.
+            assert_eq!(run["retractions"], 0, "{run}");
+            assert!(mamba["donor_nodes"].as_u64().unwrap() > 0, "{run}");
+        } else {
+            // The static slot pool is its own: nothing of FULL is ever given for a slot.
+            assert_eq!(mamba["donor_nodes"], 0, "{run}");
+        }
+    }
+}
+
+#[test]
+fn the_tri_model_replays_static_and_unified_once_the_builder_holds_it() {
+    let args = [
+        "replay",
+        "--model",
+        "synthetic-tri",
+        "--workload",
+        "smoke",
+        "--page-size",
+        "1,16",
+        "--memory",
+        "1GiB",
+        "--json",
+        "--no-timing",
+    ];
+    let mut statik = args.to_vec();
+    statik.extend(["--layout", "static"]);
+    let (status, stdout, stderr) = unikv(&statik);
+    assert_eq!(status, Some(0), "{stderr}");
+    let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    for run in passing_runs(&doc) {
+        let peak = &run["peak_bytes_by_subpool"];
+        assert!(
+            ["full", "swa", "mamba"]
+                .iter()
+                .all(|side| peak[side].as_u64().unwrap() > 0),
+            "{run}"
+        );
+    }
+    // The unified layout runs the same way once the tri-pool is built; until then the
+    // builder's refusal is one line and status 2, before any run (nothing on stdout).
+    let mut unified = args.to_vec();
+    unified.extend(["--layout", "both"]);
+    let (status, stdout, stderr) = unikv(&unified);
+    if status == Some(0) {
+        let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(passing_runs(&doc).len(), 4);
+    } else {
+        assert_one_line_error(&unified, "invalid cache configuration: model synthetic-tri");
+        assert!(stderr.contains("tri-pool"), "{stderr}");
+    }
+}
+
+#[test]
+fn a_recorded_mamba_hybrid_trace_reruns_under_bench_ops() {
+    let dir = scratch("mamba-ops");
+    for layout in ["static", "unified"] {
+        let ops = dir.join(format!("{layout}.jsonl"));
+        let (status, _, stderr) = unikv(&[
+            "replay",
+            "--model",
+            "nemotron-h-8b",
+            "--workload",
+            "smoke",
+            "--page-size",
+            "4",
+            "--layout",
+            layout,
+            "--memory",
+            "1GiB",
+            "--no-timing",
+            "--record-ops",
+            ops.to_str().unwrap(),
+        ]);
+        assert_eq!(status, Some(0), "{stderr}");
+        let trace = std::fs::read_to_string(&ops).unwrap();
+        assert!(trace.starts_with(&format!(
+            "{{\"op\":\"header\",\"schema\":\"unikv.ops.v1\",\"layout\":\"{layout}\",\"model\":\"nemotron-h-8b\""
+        )));
+        let (status, table, stderr) = unikv(&["bench-ops", ops.to_str().unwrap(), "--json"]);
+        assert_eq!(status, Some(0), "{layout}: {stderr}");
+        let doc: serde_json::Value = serde_json::from_str(&table).unwrap();
+        for level in ["off", "strict"] {
+            // Every slot the run allocated is allocated again, the same slots (a replay
+            // that diverges is an error), and freed again.
+            let calls = |op: &str| doc[level][op]["calls"].as_u64().unwrap_or(0);
+            assert_eq!(
+                calls("alloc_slots") as usize,
+                trace.matches("\"op\":\"alloc_slots\"").count(),
+                "{layout} {level}: {table}"
+            );
+            assert!(
+                calls("alloc_slots") > 0 && calls("free_slots") > 0,
+                "{table}"
+            );
+            assert!(calls("alloc_extend") > 0, "{table}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
