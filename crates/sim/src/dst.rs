@@ -115,9 +115,10 @@ impl Scenario {
                 swa_full_tokens_ratio: [0.5, 0.8, 1.0, 2.0][rng.below(4) as usize],
             }
         };
-        let floor = bs1_floor(model, layout, page_size);
+        // The batch-size-1 floor.
+        let floor = buildable(model, layout, page_size, 1);
         // From the floor (every admission a struggle) to a few times it.
-        let memory_bytes = floor + floor * rng.below(64) / 16;
+        let memory_bytes = buildable(model, layout, page_size, floor + floor * rng.below(64) / 16);
         Scenario {
             seed,
             model,
@@ -130,11 +131,12 @@ impl Scenario {
     }
 }
 
-/// About the least buffer a cache of `model` builds with (its batch-size-1 floor). The
-/// static layout's stated need grows with the budget (its slot pool is a share of it), so
-/// the need is asked again until a size builds.
-fn bs1_floor(model: ModelSpec, layout: Layout, page_size: u32) -> u64 {
-    let mut bytes = 1u64;
+/// About the least budget from `bytes` up that a cache of `model` builds with: the need
+/// the builder states, asked again until a size builds. (The static layout's slot pool
+/// is a share of the budget, so its stated need grows with the budget, and at a few pages
+/// a larger budget can leave its KV pools short of one request.)
+fn buildable(model: ModelSpec, layout: Layout, page_size: u32, bytes: u64) -> u64 {
+    let mut bytes = bytes.max(1);
     for _ in 0..64 {
         let built = HybridCache::builder()
             .model(model)
@@ -145,7 +147,7 @@ fn bs1_floor(model: ModelSpec, layout: Layout, page_size: u32) -> u64 {
         match built {
             Ok(_) => return bytes,
             Err(Error::Pool(unikv::pools::Error::BufferTooSmall { needed, .. })) => {
-                bytes = needed.0.max(bytes + bytes / 8);
+                bytes = needed.0.max(bytes + bytes / 8 + 1);
             }
             Err(_) => bytes = bytes.saturating_mul(2),
         }
