@@ -609,8 +609,8 @@ fn mamba_starvation_completes_on_unified_with_no_retraction_and_full_donors() {
 }
 
 #[test]
-fn the_tri_model_replays_static_and_unified_once_the_builder_holds_it() {
-    let args = [
+fn the_tri_model_replays_on_both_layouts_with_every_side_in_use() {
+    let (status, stdout, stderr) = unikv(&[
         "replay",
         "--model",
         "synthetic-tri",
@@ -622,13 +622,12 @@ fn the_tri_model_replays_static_and_unified_once_the_builder_holds_it() {
         "1GiB",
         "--json",
         "--no-timing",
-    ];
-    let mut statik = args.to_vec();
-    statik.extend(["--layout", "static"]);
-    let (status, stdout, stderr) = unikv(&statik);
+    ]);
     assert_eq!(status, Some(0), "{stderr}");
     let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap();
-    for run in passing_runs(&doc) {
+    let runs = passing_runs(&doc);
+    assert_eq!(runs.len(), 4, "static and unified (the tri-pool) at two page sizes");
+    for run in runs {
         let peak = &run["peak_bytes_by_subpool"];
         assert!(
             ["full", "swa", "mamba"]
@@ -636,18 +635,6 @@ fn the_tri_model_replays_static_and_unified_once_the_builder_holds_it() {
                 .all(|side| peak[side].as_u64().unwrap() > 0),
             "{run}"
         );
-    }
-    // The unified layout runs the same way once the tri-pool is built; until then the
-    // builder's refusal is one line and status 2, before any run (nothing on stdout).
-    let mut unified = args.to_vec();
-    unified.extend(["--layout", "both"]);
-    let (status, stdout, stderr) = unikv(&unified);
-    if status == Some(0) {
-        let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap();
-        assert_eq!(passing_runs(&doc).len(), 4);
-    } else {
-        assert_one_line_error(&unified, "invalid cache configuration: model synthetic-tri");
-        assert!(stderr.contains("tri-pool"), "{stderr}");
     }
 }
 
