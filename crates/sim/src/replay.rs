@@ -182,8 +182,8 @@ fn check_writable_file(path: &Path) -> Result<(), SimError> {
 
 /// `unikv replay`: [`replay_with`] the real scheduler and a progress bar on stderr, once
 /// every layout and page size was checked to be a cache the builder makes
-/// ([`scheduler::check_config`]): a combination it refuses (the unified tri-pool before
-/// it exists) is reported before any run, not after the runs before it.
+/// ([`scheduler::check_config`]): a combination it refuses is reported before any run,
+/// not after the runs before it.
 pub fn replay(args: &ReplayArgs, out: &mut dyn Write) -> Result<Outcome, SimError> {
     for &layout in &args.layouts {
         for &page_size in &args.page_sizes {

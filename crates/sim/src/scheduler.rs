@@ -661,8 +661,7 @@ fn cache_builder(config: &RunConfig, device: Arc<SyncLedger>) -> unikv::HybridCa
 }
 
 /// Checks that the builder makes `config`'s cache for some budget: a model and layout it
-/// refuses whatever the workload (the unified tri-pool before it is built) is the
-/// builder's typed error ([`SimError::Cache`]). A budget too small for one request is not
+/// refuses whatever the workload is the builder's typed error ([`SimError::Cache`]). A budget too small for one request is not
 /// an error here; the run reports it with its workload ([`SimError::BudgetTooSmall`]).
 pub fn check_config(config: &RunConfig) -> Result<(), SimError> {
     match cache_builder(config, Arc::new(SyncLedger::cpu())).build() {

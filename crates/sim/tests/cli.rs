@@ -626,7 +626,11 @@ fn the_tri_model_replays_on_both_layouts_with_every_side_in_use() {
     assert_eq!(status, Some(0), "{stderr}");
     let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     let runs = passing_runs(&doc);
-    assert_eq!(runs.len(), 4, "static and unified (the tri-pool) at two page sizes");
+    assert_eq!(
+        runs.len(),
+        4,
+        "static and unified (the tri-pool) at two page sizes"
+    );
     for run in runs {
         let peak = &run["peak_bytes_by_subpool"];
         assert!(
