@@ -10,6 +10,10 @@
 //!   versions, NVRTC compile check, CPU-vs-CUDA parity tests. Says so when there is no GPU.
 //! - `cargo xtask sim [--seeds N] [--seed S] [--first S]` — the deterministic simulator
 //!   with injected faults (`unikv sim`, release build): N seeds from S, or one seed.
+//! - `cargo xtask mutants [ARGS]` — mutation testing with cargo-mutants (installed if
+//!   missing) over `crates/pools`, `crates/radix` and the facade, each mutant tested by its
+//!   own crate's tests at invariant level strict; ARGS go to `cargo mutants` (e.g.
+//!   `--shard 0/8`, `-f crates/pools/src/sub.rs`). Hours on two cores: not part of CI.
 //! - `cargo xtask bench` — every crate's benchmarks.
 //! - `cargo xtask nvrtc` — installs libnvrtc (from PyPI) under `target/nvrtc` and
 //!   compile-checks every kernel.
@@ -28,6 +32,7 @@ fn main() -> ExitCode {
         Some("gpu") => tasks::gpu(),
         Some("bench") => tasks::bench(&args[1..]),
         Some("sim") => tasks::sim(&args[1..]),
+        Some("mutants") => tasks::mutants(&args[1..]),
         Some("nvrtc") => tasks::nvrtc_check(),
         Some("help" | "--help" | "-h") | None => {
             println!("{}", USAGE);
@@ -55,5 +60,7 @@ tasks:
                    the deterministic simulator with faults: N seeds (default 10000) from
                    S (default 0), or the one seed S; a failure prints its seed
   gpu              GPU checks (driver, NVRTC, CPU-vs-CUDA parity); skips loudly without a GPU
+  mutants [ARGS]   cargo-mutants over pools, radix and the facade (installs it if missing;
+                   ARGS go to cargo mutants, e.g. --shard 0/8 or -f FILE); not in CI
   bench [ARGS]     cargo bench for the workspace
   nvrtc            install libnvrtc under target/nvrtc and compile every kernel";

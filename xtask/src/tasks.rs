@@ -132,6 +132,28 @@ pub fn sim(args: &[String]) -> Result<(), String> {
     .run()
 }
 
+/// `cargo xtask mutants [ARGS]`: cargo-mutants over the crates whose tests must notice a
+/// wrong line (pools, radix, the facade), each mutant tested by its own package's tests
+/// under nextest at invariant level strict, one job at a time (two cores). Installs
+/// cargo-mutants when it is missing. Results land in `mutants.out/`.
+pub fn mutants(args: &[String]) -> Result<(), String> {
+    if Cmd::cargo(&["mutants", "--version"]).quiet().run().is_err() {
+        Cmd::cargo(&["install", "--locked", "cargo-mutants"]).run()?;
+    }
+    Cmd::cargo(&["mutants", "--test-tool", "nextest", "--jobs", "1"])
+        .args([
+            "--package",
+            "unikv-pools",
+            "--package",
+            "unikv-radix",
+            "--package",
+            "unikv",
+        ])
+        .args(args.iter().map(String::as_str))
+        .env("UNIKV_INVARIANT_CHECK", "strict")
+        .run()
+}
+
 /// `cargo xtask ci`: everything CI checks, failing at the first broken stage.
 pub fn ci() -> Result<(), String> {
     let started = Instant::now();
