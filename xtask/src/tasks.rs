@@ -115,12 +115,9 @@ fn run_matrix(quick: bool, extra_env: &[(&str, String)]) -> Result<(), String> {
 /// cores).
 const CI_SIM_SEEDS: u64 = 500;
 
-/// `cargo xtask sim [ARGS]`: `unikv sim ARGS` in a release build.
-pub fn sim(args: &[String]) -> Result<(), String> {
-    Cmd::cargo(&[
-        "run",
-        "--release",
-        "--locked",
+/// `cargo run [profile] -p unikv-sim --bin unikv -- sim`, to which the caller adds args.
+fn unikv_sim(profile: &[&str]) -> Cmd {
+    Cmd::cargo(&["run", "--locked"]).args(profile).args([
         "-p",
         "unikv-sim",
         "--bin",
@@ -128,8 +125,13 @@ pub fn sim(args: &[String]) -> Result<(), String> {
         "--",
         "sim",
     ])
-    .args(args.iter().map(String::as_str))
-    .run()
+}
+
+/// `cargo xtask sim [ARGS]`: `unikv sim ARGS` in a release build.
+pub fn sim(args: &[String]) -> Result<(), String> {
+    unikv_sim(&["--release"])
+        .args(args.iter().map(String::as_str))
+        .run()
 }
 
 /// `cargo xtask mutants [ARGS]`: cargo-mutants over the crates whose tests must notice a
@@ -176,18 +178,9 @@ pub fn ci() -> Result<(), String> {
     loom()?;
     // The simulator, sized for CI (the dev build the matrix made; `cargo xtask sim` runs
     // thousands in release).
-    Cmd::cargo(&[
-        "run",
-        "--locked",
-        "-p",
-        "unikv-sim",
-        "--bin",
-        "unikv",
-        "--",
-        "sim",
-    ])
-    .args(["--seeds", &CI_SIM_SEEDS.to_string()])
-    .run()?;
+    unikv_sim(&[])
+        .args(["--seeds", &CI_SIM_SEEDS.to_string()])
+        .run()?;
     println!(
         "ci: all stages passed in {:.0}s",
         started.elapsed().as_secs_f64()

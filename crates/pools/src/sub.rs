@@ -381,12 +381,7 @@ impl SubAllocator {
                 continue;
             }
             let Some(dst) = dst_iter.next() else { break };
-            moves.push(SpanMove {
-                src: self.grid.offset(src),
-                dst: self.grid.offset(dst),
-                len: self.grid.envelope,
-            });
-            plan.pairs.push((src, dst));
+            self.plan_move((src, dst), moves, &mut plan.pairs);
         }
         plan.span = Some((packed_lo, packed_hi));
     }
@@ -397,16 +392,38 @@ impl SubAllocator {
     /// unchanged state; an empty plan changes nothing.
     pub(crate) fn commit_compaction(&mut self, plan: &CompactionPlan) {
         let Some((lo, hi)) = plan.span else { return };
-        for &(src, dst) in &plan.pairs {
+        self.rebind_moved(&plan.pairs);
+        self.lo = lo;
+        self.hi = hi;
+        self.holes.clear();
+    }
+
+    /// Records the envelope copy of the page at `src` to the free page `dst` (in `moves`)
+    /// and the pair (in `pairs`), for a plan's commit to rebind.
+    fn plan_move(
+        &self,
+        (src, dst): (u32, u32),
+        moves: &mut Vec<SpanMove>,
+        pairs: &mut Vec<(u32, u32)>,
+    ) {
+        moves.push(SpanMove {
+            src: self.grid.offset(src),
+            dst: self.grid.offset(dst),
+            len: self.grid.envelope,
+        });
+        pairs.push((src, dst));
+    }
+
+    /// Rebinds the virtual page of each planned `(src, dst)` move to `dst` (the device
+    /// moved its bytes).
+    fn rebind_moved(&mut self, pairs: &[(u32, u32)]) {
+        for &(src, dst) in pairs {
             let v = self.p2v[src as usize];
             self.p2v[src as usize] = 0;
             self.p2v[dst as usize] = v;
             self.v2p[v as usize] = dst as i32;
             self.mark(v);
         }
-        self.lo = lo;
-        self.hi = hi;
-        self.holes.clear();
     }
 
     /// Appends the envelopes of the `n` pages the next binds would take, in the order
@@ -478,12 +495,7 @@ impl SubAllocator {
         let outside = (self.lo..self.hi).filter(|&p| (p < t0 || p >= t1) && p2v[p as usize] != 0);
         for src in outside {
             let Some(dst) = free.next() else { break };
-            moves.push(SpanMove {
-                src: self.grid.offset(src),
-                dst: self.grid.offset(dst),
-                len: self.grid.envelope,
-            });
-            plan.pairs.push((src, dst));
+            self.plan_move((src, dst), moves, &mut plan.pairs);
         }
         plan.holes.extend(free);
         plan.span = Some((t0, t1));
@@ -493,13 +505,7 @@ impl SubAllocator {
     /// rebound to its new page, the span becomes the plan's, its free pages the holes.
     pub(crate) fn commit_relay(&mut self, plan: &RelayPlan) {
         let Some((lo, hi)) = plan.span else { return };
-        for &(src, dst) in &plan.pairs {
-            let v = self.p2v[src as usize];
-            self.p2v[src as usize] = 0;
-            self.p2v[dst as usize] = v;
-            self.v2p[v as usize] = dst as i32;
-            self.mark(v);
-        }
+        self.rebind_moved(&plan.pairs);
         self.lo = lo;
         self.hi = hi;
         self.holes.clear();

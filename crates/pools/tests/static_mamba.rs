@@ -6,28 +6,18 @@
 
 mod common;
 
-use common::{WINDOW, full_spec, swa_spec};
+use common::{WINDOW, alloc_slots, assert_sound, fresh_row, full_spec, slot_spec, swa_spec};
 use proptest::prelude::*;
 use std::sync::Arc;
 use unikv_kernels::{
     ByteSpan, CpuDevice, Device, DeviceOp, FaultInjector, HostSync, Readback, SyncLedger,
 };
 use unikv_pools::{
-    BS1_STATE_SLOTS, DeferredKind, Error, ExtendRequest, KvAllocator, PageDemand, PrefixCaching,
+    BS1_STATE_SLOTS, DeferredKind, Error, KvAllocator, PageDemand, PrefixCaching,
     REFERENCE_MAMBA_FULL_MEMORY_RATIO, ReclaimPlan, Reclaimable, ReferenceSlotPool, Segment, Side,
     SlotFault, SlotPoolSpec, StaticSlots, StaticSwa, StaticSwaConfig, VirtualSlot, VirtualToken,
     reference_slot_pool,
 };
-
-/// One slot: 2 recurrent layers, 256 bytes (larger than any KV envelope at page size 1
-/// and 4, so it sets the sink floor there).
-fn slot_spec() -> SlotPoolSpec {
-    SlotPoolSpec {
-        name: "mamba",
-        layers: 2,
-        bytes_per_slot: 256,
-    }
-}
 
 /// Whether the config has an SWA side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,21 +73,6 @@ fn each_case(mut f: impl FnMut(u32, Kv)) {
     }
 }
 
-/// Conservation and the full scan hold, and nothing breached an invariant.
-#[track_caller]
-fn assert_clean(a: &StaticSwa) {
-    assert!(a.check_conservation());
-    a.verify().unwrap();
-    a.invariant_scope().poll().unwrap();
-}
-
-fn alloc_slots(a: &mut StaticSwa, n: usize) -> Vec<VirtualSlot> {
-    let mut out = Vec::new();
-    a.alloc_slots(n, &mut out).unwrap();
-    assert_eq!(out.len(), n);
-    out
-}
-
 fn pending_slots(a: &StaticSwa) -> usize {
     let lists = a.pending_frees();
     assert_eq!(lists[4].0, DeferredKind::Slots);
@@ -143,20 +118,6 @@ fn stamp_slot(dev: &dyn Device, a: &StaticSwa, s: VirtualSlot, value: u8) {
     dev.fill_spans(a.buffer(), &[span], value).unwrap();
 }
 
-fn new_row(a: &mut StaticSwa, n: usize) -> Vec<VirtualToken> {
-    let mut out = Vec::new();
-    a.alloc_extend(
-        &[ExtendRequest {
-            prefix_len: 0,
-            seq_len: n,
-            last_token: None,
-        }],
-        &mut out,
-    )
-    .unwrap();
-    out
-}
-
 #[test]
 fn slots_are_ids_one_to_n_at_fixed_physical_slots_above_the_floor() {
     each_case(|ps, kv| {
@@ -192,7 +153,7 @@ fn slots_are_ids_one_to_n_at_fixed_physical_slots_above_the_floor() {
         assert_eq!(a.physical_slot(VirtualSlot(9)), None);
         assert_eq!(a.kernel_id(Side::Mamba, VirtualToken(1)), 0);
         assert!(map.to_string().contains("mamba"), "{map}");
-        assert_clean(&a);
+        assert_sound(&a);
     });
 }
 
@@ -202,19 +163,19 @@ fn slot_frees_apply_now_outside_a_group_and_at_the_flush_inside_one() {
         let mut a = rig(ps, 6, kv).alloc;
         let s = alloc_slots(&mut a, 4);
         assert_eq!(a.capacity().mamba.allocated_pages, 4);
-        assert_clean(&a);
+        assert_sound(&a);
         // Outside a group: freed at once.
         a.free_slots(&s[..1]).unwrap();
         assert_eq!(a.capacity().mamba.available_pages, 3);
         assert_eq!(a.physical_slot(s[0]), None);
-        assert_clean(&a);
+        assert_sound(&a);
         // Inside a group: deferred through the slot list until a flush.
         a.free_group_begin().unwrap();
         a.free_slots(&s[1..3]).unwrap();
         assert_eq!(pending_slots(&a), 2);
         assert_eq!(a.capacity().mamba.available_pages, 3);
         assert!(a.physical_slot(s[1]).is_some());
-        assert_clean(&a);
+        assert_sound(&a);
         // A pending slot named again, or a slot named twice in one call, is refused.
         let before = snapshot(&a);
         for bad in [
@@ -251,10 +212,10 @@ fn slot_frees_apply_now_outside_a_group_and_at_the_flush_inside_one() {
         a.free_group_end().unwrap();
         assert_eq!(pending_slots(&a), 0);
         assert_eq!(a.capacity().mamba.available_pages, 6);
-        assert_clean(&a);
+        assert_sound(&a);
         // Freed ids come back (the most recently freed first).
         assert_eq!(alloc_slots(&mut a, 1), vec![s[3]]);
-        assert_clean(&a);
+        assert_sound(&a);
     });
 }
 
@@ -287,7 +248,7 @@ fn slot_exhaustion_is_a_typed_error_that_changes_nothing() {
         // Zero slots always succeed.
         a.alloc_slots(0, &mut out).unwrap();
         assert_eq!(out.len(), 1);
-        assert_clean(&a);
+        assert_sound(&a);
     });
 }
 
@@ -327,7 +288,7 @@ fn copy_slots_copies_whole_envelopes_and_leaves_the_source() {
             assert!(matches!(err, Error::BadSlot { .. }), "{err}");
         }
         assert_eq!(ledger.op_count(), ops);
-        assert_clean(&a);
+        assert_sound(&a);
     });
 }
 
@@ -380,7 +341,7 @@ fn reclaim_plan_sizes_slot_eviction_after_flushing_the_slot_list() {
             (0, 0, 0)
         );
         assert_eq!(a.capacity().slot_price_tokens, 0);
-        assert_clean(&a);
+        assert_sound(&a);
     });
 }
 
@@ -397,7 +358,7 @@ fn every_slot_path(a: &mut StaticSwa) {
     a.ensure_capacity(PageDemand::slots(2)).unwrap();
     a.free_slots(&s[3..]).unwrap();
     a.free_group_end().unwrap();
-    let row = new_row(a, 10);
+    let row = fresh_row(a, 10);
     a.free_group_begin().unwrap();
     a.free_segment(Segment::of_row(&row, 0..row.len())).unwrap();
     a.free_group_end().unwrap();
@@ -422,7 +383,7 @@ fn slot_paths_issue_no_host_sync() {
         let ops = ledger.op_count();
         a.free_slots(&s).unwrap();
         assert_eq!(ledger.op_count(), ops);
-        assert_clean(&a);
+        assert_sound(&a);
     });
 }
 
@@ -456,7 +417,7 @@ fn the_mamba_translate_reads_the_uploaded_slot_mirror() {
         assert_eq!(table[s[0].0 as usize], phys(s[0]));
         assert_eq!(table[s[1].0 as usize], 0);
         assert_eq!(table[0], 0, "the sink reads as the sink");
-        assert_clean(&a);
+        assert_sound(&a);
     });
 }
 
@@ -491,7 +452,7 @@ fn a_failed_device_op_on_a_slot_path_changes_nothing_and_the_retry_succeeds() {
             slot_bytes(&**dev, &a, s[0]).iter().all(|&b| b == 0),
             "the retry zeroed the slot it handed out"
         );
-        assert_clean(&a);
+        assert_sound(&a);
         // The copy.
         stamp_slot(&**dev, &a, s[0], 0x33);
         stamp_slot(&**dev, &a, s[1], 0x44);
@@ -504,7 +465,7 @@ fn a_failed_device_op_on_a_slot_path_changes_nothing_and_the_retry_succeeds() {
         a.copy_slots(&[(s[0], s[1])]).unwrap();
         assert!(slot_bytes(&**dev, &a, s[1]).iter().all(|&b| b == 0x33));
         // The mirror upload: fail each of its scatters in turn (FULL, SWA, slots).
-        let _row = new_row(&mut a, 3);
+        let _row = fresh_row(&mut a, 3);
         let more = alloc_slots(&mut a, 1);
         a.free_slots(&more).unwrap();
         let mut n = 0;
@@ -537,7 +498,7 @@ fn a_failed_device_op_on_a_slot_path_changes_nothing_and_the_retry_succeeds() {
             let want = a.physical_slot(VirtualSlot(v)).map_or(0, |p| p as i32);
             assert_eq!(table[v as usize], want, "s{v}");
         }
-        assert_clean(&a);
+        assert_sound(&a);
     });
 }
 
@@ -552,7 +513,7 @@ fn a_full_only_static_allocator_binds_full_and_refuses_swa_frees() {
         for step in 0..24 {
             let n = 1 + (step * 7) % (3 * psz + 2);
             if a.allocation_fits(PageDemand::pages(ps_pages(ps, n), 0)) {
-                let row = new_row(&mut a, n);
+                let row = fresh_row(&mut a, n);
                 assert!(row.iter().all(|t| a.kernel_id(Side::Full, *t) != 0));
                 assert!(row.iter().all(|t| a.kernel_id(Side::Swa, *t) == 0));
                 rows.push(row);
@@ -582,7 +543,7 @@ fn a_full_only_static_allocator_binds_full_and_refuses_swa_frees() {
                 }
             }
             a.upload_mirror().unwrap();
-            assert_clean(&a);
+            assert_sound(&a);
         }
         a.free_group_begin().unwrap();
         for row in &rows {
@@ -592,7 +553,7 @@ fn a_full_only_static_allocator_binds_full_and_refuses_swa_frees() {
         let c = a.capacity();
         assert_eq!(c.full.allocated_pages, 0);
         assert_eq!(c.joint_available_pages, c.full.total_pages);
-        assert_clean(&a);
+        assert_sound(&a);
     }
 }
 
@@ -631,7 +592,7 @@ fn too_few_slots_or_a_buffer_without_room_for_them_is_refused_at_boot() {
             c.total_bytes = needed.0;
             let a = StaticSwa::new(device(), c.clone()).unwrap();
             assert_eq!(a.pool_slots(), too_many);
-            assert_clean(&a);
+            assert_sound(&a);
             c.total_bytes = needed.0 - 1;
             assert!(matches!(
                 StaticSwa::new(device(), c),

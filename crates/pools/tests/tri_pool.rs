@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{WINDOW, full_spec, swa_spec};
+use common::{SLOT, WINDOW, assert_sound, full_spec, slot_spec, swa_spec, try_row};
 use proptest::prelude::*;
 use std::sync::Arc;
 use unikv_kernels::{
@@ -16,20 +16,9 @@ use unikv_kernels::{
     SyncLedger,
 };
 use unikv_pools::{
-    Error, ExtendRequest, KvAllocator, PageDemand, Segment, Side, SlotPoolSpec, SwaState,
-    UnifiedSwa, UnifiedSwaConfig, VirtualPage, VirtualSlot, VirtualToken,
+    Error, KvAllocator, PageDemand, Segment, Side, SwaState, UnifiedSwa, UnifiedSwaConfig,
+    VirtualPage, VirtualSlot, VirtualToken,
 };
-
-/// One slot: 2 recurrent layers, 256 bytes (FULL is 32 B/token, SWA 64 B/token).
-const SLOT: u64 = 256;
-
-fn slot_spec() -> SlotPoolSpec {
-    SlotPoolSpec {
-        name: "mamba",
-        layers: 2,
-        bytes_per_slot: SLOT,
-    }
-}
 
 /// Bytes of one joint page (FULL + SWA).
 fn joint(ps: u32) -> u64 {
@@ -70,26 +59,6 @@ fn rig(ps: u32, bytes: u64) -> Rig {
     let device: Arc<dyn Device> = ledger.clone();
     let a = UnifiedSwa::new(device, config(ps, bytes)).unwrap();
     Rig { ledger, faults, a }
-}
-
-#[track_caller]
-fn assert_clean(a: &UnifiedSwa) {
-    assert!(a.check_conservation());
-    a.verify().unwrap();
-    a.invariant_scope().poll().unwrap();
-}
-
-fn try_row(a: &mut UnifiedSwa, n: usize) -> Result<Vec<VirtualToken>, Error> {
-    let mut out = Vec::new();
-    a.alloc_extend(
-        &[ExtendRequest {
-            prefix_len: 0,
-            seq_len: n,
-            last_token: None,
-        }],
-        &mut out,
-    )?;
-    Ok(out)
 }
 
 /// The stamp of virtual page `v` on `side` (never 0, which is what zeroing writes).
@@ -218,7 +187,7 @@ fn scenario_34_the_float_lands_at_the_midpoint_parks_when_empty_and_never_walls_
         );
         let mid = (mamba_hi + full_lo) / 2;
         assert!(a.span_bytes(Side::Swa).0.abs_diff(mid) <= env, "ps {ps}");
-        assert_clean(&a);
+        assert_sound(&a);
         // Its window released, the float is empty again: parked and transparent, and the
         // pool is what it was (FULL keeps the row's page).
         a.free_swa_segment(Segment::of_row(&row, 0..psz)).unwrap();
@@ -240,7 +209,7 @@ fn scenario_34_the_float_lands_at_the_midpoint_parks_when_empty_and_never_walls_
             a.free_swa_segment(Segment::of_row(&row, 0..psz)).unwrap();
             assert_eq!(float_span(&a).0, float_span(&a).1, "ps {ps}: parked");
             rows.push(row);
-            assert_clean(&a);
+            assert_sound(&a);
         }
         let full_lo = a.span_bytes(Side::Full).0;
         assert!(
@@ -287,7 +256,7 @@ fn float_with_holes(ps: u32, slots: usize) -> (Rig, Vec<Vec<VirtualToken>>, Vec<
         rig.a.capacity().swa.hole_pages > 0,
         "ps {ps}: the float has holes"
     );
-    assert_clean(&rig.a);
+    assert_sound(&rig.a);
     (rig, rows, held)
 }
 
@@ -335,7 +304,7 @@ fn scenario_35_full_needing_the_floats_bytes_relays_the_fewest_boundary_swa_page
             } else {
                 assert_eq!(moved(&before, &after), 0, "ps {ps}: no move without need");
             }
-            assert_clean(&a);
+            assert_sound(&a);
             assert_stamps(&*dev, &a, "scenario 35");
         }
         assert!(relays > 0, "ps {ps}: FULL never reached the float");
@@ -383,7 +352,7 @@ fn a_slot_demand_the_float_blocks_relays_its_low_pages_toward_full() {
             } else {
                 assert_eq!(moved(&before, &after), 0, "ps {ps}");
             }
-            assert_clean(&a);
+            assert_sound(&a);
             assert_stamps(&*dev, &a, "slot ladder");
         }
         assert!(relays > 0, "ps {ps}: the slots never reached the float");
@@ -420,7 +389,7 @@ fn the_ladder_packs_ends_with_holes_before_it_relays_the_float() {
             0,
             "ps {ps}: packed"
         );
-        assert_clean(&a);
+        assert_sound(&a);
         assert_stamps(&*dev, &a, "both rungs");
         assert_eq!(ledger.syncs(), 0);
     }
@@ -447,7 +416,7 @@ fn a_move_gate_freezes_the_float_as_well() {
             "ps {ps}: the ladder's room comes back with the gate"
         );
         try_row(&mut a, psz).unwrap();
-        assert_clean(&a);
+        assert_sound(&a);
     }
 }
 
@@ -602,7 +571,7 @@ fn a_device_fault_anywhere_in_the_ladder_changes_nothing_a_caller_sees() {
             }
         }
         faults += sweep(&mut rig, "flush", |a| a.flush()).1;
-        assert_clean(&rig.a);
+        assert_sound(&rig.a);
         assert_stamps(&*dev, &rig.a, "after the sweep");
         assert!(faults >= 20, "ps {ps}: only {faults} faults injected");
     }
@@ -628,7 +597,7 @@ fn the_batch_size_1_floor_charges_three_slots_and_a_window_on_both_kv_sides() {
         a.alloc_slots(3, &mut out).unwrap();
         let window = (WINDOW + ps) as usize;
         try_row(&mut a, window.div_ceil(ps as usize) * ps as usize).unwrap();
-        assert_clean(&a);
+        assert_sound(&a);
         c.total_bytes -= 1;
         assert!(matches!(
             UnifiedSwa::new(Arc::new(CpuDevice::new()), c),
@@ -777,7 +746,7 @@ fn churn(ps: u32, budget: u64, ops: &[Op]) {
             }
             _ => {}
         }
-        assert_clean(&a);
+        assert_sound(&a);
         assert_stamps(&*dev, &a, &format!("{op:?}"));
     }
     if group {
@@ -796,7 +765,7 @@ fn churn(ps: u32, budget: u64, ops: &[Op]) {
         cap.mamba.allocated_pages + cap.full.allocated_pages + cap.swa.allocated_pages,
         0
     );
-    assert_clean(&a);
+    assert_sound(&a);
     assert_eq!(ledger.syncs(), 0);
 }
 

@@ -7,28 +7,16 @@
 
 mod common;
 
-use common::{WINDOW, full_spec};
+use common::{SLOT, WINDOW, alloc_slots, assert_sound, fresh_row, full_spec, slot_spec, try_row};
 use proptest::prelude::*;
 use std::sync::Arc;
 use unikv_kernels::{
     ByteSpan, CpuDevice, Device, DeviceOp, FaultInjector, HostSync, Readback, SyncLedger,
 };
 use unikv_pools::{
-    BS1_STATE_SLOTS, DeferredKind, Error, ExtendRequest, KvAllocator, PageDemand, ReclaimPlan,
-    Reclaimable, Segment, Side, SlotPoolSpec, UnifiedSwa, UnifiedSwaConfig, VirtualSlot,
-    VirtualToken,
+    BS1_STATE_SLOTS, DeferredKind, Error, KvAllocator, PageDemand, ReclaimPlan, Reclaimable,
+    Segment, Side, UnifiedSwa, UnifiedSwaConfig, VirtualSlot, VirtualToken,
 };
-
-/// One slot: 2 recurrent layers, 256 bytes, the KV of 8 tokens (FULL is 32 B/token).
-const SLOT: u64 = 256;
-
-fn slot_spec() -> SlotPoolSpec {
-    SlotPoolSpec {
-        name: "mamba",
-        layers: 2,
-        bytes_per_slot: SLOT,
-    }
-}
 
 /// The sink floor: one slot or one FULL page, whichever is larger.
 fn floor(ps: u32) -> u64 {
@@ -64,37 +52,6 @@ fn rig(ps: u32, bytes: u64) -> Rig {
 /// Page sizes 1 and ≥ 4 (one slot spans several FULL pages at 1 and 4, less than one
 /// page at 16).
 const PAGE_SIZES: [u32; 3] = [1, 4, 16];
-
-#[track_caller]
-fn assert_clean(a: &UnifiedSwa) {
-    assert!(a.check_conservation());
-    a.verify().unwrap();
-    a.invariant_scope().poll().unwrap();
-}
-
-fn alloc_slots(a: &mut UnifiedSwa, n: usize) -> Vec<VirtualSlot> {
-    let mut out = Vec::new();
-    a.alloc_slots(n, &mut out).unwrap();
-    assert_eq!(out.len(), n);
-    out
-}
-
-fn try_row(a: &mut UnifiedSwa, n: usize) -> Result<Vec<VirtualToken>, Error> {
-    let mut out = Vec::new();
-    a.alloc_extend(
-        &[ExtendRequest {
-            prefix_len: 0,
-            seq_len: n,
-            last_token: None,
-        }],
-        &mut out,
-    )?;
-    Ok(out)
-}
-
-fn new_row(a: &mut UnifiedSwa, n: usize) -> Vec<VirtualToken> {
-    try_row(a, n).unwrap()
-}
 
 /// What a refused call must leave as it was.
 fn snapshot(a: &UnifiedSwa) -> impl PartialEq + std::fmt::Debug + use<> {
@@ -140,7 +97,7 @@ fn fill_with_full(a: &mut UnifiedSwa) -> (Vec<Vec<VirtualToken>>, Vec<VirtualSlo
     let ps = a.page_size().get() as usize;
     let mut rows = Vec::new();
     while a.allocation_fits(PageDemand::pages(1, 0)) {
-        rows.push(new_row(a, ps));
+        rows.push(fresh_row(a, ps));
     }
     let mut slots = Vec::new();
     while a.allocation_fits(PageDemand::slots(1)) {
@@ -159,7 +116,7 @@ fn slots_grow_up_from_the_floor_full_grows_down_and_a_slot_is_priced_in_tokens()
         assert_eq!(cap.swa, Default::default(), "no SWA side");
         assert!(cap.mamba.available_pages >= 14, "ps {ps}: {cap:?}");
         let s = alloc_slots(&mut a, 3);
-        let row = new_row(&mut a, 3 * ps as usize);
+        let row = fresh_row(&mut a, 3 * ps as usize);
         let map = a.pool_map();
         let sides: Vec<Side> = map.spans.iter().map(|s| s.side).collect();
         assert_eq!(sides, [Side::Mamba, Side::Full]);
@@ -197,7 +154,7 @@ fn slots_grow_up_from_the_floor_full_grows_down_and_a_slot_is_priced_in_tokens()
         a.free(&row).unwrap();
         a.flush().unwrap();
         assert_eq!(a.capacity(), cap, "everything comes back");
-        assert_clean(&a);
+        assert_sound(&a);
     }
 }
 
@@ -235,7 +192,7 @@ fn a_slot_shortfall_with_spare_ids_is_paid_by_full_donors_and_states_last() {
         );
         a.free(&rows[pages - 1]).unwrap();
         let s = alloc_slots(&mut a, 1);
-        assert_clean(&a);
+        assert_sound(&a);
         // With no FULL evictable, cached states are the last resort.
         let (more_rows, _tail) = fill_with_full(&mut a);
         let rows: Vec<_> = [rows[pages..].to_vec(), more_rows].concat();
@@ -264,7 +221,7 @@ fn a_slot_shortfall_with_spare_ids_is_paid_by_full_donors_and_states_last() {
         }
         a.free_slots(&held).unwrap();
         a.free_slots(&s).unwrap();
-        assert_clean(&a);
+        assert_sound(&a);
     }
 }
 
@@ -334,7 +291,7 @@ fn reclaim_inside_a_free_group_flushes_every_deferred_list_before_the_recheck() 
             ledger.check_no_syncs().unwrap();
             a.free_group_end().unwrap();
             a.free_slots(&s).unwrap();
-            assert_clean(&a);
+            assert_sound(&a);
         }
     }
 }
@@ -421,7 +378,7 @@ fn compaction_moves_whole_slot_envelopes_and_every_slot_keeps_its_bytes() {
         want.push(0);
         assert_eq!(got, want, "ps {ps}");
         a.free_slots(&kept).unwrap();
-        assert_clean(&a);
+        assert_sound(&a);
     }
 }
 
@@ -455,7 +412,7 @@ fn copy_slots_copies_whole_envelopes_without_a_sync_and_refuses_bad_pairs() {
         }
         assert_eq!(ledger.op_count(), ops, "nothing issued for a refused copy");
         a.free_slots(&s[..3]).unwrap();
-        assert_clean(&a);
+        assert_sound(&a);
     }
 }
 
@@ -489,7 +446,7 @@ fn every_slot_path_issues_no_host_sync() {
         ledger
             .check_no_syncs()
             .unwrap_or_else(|r| panic!("ps {ps}: {r}"));
-        assert_clean(&a);
+        assert_sound(&a);
     }
 }
 
@@ -545,7 +502,7 @@ fn a_failed_device_op_on_a_slot_path_changes_nothing() {
             }
             a.free_slots(&s).unwrap();
             a.free_slots(&fresh).unwrap();
-            assert_clean(&a);
+            assert_sound(&a);
         }
     }
 }
@@ -716,7 +673,7 @@ fn churn(ps: u32, budget_slots: u64, ops: &[Op]) {
             }
             _ => {}
         }
-        assert_clean(&a);
+        assert_sound(&a);
         let cap = a.capacity();
         assert_eq!(cap.mamba.allocated_pages, m.slots.len() + m.pending_slots);
         for &(s, v) in &m.slots {
@@ -739,7 +696,7 @@ fn churn(ps: u32, budget_slots: u64, ops: &[Op]) {
     let cap = a.capacity();
     assert_eq!(cap.mamba.allocated_pages + cap.full.allocated_pages, 0);
     assert_eq!(cap.mamba.hole_pages + cap.full.hole_pages, 0);
-    assert_clean(&a);
+    assert_sound(&a);
     let lists = a.pending_frees();
     assert!(lists.iter().all(|&(_, n)| n == 0));
     assert_eq!(lists[4].0, DeferredKind::Slots);

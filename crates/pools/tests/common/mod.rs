@@ -6,8 +6,8 @@ use std::sync::Arc;
 use unikv_invariants::{Invariant, Level, scoped_level};
 use unikv_kernels::{Device, SyncLedger};
 use unikv_pools::{
-    ExtendRequest, KvAllocator, StaticSwa, StaticSwaConfig, SubPoolSpec, UnifiedSwa,
-    UnifiedSwaConfig, VirtualToken,
+    Error, ExtendRequest, KvAllocator, SlotPoolSpec, StaticSwa, StaticSwaConfig, SubPoolSpec,
+    UnifiedSwa, UnifiedSwaConfig, VirtualSlot, VirtualToken,
 };
 
 /// Which allocator.
@@ -170,4 +170,52 @@ pub fn assert_clean(pool: &Pool) {
 pub fn allocated(pool: &Pool) -> (usize, usize) {
     let c = pool.capacity();
     (c.full.allocated_pages, c.swa.allocated_pages)
+}
+
+/// Bytes of one Mamba state slot of the slot tests (2 recurrent layers): larger than any
+/// KV envelope at page sizes 1 and 4, so it sets the sink floor there.
+pub const SLOT: u64 = 256;
+
+/// The slot pool of the slot tests.
+pub fn slot_spec() -> SlotPoolSpec {
+    SlotPoolSpec {
+        name: "mamba",
+        layers: 2,
+        bytes_per_slot: SLOT,
+    }
+}
+
+/// Conservation and the full scan hold, and nothing breached an invariant (any allocator).
+#[track_caller]
+pub fn assert_sound(a: &dyn KvAllocator) {
+    assert!(a.check_conservation());
+    a.verify().unwrap();
+    a.invariant_scope().poll().unwrap();
+}
+
+/// `n` fresh slots (they must fit).
+pub fn alloc_slots(a: &mut dyn KvAllocator, n: usize) -> Vec<VirtualSlot> {
+    let mut out = Vec::new();
+    a.alloc_slots(n, &mut out).unwrap();
+    assert_eq!(out.len(), n);
+    out
+}
+
+/// A fresh row of `n` tokens (one request with no prefix).
+pub fn try_row(a: &mut dyn KvAllocator, n: usize) -> Result<Vec<VirtualToken>, Error> {
+    let mut out = Vec::new();
+    a.alloc_extend(
+        &[ExtendRequest {
+            prefix_len: 0,
+            seq_len: n,
+            last_token: None,
+        }],
+        &mut out,
+    )?;
+    Ok(out)
+}
+
+/// A fresh row of `n` tokens that must fit.
+pub fn fresh_row(a: &mut dyn KvAllocator, n: usize) -> Vec<VirtualToken> {
+    try_row(a, n).unwrap()
 }
