@@ -686,6 +686,28 @@ MODELS:
 {models}
 {trace}
 
+REPORT ROWS (a column per layout, then unified/static):
+  requests completed        requests that finished, of the workload's
+  peak admitted             most requests running at once
+  retractions               requests sent back to the queue when memory ran short
+  prefix hit rate           admitted prompt tokens served from the prefix cache
+  evictions (KIND)          tokens evicted from the prefix cache under pressure: full
+                            (whole nodes), swa (window tombstones)
+  evictions (mamba states)  cached recurrent states evicted (models with state)
+  evictions (donor nodes)   prefix nodes evicted so their FULL bytes hold state slots
+  peak bytes (SIDE)         most bytes in use on a sub-pool: full, swa, mamba
+  peak state slots          most state slots in use at once
+  state slot capacity       state slots the layout can hold (static: its fixed pool)
+  steps                     scheduler steps to finish the workload
+  host syncs per step       device waits on the scheduling path (must be 0)
+  step CPU time, median     allocator and tree host time per step (device work
+  step CPU time, p99          excluded; --no-timing drops these rows)
+  invariant violations      breaches recorded at the run's level (must be 0)
+  leaked pages              pages and slots still held after releasing and evicting
+                            everything (must be 0)
+  verdict                   pass when every request finished and the three checks
+                            above hold
+
 EXIT STATUS:
   0  every run finished every request with 0 host syncs, 0 invariant violations and
      0 leaked pages

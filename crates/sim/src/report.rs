@@ -942,6 +942,35 @@ pub(crate) mod tests {
         assert_eq!(plain["model"]["state_bytes_per_request"], 0);
     }
 
+    /// The README says every report row is explained by `unikv replay --help`.
+    #[test]
+    fn every_row_of_the_table_is_explained_by_the_replay_help() {
+        let help = crate::cli::replay_help();
+        let rows = help
+            .split("REPORT ROWS")
+            .nth(1)
+            .and_then(|s| s.split("EXIT STATUS").next())
+            .expect("a REPORT ROWS section");
+        for table in [sample_report(), sample_mamba_report()].map(|r| r.render_table()) {
+            // Rows start with two spaces; the column header with more.
+            for line in table
+                .lines()
+                .filter(|l| l.starts_with("  ") && !l.starts_with("   "))
+            {
+                let label = line.trim_start().split("  ").next().unwrap();
+                // Rows named by a kind or side are listed once, as `(KIND)` / `(SIDE)`.
+                let listed = match label.split_once(" (") {
+                    Some((head, "full)" | "swa)" | "mamba)")) => format!("\n  {head} ("),
+                    _ => format!("\n  {label} "),
+                };
+                assert!(
+                    rows.contains(&listed),
+                    "{label:?} is not in the help's rows"
+                );
+            }
+        }
+    }
+
     #[test]
     fn percentiles_use_the_nearest_rank() {
         let v: Vec<u64> = (1..=100).collect();
