@@ -469,7 +469,8 @@ impl SubAllocator {
     /// records the pairs, `T` and the free pages left in it (the holes after the commit).
     /// Requires `b - a ≥ live + extra` and nothing live on any side in `[a, b)` but this
     /// span's pages (the composite's arithmetic); with less room it moves what fits.
-    /// O(span + extra).
+    /// O(holes log holes + the span's pages outside `T` + pages added): the span's pages
+    /// inside `T` are not visited.
     pub(crate) fn plan_relay(
         &self,
         (a, b): (u32, u32),
@@ -490,14 +491,26 @@ impl SubAllocator {
             t1 += (need - (t1 - t0)).min(b - t1);
             t0 -= (need - (t1 - t0)).min(t0 - a);
         }
-        let p2v = &self.p2v;
-        let mut free = (t0..t1).filter(|&p| p2v[p as usize] == 0);
-        let outside = (self.lo..self.hi).filter(|&p| (p < t0 || p >= t1) && p2v[p as usize] != 0);
-        for src in outside {
-            let Some(dst) = free.next() else { break };
+        let (lo, hi) = (self.lo, self.hi);
+        // The free pages of T, lowest first: its holes and its pages beyond the old span.
+        plan.holes
+            .extend(self.holes.iter().copied().filter(|&p| p >= t0 && p < t1));
+        plan.holes.extend((t0..t1.min(lo)).chain(t0.max(hi)..t1));
+        plan.holes.sort_unstable();
+        // The live pages outside T (the span's parts below and above it), each into the
+        // next free page.
+        let mut used = 0;
+        for src in (lo..t0.min(hi)).chain(t1.max(lo)..hi) {
+            if self.p2v[src as usize] == 0 {
+                continue;
+            }
+            let Some(&dst) = plan.holes.get(used) else {
+                break;
+            };
+            used += 1;
             self.plan_move((src, dst), moves, &mut plan.pairs);
         }
-        plan.holes.extend(free);
+        plan.holes.drain(..used);
         plan.span = Some((t0, t1));
     }
 
