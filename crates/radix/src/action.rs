@@ -205,3 +205,76 @@ impl Released {
         total
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kind: whether it may wait for the barrier, and what applying it releases.
+    #[test]
+    fn each_action_says_whether_it_defers_and_what_it_releases() {
+        let node = NodeId {
+            index: 1,
+            generation: 0,
+        };
+        let v = |n: u32| (10..10 + n).map(VirtualToken).collect::<Vec<_>>();
+        let r = |full, swa, mamba| Released {
+            full: Tokens(full),
+            swa: Tokens(swa),
+            mamba: Slots(mamba),
+        };
+        let slot = MambaSlot(3);
+        let cases = [
+            (Action::FreeDeviceKv { tokens: v(4) }, true, r(4, 4, 0)),
+            (
+                Action::FreeDeviceKvFullOnly { tokens: v(3) },
+                true,
+                r(3, 0, 0),
+            ),
+            (Action::SwaRebuild { node, tokens: v(2) }, false, r(0, 0, 0)),
+            (
+                Action::RecoverSwaWithLockedFull {
+                    node,
+                    kept: v(2),
+                    incoming: v(5),
+                },
+                false,
+                r(5, 0, 0),
+            ),
+            (
+                Action::EvictNode {
+                    node,
+                    tokens: v(6),
+                    swa: SwaSide::Live,
+                },
+                false,
+                r(6, 6, 0),
+            ),
+            (
+                Action::EvictNode {
+                    node,
+                    tokens: v(6),
+                    swa: SwaSide::Tombstone,
+                },
+                false,
+                r(6, 0, 0),
+            ),
+            (
+                Action::TombstoneSwa { node, tokens: v(7) },
+                false,
+                r(0, 7, 0),
+            ),
+            (Action::EvictMambaState { node, slot }, false, r(0, 0, 1)),
+            (Action::FreeMambaSlot { slot }, false, r(0, 0, 1)),
+        ];
+        let mut total = Released::default();
+        for (action, deferrable, released) in &cases {
+            assert_eq!(action.is_deferrable(), *deferrable, "{action}");
+            assert_eq!(action.released(), *released, "{action}");
+            total.add(*released);
+        }
+        let actions: Vec<Action> = cases.into_iter().map(|(a, _, _)| a).collect();
+        assert_eq!(Released::of(&actions), total);
+        assert_eq!(total, r(24, 17, 2));
+    }
+}

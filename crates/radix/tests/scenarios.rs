@@ -878,3 +878,72 @@ fn mamba_options_are_checked_when_the_tree_is_built() {
     assert_eq!(tree.unwrap().config().mamba_grid(), Tokens(8));
     assert_eq!(mamba.mamba_grid(), Tokens(4));
 }
+
+/// A claimed tree-owned prefix that leaves a node in its middle is not in the tree, even
+/// when the rest of the claim matches a child of that node (a walk that went on into the
+/// node's children after the divergence would accept it).
+#[test]
+fn a_claimed_prefix_that_leaves_a_node_midway_is_not_in_the_tree() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let mut tree = RadixTree::new(TreeConfig::full_only(ps)).unwrap();
+        let ids = |from: u32| (from..from + 3 * ps).map(VirtualToken).collect::<Vec<_>>();
+        let (a, b) = (ids(100), ids(1_000));
+        // [0 1 2] then [0 1 3]: the node [0 1] with the children [2] and [3].
+        tree.insert(InsertRequest::new(&tokens(&[0, 1, 2], p), &a))
+            .unwrap();
+        // (Its duplicate pages [0 1] come back as a free: nothing to apply here.)
+        tree.insert(InsertRequest::new(&tokens(&[0, 1, 3], p), &b))
+            .unwrap();
+        // [0 2 ...] claiming two pages: page 0 is the tree's, page 2 is the child's
+        // (values included), but the tree holds no path [0 2].
+        let key = tokens(&[0, 2, 4], p);
+        let row: Vec<VirtualToken> = a[..p]
+            .iter()
+            .chain(&a[2 * p..])
+            .copied()
+            .chain((5_000..5_000 + ps).map(VirtualToken))
+            .collect();
+        let before = tree.dump();
+        assert_eq!(
+            tree.insert(InsertRequest::new(&key, &row).prev_prefix_len(2 * p))
+                .unwrap_err(),
+            RadixError::PrefixNotInTree {
+                claimed: 2 * p,
+                cached: p,
+            },
+            "ps {ps}"
+        );
+        assert_eq!(
+            tree.dump(),
+            before,
+            "ps {ps}: a refused insert changes nothing"
+        );
+    }
+}
+
+/// An insert refreshes the FULL LRU positions along its path, as a match does: after a
+/// duplicate insert of the older of two leaves, the other one is evicted first.
+#[test]
+fn an_insert_refreshes_its_paths_lru_position() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let mut tree = RadixTree::new(TreeConfig::full_only(ps)).unwrap();
+        let ids = |from: u32| (from..from + 2 * ps).map(VirtualToken).collect::<Vec<_>>();
+        let (old, new, dup) = (ids(100), ids(1_000), ids(5_000));
+        tree.insert(InsertRequest::new(&tokens(&[0, 1], p), &old))
+            .unwrap();
+        tree.insert(InsertRequest::new(&tokens(&[7, 8], p), &new))
+            .unwrap();
+        // The duplicate frees its own copy and touches the tree's [0 1].
+        let out = tree
+            .insert(InsertRequest::new(&tokens(&[0, 1], p), &dup))
+            .unwrap();
+        assert_eq!(out.actions, vec![Action::FreeDeviceKv { tokens: dup }]);
+        let evicted = tree.evict_one(Component::Full).unwrap();
+        assert!(
+            matches!(&evicted[..], [Action::EvictNode { tokens, .. }] if *tokens == new),
+            "ps {ps}: {evicted:?}"
+        );
+    }
+}
