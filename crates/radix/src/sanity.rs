@@ -226,7 +226,7 @@ mod tests {
     #[test]
     fn sanity_check_finds_every_kind_of_corruption() {
         type Corrupt = fn(&mut RadixTree);
-        let cases: [(&str, Corrupt); 6] = [
+        let cases: [(&str, Corrupt); 7] = [
             ("sizes recorded", |t| t.sizes.full_evictable.0 += 1),
             ("LRU membership", |t| {
                 let ix = t.full_lru.first().unwrap().1;
@@ -255,6 +255,18 @@ mod tests {
                     .next()
                     .unwrap();
                 t.nodes[ix as usize].key[0] = TokenId(999);
+            }),
+            ("not whole pages", |t| {
+                let ix = t.nodes[ROOT as usize]
+                    .children
+                    .values()
+                    .copied()
+                    .next()
+                    .unwrap();
+                t.leave(ix);
+                t.nodes[ix as usize].key.pop();
+                t.nodes[ix as usize].value.pop();
+                t.enter(ix);
             }),
             ("tombstone with SWA lock", |t| {
                 let ix = t.nodes[ROOT as usize]

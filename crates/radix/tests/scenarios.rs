@@ -947,3 +947,34 @@ fn an_insert_refreshes_its_paths_lru_position() {
         );
     }
 }
+
+/// A match refreshes the LRU position of the state it ends at: of two cached states, the
+/// one matched last is evicted last.
+#[test]
+fn a_match_refreshes_the_state_it_ends_at() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let mut sim = Sim::new(TreeConfig::full_only(ps).with_mamba());
+        let (older, newer) = (tokens(&[0, 1], p), tokens(&[5, 6], p));
+        for key in [&older, &newer] {
+            let r = sim.start(key.clone());
+            sim.finish(r);
+        }
+        assert_eq!(sim.probe(&older).len, Tokens(2 * p), "ps {ps}");
+        let newer_node = node_ending(&sim, &newer);
+        let evicted = sim.evict(Component::Mamba, 1);
+        assert!(
+            evicted
+                .iter()
+                .any(|a| matches!(a, Action::EvictMambaState { node, .. } if *node == newer_node)),
+            "ps {ps}: {evicted:?}"
+        );
+        assert_eq!(
+            sim.probe(&older).len,
+            Tokens(2 * p),
+            "ps {ps}: still cached"
+        );
+        sim.check();
+        sim.drain();
+    }
+}
