@@ -226,7 +226,7 @@ mod tests {
     #[test]
     fn sanity_check_finds_every_kind_of_corruption() {
         type Corrupt = fn(&mut RadixTree);
-        let cases: [(&str, Corrupt); 7] = [
+        let cases: [(&str, Corrupt); 10] = [
             ("sizes recorded", |t| t.sizes.full_evictable.0 += 1),
             ("LRU membership", |t| {
                 let ix = t.full_lru.first().unwrap().1;
@@ -266,6 +266,32 @@ mod tests {
                 t.leave(ix);
                 t.nodes[ix as usize].key.pop();
                 t.nodes[ix as usize].value.pop();
+                t.enter(ix);
+            }),
+            ("the root has a parent, a key or a lock", |t| {
+                t.nodes[ROOT as usize].key.push(TokenId(1));
+            }),
+            ("FULL lock 0 < SWA lock 1", |t| {
+                let ix = t.nodes[ROOT as usize]
+                    .children
+                    .values()
+                    .copied()
+                    .next()
+                    .unwrap();
+                t.leave(ix);
+                t.nodes[ix as usize].swa_lock = 1;
+                t.enter(ix);
+            }),
+            ("Mamba lock without a state", |t| {
+                let ix = t.nodes[ROOT as usize]
+                    .children
+                    .values()
+                    .copied()
+                    .next()
+                    .unwrap();
+                t.leave(ix);
+                t.nodes[ix as usize].mamba_lock = 1;
+                t.nodes[ix as usize].full_lock = 1;
                 t.enter(ix);
             }),
             ("tombstone with SWA lock", |t| {

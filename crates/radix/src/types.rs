@@ -241,3 +241,23 @@ impl TreeConfig {
         self.window.map(|w| Tokens(w.0.div_ceil(ps) * ps))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_and_slot_counts_add_subtract_and_print() {
+        let mut t = Tokens(7) + Tokens(5);
+        assert_eq!(t, Tokens(12));
+        assert_eq!(t - Tokens(5), Tokens(7));
+        t -= Tokens(2);
+        t += Tokens(1);
+        assert_eq!(t.get(), 11);
+        assert_eq!(Tokens(11).to_string(), "11 tokens");
+        let mut s = Slots(2) + Slots(3);
+        s += Slots(1);
+        assert_eq!(s, Slots(6));
+        assert_eq!(s.get(), 6);
+    }
+}

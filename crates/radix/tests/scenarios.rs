@@ -978,3 +978,30 @@ fn a_match_refreshes_the_state_it_ends_at() {
         sim.drain();
     }
 }
+
+/// `held` counts what the tree holds whether locked or not: evictable plus protected.
+#[test]
+fn held_counts_evictable_and_protected_kv() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let mut tree = RadixTree::new(TreeConfig::swa(ps, 64 * p)).unwrap();
+        let ids = |from: u32| (from..from + 2 * ps).map(VirtualToken).collect::<Vec<_>>();
+        let (a, b) = (ids(100), ids(1_000));
+        tree.insert(InsertRequest::new(&tokens(&[0, 1], p), &a))
+            .unwrap();
+        let locked = tree
+            .insert(InsertRequest::new(&tokens(&[5, 6], p), &b).locked())
+            .unwrap();
+        assert!(locked.lock.is_some());
+        let s = tree.sizes();
+        assert!(
+            s.full_protected.get() > 0 && s.full_evictable.get() > 0,
+            "ps {ps}"
+        );
+        assert_eq!(
+            tree.held(),
+            (Tokens(4 * p), Tokens(4 * p), unikv_radix::Slots(0)),
+            "ps {ps}"
+        );
+    }
+}
