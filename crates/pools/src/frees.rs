@@ -1105,6 +1105,132 @@ pub(crate) use free_family_methods;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{KvAllocator, Side};
+
+    /// Applies the same calls to two allocators, releases `pages` through the layout's
+    /// batch `release_pages` in one and `release_page_silently` page by page in the other,
+    /// and checks that they agree on everything: tables, counts, holes (through the pages
+    /// the next allocation takes) and the full scan.
+    fn batch_release_matches<A: KvAllocator + PageTables>(mut batch: A, mut single: A, ps: usize) {
+        let mut rows = Vec::new();
+        for a in [&mut batch, &mut single] {
+            let mut row = Vec::new();
+            a.alloc_extend(
+                &[crate::ExtendRequest {
+                    prefix_len: 0,
+                    seq_len: 12 * ps,
+                    last_token: None,
+                }],
+                &mut row,
+            )
+            .unwrap();
+            // Tombstones on the first four pages.
+            a.free_swa_segment(crate::Segment::of_row(&row, 0..4 * ps))
+                .unwrap();
+            rows.push(row);
+        }
+        assert_eq!(rows[0], rows[1]);
+        let page = |i: usize| rows[0][i * ps].page(batch.ps()).0;
+        // Live pages, tombstones, a repeat, the sink and a page that is not live.
+        let pages = [
+            page(1),
+            page(6),
+            0,
+            page(6),
+            page(2),
+            page(9),
+            page(11) + 1,
+            page(0),
+        ];
+        batch.release_pages(pages.iter().copied());
+        for &v in &pages {
+            release_page_silently(&mut single, v);
+        }
+        let view = |a: &A| {
+            let tables: Vec<_> = (0..KvAllocator::virtual_pages(a))
+                .map(|v| {
+                    let page = VirtualPage(v);
+                    (
+                        a.physical_page(Side::Full, page),
+                        a.physical_page(Side::Swa, page),
+                        a.swa_state(page),
+                    )
+                })
+                .collect();
+            (tables, a.capacity(), a.pool_map(), a.verify())
+        };
+        assert_eq!(view(&batch), view(&single));
+        let next = |a: &mut A| {
+            let mut out = Vec::new();
+            a.alloc_extend(
+                &[crate::ExtendRequest {
+                    prefix_len: 0,
+                    seq_len: 5 * ps,
+                    last_token: None,
+                }],
+                &mut out,
+            )
+            .unwrap();
+            let ps = a.ps();
+            out.iter()
+                .map(|t| {
+                    (
+                        a.physical_page(Side::Full, t.page(ps)),
+                        a.physical_page(Side::Swa, t.page(ps)),
+                    )
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            next(&mut batch),
+            next(&mut single),
+            "the same holes, in the same order"
+        );
+    }
+
+    #[test]
+    fn every_layouts_batch_release_is_the_page_by_page_release() {
+        use crate::{StaticSwa, StaticSwaConfig, SubPoolSpec, UnifiedSwa, UnifiedSwaConfig};
+        use std::sync::Arc;
+        use unikv_kernels::CpuDevice;
+        let full = SubPoolSpec::mha("full", 2, 1, 4, 2);
+        let swa = SubPoolSpec::mha("swa", 2, 2, 4, 2);
+        for ps in [1u32, 4] {
+            let unified = || {
+                UnifiedSwa::new(
+                    Arc::new(CpuDevice::new()),
+                    UnifiedSwaConfig {
+                        total_bytes: 1 << 16,
+                        page_size: ps,
+                        window: 8,
+                        full: full.clone(),
+                        swa: Some(swa.clone()),
+                        mamba: None,
+                        zero_on_handout: false,
+                    },
+                )
+                .unwrap()
+            };
+            let fixed = || {
+                StaticSwa::new(
+                    Arc::new(CpuDevice::new()),
+                    StaticSwaConfig {
+                        total_bytes: 1 << 16,
+                        page_size: ps,
+                        window: 8,
+                        full: full.clone(),
+                        swa: Some(swa.clone()),
+                        mamba: None,
+                        swa_full_ratio: 1.0,
+                        zero_on_handout: false,
+                    },
+                )
+                .unwrap()
+            };
+            batch_release_matches(unified(), unified(), ps as usize);
+            batch_release_matches(fixed(), fixed(), ps as usize);
+        }
+    }
 
     #[test]
     fn the_enumeration_names_every_list() {

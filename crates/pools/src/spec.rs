@@ -268,3 +268,30 @@ pub(crate) fn bs1_floor(ps: PageSize, window: Option<u32>, slots: bool) -> Bs1Fl
 pub(crate) fn window_pages(ps: PageSize, window: u32) -> u64 {
     ps.pages_for(window as usize + ps.get() as usize) as u64
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A grid's page ids must fit in i32 (the kernels' ids): one page more is refused.
+    #[test]
+    fn a_grid_past_i32_pages_is_a_kernel_id_overflow() {
+        let slots = SlotPoolSpec {
+            name: "mamba",
+            layers: 1,
+            bytes_per_slot: 8,
+        };
+        let fits = 8 * i32::MAX as u64;
+        assert_eq!(slots.grid(fits, 0).unwrap().pages, i32::MAX as u32);
+        assert!(matches!(
+            slots.grid(fits + 8, 0),
+            Err(Error::KernelIdOverflow { side: "mamba", pages, stride: 1 })
+                if pages == i32::MAX as u64 + 1
+        ));
+        let kv = SubPoolSpec::mha("full", 1, 1, 1, 1);
+        let ps = PageSize::new(1).unwrap();
+        // Two bytes a token (K and V): rows × pages must fit too.
+        assert!(Grid::new(&kv, ps, 2 * i32::MAX as u64, 0, "full").is_err());
+        assert!(Grid::new(&kv, ps, i32::MAX as u64, 0, "full").is_ok());
+    }
+}
