@@ -683,6 +683,10 @@ pub struct RunConfig {
     pub max_running: usize,
     /// Most prefill tokens per step.
     pub prefill_budget: usize,
+    /// Most tokens a request generates.
+    pub max_new: usize,
+    /// The chance per step that a running request is aborted.
+    pub abort_chance: f64,
 }
 
 /// What a serving run went through.
@@ -739,7 +743,7 @@ fn workload(cfg: &RunConfig, rng: &mut Rng) -> Vec<Job> {
             prompt.extend((0..q).map(|_| TokenId(rng.below(VOCAB) as u32)));
             Job {
                 prompt,
-                max_new: rng.range(1, unit),
+                max_new: rng.range(1, cfg.max_new),
                 output: Output::default(),
                 aborted: false,
             }
@@ -996,7 +1000,7 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
                     .extend((0..rng.range(1, unit / 2)).map(|_| TokenId(rng.below(VOCAB) as u32)));
                 jobs.push(Job {
                     prompt,
-                    max_new: rng.range(1, unit),
+                    max_new: rng.range(1, cfg.max_new),
                     output: Output::default(),
                     aborted: false,
                 });
@@ -1004,7 +1008,7 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
             }
             cache.cache_finished(r.req)?;
         }
-        if !running.is_empty() && rng.chance(0.02) {
+        if !running.is_empty() && rng.chance(cfg.abort_chance) {
             let i = rng.below(running.len());
             let r = running.remove(i);
             jobs[r.job].aborted = true;

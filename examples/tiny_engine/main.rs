@@ -36,6 +36,8 @@ fn main() {
                     budget_tokens: 12 * u64::from(ps.max(16)) + 64,
                     max_running: 8,
                     prefill_budget: 4 * ps.max(16) as usize,
+                    max_new: ps.max(16) as usize,
+                    abort_chance: 0.02,
                 };
                 let (jobs, stats) = match serve(&cfg) {
                     Ok(run) => run,
