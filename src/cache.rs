@@ -6,6 +6,7 @@ use crate::invariants_decl::CONSERVATION;
 use crate::model::ModelSpec;
 use crate::request::{PrefixMatch, Request, RequestState};
 use crate::stats::{CacheStats, EvictionCounts, SideStats, StepReport};
+use crate::step::StepTable;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use unikv_invariants::Scope;
@@ -277,6 +278,7 @@ impl HybridCacheBuilder {
             ));
         }
         let device = self.device.unwrap_or_else(|| Arc::new(CpuDevice::new()));
+        let step_device = device.clone();
         let (full, swa) = m.kv_sub_pools();
         let swa = has_swa.then_some(swa);
         let mut alloc: Box<dyn KvAllocator> = match self.layout {
@@ -367,6 +369,9 @@ impl HybridCacheBuilder {
             held_slots: 0,
             scratch: Vec::new(),
             decode_scratch: Vec::new(),
+            device: step_device,
+            mirror_generation: 0,
+            step_table: None,
         })
     }
 }
@@ -489,6 +494,13 @@ pub struct HybridCache {
     scratch: Vec<PoolToken>,
     /// The decode batch handed to the allocator (reused across calls).
     decode_scratch: Vec<DecodeRequest>,
+    /// The device the allocator's buffer lives on (for the step table).
+    device: Arc<dyn Device>,
+    /// Mirror uploads that carried changes: step metadata built at another generation,
+    /// or while the mirror is behind, names pages that may have moved.
+    mirror_generation: u64,
+    /// The device table step metadata is uploaded to (reused, grown when short).
+    step_table: Option<StepTable>,
 }
 
 impl HybridCache {
@@ -546,10 +558,55 @@ impl HybridCache {
         out: TableId,
         out_width: usize,
     ) -> Result<(), Error> {
-        if !self.alloc.mirror_current() {
-            self.alloc.upload_mirror()?;
-        }
+        self.sync_mirror()?;
         Ok(self.alloc.translate(side, ids, n, out, out_width)?)
+    }
+
+    /// Uploads the mirror when it is behind the host tables, starting a new mirror
+    /// generation (which makes step metadata built before it stale).
+    pub(crate) fn sync_mirror(&mut self) -> Result<(), unikv_pools::Error> {
+        if self.alloc.mirror_current() {
+            return Ok(());
+        }
+        // Counted even when the upload fails: the tables changed either way.
+        self.mirror_generation += 1;
+        self.alloc.upload_mirror()
+    }
+
+    /// The mirror generation (see [`HybridCache::sync_mirror`]).
+    pub(crate) fn mirror_generation(&self) -> u64 {
+        self.mirror_generation
+    }
+
+    /// Distinguishes this cache from every other one in the process.
+    pub(crate) fn cache_id(&self) -> u64 {
+        self.id
+    }
+
+    /// Refuses a request of another cache.
+    pub(crate) fn check_request(&self, req: &Request) -> Result<(), Error> {
+        self.check_owner(req)
+    }
+
+    /// Uploads a step's metadata image into the step table (one op), growing the table
+    /// first when it is too short. A failed upload leaves the table as it was.
+    pub(crate) fn upload_step_table(&mut self, image: &[i32]) -> Result<TableId, Error> {
+        let table = match self.step_table {
+            Some(t) if t.len >= image.len() => t,
+            old => {
+                let len = image.len().max(old.map_or(0, |t| 2 * t.len)).max(1024);
+                let id = self.device.alloc_table(len, 0)?;
+                if let Some(old) = old {
+                    // Set-up work, off the steady state: a table only grows.
+                    self.device.free_table(old.id)?;
+                }
+                let t = StepTable { id, len };
+                self.step_table = Some(t);
+                t
+            }
+        };
+        self.device.upload_table(table.id, 0, image)?;
+        Ok(table.id)
     }
 
     /// The prefix tree, for read-only inspection (sizes, dumps).
@@ -1265,7 +1322,7 @@ impl HybridCache {
             self.alloc.check_conservation();
         }
         let conservation = self.check_conservation();
-        let uploaded = self.alloc.upload_mirror();
+        let uploaded = self.sync_mirror();
         let reopened = if self.alloc.in_free_group() {
             Ok(())
         } else {

@@ -68,6 +68,24 @@ pub enum Error {
     /// Start-up configuration or an invariant failing at the step boundary.
     #[error(transparent)]
     Invariants(#[from] unikv_invariants::Error),
+    /// Step metadata read after a table it names changed: an allocation (which may
+    /// compact), a free or a mirror upload ran since it was built. Build it again.
+    #[error(
+        "step metadata built at mirror generation {built} is stale (now {current}; host \
+         tables changed since the last upload: {tables_changed}): build it after the \
+         step's last allocation"
+    )]
+    StaleStepMetadata {
+        /// The mirror generation it was built at.
+        built: u64,
+        /// The cache's mirror generation now.
+        current: u64,
+        /// Whether host tables changed since the last mirror upload.
+        tables_changed: bool,
+    },
+    /// Step metadata that was never built by this cache, or whose last build failed.
+    #[error("step metadata was not built by this cache (or its last build failed)")]
+    UnbuiltStepMetadata,
     /// The device layer failed.
     #[error(transparent)]
     Device(#[from] unikv_kernels::Error),

@@ -9,5 +9,12 @@ declare_invariant! {
         "per side at each step boundary: available + evictable + protected + held = total pages";
 }
 
+declare_invariant! {
+    /// Step metadata: every SWA row inside the window of a step's first new token is live
+    /// (a released one would read the sink).
+    pub static WINDOW_LIVE: "step.window_live", FatalContainable,
+        "step metadata: every SWA row inside a query's window is live, none reads the sink";
+}
+
 /// Every invariant this crate declares.
-pub const ALL: [&unikv_invariants::Invariant; 1] = [&CONSERVATION];
+pub const ALL: [&unikv_invariants::Invariant; 2] = [&CONSERVATION, &WINDOW_LIVE];

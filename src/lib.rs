@@ -30,6 +30,7 @@ mod invariants_decl;
 mod model;
 mod request;
 mod stats;
+mod step;
 
 pub use cache::{
     DEFAULT_EVICTION_INTERVAL, HybridCache, HybridCacheBuilder, Layout, TREE_SANITY_INTERVAL,
@@ -39,6 +40,7 @@ pub use error::Error;
 pub use model::{KvRows, ModelSpec, RecurrentState};
 pub use request::{PrefixMatch, Request};
 pub use stats::{CacheStats, EvictionCounts, SideStats, StepReport};
+pub use step::{DeviceLayout, KvGeometry, RequestStep, StepCheckpoint, StepMetadata, StepView};
 pub use unikv_radix::TokenId;
 
 pub use unikv_invariants as invariants;

@@ -127,7 +127,9 @@ impl Request {
 
     /// Its running recurrent state slot (`None` for a model without recurrent layers):
     /// the slot the recurrent kernels read and update. At admission it holds a copy of
-    /// the cached state its prefix ended at, or zeros.
+    /// the cached state its prefix ended at; without one (no hit) its bytes are whatever
+    /// the slot last held (zeros only with `zero_on_handout`), so the kernel starts such
+    /// a request from its initial state.
     pub fn state_slot(&self) -> Option<VirtualSlot> {
         self.state.as_ref().map(|s| s.running)
     }

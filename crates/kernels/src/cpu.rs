@@ -28,6 +28,22 @@ impl CpuDevice {
         CpuDevice::default()
     }
 
+    /// Runs `kernel` over the bytes of `buf` on the calling thread: the CPU twin of a
+    /// kernel launch, for an engine whose forward runs on this backend (an attention that
+    /// reads K/V rows at the kernel ids of its step metadata and writes new ones). Work
+    /// runs at issue here, so this is in stream order with every op before and after it
+    /// and waits for nothing. It is not a [`Device`] op: code on the scheduling path holds
+    /// a `dyn Device` and cannot reach it. `kernel` must not call back into this device
+    /// (the buffer is borrowed for its run).
+    pub fn run_kernel<R>(
+        &self,
+        buf: BytesId,
+        kernel: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R, Error> {
+        let mut st = self.state();
+        Ok(kernel(st.bytes_mut(buf)?))
+    }
+
     fn state(&self) -> MutexGuard<'_, State> {
         // Poisoning cannot leave the state half-written: every op validates all its
         // arguments before it writes, and the writes themselves do not panic. So a
@@ -729,5 +745,27 @@ mod tests {
             Err(Error::OutOfBounds { .. })
         ));
         dev.synchronize(&sync()).unwrap();
+    }
+
+    #[test]
+    fn a_cpu_kernel_reads_and_writes_the_buffer_in_call_order() {
+        let dev = CpuDevice::new();
+        let b = dev.alloc_bytes(8, 0).unwrap();
+        dev.fill_spans(b, &[ByteSpan { offset: 2, len: 2 }], 7)
+            .unwrap();
+        let seen = dev
+            .run_kernel(b, |bytes| {
+                let seen = bytes.to_vec();
+                bytes[0] = 9;
+                seen
+            })
+            .unwrap();
+        assert_eq!(seen, [0, 0, 7, 7, 0, 0, 0, 0]);
+        assert_eq!(bytes(&dev, b), [9, 0, 7, 7, 0, 0, 0, 0]);
+        dev.free_bytes(b).unwrap();
+        assert!(matches!(
+            dev.run_kernel(b, |_| ()),
+            Err(Error::UnknownHandle { .. })
+        ));
     }
 }

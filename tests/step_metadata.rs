@@ -1,0 +1,235 @@
+//! Step metadata: what an attention kernel reads for a batch is what the host tables say
+//! after the step's allocations — FULL ids of every row, SWA ids of the rows inside the
+//! window of the step's first new token, write locations, state slots — and the device
+//! table holds the same entries. Metadata built before a compaction moved its pages (or
+//! before any other table change) is refused with a typed error, never read.
+
+mod common;
+
+use common::*;
+use std::sync::Arc;
+use unikv::kernels::{CpuDevice, HostSync, Readback, SyncLedger};
+use unikv::pools::Side;
+use unikv::{Error, HybridCache, Layout, Request, StepMetadata, StepView, TokenId};
+
+const W: u32 = 8;
+
+/// Checks every entry of `view` against the host tables, and the device table against
+/// the host image.
+fn check_view(
+    cache: &HybridCache,
+    view: &StepView<'_>,
+    batch: &[(&Request, usize)],
+    cpu: &CpuDevice,
+    label: &str,
+) {
+    let alloc = cache.allocator();
+    assert_eq!(view.len(), batch.len(), "{label}");
+    for (i, &(req, n)) in batch.iter().enumerate() {
+        let m = view.request(i);
+        assert_eq!((m.request, m.len, m.new_tokens), (req.id(), req.len(), n));
+        let full: Vec<i32> = req
+            .row()
+            .iter()
+            .map(|&t| alloc.kernel_id(Side::Full, t))
+            .collect();
+        assert_eq!(m.full, &full[..], "{label}: FULL ids of request {i}");
+        assert!(
+            full.iter().all(|&k| k > 0),
+            "{label}: a FULL row reads the sink"
+        );
+        assert_eq!(m.write_full, &full[req.len() - n..], "{label}: FULL writes");
+        let first = (req.len() - n + 1).saturating_sub(W as usize);
+        assert_eq!(m.swa_first, first, "{label}");
+        let swa: Vec<i32> = req.row()[first..]
+            .iter()
+            .map(|&t| alloc.kernel_id(Side::Swa, t))
+            .collect();
+        assert_eq!(m.swa, &swa[..], "{label}: SWA ids of request {i}");
+        assert!(
+            swa.iter().all(|&k| k > 0),
+            "{label}: a window row reads the sink"
+        );
+        assert_eq!(m.write_swa, &swa[swa.len() - n..], "{label}: SWA writes");
+        assert_eq!(m.swa_id(first), swa.first().copied());
+        assert_eq!(m.swa_id(first.wrapping_sub(1)), None);
+        assert_eq!(m.state_slot, None, "{label}: no recurrent layers");
+    }
+    let layout = view.device_layout();
+    let image = view.host_image();
+    assert_eq!(image.len(), layout.len);
+    let starts = &image[layout.query_starts..layout.query_starts + batch.len() + 1];
+    let mut want = vec![0];
+    for &(_, n) in batch {
+        want.push(want.last().unwrap() + n as i32);
+    }
+    assert_eq!(starts, &want[..], "{label}: cu_seqlens_q");
+    let sync = HostSync::acquire("test: reading the step table back");
+    let device = cpu
+        .read_table(&sync, view.device_table().expect("a table"), 0, layout.len)
+        .unwrap();
+    assert_eq!(device, image, "{label}: the device table is the host image");
+}
+
+#[test]
+fn metadata_names_the_host_kernel_ids_and_is_uploaded_in_one_op() {
+    for_each_layout_and_page_size(|layout, ps| {
+        let cpu = Arc::new(CpuDevice::new());
+        let ledger = Arc::new(SyncLedger::new(cpu.clone()));
+        let config = Config {
+            device: Some(ledger.clone()),
+            ..Config::tokens(layout, ps, W, 64 * (W as u64).max(ps as u64), 16)
+        };
+        let mut fx = Fixture::new(&config);
+        let keep = fx.keep();
+        // A decoding request past its first window release, and one prefilling.
+        let mut decoding = fx.admit(text(1, 2 * keep + 3));
+        fx.prefill(&mut decoding, keep);
+        fx.decode(&mut decoding, keep + fx.interval, 9_000);
+        assert!(decoding.window_cursor() > 0, "{}: released", fx.label);
+        let mut prefilling = fx.admit(text(50_000, 3 * keep));
+        fx.cache.alloc_extend(&mut prefilling, keep).unwrap();
+        fx.step();
+
+        let chunk = keep + 1;
+        fx.cache.alloc_extend(&mut prefilling, chunk).unwrap();
+        fx.cache
+            .alloc_decode(&mut [&mut decoding], &[TokenId(7)])
+            .unwrap();
+        let mut meta = StepMetadata::new();
+        ledger.reset();
+        let batch = [(&prefilling, chunk), (&decoding, 1)];
+        fx.cache.build_step_metadata(&mut meta, &batch).unwrap();
+        let ops: Vec<&str> = ledger.ops().iter().map(|r| r.op).collect();
+        // The mirror upload this step's allocations made due, the table's set-up, the
+        // metadata's one upload.
+        assert!(
+            ops.ends_with(&["alloc_table", "upload_table"]),
+            "{}: {ops:?}",
+            fx.label
+        );
+        assert_eq!(ledger.syncs(), 0);
+        let view = fx.cache.step_view(&meta).expect("current metadata");
+        check_view(&fx.cache, &view, &batch, &cpu, &fx.label);
+
+        // The next step reuses the table: one upload, nothing allocated.
+        fx.step();
+        fx.cache
+            .alloc_decode(&mut [&mut decoding], &[TokenId(8)])
+            .unwrap();
+        ledger.reset();
+        let batch = [(&decoding, 1)];
+        fx.cache.build_step_metadata(&mut meta, &batch).unwrap();
+        let ops: Vec<&str> = ledger.ops().iter().map(|r| r.op).collect();
+        assert_eq!(ops.last(), Some(&"upload_table"), "{}", fx.label);
+        assert!(!ops.contains(&"alloc_table"), "{}: {ops:?}", fx.label);
+        let view = fx.cache.step_view(&meta).unwrap();
+        check_view(&fx.cache, &view, &batch, &cpu, &fx.label);
+        fx.step();
+        fx.teardown(vec![decoding, prefilling]);
+    });
+}
+
+/// The `holed` cache of tests/mirror_epoch.rs: a long request whose released SWA left
+/// holes, so the next three-page allocation fits only by compacting.
+#[test]
+fn metadata_built_before_a_compacting_allocation_is_refused_and_a_rebuild_names_the_moved_pages() {
+    for ps in page_sizes() {
+        let cpu = Arc::new(CpuDevice::new());
+        let ledger = Arc::new(SyncLedger::new(cpu.clone()));
+        let joint = (W + ps).div_ceil(ps) as usize + 6;
+        let mut config = Config::new(Layout::Unified, ps, W, joint as u64);
+        config.device = Some(ledger.clone());
+        let mut fx = Fixture::new(&config);
+        let ps = ps as usize;
+        let mut long = fx.admit(text(1, (joint - 1) * ps));
+        fx.prefill(&mut long, (joint - 1) * ps);
+        assert!(fx.cache.release_out_of_window(&mut long).unwrap() > 0);
+        fx.step();
+
+        let mut meta = StepMetadata::new();
+        assert!(matches!(
+            fx.cache.step_view(&meta),
+            Err(Error::UnbuiltStepMetadata)
+        ));
+        fx.cache
+            .build_step_metadata(&mut meta, &[(&long, 1)])
+            .unwrap();
+        let before: Vec<i32> = fx.cache.step_view(&meta).unwrap().request(0).swa.to_vec();
+        let moves = |l: &SyncLedger| l.ops().iter().filter(|r| r.op == "move_spans").count();
+        let moves_before = moves(&ledger);
+        let mut req = fx.admit(text(7_000, 3 * ps + 1));
+        fx.cache.alloc_extend(&mut req, 3 * ps).unwrap();
+        assert!(moves(&ledger) > moves_before, "{}: compacted", fx.label);
+        match fx.cache.step_view(&meta) {
+            Err(Error::StaleStepMetadata {
+                tables_changed: true,
+                ..
+            }) => {}
+            other => panic!("{}: stale metadata was readable: {other:?}", fx.label),
+        }
+        // An upload (here the cache's translate path) does not make it current again.
+        fx.cache
+            .build_step_metadata(&mut StepMetadata::new(), &[])
+            .unwrap();
+        assert!(matches!(
+            fx.cache.step_view(&meta),
+            Err(Error::StaleStepMetadata {
+                tables_changed: false,
+                ..
+            })
+        ));
+        fx.cache
+            .build_step_metadata(&mut meta, &[(&long, 1), (&req, 3 * ps)])
+            .unwrap();
+        let view = fx.cache.step_view(&meta).unwrap();
+        let after = view.request(0).swa;
+        assert_ne!(
+            before, after,
+            "{}: compaction moved the long request's window",
+            fx.label
+        );
+        check_view(
+            &fx.cache,
+            &view,
+            &[(&long, 1), (&req, 3 * ps)],
+            &cpu,
+            &fx.label,
+        );
+        // Another cache cannot read it.
+        let other = Config::new(Layout::Unified, ps as u32, W, joint as u64).build();
+        assert!(matches!(
+            other.step_view(&meta),
+            Err(Error::UnbuiltStepMetadata)
+        ));
+        fx.step();
+        fx.teardown(vec![long, req]);
+    }
+}
+
+#[test]
+fn bad_batches_are_refused_and_leave_the_metadata_unreadable() {
+    let mut fx = Fixture::new(&Config::new(Layout::Unified, 4, W, 32));
+    let mut req = fx.admit(text(1, 10));
+    fx.cache.alloc_extend(&mut req, 10).unwrap();
+    let mut meta = StepMetadata::new();
+    fx.cache
+        .build_step_metadata(&mut meta, &[(&req, 10)])
+        .unwrap();
+    assert!(fx.cache.step_view(&meta).is_ok());
+    assert!(matches!(
+        fx.cache.build_step_metadata(&mut meta, &[(&req, 11)]),
+        Err(Error::BadRequest { .. })
+    ));
+    assert!(matches!(
+        fx.cache.step_view(&meta),
+        Err(Error::UnbuiltStepMetadata)
+    ));
+    let mut other = Config::new(Layout::Unified, 4, W, 32).build();
+    assert!(matches!(
+        other.build_step_metadata(&mut meta, &[(&req, 1)]),
+        Err(Error::ForeignRequest { .. })
+    ));
+    fx.step();
+    fx.teardown(vec![req]);
+}
