@@ -1218,3 +1218,42 @@ impl Drop for StaticSwa {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use unikv_kernels::CpuDevice;
+
+    fn pool() -> StaticSwa {
+        StaticSwa::new(
+            Arc::new(CpuDevice::new()),
+            StaticSwaConfig {
+                total_bytes: 1 << 16,
+                page_size: 4,
+                window: 8,
+                full: SubPoolSpec::mha("full", 2, 1, 4, 2),
+                swa: Some(SubPoolSpec::mha("swa", 2, 2, 4, 2)),
+                mamba: None,
+                swa_full_ratio: 1.0,
+                zero_on_handout: false,
+            },
+        )
+        .unwrap()
+    }
+
+    /// The full scan finds a free FULL list that repeats a page or holds the sink, even
+    /// when the counts still balance.
+    #[test]
+    fn verify_finds_a_repeated_or_sink_entry_in_the_free_list() {
+        let clean = pool();
+        assert_eq!(clean.verify(), Ok(()));
+        for corrupt in [|f: &mut Vec<u32>| f[0] = f[1], |f: &mut Vec<u32>| f[0] = 0] {
+            let mut p = pool();
+            corrupt(&mut p.free_full);
+            assert_eq!(
+                p.verify(),
+                Err("free FULL list holds a duplicate or the sink".to_string())
+            );
+        }
+    }
+}
