@@ -1024,9 +1024,9 @@ mod tests {
         assert_eq!(p, 31, "grows down from the top page");
         sub.bind(3, p);
         sub.unbind(3, true);
-        assert_eq!((sub.v2p[3], sub.tombstones, sub.live), (-1, 1, 0));
+        assert_eq!((sub.v2p[3], sub.tombstones(), sub.live()), (-1, 1, 0));
         sub.clear_tombstone(3);
-        assert_eq!((sub.v2p[3], sub.tombstones), (0, 0));
+        assert_eq!((sub.v2p[3], sub.tombstones()), (0, 0));
         let mut dirty = Vec::new();
         sub.dirty_entries(&mut dirty);
         sub.clear_dirty();
@@ -1142,6 +1142,11 @@ mod tests {
     fn a_float_is_placed_grows_both_ways_packs_relays_and_parks() {
         let mut f = SubAllocator::new(grid(), Grow::Float, 64);
         assert!(f.accounting_holds(), "parked at start");
+        // An empty float may be placed anywhere on its grid above the floor, edges included.
+        let g = grid();
+        assert!(!f.place(g.min_page - 1) && !f.place(g.pages + 1));
+        assert!(f.place(g.min_page) && f.place(g.pages));
+        assert_eq!(f.span(), (g.pages, g.pages));
         assert!(f.place(16));
         let mut v = 0;
         let mut bind = |f: &mut SubAllocator, edge| {
