@@ -1017,6 +1017,46 @@ mod tests {
         assert_eq!(sub.compact(&mut moves), 0, "no holes, no moves");
     }
 
+    /// The full scan names each kind of table corruption (and passes a sound table).
+    #[test]
+    fn verify_names_every_kind_of_corruption() {
+        let sound = || {
+            let mut sub = SubAllocator::new(grid(), Grow::Up, 16);
+            for v in 1..=4 {
+                let p = sub.take();
+                sub.bind(v, p);
+            }
+            sub.unbind(2, true);
+            sub
+        };
+        assert_eq!(sound().verify("up"), Ok(()));
+        type Corrupt = fn(&mut SubAllocator);
+        let cases: [(&str, Corrupt); 8] = [
+            ("the sink is bound", |s| s.v2p[0] = 3),
+            ("outside the span", |s| s.v2p[1] = 30),
+            ("but p", |s| s.p2v[s.v2p[1] as usize] = 4),
+            ("has v2p -2", |s| s.v2p[5] = -2),
+            ("counters say", |s| s.tombstones += 1),
+            ("p2v binds", |s| s.p2v[20] = 9),
+            ("listed twice", |s| {
+                let h = s.holes[0];
+                s.holes.push(h);
+            }),
+            ("is bound or outside the span", |s| {
+                s.holes[0] = s.v2p[1] as u32
+            }),
+        ];
+        for (needle, corrupt) in cases {
+            let mut sub = sound();
+            corrupt(&mut sub);
+            let err = sub.verify("up").unwrap_err();
+            assert!(
+                err.starts_with("up: ") && err.contains(needle),
+                "{needle}: {err}"
+            );
+        }
+    }
+
     #[test]
     fn tombstones_and_dirty_entries_are_tracked() {
         let mut sub = SubAllocator::new(grid(), Grow::Down, 16);
