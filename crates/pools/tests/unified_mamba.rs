@@ -717,3 +717,36 @@ proptest! {
         churn(ps, budget_slots, &ops);
     }
 }
+
+/// With no slot in use FULL can take every one of its virtual pages (the ids bound the
+/// demand exactly; the bytes allow it when the floor is a whole number of FULL pages).
+#[test]
+fn full_can_take_every_virtual_page_when_no_slot_is_used() {
+    for ps in [1u32, 4, 8] {
+        let Rig { mut a, .. } = rig(ps, 16 * SLOT);
+        let all = a.virtual_pages() as usize - 1;
+        assert_eq!(a.capacity().full.available_pages, all, "ps {ps}");
+        let row = fresh_row(&mut a, all * ps as usize);
+        assert_eq!(row.len(), all * ps as usize);
+        assert!(try_row(&mut a, 1).is_err(), "ps {ps}: nothing is left");
+        assert_sound(&a);
+    }
+}
+
+/// Dropping an allocator frees its buffer and mirror tables on the device.
+#[test]
+fn dropping_an_allocator_frees_its_device_memory() {
+    let sync = HostSync::acquire("test: is the buffer still there");
+    let dev = Arc::new(CpuDevice::new());
+    let a = UnifiedSwa::new(dev.clone(), config(4, 16 * SLOT)).unwrap();
+    let (buffer, full, slots) = (
+        a.buffer(),
+        a.mirror_table(Side::Full).unwrap(),
+        a.mirror_table(Side::Mamba).unwrap(),
+    );
+    assert!(dev.read_bytes(&sync, buffer, 0, 1).is_ok());
+    drop(a);
+    assert!(dev.read_bytes(&sync, buffer, 0, 1).is_err());
+    assert!(dev.read_table(&sync, full, 0, 1).is_err());
+    assert!(dev.read_table(&sync, slots, 0, 1).is_err());
+}
