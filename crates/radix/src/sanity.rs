@@ -221,6 +221,16 @@ mod tests {
         tree
     }
 
+    /// The first child of the root (the test trees have two).
+    fn first_child(t: &RadixTree) -> crate::tree::Ix {
+        t.nodes[ROOT as usize]
+            .children
+            .values()
+            .copied()
+            .next()
+            .unwrap()
+    }
+
     /// Each corruption of recorded state is found, named, and recorded against
     /// `radix.sanity` in the tree's own scope (which fails its poll at `Strict`).
     #[test]
@@ -237,32 +247,17 @@ mod tests {
                 t.full_lru.insert((tick + 1000, ix));
             }),
             ("lock counts", |t| {
-                let ix = t.nodes[ROOT as usize]
-                    .children
-                    .values()
-                    .copied()
-                    .next()
-                    .unwrap();
+                let ix = first_child(t);
                 t.leave(ix);
                 t.nodes[ix as usize].full_lock += 1;
                 t.enter(ix);
             }),
             ("child entry", |t| {
-                let ix = t.nodes[ROOT as usize]
-                    .children
-                    .values()
-                    .copied()
-                    .next()
-                    .unwrap();
+                let ix = first_child(t);
                 t.nodes[ix as usize].key[0] = TokenId(999);
             }),
             ("not whole pages", |t| {
-                let ix = t.nodes[ROOT as usize]
-                    .children
-                    .values()
-                    .copied()
-                    .next()
-                    .unwrap();
+                let ix = first_child(t);
                 t.leave(ix);
                 t.nodes[ix as usize].key.pop();
                 t.nodes[ix as usize].value.pop();
@@ -272,35 +267,20 @@ mod tests {
                 t.nodes[ROOT as usize].key.push(TokenId(1));
             }),
             ("FULL lock 0 < SWA lock 1", |t| {
-                let ix = t.nodes[ROOT as usize]
-                    .children
-                    .values()
-                    .copied()
-                    .next()
-                    .unwrap();
+                let ix = first_child(t);
                 t.leave(ix);
                 t.nodes[ix as usize].swa_lock = 1;
                 t.enter(ix);
             }),
             ("Mamba lock without a state", |t| {
-                let ix = t.nodes[ROOT as usize]
-                    .children
-                    .values()
-                    .copied()
-                    .next()
-                    .unwrap();
+                let ix = first_child(t);
                 t.leave(ix);
                 t.nodes[ix as usize].mamba_lock = 1;
                 t.nodes[ix as usize].full_lock = 1;
                 t.enter(ix);
             }),
             ("tombstone with SWA lock", |t| {
-                let ix = t.nodes[ROOT as usize]
-                    .children
-                    .values()
-                    .copied()
-                    .next()
-                    .unwrap();
+                let ix = first_child(t);
                 t.leave(ix);
                 t.nodes[ix as usize].swa_live = false;
                 t.nodes[ix as usize].swa_lock = 1;
