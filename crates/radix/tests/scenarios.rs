@@ -1005,3 +1005,52 @@ fn held_counts_evictable_and_protected_kv() {
         );
     }
 }
+
+/// An insert or match refreshes the SWA LRU positions of its node and of the ancestors
+/// within `W + ps` tokens of it, no further: after a match of a chain of one-page nodes,
+/// only the ancestors beyond that span are older than a leaf inserted before the match.
+#[test]
+fn the_swa_refresh_reaches_one_window_and_a_page_up_the_path() {
+    // ps 2, W 4: a refresh covers 6 tokens, three one-page nodes.
+    let (ps, w) = (2u32, 4usize);
+    let p = ps as usize;
+    let mut tree = RadixTree::new(TreeConfig::swa(ps, w)).unwrap();
+    let mut next = 100u32;
+    let mut insert = |tree: &mut RadixTree, pages: &[u32]| {
+        let key = tokens(pages, p);
+        let row: Vec<VirtualToken> = (next..next + key.len() as u32).map(VirtualToken).collect();
+        next += key.len() as u32;
+        tree.insert(InsertRequest::new(&key, &row)).unwrap();
+    };
+    for n in 1..=5 {
+        insert(&mut tree, &pages(n));
+    }
+    let later = [70, 71];
+    insert(&mut tree, &later);
+    let later_key = tokens(&later, p);
+    let later_node = tree
+        .nodes()
+        .into_iter()
+        .find(|v| v.key == &later_key[..])
+        .unwrap()
+        .id;
+    // A match of the whole chain refreshes pages 4, 3 and 2; pages 0 and 1 were last
+    // refreshed by the inserts of [0 1 2] and [0 1 2 3], before the later leaf.
+    assert_eq!(tree.match_prefix(&tokens(&pages(5), p)).len, Tokens(5 * p));
+    let mut order = Vec::new();
+    while let Some(actions) = tree.evict_one(Component::Swa) {
+        let node = match &actions[0] {
+            Action::TombstoneSwa { node, .. } | Action::EvictNode { node, .. } => *node,
+            other => panic!("{other:?}"),
+        };
+        order.push(node);
+        if node == later_node {
+            break;
+        }
+    }
+    assert_eq!(
+        order.len(),
+        3,
+        "two chain nodes are older than the later leaf: {order:?}"
+    );
+}
