@@ -185,6 +185,20 @@ mod tests {
     use crate::TokenId;
 
     #[test]
+    /// Long keys are compared a chunk at a time: a difference inside the first chunk, or
+    /// in a later one, ends the common prefix exactly there.
+    #[test]
+    fn long_keys_are_compared_exactly_across_chunks() {
+        let a: Vec<TokenId> = (0..300).map(TokenId).collect();
+        for (differ_at, ps, expected) in [(10, 1, 10), (10, 4, 8), (130, 1, 130), (299, 16, 288)] {
+            let mut b = a.clone();
+            b[differ_at] = TokenId(9_999);
+            assert_eq!(common_pages(&a, &b, ps), expected, "differ at {differ_at}");
+        }
+        assert_eq!(common_pages(&a, &a, 1), 300);
+    }
+
+    #[test]
     fn common_prefix_is_floored_to_whole_pages() {
         let t = |v: &[u32]| v.iter().copied().map(TokenId).collect::<Vec<_>>();
         let a = t(&[1, 2, 3, 4, 5, 6, 7]);

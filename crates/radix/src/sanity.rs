@@ -236,7 +236,7 @@ mod tests {
     #[test]
     fn sanity_check_finds_every_kind_of_corruption() {
         type Corrupt = fn(&mut RadixTree);
-        let cases: [(&str, Corrupt); 10] = [
+        let cases: [(&str, Corrupt); 11] = [
             ("sizes recorded", |t| t.sizes.full_evictable.0 += 1),
             ("LRU membership", |t| {
                 let ix = t.full_lru.first().unwrap().1;
@@ -278,6 +278,17 @@ mod tests {
                 t.nodes[ix as usize].mamba_lock = 1;
                 t.nodes[ix as usize].full_lock = 1;
                 t.enter(ix);
+            }),
+            ("is inconsistent", |t| {
+                let ix = first_child(t);
+                let other = t.nodes[ROOT as usize]
+                    .children
+                    .values()
+                    .copied()
+                    .find(|&c| c != ix)
+                    .unwrap();
+                // A child that names another node as its parent.
+                t.nodes[ix as usize].parent = other;
             }),
             ("tombstone with SWA lock", |t| {
                 let ix = first_child(t);
