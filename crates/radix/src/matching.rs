@@ -184,7 +184,6 @@ mod tests {
     use super::common_pages;
     use crate::TokenId;
 
-    #[test]
     /// Long keys are compared a chunk at a time: a difference inside the first chunk, or
     /// in a later one, ends the common prefix exactly there.
     #[test]
