@@ -259,5 +259,7 @@ mod tests {
         s += Slots(1);
         assert_eq!(s, Slots(6));
         assert_eq!(s.get(), 6);
+        assert_eq!(Slots(6).to_string(), "6 slots");
+        assert_eq!(LockHandle(3).to_string(), "lock#3");
     }
 }
