@@ -315,13 +315,15 @@ impl SubAllocator {
     /// Compacts the span toward its fixed end (a float: toward its low edge) at once:
     /// [`SubAllocator::plan_compaction`] then [`SubAllocator::commit_compaction`].
     /// Appends the envelope moves to `moves`; returns how many pages moved.
-    #[allow(dead_code)] // used by the unit tests and composites that compact at once
+    // The composites plan, issue and commit apart (transactional); this shorthand is the
+    // unit tests'.
+    #[cfg(test)]
     pub(crate) fn compact(&mut self, moves: &mut Vec<SpanMove>) -> usize {
         self.compact_toward(self.compaction_edge(Edge::Low), moves)
     }
 
     /// Compacts toward `edge` at once (plan, then commit).
-    #[allow(dead_code)] // the float serves the tri-pool composite; unit-tested here
+    #[cfg(test)]
     pub(crate) fn compact_toward(&mut self, edge: Edge, moves: &mut Vec<SpanMove>) -> usize {
         let mut plan = CompactionPlan::default();
         self.plan_compaction(edge, moves, &mut plan);
