@@ -100,6 +100,7 @@
 mod api;
 mod error;
 mod frees;
+mod hooked;
 mod ids;
 pub mod invariants;
 mod spec;
@@ -113,6 +114,7 @@ pub use api::{
     SwaState,
 };
 pub use error::{Bs1Floor, Error, SlotFault};
+pub use hooked::{Call, Hooked, Hooks, IdFree, Outcome};
 pub use ids::{Bytes, PageSize, PhysicalPage, VirtualPage, VirtualSlot, VirtualToken};
 pub use spec::{BS1_STATE_SLOTS, Grid, Grow, Side, SlotPoolSpec, SubPoolSpec, sink_floor};
 pub use static_paged::{

@@ -1,7 +1,8 @@
 //! Deterministic simulation with injected faults (`unikv sim`, `cargo xtask sim`), in the
 //! style of FoundationDB's and TigerBeetle's simulation testing: one seed fixes a random
 //! configuration and a random engine driving [`HybridCache`] through it, with device ops
-//! failing at random; after every step the run checks what an engine relies on.
+//! and allocator calls failing at random; after every step the run checks what an engine
+//! relies on.
 //!
 //! # What a seed runs
 //! [`Scenario::from_seed`] picks a layout, a model (every named spec, its KV rows and
@@ -16,7 +17,10 @@
 //! `evict_to_free`, finishing with `cache_finished`, and `step_boundary`.
 //!
 //! # What it checks
-//! - Every call that fails with an injected device fault changed nothing the engine
+//! - Faults are of two kinds: a device op refused by a [`FaultInjector`] under the cache,
+//!   and a fallible allocator call refused unforwarded by a [`Hooked`] allocator the
+//!   cache wraps around its own (`wrap_allocator`), as if its device had failed.
+//! - Every call that fails with an injected fault changed nothing the engine
 //!   holds (the request's row and tokens), the allocator still verifies, and the retry
 //!   succeeds (or is refused for memory, as it would have been).
 //! - After every step: `verify()` of the allocator, the tree's `sanity_check`, the step
@@ -38,12 +42,13 @@
 use crate::rng::SplitMix64;
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
+use std::panic::Location;
+use std::sync::{Arc, Mutex, PoisonError};
 use unikv::invariants::{Level, scoped_level};
 use unikv::kernels::{
     ByteSpan, CpuDevice, Device, Error as DeviceError, FaultInjector, HostSync, Readback, TableId,
 };
-use unikv::pools::{Side, VirtualSlot, VirtualToken};
+use unikv::pools::{Call, Hooked, Hooks, KvAllocator, Side, VirtualSlot, VirtualToken};
 use unikv::radix::RadixTree;
 use unikv::{Error, HybridCache, KvRows, Layout, ModelSpec, RecurrentState, Request, TokenId};
 
@@ -168,8 +173,10 @@ pub struct Outcome {
     pub released: usize,
     /// Prompt tokens served from the prefix cache.
     pub hit_tokens: usize,
-    /// Device faults injected (each one checked and retried).
+    /// Faults injected, of both kinds (each one checked and retried).
     pub faults: usize,
+    /// Of those, allocator calls refused through `wrap_allocator`.
+    pub allocator_faults: usize,
     /// Token and state stamps read back and checked.
     pub stamps_checked: u64,
 }
@@ -260,6 +267,8 @@ struct Sim {
     sc: Scenario,
     cache: HybridCache,
     faults: Arc<FaultInjector<CpuDevice>>,
+    /// The allocator calls to refuse.
+    alloc_faults: Arc<Mutex<AllocFaults>>,
     /// The device under the fault injector: the engine's own reads and writes.
     dev: Arc<CpuDevice>,
     rng: SplitMix64,
@@ -272,6 +281,46 @@ struct Sim {
     step: usize,
     /// Device tables for the translation check (ids in, kernel ids out), grown as needed.
     tables: Option<(TableId, TableId, usize)>,
+}
+
+/// The allocator fault armed, shared by the engine and its [`AllocFaultHooks`].
+#[derive(Debug, Default)]
+struct AllocFaults {
+    /// Refuse the fallible call this many calls from now.
+    armed: Option<u64>,
+    /// Fallible calls seen.
+    calls: u64,
+    /// Calls refused since the last disarm.
+    injected: usize,
+}
+
+/// Refuses the armed fallible allocator call, unforwarded, with the device's typed fault
+/// (on a GPU the likeliest failure of an allocator call is its device op).
+#[derive(Debug)]
+struct AllocFaultHooks(Arc<Mutex<AllocFaults>>);
+
+impl Hooks for AllocFaultHooks {
+    fn gate(&mut self, _: &dyn KvAllocator, call: Call<'_>) -> Result<(), unikv::pools::Error> {
+        let mut s = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let index = s.calls;
+        s.calls += 1;
+        match s.armed {
+            Some(0) => {
+                s.armed = None;
+                s.injected += 1;
+                Err(unikv::pools::Error::Device(DeviceError::InjectedFault {
+                    op: call.name(),
+                    index,
+                    location: Location::caller(),
+                }))
+            }
+            Some(n) => {
+                s.armed = Some(n - 1);
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
 }
 
 /// Whether `e` is an injected device fault (directly or through the allocator).
@@ -307,13 +356,16 @@ impl Sim {
         let dev = Arc::new(CpuDevice::new());
         let faults = Arc::new(FaultInjector::new(dev.clone()));
         let device: Arc<dyn Device> = faults.clone();
+        let alloc_faults = Arc::new(Mutex::new(AllocFaults::default()));
+        let hooks = alloc_faults.clone();
         let mut builder = HybridCache::builder()
             .model(sc.model)
             .layout(sc.layout)
             .page_size(sc.page_size)
             .memory_bytes(sc.memory_bytes)
             .zero_on_handout(true)
-            .device(device);
+            .device(device)
+            .wrap_allocator(move |inner| Box::new(Hooked::new(inner, AllocFaultHooks(hooks))));
         if sc.model.has_recurrent_state() {
             let ps = sc.page_size;
             builder =
@@ -338,6 +390,7 @@ impl Sim {
             sc,
             cache,
             faults,
+            alloc_faults,
             dev,
             rng,
             waiting: Vec::new(),
@@ -362,19 +415,37 @@ impl Sim {
         self.rng.below(1000) < per_mille
     }
 
-    /// Arms a device fault at one of the next few ops, at the scenario's rate.
+    fn alloc_faults(&self) -> std::sync::MutexGuard<'_, AllocFaults> {
+        self.alloc_faults
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Arms a fault at one of the next few device ops or fallible allocator calls, at the
+    /// scenario's rate.
     fn maybe_arm(&mut self) {
         if self.sc.faults_per_mille > 0 && self.chance(self.sc.faults_per_mille * 8) {
             let n = self.rng.below(6);
-            self.faults.reset();
-            self.faults.fail_at(n);
+            if self.rng.below(2) == 0 {
+                self.faults.reset();
+                self.faults.fail_at(n);
+            } else {
+                self.alloc_faults().armed = Some(n);
+            }
         }
     }
 
+    /// Disarms both kinds; whether a fault fired since they were armed (counted).
     fn disarm(&mut self) -> bool {
-        let fired = !self.faults.injected().is_empty();
+        let device = self.faults.injected().len();
         self.faults.reset();
-        fired
+        let allocator = {
+            let mut s = self.alloc_faults();
+            s.armed = None;
+            std::mem::take(&mut s.injected)
+        };
+        self.out.allocator_faults += allocator;
+        device + allocator > 0
     }
 
     fn run(mut self) -> Result<Outcome, Failure> {
@@ -383,7 +454,7 @@ impl Sim {
             self.one_step()?;
         }
         // Drain: release everything, evict everything; every page must come back.
-        self.faults.reset();
+        self.disarm();
         for r in std::mem::take(&mut self.running) {
             self.cache
                 .release(r.req)
@@ -1005,6 +1076,7 @@ pub fn run_many(
         total.released += o.released;
         total.hit_tokens += o.hit_tokens;
         total.faults += o.faults;
+        total.allocator_faults += o.allocator_faults;
         total.stamps_checked += o.stamps_checked;
         progress(seed, &o);
     }
@@ -1035,7 +1107,7 @@ pub fn run_command(
         Ok(total) => {
             writeln!(
                 out,
-                "sim: seeds {}..{} clean in {secs:.1} s: {} steps, {} requests admitted, {} finished, {} released, {} prompt tokens hit, {} device faults injected, {} stamps checked",
+                "sim: seeds {}..{} clean in {secs:.1} s: {} steps, {} requests admitted, {} finished, {} released, {} prompt tokens hit, {} faults injected ({} in allocator calls), {} stamps checked",
                 args.first,
                 args.first.saturating_add(args.seeds),
                 total.steps,
@@ -1044,6 +1116,7 @@ pub fn run_command(
                 total.released,
                 total.hit_tokens,
                 total.faults,
+                total.allocator_faults,
                 total.stamps_checked
             )
             .and_then(|()| writeln!(out, "sim: {} passed, 0 failed", args.seeds))
@@ -1074,7 +1147,8 @@ mod tests {
     #[test]
     fn a_few_seeds_run_clean_with_faults_hits_and_checks() {
         let total = run_many(0, 12, |_, _| {}).unwrap_or_else(|f| panic!("{f}"));
-        assert!(total.faults > 0, "{total:?}");
+        assert!(total.faults > total.allocator_faults, "{total:?}");
+        assert!(total.allocator_faults > 0, "{total:?}");
         assert!(total.hit_tokens > 0, "{total:?}");
         assert!(total.stamps_checked > 1000, "{total:?}");
     }

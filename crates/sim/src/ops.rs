@@ -16,12 +16,11 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use unikv::ModelSpec;
-use unikv::kernels::{BytesId, SyncLedger, TableId};
+use unikv::kernels::SyncLedger;
 use unikv::pools::{
-    Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, FreeOp, Grid, KvAllocator,
-    MoveGate, PageDemand, PageSize, PoolMap, ReclaimPlan, Reclaimable, Segment, Side, StaticSwa,
-    StaticSwaConfig, SwaState, UnifiedSwa, UnifiedSwaConfig, VirtualPage, VirtualSlot,
-    VirtualToken,
+    Call, DecodeRequest, ExtendRequest, FreeOp, Hooked, Hooks, IdFree, KvAllocator, Outcome,
+    PageDemand, Reclaimable, Segment, StaticSwa, StaticSwaConfig, UnifiedSwa, UnifiedSwaConfig,
+    VirtualSlot, VirtualToken,
 };
 
 /// The schema name in the header line.
@@ -331,30 +330,16 @@ impl Recorder {
     }
 
     /// Wraps `inner`: every mutating call is forwarded, then written.
-    pub fn wrap(self, inner: Box<dyn KvAllocator>) -> RecordingAllocator {
-        RecordingAllocator {
-            inner,
-            recorder: self,
-        }
+    pub fn wrap(self, inner: Box<dyn KvAllocator>) -> Hooked<Recorder> {
+        Hooked::new(inner, self)
     }
 }
 
-/// An allocator that records every mutating call it forwards.
-#[derive(Debug)]
-pub struct RecordingAllocator {
-    inner: Box<dyn KvAllocator>,
-    recorder: Recorder,
-}
-
-impl Drop for RecordingAllocator {
+impl Drop for Recorder {
     fn drop(&mut self) {
-        if let Err(e) = self.recorder.out.flush() {
-            let mut slot = self
-                .recorder
-                .error
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            slot.get_or_insert_with(|| format!("flushing {}: {e}", self.recorder.path.display()));
+        if let Err(e) = self.out.flush() {
+            let mut slot = self.error.lock().unwrap_or_else(|e| e.into_inner());
+            slot.get_or_insert_with(|| format!("flushing {}: {e}", self.path.display()));
         }
     }
 }
@@ -398,254 +383,65 @@ fn recorded(op: FreeOp<'_>) -> Op {
     }
 }
 
-impl KvAllocator for RecordingAllocator {
-    fn page_size(&self) -> PageSize {
-        self.inner.page_size()
-    }
-    fn invariant_scope(&self) -> &unikv::invariants::Scope {
-        self.inner.invariant_scope()
-    }
-    fn set_invariant_scope(&mut self, scope: unikv::invariants::Scope) {
-        self.inner.set_invariant_scope(scope);
-    }
-    fn virtual_pages(&self) -> u32 {
-        self.inner.virtual_pages()
-    }
-    fn alloc_extend(
-        &mut self,
-        requests: &[ExtendRequest],
-        out: &mut Vec<VirtualToken>,
-    ) -> Result<(), unikv::pools::Error> {
-        let from = out.len();
-        self.inner.alloc_extend(requests, out)?;
-        let op = Op::AllocExtend {
-            requests: extends(requests),
-            out: to_runs(&out[from..]),
+impl Hooks for Recorder {
+    fn after(&mut self, _: &dyn KvAllocator, call: Call<'_>, outcome: Outcome<'_>) {
+        let (tokens, slots) = match outcome {
+            Outcome::Done { tokens, slots } => (tokens, slots),
+            // Recorded even when it fails: it flushed deferred frees either way.
+            Outcome::Failed(_) if matches!(call, Call::EnsureCapacity(_)) => (&[][..], &[][..]),
+            Outcome::Failed(_) => return,
         };
-        self.recorder.write(&op);
-        Ok(())
-    }
-    fn alloc_slots(
-        &mut self,
-        n: usize,
-        out: &mut Vec<VirtualSlot>,
-    ) -> Result<(), unikv::pools::Error> {
-        let from = out.len();
-        self.inner.alloc_slots(n, out)?;
-        self.recorder.write(&Op::AllocSlots {
-            n,
-            out: out[from..].iter().map(|s| s.0).collect(),
-        });
-        Ok(())
-    }
-    fn free_slots(&mut self, slots: &[VirtualSlot]) -> Result<(), unikv::pools::Error> {
-        self.inner.free_slots(slots)?;
-        self.recorder.write(&recorded(FreeOp::Slots(slots)));
-        Ok(())
-    }
-    fn alloc_decode(
-        &mut self,
-        requests: &[DecodeRequest],
-        out: &mut Vec<VirtualToken>,
-    ) -> Result<(), unikv::pools::Error> {
-        let from = out.len();
-        self.inner.alloc_decode(requests, out)?;
-        let ext: Vec<ExtendRequest> = requests.iter().map(|&d| d.into()).collect();
-        let op = Op::AllocDecode {
-            requests: extends(&ext),
-            out: to_runs(&out[from..]),
+        let op = match call {
+            Call::AllocExtend(requests) => Op::AllocExtend {
+                requests: extends(requests),
+                out: to_runs(tokens),
+            },
+            Call::AllocDecode(requests) => {
+                let ext: Vec<ExtendRequest> = requests.iter().map(|&d| d.into()).collect();
+                Op::AllocDecode {
+                    requests: extends(&ext),
+                    out: to_runs(tokens),
+                }
+            }
+            Call::AllocSlots(n) => Op::AllocSlots {
+                n,
+                out: slots.iter().map(|s| s.0).collect(),
+            },
+            Call::FreeIds(IdFree::Both, ids) => Op::Free { ids: to_runs(ids) },
+            Call::FreeIds(IdFree::Full, ids) => Op::FreeFull { ids: to_runs(ids) },
+            Call::FreeIds(IdFree::Swa, ids) => Op::FreeSwa { ids: to_runs(ids) },
+            Call::Free(op) => recorded(op),
+            Call::FreeSegments(segments) => Op::FreeSegments {
+                segments: segments.iter().map(Seg::of).collect(),
+            },
+            // Recorded as the checked ops it is made of, so `bench-ops` replays the same
+            // frees.
+            Call::FreeBatch(frees) => {
+                for &op in frees {
+                    self.write(&recorded(op));
+                }
+                return;
+            }
+            Call::GroupBegin => Op::GroupBegin,
+            Call::GroupEnd => Op::GroupEnd,
+            Call::FlushDeferred => Op::FlushDeferred,
+            Call::Flush => Op::Flush,
+            Call::EnsureCapacity(demand) => Op::EnsureCapacity {
+                full_pages: demand.full_pages,
+                swa_pages: demand.swa_pages,
+                mamba_slots: demand.mamba_slots,
+            },
+            Call::ReclaimPlan(demand, evictable) => Op::ReclaimPlan {
+                full_pages: demand.full_pages,
+                swa_pages: demand.swa_pages,
+                evictable_full: evictable.full_pages,
+                evictable_swa: evictable.swa_pages,
+                mamba_slots: demand.mamba_slots,
+                evictable_mamba: evictable.mamba_slots,
+            },
+            Call::UploadMirror => Op::UploadMirror,
         };
-        self.recorder.write(&op);
-        Ok(())
-    }
-    fn free(&mut self, ids: &[VirtualToken]) -> Result<(), unikv::pools::Error> {
-        self.inner.free(ids)?;
-        self.recorder.write(&Op::Free { ids: to_runs(ids) });
-        Ok(())
-    }
-    fn free_swa(&mut self, ids: &[VirtualToken]) -> Result<(), unikv::pools::Error> {
-        self.inner.free_swa(ids)?;
-        self.recorder.write(&Op::FreeSwa { ids: to_runs(ids) });
-        Ok(())
-    }
-    fn free_full(&mut self, ids: &[VirtualToken]) -> Result<(), unikv::pools::Error> {
-        self.inner.free_full(ids)?;
-        self.recorder.write(&Op::FreeFull { ids: to_runs(ids) });
-        Ok(())
-    }
-    fn free_segment(&mut self, segment: Segment<'_>) -> Result<(), unikv::pools::Error> {
-        self.inner.free_segment(segment)?;
-        self.recorder.write(&recorded(FreeOp::Segment(segment)));
-        Ok(())
-    }
-    fn free_swa_segment(&mut self, segment: Segment<'_>) -> Result<(), unikv::pools::Error> {
-        self.inner.free_swa_segment(segment)?;
-        self.recorder.write(&recorded(FreeOp::SwaSegment(segment)));
-        Ok(())
-    }
-    fn free_full_segment(&mut self, segment: Segment<'_>) -> Result<(), unikv::pools::Error> {
-        self.inner.free_full_segment(segment)?;
-        self.recorder.write(&recorded(FreeOp::FullSegment(segment)));
-        Ok(())
-    }
-    fn free_segments(&mut self, segments: &[Segment<'_>]) -> Result<(), unikv::pools::Error> {
-        self.inner.free_segments(segments)?;
-        self.recorder.write(&Op::FreeSegments {
-            segments: segments.iter().map(Seg::of).collect(),
-        });
-        Ok(())
-    }
-    fn free_kv_row_segments(
-        &mut self,
-        row: &[VirtualToken],
-        dead_lo: usize,
-        cursor: usize,
-        len: usize,
-    ) -> Result<(), unikv::pools::Error> {
-        self.inner.free_kv_row_segments(row, dead_lo, cursor, len)?;
-        self.recorder.write(&recorded(FreeOp::KvRow {
-            row,
-            dead_lo,
-            cursor,
-            len,
-        }));
-        Ok(())
-    }
-    fn transfer_swa(
-        &mut self,
-        from: Segment<'_>,
-        to: Segment<'_>,
-    ) -> Result<(), unikv::pools::Error> {
-        self.inner.transfer_swa(from, to)?;
-        self.recorder
-            .write(&recorded(FreeOp::TransferSwa { from, to }));
-        Ok(())
-    }
-    fn free_batch(&mut self, frees: &[FreeOp<'_>]) {
-        // Forwarded whole (it cannot fail), recorded as the checked ops it is made of, so
-        // `bench-ops` replays the same frees.
-        self.inner.free_batch(frees);
-        for &op in frees {
-            self.recorder.write(&recorded(op));
-        }
-    }
-    fn free_group_begin(&mut self) -> Result<(), unikv::pools::Error> {
-        self.inner.free_group_begin()?;
-        self.recorder.write(&Op::GroupBegin);
-        Ok(())
-    }
-    fn free_group_end(&mut self) -> Result<(), unikv::pools::Error> {
-        self.inner.free_group_end()?;
-        self.recorder.write(&Op::GroupEnd);
-        Ok(())
-    }
-    fn in_free_group(&self) -> bool {
-        self.inner.in_free_group()
-    }
-    fn pending_frees(&self) -> [(DeferredKind, usize); 5] {
-        self.inner.pending_frees()
-    }
-    fn flush_deferred(&mut self) -> bool {
-        let flushed = self.inner.flush_deferred();
-        self.recorder.write(&Op::FlushDeferred);
-        flushed
-    }
-    fn flush(&mut self) -> Result<FlushReport, unikv::pools::Error> {
-        let report = self.inner.flush()?;
-        self.recorder.write(&Op::Flush);
-        Ok(report)
-    }
-    fn allocation_fits(&self, demand: PageDemand) -> bool {
-        self.inner.allocation_fits(demand)
-    }
-    fn ensure_capacity(&mut self, demand: PageDemand) -> Result<(), unikv::pools::Error> {
-        let result = self.inner.ensure_capacity(demand);
-        // Recorded even when it fails: it flushed deferred frees either way.
-        self.recorder.write(&Op::EnsureCapacity {
-            full_pages: demand.full_pages,
-            swa_pages: demand.swa_pages,
-            mamba_slots: demand.mamba_slots,
-        });
-        result
-    }
-    fn reclaim_plan(&mut self, demand: PageDemand, evictable: Reclaimable) -> Option<ReclaimPlan> {
-        let plan = self.inner.reclaim_plan(demand, evictable);
-        self.recorder.write(&Op::ReclaimPlan {
-            full_pages: demand.full_pages,
-            swa_pages: demand.swa_pages,
-            evictable_full: evictable.full_pages,
-            evictable_swa: evictable.swa_pages,
-            mamba_slots: demand.mamba_slots,
-            evictable_mamba: evictable.mamba_slots,
-        });
-        plan
-    }
-    fn capacity(&self) -> Capacity {
-        self.inner.capacity()
-    }
-    fn pool_map(&self) -> PoolMap {
-        self.inner.pool_map()
-    }
-    fn move_gate(&self) -> MoveGate {
-        self.inner.move_gate()
-    }
-    fn upload_mirror(&mut self) -> Result<(), unikv::pools::Error> {
-        self.inner.upload_mirror()?;
-        self.recorder.write(&Op::UploadMirror);
-        Ok(())
-    }
-    fn mirror_current(&self) -> bool {
-        self.inner.mirror_current()
-    }
-    fn mirror_table(&self, side: Side) -> Option<TableId> {
-        self.inner.mirror_table(side)
-    }
-    fn stride(&self, side: Side) -> u32 {
-        self.inner.stride(side)
-    }
-    fn kernel_id(&self, side: Side, token: VirtualToken) -> i32 {
-        self.inner.kernel_id(side, token)
-    }
-    fn translate(
-        &self,
-        side: Side,
-        ids: TableId,
-        n: usize,
-        out: TableId,
-        out_width: usize,
-    ) -> Result<(), unikv::pools::Error> {
-        self.inner.translate(side, ids, n, out, out_width)
-    }
-    fn buffer(&self) -> BytesId {
-        self.inner.buffer()
-    }
-    fn grid(&self, side: Side) -> Grid {
-        self.inner.grid(side)
-    }
-    fn sink_floor(&self) -> u64 {
-        self.inner.sink_floor()
-    }
-    fn physical_page(&self, side: Side, page: VirtualPage) -> Option<u32> {
-        self.inner.physical_page(side, page)
-    }
-    fn physical_slot(&self, slot: VirtualSlot) -> Option<u32> {
-        self.inner.physical_slot(slot)
-    }
-    // A device copy changes no table: not an allocator op of the trace.
-    fn copy_slots(&self, pairs: &[(VirtualSlot, VirtualSlot)]) -> Result<(), unikv::pools::Error> {
-        self.inner.copy_slots(pairs)
-    }
-    fn full_live(&self, page: VirtualPage) -> bool {
-        self.inner.full_live(page)
-    }
-    fn swa_state(&self, page: VirtualPage) -> SwaState {
-        self.inner.swa_state(page)
-    }
-    fn check_conservation(&self) -> bool {
-        self.inner.check_conservation()
-    }
-    fn verify(&self) -> Result<(), String> {
-        self.inner.verify()
+        self.write(&op);
     }
 }
 

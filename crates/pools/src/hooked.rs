@@ -1,0 +1,401 @@
+//! [`Hooked`]: the one forwarding [`KvAllocator`], for everything that wraps an allocator
+//! to watch or fail its calls (the facade's `wrap_allocator`): an op recorder, a fault
+//! injector, a test probe. The wrapper forwards every method; a [`Hooks`] sees each
+//! mutating call as a [`Call`] and may fail a fallible one before it is forwarded.
+
+use crate::api::{
+    Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, FreeOp, KvAllocator,
+    MoveGate, PageDemand, PoolMap, ReclaimPlan, Reclaimable, Segment, SwaState,
+};
+use crate::{Error, Grid, PageSize, Side, VirtualPage, VirtualSlot, VirtualToken};
+use unikv_invariants::Scope;
+use unikv_kernels::{BytesId, TableId};
+
+/// Which sides a free by token ids releases.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IdFree {
+    /// [`KvAllocator::free`]: both sides.
+    Both,
+    /// [`KvAllocator::free_full`]: FULL only.
+    Full,
+    /// [`KvAllocator::free_swa`]: SWA only.
+    Swa,
+}
+
+/// One mutating call of a [`KvAllocator`] with its arguments, as a [`Hooks`] sees it.
+/// The read-only methods, and the device ops `translate` and `copy_slots` (whose
+/// failures a device fault injector covers), are forwarded unseen.
+#[derive(Clone, Copy, Debug)]
+pub enum Call<'a> {
+    /// [`KvAllocator::alloc_extend`].
+    AllocExtend(&'a [ExtendRequest]),
+    /// [`KvAllocator::alloc_decode`].
+    AllocDecode(&'a [DecodeRequest]),
+    /// [`KvAllocator::alloc_slots`] of this many slots.
+    AllocSlots(usize),
+    /// [`KvAllocator::free`], [`KvAllocator::free_full`] or [`KvAllocator::free_swa`].
+    FreeIds(IdFree, &'a [VirtualToken]),
+    /// One checked free as its [`FreeOp`]: `free_segment`, `free_full_segment`,
+    /// `free_swa_segment`, `transfer_swa`, `free_kv_row_segments` or `free_slots`.
+    Free(FreeOp<'a>),
+    /// [`KvAllocator::free_segments`].
+    FreeSegments(&'a [Segment<'a>]),
+    /// [`KvAllocator::free_batch`] (infallible).
+    FreeBatch(&'a [FreeOp<'a>]),
+    /// [`KvAllocator::free_group_begin`].
+    GroupBegin,
+    /// [`KvAllocator::free_group_end`].
+    GroupEnd,
+    /// [`KvAllocator::flush_deferred`] (infallible).
+    FlushDeferred,
+    /// [`KvAllocator::flush`].
+    Flush,
+    /// [`KvAllocator::ensure_capacity`].
+    EnsureCapacity(PageDemand),
+    /// [`KvAllocator::reclaim_plan`] (infallible).
+    ReclaimPlan(PageDemand, Reclaimable),
+    /// [`KvAllocator::upload_mirror`].
+    UploadMirror,
+}
+
+impl Call<'_> {
+    /// The method's name.
+    pub const fn name(&self) -> &'static str {
+        match self {
+            Call::AllocExtend(_) => "alloc_extend",
+            Call::AllocDecode(_) => "alloc_decode",
+            Call::AllocSlots(_) => "alloc_slots",
+            Call::FreeIds(IdFree::Both, _) => "free",
+            Call::FreeIds(IdFree::Full, _) => "free_full",
+            Call::FreeIds(IdFree::Swa, _) => "free_swa",
+            Call::Free(op) => op.name(),
+            Call::FreeSegments(_) => "free_segments",
+            Call::FreeBatch(_) => "free_batch",
+            Call::GroupBegin => "free_group_begin",
+            Call::GroupEnd => "free_group_end",
+            Call::FlushDeferred => "flush_deferred",
+            Call::Flush => "flush",
+            Call::EnsureCapacity(_) => "ensure_capacity",
+            Call::ReclaimPlan(..) => "reclaim_plan",
+            Call::UploadMirror => "upload_mirror",
+        }
+    }
+
+    /// Whether the method returns a `Result` (so [`Hooks::gate`] may fail it).
+    pub const fn fallible(&self) -> bool {
+        !matches!(
+            self,
+            Call::FreeBatch(_) | Call::FlushDeferred | Call::ReclaimPlan(..)
+        )
+    }
+}
+
+/// How a forwarded call ended, for [`Hooks::after`].
+#[derive(Clone, Copy, Debug)]
+pub enum Outcome<'a> {
+    /// It succeeded (infallible calls always do), handing out these tokens (the
+    /// allocations' new ids) and slots; both empty for frees and the rest.
+    Done {
+        /// Token ids appended to the caller's `out`.
+        tokens: &'a [VirtualToken],
+        /// Slots appended to the caller's `out`.
+        slots: &'a [VirtualSlot],
+    },
+    /// The inner allocator returned this error.
+    Failed(&'a Error),
+}
+
+impl Outcome<'_> {
+    const DONE: Outcome<'static> = Outcome::Done {
+        tokens: &[],
+        slots: &[],
+    };
+
+    /// Whether the call succeeded.
+    pub const fn done(&self) -> bool {
+        matches!(self, Outcome::Done { .. })
+    }
+}
+
+/// What a [`Hooked`] allocator calls around each [`Call`]. Both methods see the inner
+/// allocator, as it is before (`gate`) and after (`after`) the call.
+pub trait Hooks: std::fmt::Debug + Send {
+    /// Before a fallible call ([`Call::fallible`]) is forwarded: an error fails the call
+    /// with it, unforwarded, and [`Hooks::after`] is not called.
+    fn gate(&mut self, inner: &dyn KvAllocator, call: Call<'_>) -> Result<(), Error> {
+        let _ = (inner, call);
+        Ok(())
+    }
+
+    /// After a call was forwarded, whatever its outcome.
+    fn after(&mut self, inner: &dyn KvAllocator, call: Call<'_>, outcome: Outcome<'_>) {
+        let _ = (inner, call, outcome);
+    }
+}
+
+/// A [`KvAllocator`] that forwards every method to `inner` and shows each mutating call to
+/// its [`Hooks`]; see the module docs.
+#[derive(Debug)]
+pub struct Hooked<H> {
+    inner: Box<dyn KvAllocator>,
+    hooks: H,
+}
+
+impl<H: Hooks> Hooked<H> {
+    /// Wraps `inner`.
+    pub fn new(inner: Box<dyn KvAllocator>, hooks: H) -> Hooked<H> {
+        Hooked { inner, hooks }
+    }
+
+    /// The hooks.
+    pub fn hooks(&self) -> &H {
+        &self.hooks
+    }
+
+    /// The hooks, mutably.
+    pub fn hooks_mut(&mut self) -> &mut H {
+        &mut self.hooks
+    }
+
+    /// Gates `call`, forwards it with `forward`, and shows the outcome.
+    fn fallible<T>(
+        &mut self,
+        call: Call<'_>,
+        forward: impl FnOnce(&mut dyn KvAllocator) -> Result<T, Error>,
+    ) -> Result<T, Error> {
+        self.hooks.gate(&*self.inner, call)?;
+        let result = forward(&mut *self.inner);
+        let outcome = match &result {
+            Ok(_) => Outcome::DONE,
+            Err(e) => Outcome::Failed(e),
+        };
+        self.hooks.after(&*self.inner, call, outcome);
+        result
+    }
+
+    /// [`Hooked::fallible`] for an allocation appending to `out`, whose new items the
+    /// outcome shows through `done`.
+    fn allocation<I>(
+        &mut self,
+        call: Call<'_>,
+        out: &mut Vec<I>,
+        forward: impl FnOnce(&mut dyn KvAllocator, &mut Vec<I>) -> Result<(), Error>,
+        done: impl for<'o> FnOnce(&'o [I]) -> Outcome<'o>,
+    ) -> Result<(), Error> {
+        self.hooks.gate(&*self.inner, call)?;
+        let from = out.len();
+        let result = forward(&mut *self.inner, out);
+        let outcome = match &result {
+            Ok(()) => done(&out[from..]),
+            Err(e) => Outcome::Failed(e),
+        };
+        self.hooks.after(&*self.inner, call, outcome);
+        result
+    }
+
+    /// Forwards an infallible `call` and shows it.
+    fn infallible<T>(
+        &mut self,
+        call: Call<'_>,
+        forward: impl FnOnce(&mut dyn KvAllocator) -> T,
+    ) -> T {
+        let result = forward(&mut *self.inner);
+        self.hooks.after(&*self.inner, call, Outcome::DONE);
+        result
+    }
+}
+
+impl<H: Hooks> KvAllocator for Hooked<H> {
+    fn page_size(&self) -> PageSize {
+        self.inner.page_size()
+    }
+    fn invariant_scope(&self) -> &Scope {
+        self.inner.invariant_scope()
+    }
+    fn set_invariant_scope(&mut self, scope: Scope) {
+        self.inner.set_invariant_scope(scope);
+    }
+    fn virtual_pages(&self) -> u32 {
+        self.inner.virtual_pages()
+    }
+    fn alloc_extend(
+        &mut self,
+        requests: &[ExtendRequest],
+        out: &mut Vec<VirtualToken>,
+    ) -> Result<(), Error> {
+        self.allocation(
+            Call::AllocExtend(requests),
+            out,
+            |a, out| a.alloc_extend(requests, out),
+            |tokens| Outcome::Done { tokens, slots: &[] },
+        )
+    }
+    fn alloc_decode(
+        &mut self,
+        requests: &[DecodeRequest],
+        out: &mut Vec<VirtualToken>,
+    ) -> Result<(), Error> {
+        self.allocation(
+            Call::AllocDecode(requests),
+            out,
+            |a, out| a.alloc_decode(requests, out),
+            |tokens| Outcome::Done { tokens, slots: &[] },
+        )
+    }
+    fn free(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
+        self.fallible(Call::FreeIds(IdFree::Both, ids), |a| a.free(ids))
+    }
+    fn free_swa(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
+        self.fallible(Call::FreeIds(IdFree::Swa, ids), |a| a.free_swa(ids))
+    }
+    fn free_full(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
+        self.fallible(Call::FreeIds(IdFree::Full, ids), |a| a.free_full(ids))
+    }
+    fn free_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
+        self.fallible(Call::Free(FreeOp::Segment(segment)), |a| {
+            a.free_segment(segment)
+        })
+    }
+    fn free_swa_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
+        self.fallible(Call::Free(FreeOp::SwaSegment(segment)), |a| {
+            a.free_swa_segment(segment)
+        })
+    }
+    fn free_full_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
+        self.fallible(Call::Free(FreeOp::FullSegment(segment)), |a| {
+            a.free_full_segment(segment)
+        })
+    }
+    fn free_segments(&mut self, segments: &[Segment<'_>]) -> Result<(), Error> {
+        self.fallible(Call::FreeSegments(segments), |a| a.free_segments(segments))
+    }
+    fn free_kv_row_segments(
+        &mut self,
+        row: &[VirtualToken],
+        dead_lo: usize,
+        cursor: usize,
+        len: usize,
+    ) -> Result<(), Error> {
+        let op = FreeOp::KvRow {
+            row,
+            dead_lo,
+            cursor,
+            len,
+        };
+        self.fallible(Call::Free(op), |a| {
+            a.free_kv_row_segments(row, dead_lo, cursor, len)
+        })
+    }
+    fn transfer_swa(&mut self, from: Segment<'_>, to: Segment<'_>) -> Result<(), Error> {
+        self.fallible(Call::Free(FreeOp::TransferSwa { from, to }), |a| {
+            a.transfer_swa(from, to)
+        })
+    }
+    fn alloc_slots(&mut self, n: usize, out: &mut Vec<VirtualSlot>) -> Result<(), Error> {
+        self.allocation(
+            Call::AllocSlots(n),
+            out,
+            |a, out| a.alloc_slots(n, out),
+            |slots| Outcome::Done { tokens: &[], slots },
+        )
+    }
+    fn free_slots(&mut self, slots: &[VirtualSlot]) -> Result<(), Error> {
+        self.fallible(Call::Free(FreeOp::Slots(slots)), |a| a.free_slots(slots))
+    }
+    fn copy_slots(&self, pairs: &[(VirtualSlot, VirtualSlot)]) -> Result<(), Error> {
+        self.inner.copy_slots(pairs)
+    }
+    fn physical_slot(&self, slot: VirtualSlot) -> Option<u32> {
+        self.inner.physical_slot(slot)
+    }
+    fn free_batch(&mut self, frees: &[FreeOp<'_>]) {
+        self.infallible(Call::FreeBatch(frees), |a| a.free_batch(frees));
+    }
+    fn free_group_begin(&mut self) -> Result<(), Error> {
+        self.fallible(Call::GroupBegin, |a| a.free_group_begin())
+    }
+    fn free_group_end(&mut self) -> Result<(), Error> {
+        self.fallible(Call::GroupEnd, |a| a.free_group_end())
+    }
+    fn in_free_group(&self) -> bool {
+        self.inner.in_free_group()
+    }
+    fn pending_frees(&self) -> [(DeferredKind, usize); 5] {
+        self.inner.pending_frees()
+    }
+    fn flush_deferred(&mut self) -> bool {
+        self.infallible(Call::FlushDeferred, |a| a.flush_deferred())
+    }
+    fn flush(&mut self) -> Result<FlushReport, Error> {
+        self.fallible(Call::Flush, |a| a.flush())
+    }
+    fn allocation_fits(&self, demand: PageDemand) -> bool {
+        self.inner.allocation_fits(demand)
+    }
+    fn ensure_capacity(&mut self, demand: PageDemand) -> Result<(), Error> {
+        self.fallible(Call::EnsureCapacity(demand), |a| a.ensure_capacity(demand))
+    }
+    fn reclaim_plan(&mut self, demand: PageDemand, evictable: Reclaimable) -> Option<ReclaimPlan> {
+        self.infallible(Call::ReclaimPlan(demand, evictable), |a| {
+            a.reclaim_plan(demand, evictable)
+        })
+    }
+    fn capacity(&self) -> Capacity {
+        self.inner.capacity()
+    }
+    fn pool_map(&self) -> PoolMap {
+        self.inner.pool_map()
+    }
+    fn move_gate(&self) -> MoveGate {
+        self.inner.move_gate()
+    }
+    fn upload_mirror(&mut self) -> Result<(), Error> {
+        self.fallible(Call::UploadMirror, |a| a.upload_mirror())
+    }
+    fn mirror_current(&self) -> bool {
+        self.inner.mirror_current()
+    }
+    fn mirror_table(&self, side: Side) -> Option<TableId> {
+        self.inner.mirror_table(side)
+    }
+    fn stride(&self, side: Side) -> u32 {
+        self.inner.stride(side)
+    }
+    fn kernel_id(&self, side: Side, token: VirtualToken) -> i32 {
+        self.inner.kernel_id(side, token)
+    }
+    fn translate(
+        &self,
+        side: Side,
+        ids: TableId,
+        n: usize,
+        out: TableId,
+        out_width: usize,
+    ) -> Result<(), Error> {
+        self.inner.translate(side, ids, n, out, out_width)
+    }
+    fn buffer(&self) -> BytesId {
+        self.inner.buffer()
+    }
+    fn grid(&self, side: Side) -> Grid {
+        self.inner.grid(side)
+    }
+    fn sink_floor(&self) -> u64 {
+        self.inner.sink_floor()
+    }
+    fn physical_page(&self, side: Side, page: VirtualPage) -> Option<u32> {
+        self.inner.physical_page(side, page)
+    }
+    fn full_live(&self, page: VirtualPage) -> bool {
+        self.inner.full_live(page)
+    }
+    fn swa_state(&self, page: VirtualPage) -> SwaState {
+        self.inner.swa_state(page)
+    }
+    fn check_conservation(&self) -> bool {
+        self.inner.check_conservation()
+    }
+    fn verify(&self) -> Result<(), String> {
+        self.inner.verify()
+    }
+}
