@@ -3,6 +3,7 @@
 //! writes anything, so an op that returns an error has changed nothing.
 
 use crate::check;
+use crate::handles::Handles;
 use crate::{ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, Translate};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -11,17 +12,27 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 /// Work runs at once on the calling thread, so "stream order" is call order and
 /// [`Readback::synchronize`] has nothing to wait for. Released handles are never handed
 /// out again, so a stale handle is reported as [`Error::UnknownHandle`].
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct CpuDevice {
     state: Mutex<State>,
 }
 
-#[derive(Debug, Default)]
-struct State {
-    bytes: Vec<Option<Vec<u8>>>,
-    tables: Vec<Option<Vec<i32>>>,
+impl Default for CpuDevice {
+    fn default() -> CpuDevice {
+        CpuDevice {
+            state: Mutex::new(State {
+                bytes: Handles::new("bytes", "cpu"),
+                tables: Handles::new("table", "cpu"),
+            }),
+        }
+    }
 }
 
+#[derive(Debug)]
+struct State {
+    bytes: Handles<Vec<u8>>,
+    tables: Handles<Vec<i32>>,
+}
 impl CpuDevice {
     /// A device with no buffers or tables.
     pub fn new() -> CpuDevice {
@@ -52,14 +63,6 @@ impl CpuDevice {
     }
 }
 
-fn unknown(kind: &'static str, id: u32) -> Error {
-    Error::UnknownHandle {
-        kind,
-        id,
-        device: "cpu".to_string(),
-    }
-}
-
 fn out_of_memory(bytes: u64) -> Error {
     Error::OutOfMemory {
         device: "cpu".to_string(),
@@ -69,40 +72,20 @@ fn out_of_memory(bytes: u64) -> Error {
 
 impl State {
     fn bytes(&self, buf: BytesId) -> Result<&Vec<u8>, Error> {
-        self.bytes
-            .get(buf.0 as usize)
-            .and_then(Option::as_ref)
-            .ok_or_else(|| unknown("bytes", buf.0))
+        self.bytes.get(buf.0)
     }
 
     fn bytes_mut(&mut self, buf: BytesId) -> Result<&mut Vec<u8>, Error> {
-        self.bytes
-            .get_mut(buf.0 as usize)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| unknown("bytes", buf.0))
+        self.bytes.get_mut(buf.0)
     }
 
     fn table(&self, table: TableId) -> Result<&Vec<i32>, Error> {
-        self.tables
-            .get(table.0 as usize)
-            .and_then(Option::as_ref)
-            .ok_or_else(|| unknown("table", table.0))
+        self.tables.get(table.0)
     }
 
     fn table_mut(&mut self, table: TableId) -> Result<&mut Vec<i32>, Error> {
-        self.tables
-            .get_mut(table.0 as usize)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| unknown("table", table.0))
+        self.tables.get_mut(table.0)
     }
-}
-
-/// The next handle number for a slot vector, or an error once `u32` is exhausted.
-fn next_handle<T>(slots: &[T]) -> Result<u32, Error> {
-    u32::try_from(slots.len()).map_err(|_| Error::BadArguments {
-        op: "alloc",
-        reason: "every handle number of this device has been used".to_string(),
-    })
 }
 
 /// A vector of `len` copies of `fill`, or an error instead of an abort when the host
@@ -142,36 +125,28 @@ impl Device for CpuDevice {
     fn alloc_bytes(&self, len: u64, fill: u8) -> Result<BytesId, Error> {
         let n = usize::try_from(len).map_err(|_| out_of_memory(len))?;
         let mut st = self.state();
-        let id = next_handle(&st.bytes)?;
+        st.bytes.next()?;
         let buf = if fill == 0 {
             zeroed_bytes(n)?
         } else {
             filled(n, fill)?
         };
-        st.bytes.push(Some(buf));
-        Ok(BytesId(id))
+        Ok(BytesId(st.bytes.push(buf)))
     }
 
     fn alloc_table(&self, len: usize, fill: i32) -> Result<TableId, Error> {
         let mut st = self.state();
-        let id = next_handle(&st.tables)?;
+        st.tables.next()?;
         let table = filled(len, fill)?;
-        st.tables.push(Some(table));
-        Ok(TableId(id))
+        Ok(TableId(st.tables.push(table)))
     }
 
     fn free_bytes(&self, buf: BytesId) -> Result<(), Error> {
-        let mut st = self.state();
-        st.bytes(buf)?;
-        st.bytes[buf.0 as usize] = None;
-        Ok(())
+        self.state().bytes.remove(buf.0)
     }
 
     fn free_table(&self, table: TableId) -> Result<(), Error> {
-        let mut st = self.state();
-        st.table(table)?;
-        st.tables[table.0 as usize] = None;
-        Ok(())
+        self.state().tables.remove(table.0)
     }
 
     fn upload_table(&self, table: TableId, offset: usize, values: &[i32]) -> Result<(), Error> {

@@ -1,7 +1,8 @@
 //! The device layer of unikv: a [`Device`] trait whose ops all have host-known output
 //! shapes, the CPU reference backend [`CpuDevice`], the recording wrapper
 //! [`SyncLedger`] that counts syncs by call site, the fault-injecting wrapper
-//! [`FaultInjector`] that fails chosen ops for fault sweeps, and the CUDA backend [`CudaDevice`]
+//! [`FaultInjector`] that fails chosen ops for fault sweeps, the bookkeeping-only
+//! [`NullDevice`] that keeps no bytes, and the CUDA backend [`CudaDevice`]
 //! behind the `cuda` feature (kernels in `cu/*.cu`, compiled at run time by
 //! [`nvrtc`]).
 //!
@@ -46,7 +47,9 @@ mod cuda;
 mod device;
 mod error;
 mod fault;
+mod handles;
 mod ledger;
+mod null;
 pub mod nvrtc;
 
 pub use cpu::CpuDevice;
@@ -55,3 +58,4 @@ pub use device::{ByteSpan, BytesId, Device, HostSync, Readback, SpanMove, TableI
 pub use error::Error;
 pub use fault::{DeviceOp, FaultInjector, InjectedFault};
 pub use ledger::{OpRecord, SyncLedger, SyncReport};
+pub use null::NullDevice;

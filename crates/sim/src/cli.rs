@@ -9,7 +9,7 @@
 
 use crate::error::SimError;
 use crate::report::group_digits;
-use crate::scheduler::Layout;
+use crate::scheduler::{Backend, Layout};
 use crate::trace;
 use crate::units::{format_bytes, parse_memory};
 use crate::workload::Preset;
@@ -110,6 +110,8 @@ pub struct ReplayArgs {
     pub record_ops: Option<PathBuf>,
     /// Report CPU time per step (off with `--no-timing`, for byte-identical output).
     pub timing: bool,
+    /// The device of the runs (`--device`, default cpu).
+    pub backend: Backend,
 }
 
 impl Default for ReplayArgs {
@@ -128,6 +130,7 @@ impl Default for ReplayArgs {
             svg_dir: None,
             record_ops: None,
             timing: true,
+            backend: Backend::Cpu,
         }
     }
 }
@@ -151,6 +154,8 @@ pub struct BenchOpsArgs {
     pub levels: Vec<Level>,
     /// Print one JSON object instead of the table.
     pub json: bool,
+    /// The device the allocator runs on (`--device`, default cpu).
+    pub backend: Backend,
 }
 
 /// The options of `unikv sim`: seeds `first..first + seeds` of [`crate::dst`].
@@ -383,6 +388,7 @@ fn parse_replay(args: &[&str]) -> Result<Command, SimError> {
             "--record-ops" => {
                 parsed.record_ops = Some(PathBuf::from(args.single("--record-ops", inline)?));
             }
+            "--device" => parsed.backend = parse_backend(args.single("--device", inline)?)?,
             other => return Err(args.unknown(other)),
         }
     }
@@ -429,6 +435,7 @@ fn parse_bench_ops(args: &[&str]) -> Result<Command, SimError> {
     let mut file: Option<PathBuf> = None;
     let mut levels: Vec<Level> = Vec::new();
     let mut json = false;
+    let mut backend = Backend::Cpu;
     let mut args = Args {
         command: "bench-ops",
         rest: args.iter(),
@@ -454,6 +461,9 @@ fn parse_bench_ops(args: &[&str]) -> Result<Command, SimError> {
                 args.flag("--json", inline)?;
                 json = true;
             }
+            Arg::Option("--device", inline) => {
+                backend = parse_backend(args.single("--device", inline)?)?;
+            }
             Arg::Option(other, _) => return Err(args.unknown(other)),
         }
     }
@@ -464,7 +474,19 @@ fn parse_bench_ops(args: &[&str]) -> Result<Command, SimError> {
     if levels.is_empty() {
         levels = vec![Level::Off, Level::Strict];
     }
-    Ok(Command::BenchOps(BenchOpsArgs { file, levels, json }))
+    Ok(Command::BenchOps(BenchOpsArgs {
+        file,
+        levels,
+        json,
+        backend,
+    }))
+}
+
+/// `--device`'s value.
+fn parse_backend(value: &str) -> Result<Backend, SimError> {
+    Backend::from_name(value).ok_or_else(|| SimError::UnknownDevice {
+        value: value.to_string(),
+    })
 }
 
 fn parse_sim(args: &[&str]) -> Result<Command, SimError> {
@@ -598,7 +620,7 @@ unikv bench-ops: replay only the allocator operations a replay recorded, against
 allocator, and report throughput (ops/s and tokens/s per operation kind)
 
 USAGE:
-  unikv bench-ops FILE [--invariants LEVEL]... [--json]
+  unikv bench-ops FILE [--invariants LEVEL]... [--device D] [--json]
 
 ARGUMENTS:
   FILE                  an ops trace written by `unikv replay --record-ops FILE`
@@ -606,6 +628,8 @@ ARGUMENTS:
 OPTIONS:
   --invariants LEVEL    off|warn|strict (or 0|1|2); repeat to measure at several levels
                         [default: off and strict]
+  --device D            cpu (moves and fills carried out, their time taken out) or
+                        none (bookkeeping only, no bytes kept) [default: cpu]
   --json                print one JSON object instead of the table
   -h, --help            this text
 ";
@@ -676,6 +700,9 @@ OPTIONS:
   --svg DIR               write one SVG per run: each sub-pool's bytes over steps
   --record-ops FILE       record every allocator operation of the run (JSON Lines,
                           for `unikv bench-ops`); needs exactly one run
+  --device D              cpu: the byte-keeping CPU device; none: bookkeeping only
+                          (shapes checked, no bytes kept), for real budgets in
+                          megabytes of memory [default: cpu]
   -h, --help              this text
   Every option but --workload and --page-size may be given once; list items
   (N,N) must not be empty.

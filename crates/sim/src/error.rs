@@ -137,6 +137,12 @@ pub enum SimError {
         /// What was given.
         value: String,
     },
+    /// `--device` is not `cpu` or `none`.
+    #[error("unknown device {value:?} (expected cpu or none)")]
+    UnknownDevice {
+        /// What was given.
+        value: String,
+    },
     /// `--invariants` is not a level.
     #[error("unknown invariant level {value:?} (expected off, warn, strict, 0, 1, 2)")]
     UnknownLevel {

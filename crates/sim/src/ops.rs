@@ -8,6 +8,7 @@
 
 use crate::error::{OpsProblem, SimError};
 use crate::input::{BoundedLines, LineError};
+use crate::scheduler::Backend;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -16,7 +17,6 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use unikv::ModelSpec;
-use unikv::kernels::SyncLedger;
 use unikv::pools::{
     Call, DecodeRequest, ExtendRequest, FreeOp, Hooked, Hooks, IdFree, KvAllocator, Outcome,
     PageDemand, Reclaimable, Segment, StaticSwa, StaticSwaConfig, UnifiedSwa, UnifiedSwaConfig,
@@ -819,11 +819,14 @@ impl OpThroughput {
 /// per op kind (plus `all`). The ids each alloc returns are checked against the trace, so
 /// a replay that diverged is an error, not a number.
 ///
-/// The allocator runs on a CPU device behind a [`SyncLedger`], and the time the device
+/// The allocator runs on a `backend` device behind a [`SyncLedger`](unikv::kernels::SyncLedger), and the time the device
 /// spends executing ops (page moves, uploads: asynchronous launches on a GPU) is taken
 /// out of each op's time, so the figures are the allocator's host bookkeeping.
-pub fn replay(trace: &Trace) -> Result<BTreeMap<&'static str, OpThroughput>, SimError> {
-    let ledger = Arc::new(SyncLedger::cpu());
+pub fn replay(
+    trace: &Trace,
+    backend: Backend,
+) -> Result<BTreeMap<&'static str, OpThroughput>, SimError> {
+    let ledger = backend.ledger();
     let mut alloc = allocator_for(&trace.header, ledger.clone()).map_err(|e| match e {
         // A header the allocator cannot be built from (a budget too small for one
         // window, a ratio out of range): the header's line is the cause.
@@ -1367,7 +1370,7 @@ mod tests {
         std::fs::write(&path, format!("\n{header}\n")).unwrap();
         let trace = load(&path).unwrap();
         let _ = std::fs::remove_file(&path);
-        let (line, message) = line_and_message(&replay(&trace).unwrap_err());
+        let (line, message) = line_and_message(&replay(&trace, Backend::Cpu).unwrap_err());
         assert_eq!(line, 2);
         assert!(
             message.starts_with("header: the allocator refused it: buffer of 0 B"),
@@ -1387,7 +1390,7 @@ mod tests {
             9,
         )
         .unwrap();
-        let err = replay(&trace).unwrap_err();
+        let err = replay(&trace, Backend::Cpu).unwrap_err();
         let (line, message) = line_and_message(&err);
         assert_eq!(line, 3);
         assert!(

@@ -61,6 +61,7 @@ pub fn plan(args: &ReplayArgs, workloads: &[Workload]) -> Vec<(usize, RunConfig)
                 config.seed = args.seed;
                 config.invariant_level = args.invariant_level;
                 config.record_ops = args.record_ops.clone();
+                config.backend = args.backend;
                 runs.push((w, config));
             }
         }
@@ -207,7 +208,7 @@ pub fn bench_ops(args: &BenchOpsArgs, out: &mut dyn Write) -> Result<(), SimErro
     let trace = crate::ops::load(&args.file)?;
     let mut results = Vec::new();
     for &level in &args.levels {
-        let by_kind = scoped_level(level, || crate::ops::replay(&trace))?;
+        let by_kind = scoped_level(level, || crate::ops::replay(&trace, args.backend))?;
         results.push((level, by_kind));
     }
     let write = SimError::Output;
@@ -256,6 +257,7 @@ pub fn bench_ops(args: &BenchOpsArgs, out: &mut dyn Write) -> Result<(), SimErro
 mod tests {
     use super::*;
     use crate::report::{RunStats, StepSample};
+    use crate::scheduler::Backend;
     use crate::scheduler::{Layout, StepProgress};
     use crate::workload::Preset;
     use std::collections::BTreeMap;
@@ -479,6 +481,7 @@ mod tests {
             file: file.clone(),
             levels: vec![Level::Off, Level::Strict],
             json: false,
+            backend: Backend::Cpu,
         };
         let mut out = Vec::new();
         bench_ops(&args, &mut out).unwrap();
@@ -510,6 +513,7 @@ mod tests {
             file: "/nonexistent/ops.jsonl".into(),
             levels: vec![Level::Off],
             json: false,
+            backend: Backend::Cpu,
         };
         assert!(matches!(
             bench_ops(&missing, &mut Vec::new()),

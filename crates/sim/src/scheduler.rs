@@ -81,6 +81,47 @@ impl fmt::Display for Layout {
     }
 }
 
+/// The device a run's buffer lives on (`--device`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backend {
+    /// The byte-keeping CPU reference device: every move and fill is carried out.
+    #[default]
+    Cpu,
+    /// [`NullDevice`](unikv::kernels::NullDevice): shapes checked, no bytes kept, so a
+    /// real model's budget runs in megabytes and the time is the host's bookkeeping.
+    None,
+}
+
+impl Backend {
+    /// Both, in `--device` order.
+    pub const ALL: [Backend; 2] = [Backend::Cpu, Backend::None];
+
+    /// The `--device` spelling.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::None => "none",
+        }
+    }
+
+    /// The backend spelled `name` (any case).
+    pub fn from_name(name: &str) -> Option<Backend> {
+        Backend::ALL
+            .into_iter()
+            .find(|b| b.as_str().eq_ignore_ascii_case(name.trim()))
+    }
+
+    /// A fresh device of this kind behind a [`SyncLedger`] (which counts syncs and
+    /// device time).
+    pub fn ledger(self) -> Arc<SyncLedger> {
+        let device: Arc<dyn unikv::kernels::Readback> = match self {
+            Backend::Cpu => Arc::new(unikv::kernels::CpuDevice::new()),
+            Backend::None => Arc::new(unikv::kernels::NullDevice::new()),
+        };
+        Arc::new(SyncLedger::new(device))
+    }
+}
+
 /// Everything one run needs besides the workload.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RunConfig {
@@ -109,6 +150,8 @@ pub struct RunConfig {
     pub max_steps: u64,
     /// Where to write the allocator operations of this run (`--record-ops`), if anywhere.
     pub record_ops: Option<PathBuf>,
+    /// The device the buffer lives on (`--device`).
+    pub backend: Backend,
 }
 
 impl RunConfig {
@@ -137,6 +180,7 @@ impl RunConfig {
             max_samples: RunConfig::DEFAULT_MAX_SAMPLES,
             max_steps: RunConfig::DEFAULT_MAX_STEPS,
             record_ops: None,
+            backend: Backend::Cpu,
         }
     }
 }
@@ -215,7 +259,7 @@ struct Simulation<'a> {
 
 impl<'a> Simulation<'a> {
     fn new(workload: &'a Workload, config: &'a RunConfig) -> Result<Self, SimError> {
-        let ledger = Arc::new(SyncLedger::cpu());
+        let ledger = config.backend.ledger();
         let mut builder = cache_builder(config, ledger.clone());
         let mut record_status = None;
         if let Some(path) = &config.record_ops {
@@ -664,7 +708,8 @@ fn cache_builder(config: &RunConfig, device: Arc<SyncLedger>) -> unikv::HybridCa
 /// refuses whatever the workload is the builder's typed error ([`SimError::Cache`]). A budget too small for one request is not
 /// an error here; the run reports it with its workload ([`SimError::BudgetTooSmall`]).
 pub fn check_config(config: &RunConfig) -> Result<(), SimError> {
-    match cache_builder(config, Arc::new(SyncLedger::cpu())).build() {
+    // Bookkeeping only: the check builds the cache and must not take its bytes.
+    match cache_builder(config, Backend::None.ledger()).build() {
         Err(e @ unikv::Error::Config(_)) => Err(SimError::Cache(e)),
         _ => Ok(()),
     }

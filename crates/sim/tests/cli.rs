@@ -114,6 +114,11 @@ fn bad_options_are_one_line_errors_with_status_2() {
         ),
         (&["replay", "--page-size", "0"], "--page-size"),
         (&["replay", "--layout", "paged"], "unknown layout"),
+        (
+            &["replay", "--device", "gpu"],
+            "unknown device \"gpu\" (expected cpu or none)",
+        ),
+        (&["bench-ops", "f", "--device", "tpu"], "unknown device"),
         (&["replay", "--frobnicate"], "unknown option"),
         (
             &["replay", "--record-ops", "ops.jsonl"],
@@ -687,5 +692,57 @@ fn a_recorded_mamba_hybrid_trace_reruns_under_bench_ops() {
             assert!(calls("alloc_extend") > 0, "{table}");
         }
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_real_budget_runs_bookkeeping_only_on_device_none() {
+    // 80 GiB of gpt-oss-120b: the CPU device would need the 80 GiB; none keeps no bytes.
+    let doc = replay_json(&[
+        "--model",
+        "gpt-oss-120b",
+        "--memory",
+        "80GiB",
+        "--device",
+        "none",
+        "--workload",
+        "smoke",
+        "--page-size",
+        "1,256",
+    ]);
+    assert_eq!(passing_runs(&doc).len(), 4, "{doc}");
+
+    // bench-ops reruns a trace on either device, the same ops.
+    let dir = scratch("device-none");
+    let ops = dir.join("ops.jsonl");
+    let (status, _, stderr) = unikv(&[
+        "replay",
+        "--workload",
+        "smoke",
+        "--page-size",
+        "4",
+        "--layout",
+        "unified",
+        "--memory",
+        "1GiB",
+        "--device",
+        "none",
+        "--record-ops",
+        ops.to_str().unwrap(),
+    ]);
+    assert_eq!(status, Some(0), "{stderr}");
+    let calls = |device: &str| {
+        let (status, json, stderr) = unikv(&[
+            "bench-ops",
+            ops.to_str().unwrap(),
+            "--device",
+            device,
+            "--json",
+        ]);
+        assert_eq!(status, Some(0), "{device}: {stderr}");
+        let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
+        doc["strict"]["all"]["calls"].as_u64().unwrap()
+    };
+    assert_eq!(calls("cpu"), calls("none"));
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,0 +1,222 @@
+//! `NullDevice`: a device that keeps no bytes, for bookkeeping-only runs at any size.
+
+use crate::check;
+use crate::handles::Handles;
+use crate::{ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, Translate};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+/// A device that stores nothing: it remembers only each buffer's and table's length, and
+/// accepts every op whose arguments pass the same host-side checks as on [`CpuDevice`]
+/// (bounds, overlapping moves, translate's shapes), then does nothing. So a run of the
+/// allocator against a real model's budget (80 GiB) costs only its host tables, and the
+/// time it takes is the host's bookkeeping and those checks alone.
+///
+/// Reads come back as zeros of the length asked (nothing was kept): this device is for
+/// measuring and sizing runs, not for checking data; the byte-keeping [`CpuDevice`] is.
+///
+/// ```
+/// use unikv_kernels::{Device, HostSync, NullDevice, Readback, SpanMove};
+///
+/// let dev = NullDevice::new();
+/// let buf = dev.alloc_bytes(80 << 30, 0).unwrap(); // 80 GiB, no memory taken
+/// dev.move_spans(buf, &[SpanMove { src: 0, dst: 1 << 30, len: 4096 }]).unwrap();
+/// assert!(dev.move_spans(buf, &[SpanMove { src: 0, dst: 80 << 30, len: 1 }]).is_err());
+/// let sync = HostSync::acquire("doc example");
+/// assert_eq!(dev.read_bytes(&sync, buf, 1 << 30, 2).unwrap(), [0, 0]);
+/// ```
+///
+/// [`CpuDevice`]: crate::CpuDevice
+#[derive(Debug)]
+pub struct NullDevice {
+    state: Mutex<Lengths>,
+}
+
+#[derive(Debug)]
+struct Lengths {
+    bytes: Handles<u64>,
+    tables: Handles<usize>,
+}
+
+impl Default for NullDevice {
+    fn default() -> NullDevice {
+        NullDevice {
+            state: Mutex::new(Lengths {
+                bytes: Handles::new("bytes", "none"),
+                tables: Handles::new("table", "none"),
+            }),
+        }
+    }
+}
+
+impl NullDevice {
+    /// A device with no buffers or tables.
+    pub fn new() -> NullDevice {
+        NullDevice::default()
+    }
+
+    fn state(&self) -> MutexGuard<'_, Lengths> {
+        // Every op checks before it records anything: a poisoned lock guards whole data.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn bytes_len(&self, buf: BytesId) -> Result<u64, Error> {
+        self.state().bytes.get(buf.0).copied()
+    }
+
+    fn table_len(&self, table: TableId) -> Result<usize, Error> {
+        self.state().tables.get(table.0).copied()
+    }
+}
+
+impl Device for NullDevice {
+    fn name(&self) -> String {
+        "none".to_string()
+    }
+
+    fn alloc_bytes(&self, len: u64, _fill: u8) -> Result<BytesId, Error> {
+        let mut st = self.state();
+        st.bytes.next()?;
+        Ok(BytesId(st.bytes.push(len)))
+    }
+
+    fn alloc_table(&self, len: usize, _fill: i32) -> Result<TableId, Error> {
+        let mut st = self.state();
+        st.tables.next()?;
+        Ok(TableId(st.tables.push(len)))
+    }
+
+    fn free_bytes(&self, buf: BytesId) -> Result<(), Error> {
+        self.state().bytes.remove(buf.0)
+    }
+
+    fn free_table(&self, table: TableId) -> Result<(), Error> {
+        self.state().tables.remove(table.0)
+    }
+
+    fn upload_table(&self, table: TableId, offset: usize, values: &[i32]) -> Result<(), Error> {
+        let len = self.table_len(table)?;
+        check::table_range("upload_table", table, offset, values.len(), len)
+    }
+
+    fn scatter_table(&self, table: TableId, entries: &[(u32, i32)]) -> Result<(), Error> {
+        check::scatter(table, entries, self.table_len(table)?)
+    }
+
+    fn gather_table(
+        &self,
+        src: TableId,
+        indices: TableId,
+        n: usize,
+        out: TableId,
+    ) -> Result<(), Error> {
+        self.table_len(src)?;
+        let indices = (indices, self.table_len(indices)?);
+        check::gather(src, indices, n, (out, self.table_len(out)?))
+    }
+
+    fn fill_spans(&self, buf: BytesId, spans: &[ByteSpan], _value: u8) -> Result<(), Error> {
+        check::fill(buf, spans, self.bytes_len(buf)?)
+    }
+
+    fn move_spans(&self, buf: BytesId, moves: &[SpanMove]) -> Result<(), Error> {
+        check::moves(buf, moves, self.bytes_len(buf)?)
+    }
+
+    fn translate(&self, args: &Translate) -> Result<(), Error> {
+        self.table_len(args.v2p)?;
+        check::translate(args, self.table_len(args.ids)?, self.table_len(args.out)?)?;
+        Ok(())
+    }
+}
+
+impl Readback for NullDevice {
+    fn read_table(
+        &self,
+        _sync: &HostSync,
+        table: TableId,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<i32>, Error> {
+        check::table_range("read_table", table, offset, len, self.table_len(table)?)?;
+        Ok(vec![0; len])
+    }
+
+    fn read_bytes(
+        &self,
+        _sync: &HostSync,
+        buf: BytesId,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, Error> {
+        check::bytes_range("read_bytes", buf, offset, len, self.bytes_len(buf)?)?;
+        Ok(vec![0; len as usize])
+    }
+
+    fn synchronize(&self, _sync: &HostSync) -> Result<(), Error> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::CpuDevice;
+
+    /// The same op on both devices is refused alike or accepted by both.
+    #[test]
+    fn checks_agree_with_the_cpu_device() {
+        let (cpu, none) = (CpuDevice::new(), NullDevice::new());
+        let devs: [&dyn Device; 2] = [&cpu, &none];
+        let ids: Vec<_> = devs
+            .iter()
+            .map(|d| (d.alloc_bytes(64, 0).unwrap(), d.alloc_table(8, 0).unwrap()))
+            .collect();
+        assert_eq!(ids[0], ids[1]);
+        let (buf, table) = ids[0];
+        let verdicts = |op: &dyn Fn(&dyn Device) -> Result<(), Error>| {
+            devs.map(|d| op(d).map_err(|e| format!("{e:?}").replace("\"cpu\"", "\"none\"")))
+        };
+        let ops: Vec<Box<dyn Fn(&dyn Device) -> Result<(), Error>>> = vec![
+            Box::new(|d| {
+                d.move_spans(
+                    buf,
+                    &[SpanMove {
+                        src: 0,
+                        dst: 16,
+                        len: 16,
+                    }],
+                )
+            }),
+            Box::new(|d| {
+                d.move_spans(
+                    buf,
+                    &[SpanMove {
+                        src: 0,
+                        dst: 8,
+                        len: 16,
+                    }],
+                )
+            }),
+            Box::new(|d| {
+                d.move_spans(
+                    buf,
+                    &[SpanMove {
+                        src: 0,
+                        dst: 60,
+                        len: 8,
+                    }],
+                )
+            }),
+            Box::new(|d| d.fill_spans(buf, &[ByteSpan { offset: 60, len: 8 }], 1)),
+            Box::new(|d| d.scatter_table(table, &[(7, 1)])),
+            Box::new(|d| d.scatter_table(table, &[(8, 1)])),
+            Box::new(|d| d.upload_table(table, 4, &[1, 2, 3, 4, 5])),
+            Box::new(|d| d.free_table(TableId(9))),
+        ];
+        for op in &ops {
+            let [a, b] = verdicts(op.as_ref());
+            assert_eq!(a, b);
+        }
+        assert_eq!(none.name(), "none");
+    }
+}
