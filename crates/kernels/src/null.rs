@@ -162,6 +162,9 @@ mod tests {
     use super::*;
     use crate::CpuDevice;
 
+    /// One op, run on either device.
+    type Op = Box<dyn Fn(&dyn Device) -> Result<(), Error>>;
+
     /// The same op on both devices is refused alike or accepted by both.
     #[test]
     fn checks_agree_with_the_cpu_device() {
@@ -173,11 +176,11 @@ mod tests {
             .collect();
         assert_eq!(ids[0], ids[1]);
         let (buf, table) = ids[0];
-        let verdicts = |op: &dyn Fn(&dyn Device) -> Result<(), Error>| {
+        let verdicts = |op: &Op| {
             devs.map(|d| op(d).map_err(|e| format!("{e:?}").replace("\"cpu\"", "\"none\"")))
         };
-        let ops: Vec<Box<dyn Fn(&dyn Device) -> Result<(), Error>>> = vec![
-            Box::new(|d| {
+        let ops: Vec<Op> = vec![
+            Box::new(move |d| {
                 d.move_spans(
                     buf,
                     &[SpanMove {
@@ -187,7 +190,7 @@ mod tests {
                     }],
                 )
             }),
-            Box::new(|d| {
+            Box::new(move |d| {
                 d.move_spans(
                     buf,
                     &[SpanMove {
@@ -197,7 +200,7 @@ mod tests {
                     }],
                 )
             }),
-            Box::new(|d| {
+            Box::new(move |d| {
                 d.move_spans(
                     buf,
                     &[SpanMove {
@@ -207,14 +210,14 @@ mod tests {
                     }],
                 )
             }),
-            Box::new(|d| d.fill_spans(buf, &[ByteSpan { offset: 60, len: 8 }], 1)),
-            Box::new(|d| d.scatter_table(table, &[(7, 1)])),
-            Box::new(|d| d.scatter_table(table, &[(8, 1)])),
-            Box::new(|d| d.upload_table(table, 4, &[1, 2, 3, 4, 5])),
-            Box::new(|d| d.free_table(TableId(9))),
+            Box::new(move |d| d.fill_spans(buf, &[ByteSpan { offset: 60, len: 8 }], 1)),
+            Box::new(move |d| d.scatter_table(table, &[(7, 1)])),
+            Box::new(move |d| d.scatter_table(table, &[(8, 1)])),
+            Box::new(move |d| d.upload_table(table, 4, &[1, 2, 3, 4, 5])),
+            Box::new(move |d| d.free_table(TableId(9))),
         ];
         for op in &ops {
-            let [a, b] = verdicts(op.as_ref());
+            let [a, b] = verdicts(op);
             assert_eq!(a, b);
         }
         assert_eq!(none.name(), "none");
