@@ -42,6 +42,7 @@
 //!   [`Error::NoCudaDriver`] (and without NVRTC [`Error::NoNvrtc`]), never a panic.
 
 mod check;
+mod clock;
 mod cpu;
 mod cuda;
 mod device;
@@ -52,6 +53,7 @@ mod ledger;
 mod null;
 pub mod nvrtc;
 
+pub use clock::{thread_cpu_time, thread_cpu_time_overhead};
 pub use cpu::CpuDevice;
 pub use cuda::CudaDevice;
 pub use device::{ByteSpan, BytesId, Device, HostSync, Readback, SpanMove, TableId, Translate};

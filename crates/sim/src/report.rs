@@ -130,10 +130,10 @@ pub struct RunStats {
     pub host_syncs: u64,
     /// Steps run.
     pub steps: u64,
-    /// Allocator and tree CPU time of each step, in nanoseconds: the host's bookkeeping,
-    /// without the time the CPU backend spends executing device ops (page moves, the
-    /// mirror upload), which a GPU would run asynchronously. The only wall-clock field;
-    /// may be empty.
+    /// Allocator and tree CPU time of each step, in nanoseconds: the thread's CPU time
+    /// (preemption does not count), without the time the CPU backend spends executing
+    /// device ops (page moves, the mirror upload), which a GPU would run asynchronously.
+    /// The only measured field; may be empty.
     pub step_cpu_ns: Vec<u64>,
     /// Invariant violations recorded in the run's cache's invariant scope (must be 0).
     pub invariant_violations: u64,

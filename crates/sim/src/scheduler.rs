@@ -21,7 +21,8 @@
 //!
 //! # Contract
 //! - Deterministic: the same `(workload, config)` gives the same [`RunStats`] except
-//!   `step_cpu_ns`, the only wall-clock field (no wall-clock input to any decision).
+//!   `step_cpu_ns`, the only measured field (thread CPU time; no clock is an input to
+//!   any decision).
 //! - It runs at [`RunConfig::invariant_level`]: the caller ([`crate::replay`]) puts that
 //!   level in force on the calling thread with `unikv::invariants::scoped_level`, so a
 //!   scheduler that stays on that thread needs to do nothing.
@@ -41,8 +42,7 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
-use unikv::kernels::SyncLedger;
+use unikv::kernels::{SyncLedger, thread_cpu_time, thread_cpu_time_overhead};
 use unikv::{HybridCache, ModelSpec, Request, TokenId};
 use unikv_invariants::Level;
 
@@ -326,13 +326,17 @@ impl<'a> Simulation<'a> {
                 ));
             }
             self.arrive(step);
-            let started = Instant::now();
+            let started = thread_cpu_time();
             let moved = self.step()?;
             let report = self.cache.step_boundary();
-            // Host bookkeeping only: the CPU backend runs device ops (page moves, the
-            // mirror upload) synchronously, where a GPU would launch them asynchronously.
-            let elapsed = started
-                .elapsed()
+            // Host bookkeeping only, in this thread's CPU time (preemption on a shared
+            // machine does not count). The CPU backend runs device ops (page moves, the
+            // mirror upload) synchronously on this thread, where a GPU would launch them
+            // asynchronously, so their time is taken out: the ledger's wall time (cheap
+            // per op; a device op preempted is over-subtracted, a host op never counted).
+            let elapsed = thread_cpu_time()
+                .saturating_sub(started)
+                .saturating_sub(thread_cpu_time_overhead())
                 .saturating_sub(self.ledger.device_time())
                 .as_nanos() as u64;
             self.step_boundary_result(report)?;
