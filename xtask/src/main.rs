@@ -15,6 +15,9 @@
 //!   own crate's tests at invariant level strict; ARGS go to `cargo mutants` (e.g.
 //!   `--shard 0/8`, `-f crates/pools/src/sub.rs`). Hours on two cores: not part of CI.
 //! - `cargo xtask bench` — every crate's benchmarks.
+//! - `cargo xtask bench-scale [ARGS]` — the scaling table (`unikv bench-scale`, release):
+//!   by default random-2048-512 at page size 1 on the unified layout, bookkeeping only,
+//!   at 1×, 4× and 16× the pool and the requests; ARGS replace those defaults.
 //! - `cargo xtask nvrtc` — installs libnvrtc (from PyPI) under `target/nvrtc` and
 //!   compile-checks every kernel.
 
@@ -31,6 +34,7 @@ fn main() -> ExitCode {
         Some("ci") => tasks::ci(),
         Some("gpu") => tasks::gpu(),
         Some("bench") => tasks::bench(&args[1..]),
+        Some("bench-scale") => tasks::bench_scale(&args[1..]),
         Some("sim") => tasks::sim(&args[1..]),
         Some("mutants") => tasks::mutants(&args[1..]),
         Some("nvrtc") => tasks::nvrtc_check(),
@@ -63,4 +67,8 @@ tasks:
   mutants [ARGS]   cargo-mutants over pools, radix and the facade (installs it if missing;
                    ARGS go to cargo mutants, e.g. --shard 0/8 or -f FILE); not in CI
   bench [ARGS]     cargo bench for the workspace
+  bench-scale [ARGS]
+                   tokens/s and step times at 1x, 4x, 16x the pool and the requests
+                   (unikv bench-scale; ARGS replace the default random-2048-512, page
+                   size 1, unified, --device none, --invariants off)
   nvrtc            install libnvrtc under target/nvrtc and compile every kernel";

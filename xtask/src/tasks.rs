@@ -316,3 +316,40 @@ pub fn gpu() -> Result<(), String> {
 pub fn bench(args: &[String]) -> Result<(), String> {
     Cmd::cargo(&["bench", "--workspace"]).args(args).run()
 }
+
+/// The run `cargo xtask bench-scale` measures without arguments.
+const BENCH_SCALE_DEFAULT: [&str; 10] = [
+    "--workload",
+    "random-2048-512",
+    "--page-size",
+    "1",
+    "--layout",
+    "unified",
+    "--device",
+    "none",
+    "--invariants",
+    "off",
+];
+
+/// `cargo xtask bench-scale [ARGS]`: `unikv bench-scale` in a release build, with ARGS
+/// or [`BENCH_SCALE_DEFAULT`].
+pub fn bench_scale(args: &[String]) -> Result<(), String> {
+    let args: Vec<&str> = if args.is_empty() {
+        BENCH_SCALE_DEFAULT.to_vec()
+    } else {
+        args.iter().map(String::as_str).collect()
+    };
+    Cmd::cargo(&[
+        "run",
+        "--locked",
+        "--release",
+        "-p",
+        "unikv-sim",
+        "--bin",
+        "unikv",
+        "--",
+    ])
+    .args(["bench-scale"])
+    .args(args)
+    .run()
+}

@@ -55,6 +55,8 @@ pub enum Command {
     BenchOps(BenchOpsArgs),
     /// `unikv sim`.
     Sim(SimArgs),
+    /// `unikv bench-scale`.
+    BenchScale(crate::scale::BenchScaleArgs),
 }
 
 /// Which help text.
@@ -200,6 +202,7 @@ pub fn parse_args<S: AsRef<str>>(args: &[S]) -> Result<Command, SimError> {
         Some("replay") => parse_replay(&args[1..]),
         Some("bench-ops") => parse_bench_ops(&args[1..]),
         Some("sim") => parse_sim(&args[1..]),
+        Some("bench-scale") => parse_bench_scale(&args[1..]),
         Some(other) => Err(SimError::UnknownCommand {
             command: other.to_string(),
         }),
@@ -482,6 +485,52 @@ fn parse_bench_ops(args: &[&str]) -> Result<Command, SimError> {
     }))
 }
 
+/// `unikv bench-scale [--scales K,K] REPLAY-OPTIONS`.
+fn parse_bench_scale(args: &[&str]) -> Result<Command, SimError> {
+    let mut scales = Vec::new();
+    let mut rest = Vec::new();
+    let mut it = args.iter();
+    while let Some(&arg) = it.next() {
+        let value = match arg.strip_prefix("--scales") {
+            Some("") => it
+                .next()
+                .copied()
+                .ok_or(SimError::MissingValue { option: "--scales" })?,
+            Some(inline) if inline.starts_with('=') => &inline[1..],
+            _ => {
+                rest.push(arg);
+                continue;
+            }
+        };
+        for item in list("--scales", value)? {
+            let k = item
+                .trim()
+                .parse::<u32>()
+                .ok()
+                .filter(|k| (1..=256).contains(k))
+                .ok_or_else(|| SimError::BadNumber {
+                    option: "--scales",
+                    value: item.to_string(),
+                    reason: "expected an integer from 1 to 256",
+                })?;
+            if !scales.contains(&k) {
+                scales.push(k);
+            }
+        }
+    }
+    if scales.is_empty() {
+        scales = crate::scale::DEFAULT_SCALES.to_vec();
+    }
+    match parse_replay(&rest)? {
+        Command::Replay(replay) => Ok(Command::BenchScale(crate::scale::BenchScaleArgs {
+            replay,
+            scales,
+        })),
+        Command::Help(_) => Ok(Command::Help(HelpTopic::Main)),
+        other => Ok(other),
+    }
+}
+
 /// `--device`'s value.
 fn parse_backend(value: &str) -> Result<Backend, SimError> {
     Backend::from_name(value).ok_or_else(|| SimError::UnknownDevice {
@@ -604,6 +653,10 @@ USAGE:
   unikv bench-ops FILE [OPTIONS]
                                 replay a recorded allocator operation trace and report
                                 its throughput (try `unikv bench-ops --help`)
+  unikv bench-scale [--scales K,K] [REPLAY OPTIONS]
+                                the replay's runs at K times the pool and the requests
+                                (K tenants side by side; default 1,4,16): host tokens/s
+                                and step times per scale, to show cost growth
   unikv sim [OPTIONS]           the deterministic simulator with injected faults: random
                                 engines over random configurations, every step checked
                                 (try `unikv sim --help`)

@@ -39,6 +39,7 @@ pub mod progress;
 pub mod replay;
 pub mod report;
 pub mod rng;
+pub mod scale;
 pub mod scheduler;
 pub mod svg;
 pub mod trace;

@@ -47,6 +47,10 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => fail(&err),
         },
+        Command::BenchScale(args) => match unikv_sim::scale::bench_scale(&args, &mut out) {
+            Ok(_) => ExitCode::SUCCESS,
+            Err(err) => fail(&err),
+        },
         Command::Sim(args) => match unikv_sim::dst::run_command(&args, &mut out) {
             Ok(true) => ExitCode::SUCCESS,
             Ok(false) => ExitCode::from(1),

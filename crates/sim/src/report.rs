@@ -266,7 +266,7 @@ impl fmt::Display for Failure {
 }
 
 /// Summary of the CPU time per step.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Timing {
     /// Steps measured.
     pub steps_timed: u64,

@@ -85,6 +85,31 @@ pub struct Workload {
 }
 
 impl Workload {
+    /// `k` tenants of this workload side by side: every request `k` times in a row
+    /// (tenant `c`'s token ids shifted by `c × VOCAB_SIZE`, so tenants share no prefix
+    /// and each keeps the sharing it had), `k` times the concurrency. `k = 1` (or 0) is
+    /// the workload itself.
+    pub fn tenants(&self, k: u32) -> Workload {
+        let k = k.max(1);
+        let mut requests = Vec::with_capacity(self.requests.len() * k as usize);
+        for r in &self.requests {
+            for c in 0..k {
+                let shift = c.saturating_mul(VOCAB_SIZE);
+                requests.push(RequestSpec {
+                    id: requests.len() as u32,
+                    arrival_step: r.arrival_step,
+                    prompt: r.prompt.iter().map(|&t| t.saturating_add(shift)).collect(),
+                    output_len: r.output_len,
+                });
+            }
+        }
+        Workload {
+            name: self.name.clone(),
+            concurrency: self.concurrency.saturating_mul(k),
+            requests,
+        }
+    }
+
     /// Sum of the prompt lengths.
     pub fn total_prompt_tokens(&self) -> u64 {
         self.requests.iter().map(RequestSpec::prompt_len).sum()
