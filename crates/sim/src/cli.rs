@@ -781,7 +781,9 @@ REPORT ROWS (a column per layout, then unified/static):
   steps                     scheduler steps to finish the workload
   host syncs per step       device waits on the scheduling path (must be 0)
   step CPU time, median     allocator and tree host time per step (device work
-  step CPU time, p99          excluded; --no-timing drops these rows)
+  step CPU time, p99          excluded; thread CPU time, so preemption does not count)
+  step CPU per page         all steps' host time per page (or state slot) bound or
+                            released (--no-timing drops these three rows)
   invariant violations      breaches recorded at the run's level (must be 0)
   leaked pages              pages and slots still held after releasing and evicting
                             everything (must be 0)

@@ -40,11 +40,13 @@
 //!                "donor_nodes" } | null,       state slots (see MambaStats); null for a
 //!                                   model without recurrent state
 //!     "steps": u64,
+//!     "pages_handled": u64,         pages and state slots the allocator bound or released
 //!     "host_syncs": u64, "host_syncs_per_step": f64,
 //!     "invariant_violations": u64,
 //!     "leaked_pages": u64,          pages (and state slots) neither free nor owned at
 //!                                   the end
-//!     "step_cpu_ns": { "steps_timed", "median", "p99", "max" } | null,
+//!     "step_cpu_ns": { "steps_timed", "median", "p99", "max", "total",
+//!                      "ns_per_page" } | null,
 //!                                   allocator + tree CPU time per step (null with
 //!                                   --no-timing or when nothing was timed)
 //!     "pass": bool,
@@ -135,6 +137,9 @@ pub struct RunStats {
     /// device ops (page moves, the mirror upload), which a GPU would run asynchronously.
     /// The only measured field; may be empty.
     pub step_cpu_ns: Vec<u64>,
+    /// Pages (and state slots) the allocator bound or released over the run: what the
+    /// steps' host time should be proportional to.
+    pub pages_handled: u64,
     /// Invariant violations recorded in the run's cache's invariant scope (must be 0).
     pub invariant_violations: u64,
     /// Pages (and, for a model with recurrent state, state slots) neither free nor owned
@@ -182,6 +187,8 @@ impl RunStats {
             median: percentile(&sorted, 50.0)?,
             p99: percentile(&sorted, 99.0)?,
             max: *sorted.last()?,
+            total: sorted.iter().sum(),
+            ns_per_page: sorted.iter().sum::<u64>() / self.pages_handled.max(1),
         })
     }
 
@@ -276,6 +283,10 @@ pub struct Timing {
     pub p99: u64,
     /// Slowest step, in nanoseconds.
     pub max: u64,
+    /// All steps, in nanoseconds.
+    pub total: u64,
+    /// `total` per page handled ([`RunStats::pages_handled`]), in nanoseconds.
+    pub ns_per_page: u64,
 }
 
 /// The `p`-th percentile (0 < p ≤ 100) of ascending `sorted` values by the nearest-rank
@@ -487,6 +498,10 @@ impl Report {
                 Some(t) => Cell::Text(format_ns(t.p99), Some(t.p99 as f64)),
                 None => Cell::Text("—".into(), None),
             });
+            table.row("step CPU per page", runs, |r| match r.timing() {
+                Some(t) => Cell::Text(format_ns(t.ns_per_page), Some(t.ns_per_page as f64)),
+                None => Cell::Text("—".into(), None),
+            });
         }
         table.row("invariant violations", runs, |r| {
             count(r.invariant_violations)
@@ -574,6 +589,7 @@ impl Report {
                         peak_bytes_by_subpool: &r.peak_bytes_by_subpool,
                         mamba: r.mamba,
                         steps: r.steps,
+                        pages_handled: r.pages_handled,
                         host_syncs: r.host_syncs,
                         host_syncs_per_step: r.host_syncs_per_step(),
                         invariant_violations: r.invariant_violations,
@@ -650,6 +666,7 @@ struct JsonRun<'a> {
     peak_bytes_by_subpool: &'a BTreeMap<String, u64>,
     mamba: Option<MambaStats>,
     steps: u64,
+    pages_handled: u64,
     host_syncs: u64,
     host_syncs_per_step: f64,
     invariant_violations: u64,
@@ -999,6 +1016,7 @@ pub(crate) mod tests {
     fn timing_summarises_unsorted_steps() {
         let run = RunStats {
             step_cpu_ns: vec![50, 10, 40, 20, 30],
+            pages_handled: 3,
             ..RunStats::default()
         };
         assert_eq!(
@@ -1007,7 +1025,9 @@ pub(crate) mod tests {
                 steps_timed: 5,
                 median: 30,
                 p99: 50,
-                max: 50
+                max: 50,
+                total: 150,
+                ns_per_page: 50,
             })
         );
         assert_eq!(RunStats::default().timing(), None);

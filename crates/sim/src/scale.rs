@@ -43,6 +43,8 @@ pub struct ScaleRow {
     pub p50_ns: u64,
     /// 99th-percentile step, in nanoseconds.
     pub p99_ns: u64,
+    /// Host CPU time per page the allocator bound or released, in nanoseconds.
+    pub ns_per_page: u64,
 }
 
 impl ScaleRow {
@@ -74,8 +76,17 @@ pub fn bench_scale(
         .map_err(write)?;
         writeln!(
             out,
-            "{:>5} {:>11} {:>9} {:>13} {:>8} {:>10} {:>11} {:>10} {:>10}",
-            "scale", "memory", "requests", "tokens", "steps", "host CPU", "tokens/s", "p50", "p99"
+            "{:>5} {:>11} {:>9} {:>13} {:>8} {:>10} {:>11} {:>10} {:>10} {:>8}",
+            "scale",
+            "memory",
+            "requests",
+            "tokens",
+            "steps",
+            "host CPU",
+            "tokens/s",
+            "p50",
+            "p99",
+            "ns/page"
         )
         .map_err(write)?;
         let mut rows = Vec::new();
@@ -100,10 +111,11 @@ pub fn bench_scale(
                 cpu_ns: stats.step_cpu_ns.iter().sum(),
                 p50_ns: timing.median,
                 p99_ns: timing.p99,
+                ns_per_page: timing.ns_per_page,
             };
             writeln!(
                 out,
-                "{:>4}× {:>11} {:>9} {:>13} {:>8} {:>8.1}ms {:>11.3e} {:>8.1}µs {:>8.1}µs",
+                "{:>4}× {:>11} {:>9} {:>13} {:>8} {:>8.1}ms {:>11.3e} {:>8.1}µs {:>8.1}µs {:>8}",
                 row.scale,
                 crate::units::format_bytes(row.memory_bytes),
                 row.requests,
@@ -113,6 +125,7 @@ pub fn bench_scale(
                 row.tokens_per_second(),
                 row.p50_ns as f64 / 1e3,
                 row.p99_ns as f64 / 1e3,
+                row.ns_per_page,
             )
             .map_err(write)?;
             rows.push(row);
@@ -120,10 +133,11 @@ pub fn bench_scale(
         if let (Some(first), Some(last)) = (rows.first(), rows.last()) {
             writeln!(
                 out,
-                "tokens/s at {}× over {}×: {:.2}",
+                "tokens/s at {}× over {}×: {:.2}; ns per page: {:.2}",
                 last.scale,
                 first.scale,
-                last.tokens_per_second() / first.tokens_per_second()
+                last.tokens_per_second() / first.tokens_per_second(),
+                last.ns_per_page as f64 / first.ns_per_page.max(1) as f64
             )
             .map_err(write)?;
         }

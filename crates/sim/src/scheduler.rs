@@ -42,7 +42,9 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use unikv::kernels::{SyncLedger, thread_cpu_time, thread_cpu_time_overhead};
+use unikv::pools::{Call, FreeOp, Hooked, Hooks, KvAllocator, Outcome};
 use unikv::{HybridCache, ModelSpec, Request, TokenId};
 use unikv_invariants::Level;
 
@@ -255,6 +257,8 @@ struct Simulation<'a> {
     samples: SampleRecorder,
     tokens_done: u64,
     record_status: Option<crate::ops::RecordStatus>,
+    /// Pages the allocator bound or released so far ([`PagesHandled`]).
+    pages_handled: Arc<AtomicU64>,
 }
 
 impl<'a> Simulation<'a> {
@@ -262,6 +266,7 @@ impl<'a> Simulation<'a> {
         let ledger = config.backend.ledger();
         let mut builder = cache_builder(config, ledger.clone());
         let mut record_status = None;
+        let mut recorder_slot = None;
         if let Some(path) = &config.record_ops {
             let header = crate::ops::Op::Header {
                 schema: crate::ops::SCHEMA.to_string(),
@@ -273,8 +278,17 @@ impl<'a> Simulation<'a> {
             };
             let (recorder, status) = crate::ops::Recorder::create(path, header)?;
             record_status = Some(status);
-            builder = builder.wrap_allocator(move |inner| Box::new(recorder.wrap(inner)));
+            recorder_slot = Some(recorder);
         }
+        let pages_handled = Arc::new(AtomicU64::new(0));
+        let counter = PagesHandled(pages_handled.clone());
+        builder = builder.wrap_allocator(move |inner| {
+            let inner: Box<dyn KvAllocator> = match recorder_slot {
+                Some(recorder) => Box::new(recorder.wrap(inner)),
+                None => inner,
+            };
+            Box::new(Hooked::new(inner, counter))
+        });
         let cache = builder.build().map_err(|e| match e {
             unikv::Error::Pool(unikv::pools::Error::BufferTooSmall { needed, .. }) => {
                 SimError::BudgetTooSmall {
@@ -312,6 +326,7 @@ impl<'a> Simulation<'a> {
             samples: SampleRecorder::new(config.max_samples),
             tokens_done: 0,
             record_status,
+            pages_handled,
         })
     }
 
@@ -343,6 +358,7 @@ impl<'a> Simulation<'a> {
             step += 1;
             self.stats.steps = step;
             self.stats.step_cpu_ns.push(elapsed);
+            self.stats.pages_handled = self.pages_handled.load(Ordering::Relaxed);
             self.observe(step);
             progress(StepProgress {
                 step,
@@ -692,6 +708,61 @@ impl<'a> Simulation<'a> {
     }
 }
 
+/// Counts the pages (and state slots) the allocator binds or releases, call by call:
+/// what a step's host work should be proportional to (moves inside the allocator are
+/// not counted).
+#[derive(Debug)]
+struct PagesHandled(Arc<AtomicU64>);
+
+/// Pages of a segment of `tokens` ids (it starts on a page boundary).
+fn segment_pages(tokens: usize, ps: u64) -> u64 {
+    (tokens as u64).div_ceil(ps)
+}
+
+/// Pages one free releases (or, for a transfer, moves to its new owner).
+fn free_pages(op: FreeOp<'_>, ps: u64) -> u64 {
+    match op {
+        FreeOp::Segment(s) | FreeOp::FullSegment(s) | FreeOp::SwaSegment(s) => {
+            segment_pages(s.tokens.len(), ps)
+        }
+        FreeOp::TransferSwa { from, .. } => segment_pages(from.tokens.len(), ps),
+        FreeOp::KvRow {
+            row, dead_lo, len, ..
+        } => segment_pages(len.min(row.len()).saturating_sub(dead_lo), ps),
+        FreeOp::Slots(slots) => slots.len() as u64,
+    }
+}
+
+impl Hooks for PagesHandled {
+    fn after(&mut self, inner: &dyn KvAllocator, call: Call<'_>, outcome: Outcome<'_>) {
+        let Outcome::Done { tokens, slots } = outcome else {
+            return;
+        };
+        let ps = inner.page_size();
+        let ps64 = u64::from(ps.get());
+        let pages = match call {
+            // A token at a page's first offset opened the page.
+            Call::AllocExtend(_) | Call::AllocDecode(_) => {
+                tokens.iter().filter(|t| t.offset(ps) == 0).count() as u64
+            }
+            Call::AllocSlots(_) => slots.len() as u64,
+            Call::FreeIds(_, ids) => {
+                let mut pages: Vec<u32> = ids.iter().map(|t| t.page(ps).0).collect();
+                pages.dedup();
+                pages.len() as u64
+            }
+            Call::Free(op) => free_pages(op, ps64),
+            Call::FreeSegments(segments) => segments
+                .iter()
+                .map(|s| segment_pages(s.tokens.len(), ps64))
+                .sum(),
+            Call::FreeBatch(ops) => ops.iter().map(|&op| free_pages(op, ps64)).sum(),
+            _ => 0,
+        };
+        self.0.fetch_add(pages, Ordering::Relaxed);
+    }
+}
+
 /// The builder of a run's cache, on `device`.
 fn cache_builder(config: &RunConfig, device: Arc<SyncLedger>) -> unikv::HybridCacheBuilder {
     let layout = match config.layout {
@@ -859,5 +930,23 @@ mod tests {
         .unwrap();
         assert!(other.violations(&unikv::pools::invariants::DOUBLE_FREE) > 0);
         assert_eq!(stats.invariant_violations, 0);
+    }
+
+    /// At page size 1 every token allocated is a page bound, so the count is at least the
+    /// tokens not served from the cache; at page size 16 it is about a sixteenth.
+    #[test]
+    fn pages_handled_counts_the_pages_bound_and_released() {
+        let w = Preset::Smoke.build(3);
+        let pages = |ps| {
+            let config = RunConfig::new(ModelSpec::GPT_OSS_20B, Layout::Unified, ps, 1 << 30);
+            let stats = run(&w, &config, &|_| {}).unwrap();
+            (stats.pages_handled, stats.prefix_hit_tokens)
+        };
+        let ((one, hits), (sixteen, _)) = (pages(1), pages(16));
+        assert!(one >= w.total_tokens() - hits, "{one} pages");
+        assert!(
+            sixteen * 8 < one && sixteen * 32 > one,
+            "{sixteen} vs {one}"
+        );
     }
 }
