@@ -1,9 +1,11 @@
-//! `CpuDevice`: the reference backend. Buffers and tables are host vectors behind one
-//! mutex; a handle is an index into them. Every op checks all its arguments before it
+//! `CpuDevice`: the reference backend. Tables are host vectors and byte buffers chunked
+//! host memory that costs only where bytes were written (`sparse.rs`), behind one mutex;
+//! a handle is an index into them. Every op checks all its arguments before it
 //! writes anything, so an op that returns an error has changed nothing.
 
 use crate::check;
 use crate::handles::Handles;
+use crate::sparse::Buffer;
 use crate::{ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, Translate};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -30,7 +32,7 @@ impl Default for CpuDevice {
 
 #[derive(Debug)]
 struct State {
-    bytes: Handles<Vec<u8>>,
+    bytes: Handles<Buffer>,
     tables: Handles<Vec<i32>>,
 }
 impl CpuDevice {
@@ -52,7 +54,7 @@ impl CpuDevice {
         kernel: impl FnOnce(&mut [u8]) -> R,
     ) -> Result<R, Error> {
         let mut st = self.state();
-        Ok(kernel(st.bytes_mut(buf)?))
+        Ok(kernel(st.bytes_mut(buf)?.dense_mut()?))
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -71,11 +73,11 @@ fn out_of_memory(bytes: u64) -> Error {
 }
 
 impl State {
-    fn bytes(&self, buf: BytesId) -> Result<&Vec<u8>, Error> {
+    fn bytes(&self, buf: BytesId) -> Result<&Buffer, Error> {
         self.bytes.get(buf.0)
     }
 
-    fn bytes_mut(&mut self, buf: BytesId) -> Result<&mut Vec<u8>, Error> {
+    fn bytes_mut(&mut self, buf: BytesId) -> Result<&mut Buffer, Error> {
         self.bytes.get_mut(buf.0)
     }
 
@@ -90,31 +92,12 @@ impl State {
 
 /// A vector of `len` copies of `fill`, or an error instead of an abort when the host
 /// cannot allocate it.
-fn filled<T: Copy>(len: usize, fill: T) -> Result<Vec<T>, Error> {
+pub(crate) fn filled<T: Copy>(len: usize, fill: T) -> Result<Vec<T>, Error> {
     let bytes = (len as u64).saturating_mul(size_of::<T>() as u64);
     let mut v = Vec::new();
     v.try_reserve_exact(len).map_err(|_| out_of_memory(bytes))?;
     v.resize(len, fill);
     Ok(v)
-}
-
-/// `n` zero bytes from the allocator's zeroed memory (`calloc`): the operating system
-/// hands out zero pages lazily, so a large buffer costs memory only where it is written,
-/// as device memory would (a 16 GiB replay buffer is not 16 GiB resident).
-fn zeroed_bytes(n: usize) -> Result<Vec<u8>, Error> {
-    if n == 0 {
-        return Ok(Vec::new());
-    }
-    let layout = std::alloc::Layout::array::<u8>(n).map_err(|_| out_of_memory(n as u64))?;
-    // SAFETY: `layout` has a non-zero size (n > 0), as `alloc_zeroed` requires.
-    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-    if ptr.is_null() {
-        return Err(out_of_memory(n as u64));
-    }
-    // SAFETY: `ptr` was allocated by the global allocator with the layout of `[u8; n]`
-    // (size n, align 1), which is what `Vec<u8>` with capacity `n` deallocates with; all
-    // `n` bytes are initialised (zeroed), so length `n` is valid.
-    Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
 }
 
 impl Device for CpuDevice {
@@ -123,14 +106,9 @@ impl Device for CpuDevice {
     }
 
     fn alloc_bytes(&self, len: u64, fill: u8) -> Result<BytesId, Error> {
-        let n = usize::try_from(len).map_err(|_| out_of_memory(len))?;
         let mut st = self.state();
         st.bytes.next()?;
-        let buf = if fill == 0 {
-            zeroed_bytes(n)?
-        } else {
-            filled(n, fill)?
-        };
+        let buf = Buffer::new(len, fill)?;
         Ok(BytesId(st.bytes.push(buf)))
     }
 
@@ -193,10 +171,9 @@ impl Device for CpuDevice {
     fn fill_spans(&self, buf: BytesId, spans: &[ByteSpan], value: u8) -> Result<(), Error> {
         let mut st = self.state();
         let b = st.bytes_mut(buf)?;
-        check::fill(buf, spans, b.len() as u64)?;
+        check::fill(buf, spans, b.len())?;
         for s in spans {
-            // In bounds, so both ends fit in usize.
-            b[s.offset as usize..(s.offset + s.len) as usize].fill(value);
+            b.fill(s.offset, s.len, value);
         }
         Ok(())
     }
@@ -204,13 +181,11 @@ impl Device for CpuDevice {
     fn move_spans(&self, buf: BytesId, moves: &[SpanMove]) -> Result<(), Error> {
         let mut st = self.state();
         let b = st.bytes_mut(buf)?;
-        check::moves(buf, moves, b.len() as u64)?;
+        check::moves(buf, moves, b.len())?;
         // No destination overlaps a source or another destination (checked), so each
         // move copies in place, in any order.
         for m in moves {
-            // In bounds, so both ends fit in usize.
-            let src = m.src as usize;
-            b.copy_within(src..src + m.len as usize, m.dst as usize);
+            b.copy(m.src, m.dst, m.len);
         }
         Ok(())
     }
@@ -258,8 +233,8 @@ impl Readback for CpuDevice {
     ) -> Result<Vec<u8>, Error> {
         let st = self.state();
         let b = st.bytes(buf)?;
-        check::bytes_range("read_bytes", buf, offset, len, b.len() as u64)?;
-        Ok(b[offset as usize..(offset + len) as usize].to_vec())
+        check::bytes_range("read_bytes", buf, offset, len, b.len())?;
+        b.read(offset, len)
     }
 
     fn synchronize(&self, _sync: &HostSync) -> Result<(), Error> {
@@ -288,7 +263,7 @@ mod tests {
     }
 
     fn bytes(dev: &CpuDevice, b: BytesId) -> Vec<u8> {
-        let len = dev.state().bytes(b).unwrap().len() as u64;
+        let len = dev.state().bytes(b).unwrap().len();
         dev.read_bytes(&sync(), b, 0, len).unwrap()
     }
 
@@ -425,7 +400,7 @@ mod tests {
     /// Writes `pattern` into a fresh buffer.
     fn buffer_with(dev: &CpuDevice, pattern: &[u8]) -> BytesId {
         let b = dev.alloc_bytes(pattern.len() as u64, 0).unwrap();
-        dev.state().bytes_mut(b).unwrap().copy_from_slice(pattern);
+        dev.state().bytes_mut(b).unwrap().write(0, pattern);
         b
     }
 
