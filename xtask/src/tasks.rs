@@ -142,18 +142,26 @@ pub fn mutants(args: &[String]) -> Result<(), String> {
     if Cmd::cargo(&["mutants", "--version"]).quiet().run().is_err() {
         Cmd::cargo(&["install", "--locked", "cargo-mutants"]).run()?;
     }
-    Cmd::cargo(&["mutants", "--test-tool", "nextest", "--jobs", "1"])
-        .args([
-            "--package",
-            "unikv-pools",
-            "--package",
-            "unikv-radix",
-            "--package",
-            "unikv",
-        ])
-        .args(args.iter().map(String::as_str))
-        .env("UNIKV_INVARIANT_CHECK", "strict")
-        .run()
+    Cmd::cargo(&[
+        "mutants",
+        "--test-tool",
+        "nextest",
+        "--jobs",
+        "1",
+        "--profile",
+        "mutants",
+    ])
+    .args([
+        "--package",
+        "unikv-pools",
+        "--package",
+        "unikv-radix",
+        "--package",
+        "unikv",
+    ])
+    .args(args.iter().map(String::as_str))
+    .env("UNIKV_INVARIANT_CHECK", "strict")
+    .run()
 }
 
 /// `cargo xtask ci`: everything CI checks, failing at the first broken stage.
