@@ -339,11 +339,7 @@ fn parse_replay(args: &[&str]) -> Result<Command, SimError> {
                 }
             }
             "--model" => {
-                let name = args.single("--model", inline)?;
-                parsed.model = ModelSpec::by_name(name).ok_or_else(|| SimError::UnknownModel {
-                    name: name.to_string(),
-                    known: ModelSpec::NAMED.map(|m| m.name).join(", "),
-                })?;
+                parsed.model = crate::model_spec::parse_model(args.single("--model", inline)?)?;
             }
             "--page-size" => {
                 for value in list("--page-size", args.value("--page-size", inline)?)? {
@@ -706,6 +702,23 @@ OPTIONS:
   -h, --help            this text
 ";
 
+/// The `--model` override keys, wrapped under the option's description.
+fn wrap_keys() -> String {
+    let mut lines = vec![String::new()];
+    for key in crate::model_spec::override_keys().split(", ") {
+        let line = lines.last_mut().expect("one line at least");
+        if line.len() + key.len() > 54 {
+            lines.push(String::new());
+        }
+        let line = lines.last_mut().expect("one line at least");
+        if !line.is_empty() {
+            line.push_str(", ");
+        }
+        line.push_str(key);
+    }
+    lines.join(",\n                          ")
+}
+
 /// `unikv replay --help`.
 pub fn replay_help() -> String {
     let workloads: String = Preset::ALL
@@ -739,7 +752,9 @@ OPTIONS:
                           and mamba-starvation too for a model with recurrent state
                           [default: all, or none when --trace is given]
   --trace FILE            also run the requests of a JSON Lines trace (format below)
-  --model NAME            the model's KV shapes [default: gpt-oss-20b]
+  --model NAME[:K=V,...]  the model's KV shapes [default: gpt-oss-20b]; K=V pairs
+                          change its geometry, K one of:
+                          {keys}
   --page-size N[,N]       tokens per page; repeatable [default: 1,256]
   --memory SIZE           the KV budget: 24GiB, 512MiB, 1.5GB, 4096 (bytes)
                           [default: {memory}, which puts the static split under
@@ -798,6 +813,7 @@ EXIT STATUS:
 ",
         memory = format_bytes(DEFAULT_MEMORY_BYTES),
         seed = DEFAULT_SEED,
+        keys = wrap_keys(),
         trace = trace::FORMAT_HELP,
     )
 }

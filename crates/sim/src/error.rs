@@ -117,6 +117,14 @@ pub enum SimError {
         /// The model names, comma-separated.
         known: String,
     },
+    /// A `--model NAME:KEY=VALUE,...` override that does not parse.
+    #[error("bad model {spec:?}: {reason}")]
+    BadModel {
+        /// The spec given.
+        spec: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A workload that needs a model with recurrent (Mamba/GDN) state
     /// (`mamba-starvation`) was asked for with a model that has none.
     #[error(

@@ -34,6 +34,7 @@ pub mod cli;
 pub mod dst;
 mod error;
 pub mod input;
+pub mod model_spec;
 pub mod ops;
 pub mod progress;
 pub mod replay;

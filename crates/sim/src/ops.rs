@@ -16,7 +16,6 @@ use std::io::{BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
-use unikv::ModelSpec;
 use unikv::pools::{
     Call, DecodeRequest, ExtendRequest, FreeOp, Hooked, Hooks, IdFree, KvAllocator, Outcome,
     PageDemand, Reclaimable, Segment, StaticSwa, StaticSwaConfig, UnifiedSwa, UnifiedSwaConfig,
@@ -556,8 +555,12 @@ fn check_header(header: &Op) -> Result<u32, OpsProblem> {
     if !matches!(layout.as_str(), "static" | "unified") {
         return Err(wrong("layout", layout, "\"static\" or \"unified\""));
     }
-    if ModelSpec::by_name(model).is_none() {
-        return Err(wrong("model", model, "a --model name"));
+    if crate::model_spec::parse_model(model).is_err() {
+        return Err(wrong(
+            "model",
+            model,
+            "a --model name or NAME:KEY=VALUE,...",
+        ));
     }
     if *page_size == 0 || *page_size > crate::cli::MAX_PAGE_SIZE {
         return Err(wrong("page_size", page_size, "1 to 65,536"));
@@ -735,8 +738,8 @@ pub fn allocator_for(
     check_header(header).map_err(|problem| SimError::OpsTrace {
         reason: problem.to_string(),
     })?;
-    let m = ModelSpec::by_name(model).ok_or_else(|| SimError::OpsTrace {
-        reason: format!("unknown model {model:?}"),
+    let m = crate::model_spec::parse_model(model).map_err(|e| SimError::OpsTrace {
+        reason: e.to_string(),
     })?;
     // The sides the builder gives the model, through the same mappings: each attention
     // kind's rows (`kv_sub_pools`), the state slots (`slot_pool`) and, for the static
@@ -1321,7 +1324,7 @@ mod tests {
         let header = r#"{"op":"header","schema":"unikv.ops.v1","layout":"unified","model":"gpt-oss-20b","page_size":4,"memory_bytes":1073741824,"swa_full_ratio":0.8}"#;
         assert!(check_file(header).is_ok());
         // Every named model, recurrent ones included, on both layouts.
-        for model in ModelSpec::NAMED {
+        for model in unikv::ModelSpec::NAMED {
             for layout in ["unified", "static"] {
                 let named = header
                     .replace("gpt-oss-20b", model.name)

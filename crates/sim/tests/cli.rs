@@ -746,3 +746,55 @@ fn a_real_budget_runs_bookkeeping_only_on_device_none() {
     assert_eq!(calls("cpu"), calls("none"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_geometry_from_the_command_line_replays_and_its_ops_trace_reruns() {
+    let model = "gpt-oss-20b:full-layers=6,swa-layers=18,window=64";
+    let doc = replay_json(&[
+        "--model",
+        model,
+        "--workload",
+        "smoke",
+        "--page-size",
+        "16",
+        "--memory",
+        "1GiB",
+    ]);
+    let runs = passing_runs(&doc);
+    assert_eq!(runs.len(), 2, "{doc}");
+    assert_eq!(doc["model"]["name"], model, "{doc}");
+    assert_eq!(
+        (
+            &doc["model"]["full_layers"],
+            &doc["model"]["sliding_window"]
+        ),
+        (&6.into(), &64.into())
+    );
+
+    let dir = scratch("geometry");
+    let ops = dir.join("ops.jsonl");
+    let (status, _, stderr) = unikv(&[
+        "replay",
+        "--model",
+        model,
+        "--workload",
+        "smoke",
+        "--page-size",
+        "16",
+        "--layout",
+        "unified",
+        "--memory",
+        "1GiB",
+        "--record-ops",
+        ops.to_str().unwrap(),
+    ]);
+    assert_eq!(status, Some(0), "{stderr}");
+    let (status, _, stderr) = unikv(&["bench-ops", ops.to_str().unwrap()]);
+    assert_eq!(status, Some(0), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+
+    assert_one_line_error(
+        &["replay", "--model", "gpt-oss-20b:windw=3"],
+        "bad model \"gpt-oss-20b:windw=3\": unknown key \"windw\"",
+    );
+}
