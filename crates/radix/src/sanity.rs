@@ -331,4 +331,38 @@ mod tests {
             }
         });
     }
+
+    /// A node whose parent slot is dead is named for that, before the parent's missing
+    /// child entry (the lower half of a split sits below its new parent in the arena, so
+    /// it is checked before the parent's children are).
+    #[test]
+    fn a_node_whose_parent_is_dead_is_named() {
+        let mut tree = RadixTree::new(TreeConfig::full_only(2)).unwrap();
+        let key: Vec<TokenId> = (0..8).map(TokenId).collect();
+        let row: Vec<VirtualToken> = (100..108).map(VirtualToken).collect();
+        let lower = tree
+            .insert(InsertRequest::new(&key, &row))
+            .unwrap()
+            .node
+            .index;
+        let other = [&key[..4], &[TokenId(50), TokenId(51)]].concat();
+        tree.insert(InsertRequest::new(&other, &row[..6])).unwrap();
+        assert!(tree.nodes[lower as usize].parent > lower, "{}", tree.dump());
+        tree.nodes.push(crate::tree::Node::default());
+        tree.nodes[lower as usize].parent = (tree.nodes.len() - 1) as crate::tree::Ix;
+        let err = tree.sanity_check().unwrap_err().to_string();
+        assert!(err.contains("is not alive"), "{err}");
+    }
+
+    /// The test hook breaks exactly the recorded FULL evictable size.
+    #[cfg(feature = "testing")]
+    #[test]
+    fn the_corruption_hook_breaks_the_recorded_sizes() {
+        let mut tree = tree_with_two_paths();
+        let before = tree.sizes();
+        tree.corrupt_recorded_sizes();
+        assert_eq!(tree.sizes().full_evictable.0, before.full_evictable.0 + 1);
+        let err = tree.sanity_check().unwrap_err().to_string();
+        assert!(err.contains("sizes recorded"), "{err}");
+    }
 }

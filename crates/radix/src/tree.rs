@@ -633,4 +633,133 @@ mod tests {
         assert_eq!(hit.len, Tokens(3));
         tree.sanity_check().unwrap();
     }
+
+    /// A split's new parent carries the node's LRU ticks (so it keeps its place in every
+    /// eviction order), and, in a reused arena slot, that slot's generation (so an id of
+    /// the slot's previous node stays stale).
+    #[test]
+    fn a_split_keeps_the_lru_ticks_and_a_reused_slots_generation() {
+        let mut tree = RadixTree::new(TreeConfig::swa(2, 8).with_mamba()).unwrap();
+        let out = tree
+            .insert(InsertRequest::new(&key(8), &row(8)).mamba(MambaSlot(5)))
+            .unwrap();
+        let lock = tree.lock(out.node).unwrap();
+        let gone = tree
+            .insert(InsertRequest::new(&[TokenId(90), TokenId(91)], &row(2)))
+            .unwrap();
+        assert!(tree.evict_one(crate::Component::Full).is_some());
+        assert!(tree.node(gone.node).is_err());
+        let ix = out.node.index;
+        let n = &tree.nodes[ix as usize];
+        let ticks = (n.full_tick, n.swa_tick, n.mamba_tick);
+        assert!(ticks.0 > 0 && ticks.1 > 0 && ticks.2 > 0, "{ticks:?}");
+        let upper = tree.split(ix, 4);
+        assert_eq!(upper, gone.node.index, "the freed slot is reused");
+        let u = &tree.nodes[upper as usize];
+        assert_eq!((u.full_tick, u.swa_tick, u.mamba_tick), ticks);
+        assert!(tree.node(gone.node).is_err(), "the old id stays stale");
+        tree.sanity_check().unwrap();
+        tree.unlock(lock).unwrap();
+    }
+
+    /// `index()` is the node's arena position, and the lock count counts handles.
+    #[test]
+    fn node_ids_name_their_arena_slot_and_locks_are_counted() {
+        let mut tree = RadixTree::new(TreeConfig::swa(1, 4)).unwrap();
+        let a = tree.insert(InsertRequest::new(&key(3), &row(3))).unwrap();
+        let k: Vec<TokenId> = (50..53).map(TokenId).collect();
+        let b = tree.insert(InsertRequest::new(&k, &row(3))).unwrap();
+        for view in tree.nodes() {
+            assert_eq!(tree.nodes[view.id.index() as usize].key[..], view.key[..]);
+        }
+        assert_ne!(a.node.index(), b.node.index());
+        let locks = [tree.lock(a.node).unwrap(), tree.lock(b.node).unwrap()];
+        assert_eq!(tree.lock_count(), 2);
+        // The SWA of a locked node released while FULL stays locked: a sane tree.
+        tree.release_window(locks[0]).unwrap();
+        tree.sanity_check().unwrap();
+        tree.unlock(locks[0]).unwrap();
+        assert_eq!(tree.lock_count(), 1);
+        tree.unlock(locks[1]).unwrap();
+        tree.sanity_check().unwrap();
+    }
+
+    /// A tree handed another scope records its breaches there.
+    #[test]
+    fn breaches_go_to_the_scope_the_tree_was_handed() {
+        let mut tree = RadixTree::new(TreeConfig::swa(1, 4)).unwrap();
+        tree.insert(InsertRequest::new(&key(3), &row(3))).unwrap();
+        let scope = Scope::new();
+        tree.set_invariant_scope(scope.clone());
+        tree.sizes.full_evictable.0 += 1;
+        unikv_invariants::scoped_level(unikv_invariants::Level::Warn, || {
+            assert!(tree.sanity_check().is_err());
+        });
+        assert_eq!(scope.violations(&crate::invariants::SANITY), 1);
+        assert_eq!(
+            tree.invariant_scope()
+                .violations(&crate::invariants::SANITY),
+            1
+        );
+    }
+
+    /// FULL hits stop at the first partly matched node: a deeper child whose first page
+    /// happens to follow the match is not counted.
+    #[test]
+    fn a_full_hit_ends_inside_a_partly_matched_node() {
+        let mut tree = RadixTree::new(TreeConfig::swa(1, 4)).unwrap();
+        tree.insert(InsertRequest::new(&key(4), &row(4))).unwrap();
+        let longer = [key(4), vec![TokenId(9), TokenId(9)]].concat();
+        tree.insert(InsertRequest::new(&longer, &row(6))).unwrap();
+        let probe = [TokenId(0), TokenId(1), TokenId(9), TokenId(9)];
+        assert_eq!(tree.full_hit_len(&probe), Tokens(2));
+        assert_eq!(tree.full_hit_len(&longer), Tokens(6));
+    }
+
+    /// The page hasher mixes every kind of write, one word or several, into distinct
+    /// hashes (children are found by it in O(1)).
+    #[test]
+    fn the_page_hasher_mixes_every_write() {
+        let hash = |f: &dyn Fn(&mut PageHasher)| {
+            let mut h = PageHasher::default();
+            f(&mut h);
+            h.finish()
+        };
+        let mut seen = std::collections::HashSet::new();
+        assert!(seen.insert(hash(&|_| {})));
+        for i in 0..256u64 {
+            for h in [
+                hash(&|h| h.write_u64(i + 1)),
+                hash(&|h| h.write_u32(i as u32 + 1_000)),
+                hash(&|h| h.write_usize(i as usize + 2_000)),
+                hash(&|h| h.write(&[(i % 251) as u8 + 1, (i / 251) as u8 + 7])),
+            ] {
+                assert!(seen.insert(h), "a collision at {i}");
+            }
+            for j in 0..16u64 {
+                assert!(seen.insert(hash(&|h| {
+                    h.write_u64(i + 3_000);
+                    h.write_u64(j + 1);
+                })));
+            }
+        }
+    }
+
+    /// A state's node locked once for itself and once under a locked descendant holds
+    /// more FULL locks than Mamba locks: a sane tree.
+    #[test]
+    fn a_state_node_under_a_locked_descendant_is_sane() {
+        let mut tree = RadixTree::new(TreeConfig::full_only(2).with_mamba()).unwrap();
+        let a = tree
+            .insert(InsertRequest::new(&key(4), &row(4)).mamba(MambaSlot(1)))
+            .unwrap();
+        let b = tree.insert(InsertRequest::new(&key(8), &row(8))).unwrap();
+        let locks = [tree.lock(a.node).unwrap(), tree.lock(b.node).unwrap()];
+        let n = &tree.nodes[a.node.index as usize];
+        assert_eq!((n.full_lock, n.mamba_lock), (2, 1));
+        tree.sanity_check().unwrap();
+        for lock in locks {
+            tree.unlock(lock).unwrap();
+        }
+    }
 }

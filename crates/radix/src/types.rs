@@ -262,4 +262,24 @@ mod tests {
         assert_eq!(Slots(6).to_string(), "6 slots");
         assert_eq!(LockHandle(3).to_string(), "lock#3");
     }
+
+    /// Tokens hash by value, one at a time or a page at a time (two per word, an odd
+    /// last one alone): distinct pages, distinct hashes.
+    #[test]
+    fn tokens_and_pages_hash_by_every_token() {
+        use std::hash::{DefaultHasher, Hash, Hasher};
+        fn hash(v: impl Hash) -> u64 {
+            let mut h = DefaultHasher::new();
+            v.hash(&mut h);
+            h.finish()
+        }
+        let mut seen = std::collections::HashSet::new();
+        for a in 0..48 {
+            assert!(seen.insert(hash(TokenId(a))));
+            for b in 0..48 {
+                assert!(seen.insert(hash([TokenId(a), TokenId(b)].as_slice())));
+                assert!(seen.insert(hash([TokenId(a), TokenId(b), TokenId(7)].as_slice())));
+            }
+        }
+    }
 }
