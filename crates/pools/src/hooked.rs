@@ -1,7 +1,8 @@
 //! [`Hooked`]: the one forwarding [`KvAllocator`], for everything that wraps an allocator
 //! to watch or fail its calls (the facade's `wrap_allocator`): an op recorder, a fault
 //! injector, a test probe. The wrapper forwards every method; a [`Hooks`] sees each
-//! mutating call as a [`Call`] and may fail a fallible one before it is forwarded.
+//! mutating call as a [`Call`], may fail a fallible one before it is forwarded, and may
+//! drop a free (a lost free, for tests that prove a leak is caught).
 
 use crate::api::{
     Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, FreeOp, KvAllocator,
@@ -127,7 +128,15 @@ pub trait Hooks: std::fmt::Debug + Send {
         Ok(())
     }
 
-    /// After a call was forwarded, whatever its outcome.
+    /// Whether the free `op` reaches the inner allocator: asked for each checked free
+    /// that is one [`FreeOp`] ([`Call::Free`], after its gate) and for each op of a batch.
+    /// `false` drops it as though it were done (the call returns `Ok`).
+    fn forward_free(&mut self, inner: &dyn KvAllocator, op: FreeOp<'_>) -> bool {
+        let _ = (inner, op);
+        true
+    }
+
+    /// After a call was forwarded (a dropped free counts as done), whatever its outcome.
     fn after(&mut self, inner: &dyn KvAllocator, call: Call<'_>, outcome: Outcome<'_>) {
         let _ = (inner, call, outcome);
     }
@@ -164,6 +173,15 @@ impl<H: Hooks> Hooked<H> {
         forward: impl FnOnce(&mut dyn KvAllocator) -> Result<T, Error>,
     ) -> Result<T, Error> {
         self.hooks.gate(&*self.inner, call)?;
+        self.forwarded(call, forward)
+    }
+
+    /// Forwards a gated `call` with `forward` and shows the outcome.
+    fn forwarded<T>(
+        &mut self,
+        call: Call<'_>,
+        forward: impl FnOnce(&mut dyn KvAllocator) -> Result<T, Error>,
+    ) -> Result<T, Error> {
         let result = forward(&mut *self.inner);
         let outcome = match &result {
             Ok(_) => Outcome::DONE,
@@ -171,6 +189,21 @@ impl<H: Hooks> Hooked<H> {
         };
         self.hooks.after(&*self.inner, call, outcome);
         result
+    }
+
+    /// [`Hooked::fallible`] for a checked free that is one `op`, which the hooks may drop.
+    fn free(
+        &mut self,
+        op: FreeOp<'_>,
+        forward: impl FnOnce(&mut dyn KvAllocator) -> Result<(), Error>,
+    ) -> Result<(), Error> {
+        let call = Call::Free(op);
+        self.hooks.gate(&*self.inner, call)?;
+        if !self.hooks.forward_free(&*self.inner, op) {
+            self.hooks.after(&*self.inner, call, Outcome::DONE);
+            return Ok(());
+        }
+        self.forwarded(call, forward)
     }
 
     /// [`Hooked::fallible`] for an allocation appending to `out`, whose new items the
@@ -252,17 +285,13 @@ impl<H: Hooks> KvAllocator for Hooked<H> {
         self.fallible(Call::FreeIds(IdFree::Full, ids), |a| a.free_full(ids))
     }
     fn free_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
-        self.fallible(Call::Free(FreeOp::Segment(segment)), |a| {
-            a.free_segment(segment)
-        })
+        self.free(FreeOp::Segment(segment), |a| a.free_segment(segment))
     }
     fn free_swa_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
-        self.fallible(Call::Free(FreeOp::SwaSegment(segment)), |a| {
-            a.free_swa_segment(segment)
-        })
+        self.free(FreeOp::SwaSegment(segment), |a| a.free_swa_segment(segment))
     }
     fn free_full_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
-        self.fallible(Call::Free(FreeOp::FullSegment(segment)), |a| {
+        self.free(FreeOp::FullSegment(segment), |a| {
             a.free_full_segment(segment)
         })
     }
@@ -282,12 +311,10 @@ impl<H: Hooks> KvAllocator for Hooked<H> {
             cursor,
             len,
         };
-        self.fallible(Call::Free(op), |a| {
-            a.free_kv_row_segments(row, dead_lo, cursor, len)
-        })
+        self.free(op, |a| a.free_kv_row_segments(row, dead_lo, cursor, len))
     }
     fn transfer_swa(&mut self, from: Segment<'_>, to: Segment<'_>) -> Result<(), Error> {
-        self.fallible(Call::Free(FreeOp::TransferSwa { from, to }), |a| {
+        self.free(FreeOp::TransferSwa { from, to }, |a| {
             a.transfer_swa(from, to)
         })
     }
@@ -300,7 +327,7 @@ impl<H: Hooks> KvAllocator for Hooked<H> {
         )
     }
     fn free_slots(&mut self, slots: &[VirtualSlot]) -> Result<(), Error> {
-        self.fallible(Call::Free(FreeOp::Slots(slots)), |a| a.free_slots(slots))
+        self.free(FreeOp::Slots(slots), |a| a.free_slots(slots))
     }
     fn copy_slots(&self, pairs: &[(VirtualSlot, VirtualSlot)]) -> Result<(), Error> {
         self.inner.copy_slots(pairs)
@@ -309,6 +336,16 @@ impl<H: Hooks> KvAllocator for Hooked<H> {
         self.inner.physical_slot(slot)
     }
     fn free_batch(&mut self, frees: &[FreeOp<'_>]) {
+        // The ops the hooks keep; a copy only once one is dropped.
+        let mut kept: Option<Vec<FreeOp<'_>>> = None;
+        for (i, &op) in frees.iter().enumerate() {
+            match (self.hooks.forward_free(&*self.inner, op), &mut kept) {
+                (true, Some(kept)) => kept.push(op),
+                (false, None) => kept = Some(frees[..i].to_vec()),
+                _ => {}
+            }
+        }
+        let frees = kept.as_deref().unwrap_or(frees);
         self.infallible(Call::FreeBatch(frees), |a| a.free_batch(frees));
     }
     fn free_group_begin(&mut self) -> Result<(), Error> {

@@ -78,3 +78,39 @@ fn hooks_see_every_mutating_call_and_a_refused_call_changes_nothing() {
         );
     });
 }
+
+/// Drops every two-sided segment free.
+#[derive(Debug, Default)]
+struct LoseSegments(usize);
+
+impl Hooks for LoseSegments {
+    fn forward_free(&mut self, _: &dyn KvAllocator, op: FreeOp<'_>) -> bool {
+        let lost = matches!(op, FreeOp::Segment(_));
+        self.0 += lost as usize;
+        !lost
+    }
+}
+
+#[test]
+fn a_dropped_free_changes_nothing_and_a_batch_keeps_its_other_ops() {
+    each_case(|layout, ps| {
+        let p = ps as usize;
+        let mut hooked = Hooked::new(pool(layout, ps, 16).alloc, LoseSegments::default());
+        let (a, b) = (fresh_row(&mut hooked, 2 * p), fresh_row(&mut hooked, 2 * p));
+        let before = hooked.capacity();
+        hooked.free_segment(Segment::of_row(&a, 0..2 * p)).unwrap();
+        assert_eq!(hooked.capacity(), before, "{layout:?}/{ps}: dropped");
+        hooked.free_group_begin().unwrap();
+        hooked.free_batch(&[
+            FreeOp::Segment(Segment::of_row(&a, 0..2 * p)),
+            FreeOp::FullSegment(Segment::of_row(&b, 0..2 * p)),
+        ]);
+        hooked.free_group_end().unwrap();
+        assert_eq!(hooked.hooks().0, 2);
+        assert!(hooked.full_live(a[0].page(hooked.page_size())));
+        assert!(
+            !hooked.full_live(b[0].page(hooked.page_size())),
+            "{layout:?}/{ps}"
+        );
+    });
+}
