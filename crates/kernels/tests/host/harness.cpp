@@ -1,0 +1,124 @@
+// harness.cpp: runs the CUDA kernels of ../../cu/*.cu as host C++ (tests/host_kernels.rs).
+//
+// The shim below stands in for CUDA: `__global__` is empty and the launch loops over
+// every block and, inside it, every thread of a grid in turn, setting blockIdx/threadIdx
+// as a GPU would. The kernels' contracts make their threads independent (no thread
+// reads a byte another writes, no two write one), so running them one after another
+// computes what a GPU launch computes, and an indexing bug shows as a wrong output.
+//
+// Protocol (stdin -> stdout, little-endian): a message is a list of arrays, each a u64
+// byte length and the bytes. The first is the kernel's name, the second two u32 (grid
+// and block size), then the kernel's arguments in the order of `main` below. The output
+// is the one array the kernel writes, after the launch.
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+struct dim3 {
+    unsigned int x, y, z;
+};
+static dim3 blockIdx, threadIdx, blockDim, gridDim;
+#define __global__
+
+#include "fill_spans.cu"
+#include "move_spans.cu"
+#include "tables.cu"
+#include "translate.cu"
+
+template <class Kernel>
+static void launch(unsigned int grid, unsigned int block, Kernel kernel) {
+    gridDim = {grid, 1, 1};
+    blockDim = {block, 1, 1};
+    for (unsigned int b = 0; b < grid; ++b) {
+        for (unsigned int t = 0; t < block; ++t) {
+            blockIdx = {b, 0, 0};
+            threadIdx = {t, 0, 0};
+            kernel();
+        }
+    }
+}
+
+static std::vector<unsigned char> read_array() {
+    uint64_t len = 0;
+    if (fread(&len, 8, 1, stdin) != 1) {
+        fprintf(stderr, "harness: truncated input\n");
+        exit(2);
+    }
+    std::vector<unsigned char> bytes(len);
+    if (len > 0 && fread(bytes.data(), 1, len, stdin) != len) {
+        fprintf(stderr, "harness: truncated array\n");
+        exit(2);
+    }
+    return bytes;
+}
+
+template <class T>
+static T* as(std::vector<unsigned char>& a) {
+    return reinterpret_cast<T*>(a.data());
+}
+
+static void write_array(const std::vector<unsigned char>& a) {
+    uint64_t len = a.size();
+    fwrite(&len, 8, 1, stdout);
+    fwrite(a.data(), 1, a.size(), stdout);
+}
+
+int main() {
+    std::vector<unsigned char> name_bytes = read_array();
+    std::string name(name_bytes.begin(), name_bytes.end());
+    std::vector<unsigned char> shape = read_array();
+    unsigned int grid = as<unsigned int>(shape)[0];
+    unsigned int block = as<unsigned int>(shape)[1];
+    if (name == "fill_spans") {
+        auto buf = read_array();
+        auto spans = read_array();
+        auto value = read_array();
+        unsigned long long n = spans.size() / 16;
+        launch(grid, block, [&] {
+            unikv_fill_spans(buf.data(), as<unsigned long long>(spans), n, value[0]);
+        });
+        write_array(buf);
+    } else if (name == "move_spans") {
+        auto buf = read_array();
+        auto moves = read_array();
+        unsigned long long n = moves.size() / 24;
+        launch(grid, block,
+               [&] { unikv_move_spans(buf.data(), as<unsigned long long>(moves), n); });
+        write_array(buf);
+    } else if (name == "scatter") {
+        auto table = read_array();
+        auto pairs = read_array();
+        unsigned long long n = pairs.size() / 8;
+        launch(grid, block,
+               [&] { unikv_scatter(as<int>(table), as<unsigned int>(pairs), n); });
+        write_array(table);
+    } else if (name == "gather") {
+        auto src = read_array();
+        auto indices = read_array();
+        auto out = read_array();
+        unsigned long long n = indices.size() / 4;
+        launch(grid, block, [&] {
+            unikv_gather(as<int>(src), src.size() / 4, as<int>(indices), n, as<int>(out));
+        });
+        write_array(out);
+    } else if (name == "translate") {
+        auto v2p = read_array();
+        auto ids = read_array();
+        auto args = read_array();  // n, page size, stride, out width: 4 x i64
+        auto out = read_array();
+        long long* a = as<long long>(args);
+        launch(grid, block, [&] {
+            unikv_translate(as<int>(v2p), v2p.size() / 4, as<int>(ids),
+                            (unsigned long long)a[0], (int)a[1], (int)a[2], as<int>(out),
+                            (unsigned long long)a[3]);
+        });
+        write_array(out);
+    } else {
+        fprintf(stderr, "harness: unknown kernel %s\n", name.c_str());
+        return 2;
+    }
+    return 0;
+}

@@ -1,0 +1,346 @@
+//! The CUDA kernels of `cu/*.cu` compiled as host C++ (a shim stands in for CUDA: the
+//! launch runs every block and thread of the grid in turn; `tests/host/harness.cpp`) and
+//! run against their CPU twins on random inputs, at several grid shapes (the backend's
+//! own and odd ones), page sizes 1, 16 and 256 and page envelopes of up to 6 MiB. So an
+//! indexing bug in a kernel shows without a GPU.
+//!
+//! Needs a C++ compiler (`$CXX`, else `c++`); without one the tests say so and pass,
+//! unless `UNIKV_REQUIRE_CXX=1`.
+
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use unikv_kernels::nvrtc::KERNEL_SOURCES;
+use unikv_kernels::{ByteSpan, CpuDevice, Device, HostSync, Readback, SpanMove, Translate};
+
+/// Threads per block and most blocks of the CUDA backend's launches (`cuda.rs`).
+const BLOCK: u32 = 256;
+const MAX_BLOCKS: u64 = 65_535;
+
+/// The grid shapes every kernel runs at: one thread, odd ones, and what the backend
+/// launches (`per_item` for tables and translate, `per_span` for moves and fills).
+fn shapes(items: u64, per_span: bool) -> Vec<(u32, u32)> {
+    let backend = if per_span {
+        items.clamp(1, MAX_BLOCKS) as u32
+    } else {
+        items.div_ceil(u64::from(BLOCK)).clamp(1, MAX_BLOCKS) as u32
+    };
+    vec![(1, 1), (3, 7), (backend, BLOCK)]
+}
+
+/// The compiled harness, or `None` when there is no C++ compiler.
+fn harness() -> Option<&'static PathBuf> {
+    static HARNESS: OnceLock<Option<PathBuf>> = OnceLock::new();
+    HARNESS
+        .get_or_init(|| {
+            // One harness per version of the sources, shared by the test processes: each
+            // compiles into its own file and renames it into place.
+            let mut hash = DefaultHasher::new();
+            for (name, src) in KERNEL_SOURCES {
+                (name, src).hash(&mut hash);
+            }
+            include_str!("host/harness.cpp").hash(&mut hash);
+            let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+                .join(format!("host-kernels-{:016x}", hash.finish()));
+            let exe = dir.join("harness");
+            if exe.exists() {
+                return Some(exe);
+            }
+            let work = dir.join(format!("build-{}", std::process::id()));
+            std::fs::create_dir_all(&work).unwrap();
+            for (name, src) in KERNEL_SOURCES {
+                std::fs::write(work.join(name), src).unwrap();
+            }
+            std::fs::write(work.join("harness.cpp"), include_str!("host/harness.cpp")).unwrap();
+            let built = work.join("harness");
+            let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
+            let out = match Command::new(&cxx)
+                .args(["-O2", "-std=c++17", "-Wall", "-Werror", "-o"])
+                .arg(&built)
+                .arg(work.join("harness.cpp"))
+                .output()
+            {
+                Ok(out) => out,
+                Err(e) if std::env::var("UNIKV_REQUIRE_CXX").as_deref() == Ok("1") => {
+                    panic!("UNIKV_REQUIRE_CXX=1 but {cxx} does not run: {e}")
+                }
+                Err(e) => {
+                    eprintln!("host kernels: skipped, no C++ compiler ({cxx}: {e})");
+                    return None;
+                }
+            };
+            assert!(
+                out.status.success(),
+                "the kernels do not compile as host C++:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            std::fs::rename(&built, &exe).unwrap();
+            let _ = std::fs::remove_dir_all(&work);
+            Some(exe)
+        })
+        .as_ref()
+}
+
+/// Runs kernel `name` on a `grid × block` launch with `arrays`; returns what it wrote.
+fn run(name: &str, (grid, block): (u32, u32), arrays: &[&[u8]]) -> Vec<u8> {
+    let exe = harness().expect("checked by the caller");
+    let mut child = Command::new(exe)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = Vec::new();
+    let shape: Vec<u8> = [grid, block].iter().flat_map(|v| v.to_le_bytes()).collect();
+    for a in [name.as_bytes(), &shape]
+        .into_iter()
+        .chain(arrays.iter().copied())
+    {
+        input.extend_from_slice(&(a.len() as u64).to_le_bytes());
+        input.extend_from_slice(a);
+    }
+    let mut stdin = child.stdin.take().unwrap();
+    let writer = std::thread::spawn(move || stdin.write_all(&input).unwrap());
+    let out = child.wait_with_output().unwrap();
+    writer.join().unwrap();
+    assert!(
+        out.status.success(),
+        "{name}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let len = u64::from_le_bytes(out.stdout[..8].try_into().unwrap()) as usize;
+    assert_eq!(out.stdout.len(), 8 + len, "{name}: one array out");
+    out.stdout[8..].to_vec()
+}
+
+/// xorshift: reproducible random inputs.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n.max(1)
+    }
+    /// `n` random bytes (a multiple of 8), a word at a time: the envelopes are MiBs.
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n / 8)
+            .flat_map(|_| self.below(u64::MAX).to_le_bytes())
+            .collect()
+    }
+}
+
+fn bytes_of<T: Copy>(v: &[T], f: impl Fn(T) -> Vec<u8>) -> Vec<u8> {
+    v.iter().flat_map(|&x| f(x)).collect()
+}
+
+fn i32s(v: &[i32]) -> Vec<u8> {
+    bytes_of(v, |x| x.to_le_bytes().to_vec())
+}
+
+fn from_i32s(b: &[u8]) -> Vec<i32> {
+    b.chunks_exact(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn sync() -> HostSync {
+    HostSync::acquire("host kernel parity")
+}
+
+/// Bytes per page envelope of gpt-oss-20b at page size `ps` (one side: 24,576 B a token).
+fn envelope(ps: u64) -> u64 {
+    ps * 24_576
+}
+
+/// The CPU twin's buffer after `op`, from `pattern`.
+fn cpu_bytes(pattern: &[u8], op: impl FnOnce(&CpuDevice, unikv_kernels::BytesId)) -> Vec<u8> {
+    let dev = CpuDevice::new();
+    let buf = dev.alloc_bytes(pattern.len() as u64, 0).unwrap();
+    dev.run_kernel(buf, |b| b.copy_from_slice(pattern)).unwrap();
+    op(&dev, buf);
+    dev.read_bytes(&sync(), buf, 0, pattern.len() as u64)
+        .unwrap()
+}
+
+#[test]
+fn moves_and_fills_match_the_cpu_twin_at_every_page_size() {
+    if harness().is_none() {
+        return;
+    }
+    let mut rng = Rng(0x5EED_1234);
+    for ps in [1, 16, 256] {
+        let (e, slots) = (envelope(ps), 4u64);
+        let pattern = rng.bytes((e * slots) as usize);
+        // Two moves of whole envelopes into distinct slots from other slots, one empty.
+        let moves = [
+            SpanMove {
+                src: 0,
+                dst: 3 * e,
+                len: e,
+            },
+            SpanMove {
+                src: 0,
+                dst: e,
+                len: e,
+            },
+            SpanMove {
+                src: 4 * e,
+                dst: 2 * e,
+                len: 0,
+            },
+        ];
+        let want = cpu_bytes(&pattern, |dev, buf| dev.move_spans(buf, &moves).unwrap());
+        let list = bytes_of(&moves, |m| {
+            [m.src, m.dst, m.len].map(u64::to_le_bytes).concat()
+        });
+        for shape in shapes(moves.len() as u64, true) {
+            let got = run("move_spans", shape, &[&pattern, &list]);
+            assert!(got == want, "move_spans at ps {ps}, shape {shape:?}");
+        }
+        // Fills of odd spans, overlapping, one empty.
+        let spans = [
+            ByteSpan {
+                offset: 3,
+                len: e + 5,
+            },
+            ByteSpan {
+                offset: 2 * e - 7,
+                len: 20,
+            },
+            ByteSpan {
+                offset: 4 * e,
+                len: 0,
+            },
+        ];
+        let want = cpu_bytes(&pattern, |dev, buf| {
+            dev.fill_spans(buf, &spans, 0xA5).unwrap()
+        });
+        let list = bytes_of(&spans, |s| [s.offset, s.len].map(u64::to_le_bytes).concat());
+        for shape in shapes(spans.len() as u64, true) {
+            let got = run("fill_spans", shape, &[&pattern, &list, &[0xA5]]);
+            assert!(got == want, "fill_spans at ps {ps}, shape {shape:?}");
+        }
+    }
+}
+
+#[test]
+fn table_scatters_and_gathers_match_the_cpu_twin() {
+    if harness().is_none() {
+        return;
+    }
+    let mut rng = Rng(0xBEEF);
+    for len in [1usize, 300, 5_000] {
+        let dev = CpuDevice::new();
+        let initial: Vec<i32> = (0..len).map(|_| rng.below(1000) as i32 - 500).collect();
+        // Distinct indices (the backend keeps the last pair of each), in random order.
+        let mut indices: Vec<u32> = (0..len as u32).filter(|_| rng.below(3) == 0).collect();
+        for i in (1..indices.len()).rev() {
+            indices.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        let pairs: Vec<(u32, i32)> = indices
+            .iter()
+            .map(|&i| (i, rng.below(1 << 20) as i32))
+            .collect();
+        let table = dev.alloc_table(len, 0).unwrap();
+        dev.upload_table(table, 0, &initial).unwrap();
+        dev.scatter_table(table, &pairs).unwrap();
+        let want = dev.read_table(&sync(), table, 0, len).unwrap();
+        let list = bytes_of(&pairs, |(i, v)| {
+            [i.to_le_bytes(), (v as u32).to_le_bytes()].concat()
+        });
+        for shape in shapes(pairs.len() as u64, false) {
+            let got = from_i32s(&run("scatter", shape, &[&i32s(&initial), &list]));
+            assert_eq!(
+                got,
+                want,
+                "scatter of {} into {len}, shape {shape:?}",
+                pairs.len()
+            );
+        }
+
+        // Indices in range, negative and past the end.
+        let n = len + 7;
+        let idx: Vec<i32> = (0..n)
+            .map(|_| rng.below(len as u64 + 20) as i32 - 10)
+            .collect();
+        let (src, ids, out) = (
+            dev.alloc_table(len, 0).unwrap(),
+            dev.alloc_table(n, 0).unwrap(),
+            dev.alloc_table(n, -9).unwrap(),
+        );
+        dev.upload_table(src, 0, &initial).unwrap();
+        dev.upload_table(ids, 0, &idx).unwrap();
+        dev.gather_table(src, ids, n, out).unwrap();
+        let want = dev.read_table(&sync(), out, 0, n).unwrap();
+        for shape in shapes(n as u64, false) {
+            let got = from_i32s(&run(
+                "gather",
+                shape,
+                &[&i32s(&initial), &i32s(&idx), &i32s(&vec![-9; n])],
+            ));
+            assert_eq!(got, want, "gather of {n} from {len}, shape {shape:?}");
+        }
+    }
+}
+
+#[test]
+fn translate_matches_the_cpu_twin_at_every_page_size() {
+    if harness().is_none() {
+        return;
+    }
+    let mut rng = Rng(0xC0FFEE);
+    for ps in [1i64, 16, 256] {
+        let dev = CpuDevice::new();
+        let pages = 200usize;
+        // Bound, unbound (0) and tombstoned (-1) pages; strides that overflow i32.
+        let v2p: Vec<i32> = (0..pages)
+            .map(|_| match rng.below(6) {
+                0 => 0,
+                1 => -1,
+                _ => rng.below(1 << 30) as i32,
+            })
+            .collect();
+        let stride = [ps as i32, 24_576, i32::MAX][rng.below(3) as usize];
+        let n = 1_000usize;
+        let ids: Vec<i32> = (0..n)
+            .map(|_| rng.below((pages as u64 + 10) * ps as u64) as i32 - 5)
+            .collect();
+        let width = n + 13;
+        let (t_v2p, t_ids, t_out) = (
+            dev.alloc_table(pages, 0).unwrap(),
+            dev.alloc_table(n, 0).unwrap(),
+            dev.alloc_table(width + 2, 7).unwrap(),
+        );
+        dev.upload_table(t_v2p, 0, &v2p).unwrap();
+        dev.upload_table(t_ids, 0, &ids).unwrap();
+        dev.translate(&Translate {
+            v2p: t_v2p,
+            ids: t_ids,
+            n,
+            page_size: ps as u32,
+            stride: stride as u32,
+            out: t_out,
+            out_width: width,
+        })
+        .unwrap();
+        let want = dev.read_table(&sync(), t_out, 0, width + 2).unwrap();
+        let args = bytes_of(&[n as i64, ps, stride as i64, width as i64], |x| {
+            x.to_le_bytes().to_vec()
+        });
+        for shape in shapes(width as u64, false) {
+            let got = from_i32s(&run(
+                "translate",
+                shape,
+                &[&i32s(&v2p), &i32s(&ids), &args, &i32s(&vec![7; width + 2])],
+            ));
+            assert_eq!(
+                got, want,
+                "translate at ps {ps}, stride {stride}, shape {shape:?}"
+            );
+        }
+    }
+}
