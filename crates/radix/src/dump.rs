@@ -117,3 +117,15 @@ impl RadixTree {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_past_twelve_tokens_are_shortened() {
+        let key = |n: u32| (0..n).map(TokenId).collect::<Vec<_>>();
+        assert_eq!(tokens(&key(12)), "0 1 2 3 4 5 6 7 8 9 10 11");
+        assert_eq!(tokens(&key(13)), "0 1 2 3 4 5 6 7 8 9 10 11 … (13 tokens)");
+    }
+}

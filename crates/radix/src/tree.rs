@@ -762,4 +762,70 @@ mod tests {
             tree.unlock(lock).unwrap();
         }
     }
+
+    /// Tombstoning a node whose state is locked (its window released, FULL and state
+    /// still held) keeps the state.
+    #[test]
+    fn a_tombstone_keeps_a_locked_state() {
+        let mut tree = RadixTree::new(TreeConfig::swa(2, 4).with_mamba()).unwrap();
+        let a = tree
+            .insert(InsertRequest::new(&key(8), &row(8)).mamba(MambaSlot(1)))
+            .unwrap();
+        let lock = tree.lock(a.node).unwrap();
+        tree.release_window(lock).unwrap();
+        tree.insert(InsertRequest::new(&key(24), &row(24))).unwrap();
+        let ix = a.node.index as usize;
+        while tree.nodes[ix].swa_live {
+            assert!(
+                tree.evict_one(crate::Component::Swa).is_some(),
+                "{}",
+                tree.dump()
+            );
+        }
+        assert_eq!(tree.nodes[ix].mamba, Some(MambaSlot(1)), "{}", tree.dump());
+        tree.sanity_check().unwrap();
+        tree.unlock(lock).unwrap();
+    }
+
+    /// Over the path cap, only the excess states go, least recently used first.
+    #[test]
+    fn the_path_cap_evicts_only_the_excess_states() {
+        let cap = std::num::NonZeroUsize::new(1).unwrap();
+        let mut tree = RadixTree::new(
+            TreeConfig::full_only(1)
+                .with_mamba()
+                .with_mamba_path_cap(cap),
+        )
+        .unwrap();
+        let a = tree
+            .insert(InsertRequest::new(&key(4), &row(4)).mamba(MambaSlot(1)))
+            .unwrap();
+        let b = tree
+            .insert(InsertRequest::new(&key(8), &row(8)).mamba(MambaSlot(2)))
+            .unwrap();
+        assert_eq!(tree.nodes[a.node.index as usize].mamba, None);
+        assert_eq!(tree.nodes[b.node.index as usize].mamba, Some(MambaSlot(2)));
+        tree.sanity_check().unwrap();
+    }
+
+    /// An insert's claimed prefix is checked value by value up to its end only, in every
+    /// node of the path.
+    #[test]
+    fn a_claimed_prefix_is_checked_up_to_its_end_in_every_node() {
+        let mut tree = RadixTree::new(TreeConfig::full_only(1)).unwrap();
+        tree.insert(InsertRequest::new(&key(8), &row(8))).unwrap();
+        let fork = [key(4), vec![TokenId(99)]].concat();
+        tree.insert(InsertRequest::new(&fork, &row(5))).unwrap();
+        // The tree's values for the first six tokens, others after them.
+        let mut value = row(6);
+        value.extend([VirtualToken(500), VirtualToken(501)]);
+        let out = tree.insert(InsertRequest::new(&key(8), &value).prev_prefix_len(6));
+        assert!(out.is_ok(), "{out:?}");
+        value[5] = VirtualToken(502);
+        let out = tree.insert(InsertRequest::new(&key(8), &value).prev_prefix_len(6));
+        assert!(
+            matches!(out, Err(RadixError::PrefixValueMismatch { position: 5 })),
+            "{out:?}"
+        );
+    }
 }
