@@ -828,4 +828,37 @@ mod tests {
             "{out:?}"
         );
     }
+
+    /// Releasing a lock whose counts a bug already zeroed is a recorded breach that
+    /// leaves the counts at zero, never an underflow, on every part of the lock.
+    #[test]
+    fn a_release_below_zero_is_a_breach_not_an_underflow() {
+        use crate::invariants::LOCK_UNDERFLOW;
+        for part in ["full", "swa", "mamba"] {
+            let mut tree = RadixTree::new(TreeConfig::swa(1, 4).with_mamba()).unwrap();
+            let a = tree
+                .insert(InsertRequest::new(&key(3), &row(3)).mamba(MambaSlot(1)))
+                .unwrap();
+            let lock = tree.lock(a.node).unwrap();
+            let ix = a.node.index;
+            tree.leave(ix);
+            let n = &mut tree.nodes[ix as usize];
+            match part {
+                "full" => n.full_lock = 0,
+                "swa" => n.swa_lock = 0,
+                _ => n.mamba_lock = 0,
+            }
+            tree.enter(ix);
+            unikv_invariants::scoped_level(unikv_invariants::Level::Warn, || {
+                tree.unlock(lock).unwrap();
+            });
+            assert_eq!(
+                tree.invariant_scope().violations(&LOCK_UNDERFLOW),
+                1,
+                "{part}"
+            );
+            let n = &tree.nodes[ix as usize];
+            assert_eq!((n.full_lock, n.swa_lock, n.mamba_lock), (0, 0, 0), "{part}");
+        }
+    }
 }
