@@ -187,10 +187,20 @@ mod real {
         }
     }
 
-    /// A launch of `spans` spans, one block each (grid-stride); threads share a span.
-    fn per_span(spans: u64) -> LaunchConfig {
+    /// Bytes of a span one block handles at a time (`UNIKV_CHUNK` of `cu/spans.cu`: a
+    /// 16-byte word per thread).
+    const CHUNK: u64 = 16 * BLOCK as u64;
+
+    /// A launch over `spans` spans of at most `max_len` bytes (`cu/spans.cu`): a row of
+    /// blocks per span (y) and a block per chunk of the longest (x), both grid-stride.
+    fn per_span(spans: u64, max_len: u64) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (spans.clamp(1, MAX_BLOCKS) as u32, 1, 1), // fits in u32
+            // Both <= MAX_BLOCKS, so they fit in u32 (and y in the 65,535 limit).
+            grid_dim: (
+                max_len.div_ceil(CHUNK).clamp(1, MAX_BLOCKS) as u32,
+                spans.clamp(1, MAX_BLOCKS) as u32,
+                1,
+            ),
             block_dim: (BLOCK, 1, 1),
             shared_mem_bytes: 0,
         }
@@ -282,8 +292,8 @@ mod real {
                     .collect()
             };
             let [translate] = take(load("translate.cu", &["unikv_translate"])?)?;
-            let [move_spans] = take(load("move_spans.cu", &["unikv_move_spans"])?)?;
-            let [fill_spans] = take(load("fill_spans.cu", &["unikv_fill_spans"])?)?;
+            let [move_spans, fill_spans] =
+                take(load("spans.cu", &["unikv_move_spans", "unikv_fill_spans"])?)?;
             let [scatter, gather] = take(load("tables.cu", &["unikv_scatter", "unikv_gather"])?)?;
             Ok(CudaDevice {
                 ordinal,
@@ -592,6 +602,7 @@ mod real {
                 return Ok(());
             }
             let n = (list.len() / 2) as u64;
+            let longest = spans.iter().map(|s| s.len).max().unwrap_or(0);
             let list = self
                 .stream
                 .clone_htod(&list)
@@ -603,7 +614,7 @@ mod real {
             // in that order with matching types. Bounds: `list` holds 2n entries and
             // every span was checked inside `buf` on the host. Aliasing: `list` is a
             // fresh allocation; overlapping spans write the same value.
-            unsafe { launch.launch(per_span(n)) }.map_err(cuda("fill_spans: launch"))?;
+            unsafe { launch.launch(per_span(n, longest)) }.map_err(cuda("fill_spans: launch"))?;
             Ok(())
         }
 
@@ -622,6 +633,7 @@ mod real {
                 return Ok(());
             }
             let n = (list.len() / 3) as u64;
+            let longest = moves.iter().map(|m| m.len).max().unwrap_or(0);
             let list = self
                 .stream
                 .clone_htod(&list)
@@ -634,7 +646,7 @@ mod real {
             // destination range was checked inside `buf` on the host. Aliasing: no
             // destination overlaps another destination or any source (checked), so no
             // byte is both read and written and each written byte has one writer.
-            unsafe { launch.launch(per_span(n)) }.map_err(cuda("move_spans: launch"))?;
+            unsafe { launch.launch(per_span(n, longest)) }.map_err(cuda("move_spans: launch"))?;
             Ok(())
         }
 

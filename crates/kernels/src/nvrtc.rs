@@ -14,8 +14,7 @@ use crate::Error;
 
 /// Every kernel source file: `(file name, source)`.
 pub const KERNEL_SOURCES: &[(&str, &str)] = &[
-    ("fill_spans.cu", include_str!("../cu/fill_spans.cu")),
-    ("move_spans.cu", include_str!("../cu/move_spans.cu")),
+    ("spans.cu", include_str!("../cu/spans.cu")),
     ("tables.cu", include_str!("../cu/tables.cu")),
     ("translate.cu", include_str!("../cu/translate.cu")),
 ];

@@ -19,15 +19,25 @@ use unikv_kernels::{ByteSpan, CpuDevice, Device, HostSync, Readback, SpanMove, T
 const BLOCK: u32 = 256;
 const MAX_BLOCKS: u64 = 65_535;
 
-/// The grid shapes every kernel runs at: one thread, odd ones, and what the backend
-/// launches (`per_item` for tables and translate, `per_span` for moves and fills).
-fn shapes(items: u64, per_span: bool) -> Vec<(u32, u32)> {
-    let backend = if per_span {
-        items.clamp(1, MAX_BLOCKS) as u32
-    } else {
-        items.div_ceil(u64::from(BLOCK)).clamp(1, MAX_BLOCKS) as u32
-    };
-    vec![(1, 1), (3, 7), (backend, BLOCK)]
+/// Bytes of a span one block handles at a time (`UNIKV_CHUNK` of `cu/spans.cu`).
+const CHUNK: u64 = 16 * BLOCK as u64;
+
+/// A launch: blocks along x and y, threads per block.
+type Shape = (u32, u32, u32);
+
+/// The shapes a table or translate kernel of `items` items runs at: one thread, an odd
+/// one, and the backend's `per_item`.
+fn item_shapes(items: u64) -> Vec<Shape> {
+    let blocks = items.div_ceil(u64::from(BLOCK)).clamp(1, MAX_BLOCKS) as u32;
+    vec![(1, 1, 1), (3, 1, 7), (blocks, 1, BLOCK)]
+}
+
+/// The shapes a span kernel of `spans` spans of at most `longest` bytes runs at: one
+/// thread, odd ones, and the backend's `per_span`.
+fn span_shapes(spans: u64, longest: u64) -> Vec<Shape> {
+    let x = longest.div_ceil(CHUNK).clamp(1, MAX_BLOCKS) as u32;
+    let y = spans.clamp(1, MAX_BLOCKS) as u32;
+    vec![(1, 1, 1), (3, 2, 7), (2, 5, 32), (x, y, BLOCK)]
 }
 
 /// The compiled harness, or `None` when there is no C++ compiler.
@@ -57,7 +67,15 @@ fn harness() -> Option<&'static PathBuf> {
             let built = work.join("harness");
             let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
             let out = match Command::new(&cxx)
-                .args(["-O2", "-std=c++17", "-Wall", "-Werror", "-o"])
+                // A GPU has no type-based aliasing rules: the words of a span alias its bytes.
+                .args([
+                    "-O2",
+                    "-std=c++17",
+                    "-fno-strict-aliasing",
+                    "-Wall",
+                    "-Werror",
+                    "-o",
+                ])
                 .arg(&built)
                 .arg(work.join("harness.cpp"))
                 .output()
@@ -84,7 +102,7 @@ fn harness() -> Option<&'static PathBuf> {
 }
 
 /// Runs kernel `name` on a `grid × block` launch with `arrays`; returns what it wrote.
-fn run(name: &str, (grid, block): (u32, u32), arrays: &[&[u8]]) -> Vec<u8> {
+fn run(name: &str, (x, y, block): Shape, arrays: &[&[u8]]) -> Vec<u8> {
     let exe = harness().expect("checked by the caller");
     let mut child = Command::new(exe)
         .stdin(Stdio::piped())
@@ -93,7 +111,7 @@ fn run(name: &str, (grid, block): (u32, u32), arrays: &[&[u8]]) -> Vec<u8> {
         .spawn()
         .unwrap();
     let mut input = Vec::new();
-    let shape: Vec<u8> = [grid, block].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let shape: Vec<u8> = [x, y, block].iter().flat_map(|v| v.to_le_bytes()).collect();
     for a in [name.as_bytes(), &shape]
         .into_iter()
         .chain(arrays.iter().copied())
@@ -175,52 +193,40 @@ fn moves_and_fills_match_the_cpu_twin_at_every_page_size() {
     for ps in [1, 16, 256] {
         let (e, slots) = (envelope(ps), 4u64);
         let pattern = rng.bytes((e * slots) as usize);
-        // Two moves of whole envelopes into distinct slots from other slots, one empty.
+        let half = e / 2;
+        let mv = |src, dst, len| SpanMove { src, dst, len };
+        // A whole envelope, a run whose ends share their alignment (a head and a tail of
+        // single bytes around 16-byte words), one whose ends do not (bytes only), one
+        // empty: destinations in slots 1 and 3, sources in slots 0 and 2.
         let moves = [
-            SpanMove {
-                src: 0,
-                dst: 3 * e,
-                len: e,
-            },
-            SpanMove {
-                src: 0,
-                dst: e,
-                len: e,
-            },
-            SpanMove {
-                src: 4 * e,
-                dst: 2 * e,
-                len: 0,
-            },
+            mv(0, 3 * e, e),
+            mv(7, e + 7, 1_000.min(half - 7)),
+            mv(2 * e + 3, e + half + 5, 100),
+            mv(2 * e, 3 * e, 0),
         ];
         let want = cpu_bytes(&pattern, |dev, buf| dev.move_spans(buf, &moves).unwrap());
         let list = bytes_of(&moves, |m| {
             [m.src, m.dst, m.len].map(u64::to_le_bytes).concat()
         });
-        for shape in shapes(moves.len() as u64, true) {
+        for shape in span_shapes(moves.len() as u64, e) {
             let got = run("move_spans", shape, &[&pattern, &list]);
             assert!(got == want, "move_spans at ps {ps}, shape {shape:?}");
         }
-        // Fills of odd spans, overlapping, one empty.
+        // Fills with a head, words and a tail, overlapping, shorter than their head, of
+        // single bytes after an aligned start, and empty.
+        let span = |offset, len| ByteSpan { offset, len };
         let spans = [
-            ByteSpan {
-                offset: 3,
-                len: e + 5,
-            },
-            ByteSpan {
-                offset: 2 * e - 7,
-                len: 20,
-            },
-            ByteSpan {
-                offset: 4 * e,
-                len: 0,
-            },
+            span(3, e + 5),
+            span(2 * e - 7, 20),
+            span(2 * e + 1, 5),
+            span(3 * e + 16, 8),
+            span(3 * e, 0),
         ];
         let want = cpu_bytes(&pattern, |dev, buf| {
             dev.fill_spans(buf, &spans, 0xA5).unwrap()
         });
         let list = bytes_of(&spans, |s| [s.offset, s.len].map(u64::to_le_bytes).concat());
-        for shape in shapes(spans.len() as u64, true) {
+        for shape in span_shapes(spans.len() as u64, e + 5) {
             let got = run("fill_spans", shape, &[&pattern, &list, &[0xA5]]);
             assert!(got == want, "fill_spans at ps {ps}, shape {shape:?}");
         }
@@ -252,7 +258,7 @@ fn table_scatters_and_gathers_match_the_cpu_twin() {
         let list = bytes_of(&pairs, |(i, v)| {
             [i.to_le_bytes(), (v as u32).to_le_bytes()].concat()
         });
-        for shape in shapes(pairs.len() as u64, false) {
+        for shape in item_shapes(pairs.len() as u64) {
             let got = from_i32s(&run("scatter", shape, &[&i32s(&initial), &list]));
             assert_eq!(
                 got,
@@ -276,7 +282,7 @@ fn table_scatters_and_gathers_match_the_cpu_twin() {
         dev.upload_table(ids, 0, &idx).unwrap();
         dev.gather_table(src, ids, n, out).unwrap();
         let want = dev.read_table(&sync(), out, 0, n).unwrap();
-        for shape in shapes(n as u64, false) {
+        for shape in item_shapes(n as u64) {
             let got = from_i32s(&run(
                 "gather",
                 shape,
@@ -331,7 +337,7 @@ fn translate_matches_the_cpu_twin_at_every_page_size() {
         let args = bytes_of(&[n as i64, ps, stride as i64, width as i64], |x| {
             x.to_le_bytes().to_vec()
         });
-        for shape in shapes(width as u64, false) {
+        for shape in item_shapes(width as u64) {
             let got = from_i32s(&run(
                 "translate",
                 shape,

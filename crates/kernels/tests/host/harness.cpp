@@ -7,8 +7,8 @@
 // computes what a GPU launch computes, and an indexing bug shows as a wrong output.
 //
 // Protocol (stdin -> stdout, little-endian): a message is a list of arrays, each a u64
-// byte length and the bytes. The first is the kernel's name, the second two u32 (grid
-// and block size), then the kernel's arguments in the order of `main` below. The output
+// byte length and the bytes. The first is the kernel's name, the second three u32 (the
+// grid's x and y and the block size), then the kernel's arguments in the order of `main` below. The output
 // is the one array the kernel writes, after the launch.
 
 #include <cstdint>
@@ -23,20 +23,22 @@ struct dim3 {
 static dim3 blockIdx, threadIdx, blockDim, gridDim;
 #define __global__
 
-#include "fill_spans.cu"
-#include "move_spans.cu"
+#define __device__
+#include "spans.cu"
 #include "tables.cu"
 #include "translate.cu"
 
 template <class Kernel>
-static void launch(unsigned int grid, unsigned int block, Kernel kernel) {
-    gridDim = {grid, 1, 1};
+static void launch(unsigned int grid_x, unsigned int grid_y, unsigned int block, Kernel kernel) {
+    gridDim = {grid_x, grid_y, 1};
     blockDim = {block, 1, 1};
-    for (unsigned int b = 0; b < grid; ++b) {
-        for (unsigned int t = 0; t < block; ++t) {
-            blockIdx = {b, 0, 0};
-            threadIdx = {t, 0, 0};
-            kernel();
+    for (unsigned int y = 0; y < grid_y; ++y) {
+        for (unsigned int x = 0; x < grid_x; ++x) {
+            for (unsigned int t = 0; t < block; ++t) {
+                blockIdx = {x, y, 0};
+                threadIdx = {t, 0, 0};
+                kernel();
+            }
         }
     }
 }
@@ -70,14 +72,15 @@ int main() {
     std::vector<unsigned char> name_bytes = read_array();
     std::string name(name_bytes.begin(), name_bytes.end());
     std::vector<unsigned char> shape = read_array();
-    unsigned int grid = as<unsigned int>(shape)[0];
-    unsigned int block = as<unsigned int>(shape)[1];
+    unsigned int grid_x = as<unsigned int>(shape)[0];
+    unsigned int grid_y = as<unsigned int>(shape)[1];
+    unsigned int block = as<unsigned int>(shape)[2];
     if (name == "fill_spans") {
         auto buf = read_array();
         auto spans = read_array();
         auto value = read_array();
         unsigned long long n = spans.size() / 16;
-        launch(grid, block, [&] {
+        launch(grid_x, grid_y, block, [&] {
             unikv_fill_spans(buf.data(), as<unsigned long long>(spans), n, value[0]);
         });
         write_array(buf);
@@ -85,14 +88,14 @@ int main() {
         auto buf = read_array();
         auto moves = read_array();
         unsigned long long n = moves.size() / 24;
-        launch(grid, block,
+        launch(grid_x, grid_y, block,
                [&] { unikv_move_spans(buf.data(), as<unsigned long long>(moves), n); });
         write_array(buf);
     } else if (name == "scatter") {
         auto table = read_array();
         auto pairs = read_array();
         unsigned long long n = pairs.size() / 8;
-        launch(grid, block,
+        launch(grid_x, grid_y, block,
                [&] { unikv_scatter(as<int>(table), as<unsigned int>(pairs), n); });
         write_array(table);
     } else if (name == "gather") {
@@ -100,7 +103,7 @@ int main() {
         auto indices = read_array();
         auto out = read_array();
         unsigned long long n = indices.size() / 4;
-        launch(grid, block, [&] {
+        launch(grid_x, grid_y, block, [&] {
             unikv_gather(as<int>(src), src.size() / 4, as<int>(indices), n, as<int>(out));
         });
         write_array(out);
@@ -110,7 +113,7 @@ int main() {
         auto args = read_array();  // n, page size, stride, out width: 4 x i64
         auto out = read_array();
         long long* a = as<long long>(args);
-        launch(grid, block, [&] {
+        launch(grid_x, grid_y, block, [&] {
             unikv_translate(as<int>(v2p), v2p.size() / 4, as<int>(ids),
                             (unsigned long long)a[0], (int)a[1], (int)a[2], as<int>(out),
                             (unsigned long long)a[3]);
