@@ -1,6 +1,6 @@
 //! `unikv bench-scale`: the same workloads at growing pool size and request count, so
 //! cost growth shows in one table. Scale `k` runs `k` tenants of each workload side by
-//! side ([`Workload::tenants`]: `k` times the requests and the concurrency, each tenant's
+//! side ([`Workload::tenants`](crate::Workload::tenants): `k` times the requests and the concurrency, each tenant's
 //! tokens its own) in `k` times the memory, and reports the host's tokens per second and
 //! its step times. A cost that grows with the pool or the tree, not with what a step
 //! handles, shows as tokens/s falling and step times rising with `k`.
