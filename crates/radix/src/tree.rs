@@ -861,4 +861,42 @@ mod tests {
             assert_eq!((n.full_lock, n.swa_lock, n.mamba_lock), (0, 0, 0), "{part}");
         }
     }
+
+    /// An insert over a tombstoned node whose window starts inside it revives the node
+    /// from the window on and leaves the part before it a tombstone.
+    #[test]
+    fn a_revived_tombstone_is_split_where_the_window_starts() {
+        let mut tree = RadixTree::new(TreeConfig::swa(1, 4)).unwrap();
+        tree.insert(InsertRequest::new(&key(8), &row(8))).unwrap();
+        tree.insert(InsertRequest::new(&key(16), &row(16))).unwrap();
+        // Tombstone everything before the last leaf window.
+        while tree
+            .nodes()
+            .iter()
+            .any(|n| n.start.0 < 8 && n.swa_live && !n.key.is_empty())
+        {
+            assert!(
+                tree.evict_one(crate::Component::Swa).is_some(),
+                "{}",
+                tree.dump()
+            );
+        }
+        let value: Vec<VirtualToken> = (500..516).map(VirtualToken).collect();
+        tree.insert(InsertRequest::new(&key(16), &value).window_cursor(6))
+            .unwrap();
+        tree.sanity_check().unwrap();
+        for n in tree.nodes().iter().filter(|n| !n.key.is_empty()) {
+            let (lo, hi) = (n.start.0, n.start.0 + n.key.len());
+            assert!(
+                hi <= 6 || lo >= 6,
+                "a node across the window start: {}",
+                tree.dump()
+            );
+            if hi <= 6 {
+                assert!(!n.swa_live, "{}", tree.dump());
+            } else if lo < 8 {
+                assert!(n.swa_live, "{}", tree.dump());
+            }
+        }
+    }
 }
