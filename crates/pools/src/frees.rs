@@ -32,31 +32,21 @@ pub(crate) trait PageTables {
     fn move_swa(&mut self, from: u32, to: u32);
     /// A flush's release of `pages`, in order: every page that is live on FULL loses both
     /// sides, whatever its SWA state (a live SWA page is released, a tombstone cleared);
-    /// the sink and pages not live on FULL are skipped. Exactly
-    /// [`release_page_silently`] per page; a layout may override it with a batch form
-    /// that has the same effect on every table and list, in the same order per list.
-    fn release_pages(&mut self, pages: impl ExactSizeIterator<Item = u32> + Clone) {
-        for v in pages {
-            release_page_silently(self, v);
-        }
-    }
+    /// the sink and pages not live on FULL are skipped. The same effect on every table
+    /// and list, in the same order per list, as `release_page_silently` page by page (a
+    /// test compares the two for every layout), in one batch pass.
+    fn release_pages(&mut self, pages: impl ExactSizeIterator<Item = u32> + Clone);
     /// Whether the layout has an SWA side. Without one (a FULL/Mamba layout) a
     /// two-sided free is a FULL free with no SWA premise, and SWA-only frees and
     /// transfers are refused ([`Error::NoSwaSide`]).
-    fn has_swa(&self) -> bool {
-        true
-    }
+    fn has_swa(&self) -> bool;
     /// Virtual slots of the slot id space, sink included; 0 without a slot pool.
-    fn slot_ids(&self) -> u32 {
-        0
-    }
+    fn slot_ids(&self) -> u32;
     /// Whether slot `s` (in range) is allocated.
-    fn slot_live(&self, _s: u32) -> bool {
-        false
-    }
+    fn slot_live(&self, s: u32) -> bool;
     /// Releases live Mamba slot `s` and recycles its id. Reached only through
     /// [`free_slots`], which checked `s` (so a layout without a slot pool never is).
-    fn release_slot(&mut self, _s: u32) {}
+    fn release_slot(&mut self, s: u32);
     /// The free group state.
     fn group(&mut self) -> &mut FreeGroup;
     /// The free group state, shared.
@@ -365,8 +355,9 @@ fn full_only_page<T: PageTables + ?Sized>(t: &mut T, v: u32, report: bool) {
 
 /// A flush's release of one page: containment only (its premises were checked at
 /// enqueue). With `report` off, [`two_sided_page`] under either premise and
-/// [`full_only_page`] are this same transition.
-#[inline(always)]
+/// [`full_only_page`] are this same transition. The reference every layout's batch
+/// [`PageTables::release_pages`] is tested against.
+#[cfg(test)]
 pub(crate) fn release_page_silently<T: PageTables + ?Sized>(t: &mut T, v: u32) {
     if v == 0 || !t.full_live(v) {
         return;
