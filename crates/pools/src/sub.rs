@@ -66,8 +66,10 @@ pub struct SubAllocator {
     /// an end always grows at its own frontier).
     float_edge: Edge,
     /// Virtual pages whose `v2p` entry changed since the last mirror upload.
-    dirty: Vec<u32>,
-    dirty_flag: Vec<bool>,
+    /// Mirror entries changed since the upload, `(virtual page, its v2p after the
+    /// change)` in change order: a page changed twice is here twice, and the upload's
+    /// scatter applies them in order, so the last wins.
+    dirty: Vec<(u32, i32)>,
 }
 
 impl SubAllocator {
@@ -93,8 +95,8 @@ impl SubAllocator {
             live: 0,
             tombstones: 0,
             float_edge: Edge::High,
-            dirty: resident_list(virtual_pages as usize),
-            dirty_flag: resident_table(virtual_pages as usize),
+            // Room for two changes of every page between uploads before a reallocation.
+            dirty: resident_list(2 * virtual_pages as usize),
         }
     }
 
@@ -170,13 +172,10 @@ impl SubAllocator {
         p >= self.lo && p < self.hi
     }
 
+    /// Records `v`'s mirror entry as it is now (after the change that calls it).
     #[inline(always)]
     fn mark(&mut self, v: u32) {
-        let flag = &mut self.dirty_flag[v as usize];
-        if !*flag {
-            *flag = true;
-            self.dirty.push(v);
-        }
+        self.dirty.push((v, self.v2p[v as usize]));
     }
 
     /// Takes a physical page at the growth edge (a hole first, else the frontier advances
@@ -571,28 +570,20 @@ impl SubAllocator {
             live,
             tombstones,
             dirty,
-            dirty_flag,
             ..
         } = self;
         let mut nothing = Vec::new();
         let record = released.is_some();
         let released = released.unwrap_or(&mut nothing);
-        let (hole_base, dirty_base, released_base) = (holes.len(), dirty.len(), released.len());
+        let (hole_base, released_base) = (holes.len(), released.len());
         holes.resize(hole_base + n, 0);
-        dirty.resize(dirty_base + n, 0);
+        dirty.reserve(n);
         if record {
             released.resize(released_base + n, 0);
         }
-        let (new_holes, new_dirty, new_released) = (
-            &mut holes[hole_base..],
-            &mut dirty[dirty_base..],
-            &mut released[released_base..],
-        );
-        // `dirty_flag` has one entry per virtual page, like `v2p`: sliced to the same
-        // length, a page that passed the `v2p` bounds check passes the flag's too.
+        let (new_holes, new_released) = (&mut holes[hole_base..], &mut released[released_base..]);
         let (v2p, p2v) = (&mut v2p[..], &mut p2v[..]);
-        let flags = &mut dirty_flag[..v2p.len()];
-        let (mut unbound, mut marked, mut cleared) = (0usize, 0usize, 0u32);
+        let (mut unbound, mut cleared) = (0usize, 0u32);
         for v in pages {
             if !filter(v) {
                 continue;
@@ -613,14 +604,10 @@ impl SubAllocator {
             } else {
                 continue;
             }
-            // `mark(v)`: the slot is written every time, kept only for a first mark.
-            let flag = &mut flags[v as usize];
-            new_dirty[marked] = v;
-            marked += !*flag as usize;
-            *flag = true;
+            // `mark(v)`: both transitions leave the entry 0.
+            dirty.push((v, 0));
         }
         holes.truncate(hole_base + unbound);
-        dirty.truncate(dirty_base + marked);
         if record {
             released.truncate(released_base + unbound);
         }
@@ -659,29 +646,20 @@ impl SubAllocator {
             live,
             tombstones,
             dirty,
-            dirty_flag,
             ..
         } = self;
         let taken = &holes[hole_split..];
         let fresh_page = |i: u32| if down { frontier - 1 - i } else { frontier + i };
-        let dirty_base = dirty.len();
-        dirty.resize(dirty_base + n, 0);
-        let new_dirty = &mut dirty[dirty_base..];
-        // `dirty_flag` has one entry per virtual page, like `v2p`: sliced to the same
-        // length, a page that passed the `v2p` bounds check passes the flag's too.
+        dirty.reserve(n);
         let (v2p, p2v) = (&mut v2p[..], &mut p2v[..]);
-        let flags = &mut dirty_flag[..v2p.len()];
-        let (mut marked, mut revived) = (0usize, 0u32);
+        let mut revived = 0u32;
         let mut bind = |v: u32, p: u32| {
             debug_assert!(p != 0 && p2v[p as usize] == 0);
             let entry = &mut v2p[v as usize];
             revived += (*entry == -1) as u32;
             *entry = p as i32;
             p2v[p as usize] = v;
-            let flag = &mut flags[v as usize];
-            new_dirty[marked] = v;
-            marked += !*flag as usize;
-            *flag = true;
+            dirty.push((v, p as i32));
         };
         // Holes first, then the frontier; `taken` leads the zip, so the page after the
         // last hole is not consumed by it.
@@ -693,30 +671,24 @@ impl SubAllocator {
             bind(v, fresh_page(i as u32));
         }
         holes.truncate(hole_split);
-        dirty.truncate(dirty_base + marked);
         *live += n as u32;
         *tombstones -= revived;
     }
 
-    /// Appends the dirty `(virtual page, v2p)` entries for the mirror upload to `out`,
-    /// changing nothing: they stay dirty until [`SubAllocator::clear_dirty`] (after the
-    /// upload succeeded), so a failed upload is retried whole.
-    pub fn dirty_entries(&self, out: &mut Vec<(u32, i32)>) {
-        let v2p = &self.v2p[..];
-        // One exact-size extend: no capacity check per entry.
-        out.extend(self.dirty.iter().map(|&v| (v, v2p[v as usize])));
+    /// The mirror entries changed since the last upload, `(virtual page, v2p)` in change
+    /// order (a page changed twice appears twice; the last is its value now). They stay
+    /// until [`SubAllocator::clear_dirty`] (after the upload succeeded), so a failed
+    /// upload is retried whole.
+    pub fn dirty_entries(&self) -> &[(u32, i32)] {
+        &self.dirty
     }
 
     /// Forgets the dirty entries (the mirror now holds them).
     pub fn clear_dirty(&mut self) {
-        let flags = &mut self.dirty_flag[..];
-        for &v in &self.dirty {
-            flags[v as usize] = false;
-        }
         self.dirty.clear();
     }
 
-    /// Dirty mirror entries (virtual pages changed since the last upload).
+    /// Mirror entries waiting for the upload (changes since the last one).
     pub fn dirty_count(&self) -> usize {
         self.dirty.len()
     }
@@ -882,9 +854,9 @@ pub(crate) fn resident_table<T: Copy + Default>(len: usize) -> Vec<T> {
 
 /// An empty list with room for `bound` entries, mapped now (written once and cleared):
 /// pushes up to its bound neither reallocate nor fault on the scheduling path.
-pub(crate) fn resident_list(bound: usize) -> Vec<u32> {
+pub(crate) fn resident_list<T: Copy + Default>(bound: usize) -> Vec<T> {
     let mut list = Vec::with_capacity(bound);
-    list.resize(bound, std::hint::black_box(0));
+    list.resize(bound, std::hint::black_box(T::default()));
     list.clear();
     list
 }
@@ -1069,14 +1041,12 @@ mod tests {
         assert_eq!((sub.v2p[3], sub.tombstones(), sub.live()), (-1, 1, 0));
         sub.clear_tombstone(3);
         assert_eq!((sub.v2p[3], sub.tombstones()), (0, 0));
-        let mut dirty = Vec::new();
-        sub.dirty_entries(&mut dirty);
-        sub.clear_dirty();
         assert_eq!(
-            dirty,
-            vec![(3, 0)],
-            "one entry per page however often it changed"
+            sub.dirty_entries(),
+            [(3, 31), (3, -1), (3, 0)],
+            "every change in order, its value after it"
         );
+        sub.clear_dirty();
         assert!(!sub.has_dirty());
     }
 
@@ -1085,7 +1055,7 @@ mod tests {
         (
             (sub.v2p.clone(), sub.p2v.clone(), sub.holes.clone()),
             (sub.lo, sub.hi, sub.live, sub.tombstones),
-            (sub.dirty.clone(), sub.dirty_flag.clone()),
+            sub.dirty.clone(),
         )
     }
 
@@ -1165,12 +1135,9 @@ mod tests {
                 assert_eq!(state(&batch), state(&single), "{grow:?} round {round}");
                 batch.verify("batch").unwrap();
                 if round % 50 == 49 {
-                    let (mut a, mut b) = (Vec::new(), Vec::new());
-                    batch.dirty_entries(&mut a);
+                    assert_eq!(batch.dirty_entries(), single.dirty_entries());
                     batch.clear_dirty();
-                    single.dirty_entries(&mut b);
                     single.clear_dirty();
-                    assert_eq!(a, b);
                 }
             }
             assert!(

@@ -133,8 +133,6 @@ pub struct UnifiedSwa {
     plans: [CompactionPlan; 3],
     /// The planned relay of the tri-pool's float, committed after the device moved.
     relay: RelayPlan,
-    /// Mirror entries of an upload, side after side.
-    dirty: Vec<(u32, i32)>,
 }
 
 impl UnifiedSwa {
@@ -243,15 +241,6 @@ impl UnifiedSwa {
             moves: Vec::new(),
             plans: Default::default(),
             relay: RelayPlan::default(),
-            // At most one entry per virtual page (or slot) and side per upload: sized and
-            // mapped at boot.
-            dirty: {
-                let n = 2 * virtual_pages as usize + virtual_slots as usize;
-                let mut entries = Vec::with_capacity(n);
-                entries.resize(n, std::hint::black_box((0, 0)));
-                entries.clear();
-                entries
-            },
         })
     }
 
@@ -1207,34 +1196,16 @@ impl KvAllocator for UnifiedSwa {
     }
 
     fn upload_mirror(&mut self) -> Result<(), Error> {
-        if self.subs().all(|sub| !sub.has_dirty()) {
-            return Ok(());
-        }
-        // Every side's entries first; they stay dirty until every scatter was issued, so
-        // a failed upload is retried whole (re-scattering an entry is idempotent).
-        let mut dirty = std::mem::take(&mut self.dirty);
-        dirty.clear();
-        let mut ends = [0usize; 3];
+        // One scatter per side of its changes in order (the last of a page's wins). The
+        // entries stay until every scatter was issued, so a failed upload is retried
+        // whole (re-scattering an entry is idempotent).
         for side in [Side::Full, Side::Swa, Side::Mamba] {
-            if let Some(sub) = self.side(side) {
-                sub.dirty_entries(&mut dirty);
-            }
-            ends[ix(side)] = dirty.len();
-        }
-        let mut from = 0;
-        let mut scattered = Ok(());
-        for side in [Side::Full, Side::Swa, Side::Mamba] {
-            let entries = &dirty[from..ends[ix(side)]];
-            from = ends[ix(side)];
-            if let (false, Some(mirror)) = (entries.is_empty(), self.mirrors[ix(side)]) {
-                scattered = self.device.scatter_table(mirror, entries);
-                if scattered.is_err() {
-                    break;
-                }
+            if let (Some(sub), Some(mirror)) = (self.side(side), self.mirrors[ix(side)])
+                && sub.has_dirty()
+            {
+                self.device.scatter_table(mirror, sub.dirty_entries())?;
             }
         }
-        self.dirty = dirty;
-        scattered?;
         self.full.clear_dirty();
         for sub in [&mut self.swa, &mut self.mamba].into_iter().flatten() {
             sub.clear_dirty();
