@@ -96,3 +96,22 @@ fn slot_errors_say_what_is_wrong_with_the_slot() {
     );
     assert!(msg(SlotFault::NamedTwice).starts_with("free_slots: slot s3 is named twice"));
 }
+
+/// A two-sided free queued in a group is checked when it is queued: a page whose SWA the
+/// window already released breaks its premise (the caller wanted a FULL-only free).
+#[test]
+fn a_queued_two_sided_free_of_a_tombstone_breaks_its_premise() {
+    use unikv_pools::invariants::PEER_MAPPED;
+    each_case(|layout, ps| {
+        let p_len = ps as usize;
+        let mut p = pool(layout, ps, 16);
+        let row = new_row(&mut p, 2 * p_len);
+        p.free_swa_segment(Segment::of_row(&row, 0..p_len)).unwrap();
+        let (bad, ()) = breaches(&mut p, &PEER_MAPPED, Level::Warn, |p| {
+            p.free_group_begin().unwrap();
+            p.free_segment(Segment::of_row(&row, 0..2 * p_len)).unwrap();
+            p.free_group_end().unwrap();
+        });
+        assert_eq!(bad, 1, "{layout:?}/{ps}");
+    });
+}
