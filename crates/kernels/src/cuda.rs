@@ -4,7 +4,8 @@
 //! loaded ([`Error::NoCudaDriver`] otherwise, never a panic), that the GPU exists
 //! ([`Error::NoCudaDevice`]) and that NVRTC can be loaded ([`Error::NoNvrtc`]), then
 //! compiles every kernel of `cu/` for the GPU's architecture. All work goes to one
-//! stream, in call order; only [`Readback`] methods wait for it.
+//! stream, in call order; only [`Readback`] methods wait for it. That stream is never the
+//! legacy default stream (the crate docs show an engine handing over its own).
 //!
 //! Without the feature the same type and functions exist and return
 //! [`Error::NotCompiledWithCuda`] (candle's dummy-backend pattern), so no other crate
@@ -12,10 +13,17 @@
 //! unreachable by construction.
 
 #[cfg(feature = "cuda")]
-pub use real::CudaDevice;
+pub use real::{CudaDevice, DeviceEvent};
 
 #[cfg(not(feature = "cuda"))]
-pub use dummy::CudaDevice;
+pub use dummy::{CudaDevice, DeviceEvent};
+
+/// A raw CUDA stream handle (`CUstream`) an engine hands to
+/// [`CudaDevice::on_engine_stream`].
+pub type RawStream = *mut std::ffi::c_void;
+
+/// A raw CUDA event handle (`CUevent`), of an engine's or of a [`DeviceEvent`].
+pub type RawEvent = *mut std::ffi::c_void;
 
 #[cfg(not(feature = "cuda"))]
 mod dummy {
@@ -39,6 +47,19 @@ mod dummy {
         }
 
         /// Always [`Error::NotCompiledWithCuda`] in this build.
+        ///
+        /// # Safety
+        /// As for the `cuda` build: `stream` belongs to GPU `ordinal`'s primary context
+        /// and outlives the device.
+        pub unsafe fn on_engine_stream(
+            ordinal: usize,
+            stream: super::RawStream,
+        ) -> Result<CudaDevice, Error> {
+            let _ = (ordinal, stream);
+            Err(Error::NotCompiledWithCuda)
+        }
+
+        /// Always [`Error::NotCompiledWithCuda`] in this build.
         pub fn device_count() -> Result<usize, Error> {
             Err(Error::NotCompiledWithCuda)
         }
@@ -50,6 +71,40 @@ mod dummy {
 
         /// The GPU's ordinal (unreachable: no value of this type exists).
         pub fn ordinal(&self) -> usize {
+            match self.never {}
+        }
+
+        /// The stream (unreachable: no value of this type exists).
+        pub fn stream(&self) -> super::RawStream {
+            match self.never {}
+        }
+
+        /// Records the device's enqueued work (unreachable: no value of this type
+        /// exists).
+        pub fn record_event(&self) -> Result<DeviceEvent, Error> {
+            match self.never {}
+        }
+
+        /// Makes the device's stream wait for `event` (unreachable).
+        ///
+        /// # Safety
+        /// As for the `cuda` build.
+        pub unsafe fn wait_raw_event(&self, event: super::RawEvent) -> Result<(), Error> {
+            let _ = event;
+            match self.never {}
+        }
+    }
+
+    /// An event on a [`CudaDevice`]'s stream. This build has no `cuda` feature: no value
+    /// of this type can exist.
+    #[derive(Debug)]
+    pub struct DeviceEvent {
+        never: Infallible,
+    }
+
+    impl DeviceEvent {
+        /// The raw handle (unreachable: no value of this type exists).
+        pub fn raw(&self) -> super::RawEvent {
             match self.never {}
         }
     }
@@ -122,6 +177,9 @@ mod dummy {
                 CudaDevice::device_count(),
                 Err(Error::NotCompiledWithCuda)
             ));
+            // SAFETY: the call refuses before it could use the (null) stream.
+            let on_stream = unsafe { CudaDevice::on_engine_stream(0, std::ptr::null_mut()) };
+            assert!(matches!(on_stream, Err(Error::NotCompiledWithCuda)));
             assert!(matches!(
                 CudaDevice::driver_version(),
                 Err(Error::NotCompiledWithCuda)
@@ -241,6 +299,22 @@ mod real {
         state: Mutex<State>,
     }
 
+    /// An event recorded on a [`CudaDevice`]'s stream ([`CudaDevice::record_event`]).
+    pub struct DeviceEvent(cudarc::driver::CudaEvent);
+
+    impl fmt::Debug for DeviceEvent {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.debug_tuple("DeviceEvent").finish()
+        }
+    }
+
+    impl DeviceEvent {
+        /// The raw handle, for the engine's `cuStreamWaitEvent`; valid while this lives.
+        pub fn raw(&self) -> super::RawEvent {
+            self.0.cu_event() as super::RawEvent
+        }
+    }
+
     impl fmt::Debug for CudaDevice {
         fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
             f.debug_struct("CudaDevice")
@@ -250,12 +324,44 @@ mod real {
     }
 
     impl CudaDevice {
-        /// Opens GPU `ordinal` and compiles every kernel for its architecture.
+        /// Opens GPU `ordinal` on a non-blocking stream of its own and compiles every
+        /// kernel for its architecture.
         ///
         /// Errors: [`Error::NoCudaDriver`] (no libcuda), [`Error::NoCudaDevice`] (no
         /// such GPU), [`Error::NoNvrtc`] (no libnvrtc), [`Error::KernelCompile`],
         /// [`Error::Cuda`] for other driver failures (e.g. a PTX too new for the driver).
         pub fn new(ordinal: usize) -> Result<CudaDevice, Error> {
+            CudaDevice::open(ordinal, |ctx| {
+                ctx.new_stream()
+                    .map_err(cuda("create a non-blocking stream"))
+            })
+        }
+
+        /// Opens GPU `ordinal` on the engine's `stream`: every op is enqueued there, in
+        /// call order with the engine's own work, and none waits for the GPU. Errors as
+        /// [`CudaDevice::new`].
+        ///
+        /// # Safety
+        /// `stream` is a valid stream of GPU `ordinal`'s primary context (the one the
+        /// CUDA runtime uses), and it outlives the device and everything it issued: the
+        /// device never destroys it.
+        pub unsafe fn on_engine_stream(
+            ordinal: usize,
+            stream: super::RawStream,
+        ) -> Result<CudaDevice, Error> {
+            CudaDevice::open(ordinal, |ctx| {
+                // SAFETY: the caller keeps `stream` valid, of this context, and alive
+                // for the device's life (this function's contract); the wrapper does not
+                // destroy it.
+                Ok(unsafe { ctx.wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream) })
+            })
+        }
+
+        /// [`CudaDevice::new`] with the stream `stream` makes for the context.
+        fn open(
+            ordinal: usize,
+            stream: impl FnOnce(&Arc<CudaContext>) -> Result<Arc<CudaStream>, Error>,
+        ) -> Result<CudaDevice, Error> {
             let count = CudaDevice::device_count()?;
             if ordinal >= count {
                 return Err(Error::NoCudaDevice { ordinal, count });
@@ -297,7 +403,7 @@ mod real {
             let [scatter, gather] = take(load("tables.cu", &["unikv_scatter", "unikv_gather"])?)?;
             Ok(CudaDevice {
                 ordinal,
-                stream: ctx.default_stream(),
+                stream: stream(&ctx)?,
                 kernels: Kernels {
                     translate,
                     move_spans,
@@ -343,6 +449,44 @@ mod real {
         /// The GPU's ordinal.
         pub fn ordinal(&self) -> usize {
             self.ordinal
+        }
+
+        /// The stream every op is enqueued on (for the engine's `cuStreamWaitEvent`, graph
+        /// capture and the like); the device keeps owning it.
+        pub fn stream(&self) -> super::RawStream {
+            self.stream.cu_stream() as super::RawStream
+        }
+
+        /// Records the work enqueued so far (a step's unikv ops): an engine makes its
+        /// stream wait for the event before its forward reads what they wrote. Issues
+        /// without waiting.
+        pub fn record_event(&self) -> Result<DeviceEvent, Error> {
+            self.bind()?;
+            let event = self
+                .stream
+                .record_event(None)
+                .map_err(cuda("record an event"))?;
+            Ok(DeviceEvent(event))
+        }
+
+        /// Makes every op enqueued from now on wait for `event` (the engine's, recorded
+        /// after the work unikv must follow), without the host waiting.
+        ///
+        /// # Safety
+        /// `event` is a valid event of this GPU's context, recorded (or never recorded:
+        /// then nothing is waited for), and alive until this call returns.
+        pub unsafe fn wait_raw_event(&self, event: super::RawEvent) -> Result<(), Error> {
+            self.bind()?;
+            // SAFETY: the stream is valid for the device's life; `event` is valid (this
+            // function's contract); waiting enqueues a dependency and does not block.
+            unsafe {
+                cudarc::driver::result::stream::wait_event(
+                    self.stream.cu_stream(),
+                    event as cudarc::driver::sys::CUevent,
+                    cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(cuda("wait for an event"))
         }
 
         fn state(&self) -> MutexGuard<'_, State> {

@@ -25,6 +25,27 @@
 //! assert_eq!(cpu.read_table(&sync, out, 0, 4).unwrap(), [16, 17, 0, 0]);
 //! ```
 //!
+//! # An engine's stream
+//! [`CudaDevice`] never uses the legacy default stream: [`CudaDevice::new`] creates a
+//! non-blocking stream of its own, and [`CudaDevice::on_engine_stream`] enqueues on the
+//! engine's. An engine orders its forward with unikv's work by events
+//! ([`CudaDevice::record_event`] after a step's unikv ops, waited for on the engine's
+//! stream; [`CudaDevice::wait_raw_event`] the other way), so the host never waits.
+//!
+//! ```no_run
+//! # fn engine() -> Result<(), unikv_kernels::Error> {
+//! use unikv_kernels::CudaDevice;
+//! # let engine_stream: unikv_kernels::RawStream = std::ptr::null_mut();
+//! // The engine's own non-blocking stream: unikv's ops are then in its stream order.
+//! // SAFETY: the stream belongs to GPU 0's primary context and outlives the device.
+//! let dev = unsafe { CudaDevice::on_engine_stream(0, engine_stream)? };
+//! // Or a stream of unikv's own, ordered with the engine's by events:
+//! let own = CudaDevice::new(0)?;
+//! let after_step = own.record_event()?; // after this step's unikv ops
+//! let _wait_for_it = after_step.raw(); // for cuStreamWaitEvent(engine_stream, ...)
+//! # let _ = dev; Ok(()) }
+//! ```
+//!
 //! # Invariants this crate keeps
 //! - Architecture invariant: no method of [`Device`] waits for the device or returns a
 //!   value whose size depends on device data. Waiting ops live on [`Readback`] and need a
@@ -56,7 +77,7 @@ mod sparse;
 
 pub use clock::{thread_cpu_time, thread_cpu_time_overhead};
 pub use cpu::CpuDevice;
-pub use cuda::CudaDevice;
+pub use cuda::{CudaDevice, DeviceEvent, RawEvent, RawStream};
 pub use device::{ByteSpan, BytesId, Device, HostSync, Readback, SpanMove, TableId, Translate};
 pub use error::Error;
 pub use fault::{DeviceOp, FaultInjector, InjectedFault};

@@ -8,7 +8,8 @@
 
 use unikv_invariants::testing::page_sizes;
 use unikv_kernels::{
-    ByteSpan, CpuDevice, CudaDevice, Error, HostSync, Readback, SpanMove, TableId, Translate,
+    ByteSpan, CpuDevice, CudaDevice, Device, Error, HostSync, Readback, SpanMove, TableId,
+    Translate,
 };
 
 fn gpu_required() -> bool {
@@ -316,4 +317,33 @@ fn empty_ops_and_empty_tables_match_cpu() {
         let stale = format!("{:?}", dev.free_table(t));
         Ok((stale, dev.read_bytes(&sync(), b, 0, 0)?))
     });
+}
+
+/// The backend never uses the legacy default stream: its own stream is a created one, an
+/// engine's stream carries its ops when handed over, and events order the two without
+/// the host waiting.
+#[test]
+fn an_engine_stream_and_events_order_unikv_work() {
+    let Some(own) = cuda_or_skip("an_engine_stream_and_events_order_unikv_work") else {
+        return;
+    };
+    assert!(!own.stream().is_null(), "not the legacy default stream");
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let engine = ctx.new_stream().unwrap();
+    let raw = engine.cu_stream() as unikv_kernels::RawStream;
+    // SAFETY: `engine` is a stream of GPU 0's primary context, and it outlives `dev`
+    // (dropped first, below).
+    let dev = unsafe { CudaDevice::on_engine_stream(0, raw) }.unwrap();
+    assert_eq!(dev.stream(), raw);
+    let t = dev.alloc_table(4, 0).unwrap();
+    dev.scatter_table(t, &[(1, 7), (3, 9)]).unwrap();
+    let after = dev.record_event().unwrap();
+    assert!(!after.raw().is_null());
+    // unikv's own stream waits for the engine stream's work, enqueued, not on the host.
+    // SAFETY: `after` is a recorded event of GPU 0's context, alive across the call.
+    unsafe { own.wait_raw_event(after.raw()) }.unwrap();
+    let sync = HostSync::acquire("test: read back the engine stream's work");
+    assert_eq!(dev.read_table(&sync, t, 0, 4).unwrap(), [0, 7, 0, 9]);
+    drop(dev);
+    drop(engine);
 }
