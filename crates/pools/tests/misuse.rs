@@ -176,12 +176,21 @@ fn the_stated_need_of_a_too_small_buffer_is_exactly_enough() {
             for window in [8, 64] {
                 for ratio in [0.5, 0.8, 1.0, 2.0] {
                     let case = format!("{layout:?} ps {ps} window {window} ratio {ratio}");
-                    let Err(Error::BufferTooSmall { needed, have, .. }) =
-                        build(layout, ps, window, ratio, 256)
+                    let Err(Error::BufferTooSmall {
+                        needed,
+                        have,
+                        floor,
+                    }) = build(layout, ps, window, ratio, 256)
                     else {
                         panic!("{case}: 256 bytes must be too small");
                     };
                     assert_eq!(have.0, 256);
+                    // The floor it states: a window and a page of both sides.
+                    assert_eq!(
+                        floor.window_tokens,
+                        Some(window as usize + ps as usize),
+                        "{case}"
+                    );
                     assert!(needed.0 > 256, "{case}");
                     build(layout, ps, window, ratio, needed.0)
                         .unwrap_or_else(|e| panic!("{case}: the stated need {needed} fails: {e}"));
