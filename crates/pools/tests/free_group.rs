@@ -115,3 +115,23 @@ fn a_queued_two_sided_free_of_a_tombstone_breaks_its_premise() {
         assert_eq!(bad, 1, "{layout:?}/{ps}");
     });
 }
+
+/// The static layout's two fixed pools: as many SWA pages as FULL ones at ratio 1, half
+/// as many at 0.5, and the pages the capacity reports.
+#[test]
+fn the_static_pools_follow_the_ratio() {
+    use std::sync::Arc;
+    use unikv_kernels::CpuDevice;
+    use unikv_pools::{KvAllocator, StaticSwa};
+    let pools = |ratio: f64| {
+        let mut config = static_config(4, 64);
+        config.swa_full_ratio = ratio;
+        let pool = StaticSwa::new(Arc::new(CpuDevice::new()), config).unwrap();
+        (pool.pool_pages(), pool.capacity())
+    };
+    let ((full, swa), cap) = pools(1.0);
+    assert!(full > 8 && swa == full, "{full} {swa}");
+    assert_eq!(cap.full.total_pages, full as usize, "{cap:?}");
+    let ((full, swa), _) = pools(0.5);
+    assert!(full > swa && swa > 1, "{full} {swa}");
+}

@@ -625,6 +625,10 @@ fn the_reference_sizing_matches_hand_computed_numbers() {
     // Ratio 1: half the budget, 5,000,000 / 4096 = 1220.7 → 1220 slots.
     let half = reference_slot_pool(10_000_000, &spec, 1.0, PrefixCaching::Radix).unwrap();
     assert_eq!((half.slots, half.max_running_requests), (1220, 406));
+    // A budget of whole slots: ratio 1 gives half of them (the count is not capped by
+    // what is left over after whole slots).
+    let whole = reference_slot_pool(4096 * 100, &spec, 1.0, PrefixCaching::Radix).unwrap();
+    assert_eq!(whole.slots, 50);
     for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
         assert!(matches!(
             reference_slot_pool(10_000_000, &spec, bad, PrefixCaching::Radix),
