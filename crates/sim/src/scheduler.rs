@@ -44,7 +44,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use unikv::kernels::{SyncLedger, thread_cpu_time, thread_cpu_time_overhead};
-use unikv::pools::{Call, FreeOp, Hooked, Hooks, KvAllocator, Outcome};
+use unikv::pools::{Call, FreeOp, Hooked, Hooks, KvAllocator, Outcome, PageSize};
 use unikv::{HybridCache, ModelSpec, Request, TokenId};
 use unikv_invariants::Level;
 
@@ -714,23 +714,17 @@ impl<'a> Simulation<'a> {
 #[derive(Debug)]
 struct PagesHandled(Arc<AtomicU64>);
 
-/// Pages of a segment of `tokens` ids (it starts on a page boundary).
-fn segment_pages(tokens: usize, ps: u64) -> u64 {
-    (tokens as u64).div_ceil(ps)
-}
-
-/// Pages one free releases (or, for a transfer, moves to its new owner).
-fn free_pages(op: FreeOp<'_>, ps: u64) -> u64 {
-    match op {
-        FreeOp::Segment(s) | FreeOp::FullSegment(s) | FreeOp::SwaSegment(s) => {
-            segment_pages(s.tokens.len(), ps)
-        }
-        FreeOp::TransferSwa { from, .. } => segment_pages(from.tokens.len(), ps),
+/// Pages one free releases (or, for a transfer, moves to its new owner). A batch op the
+/// allocator refused (and skipped) may name a bad row range: counted without slicing.
+fn free_pages(op: FreeOp<'_>, ps: PageSize) -> u64 {
+    (match op {
+        FreeOp::Segment(s) | FreeOp::FullSegment(s) | FreeOp::SwaSegment(s) => s.page_count(ps),
+        FreeOp::TransferSwa { from, .. } => from.page_count(ps),
         FreeOp::KvRow {
             row, dead_lo, len, ..
-        } => segment_pages(len.min(row.len()).saturating_sub(dead_lo), ps),
-        FreeOp::Slots(slots) => slots.len() as u64,
-    }
+        } => ps.pages_for(len.min(row.len()).saturating_sub(dead_lo)),
+        FreeOp::Slots(slots) => slots.len(),
+    }) as u64
 }
 
 impl Hooks for PagesHandled {
@@ -739,24 +733,20 @@ impl Hooks for PagesHandled {
             return;
         };
         let ps = inner.page_size();
-        let ps64 = u64::from(ps.get());
         let pages = match call {
             // A token at a page's first offset opened the page.
             Call::AllocExtend(_) | Call::AllocDecode(_) => {
                 tokens.iter().filter(|t| t.offset(ps) == 0).count() as u64
             }
             Call::AllocSlots(_) => slots.len() as u64,
+            // Runs of one page counted once, as the free de-duplicates them.
             Call::FreeIds(_, ids) => {
-                let mut pages: Vec<u32> = ids.iter().map(|t| t.page(ps).0).collect();
-                pages.dedup();
-                pages.len() as u64
+                let first = |i: usize| i == 0 || ids[i].page(ps) != ids[i - 1].page(ps);
+                (0..ids.len()).filter(|&i| first(i)).count() as u64
             }
-            Call::Free(op) => free_pages(op, ps64),
-            Call::FreeSegments(segments) => segments
-                .iter()
-                .map(|s| segment_pages(s.tokens.len(), ps64))
-                .sum(),
-            Call::FreeBatch(ops) => ops.iter().map(|&op| free_pages(op, ps64)).sum(),
+            Call::Free(op) => free_pages(op, ps),
+            Call::FreeSegments(segments) => segments.iter().map(|s| s.page_count(ps) as u64).sum(),
+            Call::FreeBatch(ops) => ops.iter().map(|&op| free_pages(op, ps)).sum(),
             _ => 0,
         };
         self.0.fetch_add(pages, Ordering::Relaxed);
