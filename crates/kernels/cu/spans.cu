@@ -47,12 +47,26 @@ static __device__ bool unikv_single_byte(unikv_split s, unsigned long long b) {
     return b < s.head || b >= s.head + 16 * s.words;
 }
 
+// Calls `f(i)` for every item `i < n` this thread owns: blockIdx.x strides over chunks
+// of `per_chunk` items, the block's threads over a chunk's items.
+template <class F>
+static __device__ void unikv_each_in_chunks(unsigned long long n, unsigned long long per_chunk, F f) {
+    for (unsigned long long c = blockIdx.x; c * per_chunk < n; c += gridDim.x) {
+        unsigned long long end = (c + 1) * per_chunk;
+        if (end > n) {
+            end = n;
+        }
+        for (unsigned long long i = c * per_chunk + threadIdx.x; i < end; i += blockDim.x) {
+            f(i);
+        }
+    }
+}
+
 extern "C" __global__ void unikv_move_spans(
     unsigned char* buf,
     const unsigned long long* moves,
     unsigned long long n_moves)
 {
-    const unsigned long long words_per_chunk = UNIKV_CHUNK / 16;
     for (unsigned long long m = blockIdx.y; m < n_moves; m += gridDim.y) {
         unsigned long long src = moves[3 * m];
         unsigned long long dst = moves[3 * m + 1];
@@ -60,27 +74,13 @@ extern "C" __global__ void unikv_move_spans(
         unikv_split s = unikv_split_span(dst, len, ((src ^ dst) & 15) == 0);
         const unikv_word* from = (const unikv_word*)(buf + src + s.head);
         unikv_word* to = (unikv_word*)(buf + dst + s.head);
-        for (unsigned long long c = blockIdx.x; c * words_per_chunk < s.words; c += gridDim.x) {
-            unsigned long long end = (c + 1) * words_per_chunk;
-            if (end > s.words) {
-                end = s.words;
-            }
-            for (unsigned long long w = c * words_per_chunk + threadIdx.x; w < end; w += blockDim.x) {
-                to[w] = from[w];
-            }
-        }
+        unikv_each_in_chunks(s.words, UNIKV_CHUNK / 16, [&](unsigned long long w) { to[w] = from[w]; });
         // The single bytes: the head and the tail (a whole unaligned span), chunk by chunk.
-        for (unsigned long long c = blockIdx.x; c * UNIKV_CHUNK < len; c += gridDim.x) {
-            unsigned long long end = (c + 1) * UNIKV_CHUNK;
-            if (end > len) {
-                end = len;
+        unikv_each_in_chunks(len, UNIKV_CHUNK, [&](unsigned long long b) {
+            if (unikv_single_byte(s, b)) {
+                buf[dst + b] = buf[src + b];
             }
-            for (unsigned long long b = c * UNIKV_CHUNK + threadIdx.x; b < end; b += blockDim.x) {
-                if (unikv_single_byte(s, b)) {
-                    buf[dst + b] = buf[src + b];
-                }
-            }
-        }
+        });
     }
 }
 
@@ -90,7 +90,6 @@ extern "C" __global__ void unikv_fill_spans(
     unsigned long long n_spans,
     unsigned char value)
 {
-    const unsigned long long words_per_chunk = UNIKV_CHUNK / 16;
     unikv_word word;
     word.lo = (unsigned long long)value * 0x0101010101010101ULL;
     word.hi = word.lo;
@@ -99,25 +98,11 @@ extern "C" __global__ void unikv_fill_spans(
         unsigned long long len = spans[2 * s_ix + 1];
         unikv_split s = unikv_split_span(offset, len, true);
         unikv_word* to = (unikv_word*)(buf + offset + s.head);
-        for (unsigned long long c = blockIdx.x; c * words_per_chunk < s.words; c += gridDim.x) {
-            unsigned long long end = (c + 1) * words_per_chunk;
-            if (end > s.words) {
-                end = s.words;
+        unikv_each_in_chunks(s.words, UNIKV_CHUNK / 16, [&](unsigned long long w) { to[w] = word; });
+        unikv_each_in_chunks(len, UNIKV_CHUNK, [&](unsigned long long b) {
+            if (unikv_single_byte(s, b)) {
+                buf[offset + b] = value;
             }
-            for (unsigned long long w = c * words_per_chunk + threadIdx.x; w < end; w += blockDim.x) {
-                to[w] = word;
-            }
-        }
-        for (unsigned long long c = blockIdx.x; c * UNIKV_CHUNK < len; c += gridDim.x) {
-            unsigned long long end = (c + 1) * UNIKV_CHUNK;
-            if (end > len) {
-                end = len;
-            }
-            for (unsigned long long b = c * UNIKV_CHUNK + threadIdx.x; b < end; b += blockDim.x) {
-                if (unikv_single_byte(s, b)) {
-                    buf[offset + b] = value;
-                }
-            }
-        }
+        });
     }
 }
