@@ -93,9 +93,10 @@ impl Cmd {
         }
     }
 
-    /// Runs it, capturing stdout and stderr, then prints both and returns them together
-    /// (stdout first); an error names the command and its status.
-    pub fn run_captured(&self) -> Result<String, String> {
+    /// Runs it, capturing stdout and stderr, then prints both; returns whether it
+    /// succeeded and the output (stdout first). Only a command that cannot start is an
+    /// error.
+    pub fn run_reporting(&self) -> Result<(bool, String), String> {
         eprintln!("$ {}", self.describe());
         let out = self
             .command()
@@ -107,11 +108,7 @@ impl Cmd {
             String::from_utf8_lossy(&out.stderr)
         );
         eprint!("{text}");
-        if out.status.success() {
-            Ok(text)
-        } else {
-            Err(format!("`{}` failed ({})", self.describe(), out.status))
-        }
+        Ok((out.status.success(), text))
     }
 
     /// Runs it and returns its stdout (stderr passes through unless quiet).

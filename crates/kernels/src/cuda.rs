@@ -1,22 +1,37 @@
-//! `CudaDevice`: the CUDA backend (cudarc, kernels compiled at run time by NVRTC).
+//! `CudaDevice`: the CUDA backend, written over the [`Driver`] calls of `driver.rs`.
 //!
-//! With the `cuda` feature, [`CudaDevice::new`] checks that the driver library can be
-//! loaded ([`Error::NoCudaDriver`] otherwise, never a panic), that the GPU exists
-//! ([`Error::NoCudaDevice`]) and that NVRTC can be loaded ([`Error::NoNvrtc`]), then
-//! compiles every kernel of `cu/` for the GPU's architecture. All work goes to one
-//! stream, in call order; only [`Readback`] methods wait for it. That stream is never the
-//! legacy default stream (the crate docs show an engine handing over its own).
+//! With the `cuda` feature, [`CudaDevice::new`] opens a GPU through cudarc (kernels
+//! compiled at run time by NVRTC). In every build, [`CudaDevice::emulated`] runs the same
+//! backend over an emulated driver, so all of its logic is tested on the CPU. Without
+//! the feature, [`CudaDevice::new`] returns [`Error::NotCompiledWithCuda`] (candle's
+//! dummy-backend pattern), so no other crate needs a `cfg`.
 //!
-//! Without the feature the same type and functions exist and return
-//! [`Error::NotCompiledWithCuda`] (candle's dummy-backend pattern), so no other crate
-//! needs a `cfg`. The dummy type cannot be constructed, so its `Device` methods are
-//! unreachable by construction.
+//! # The op path
+//! Every op of [`Device`] checks its arguments on the host, then enqueues on the one
+//! stream, in call order, and returns. Argument lists (scatter pairs, span and move
+//! lists, uploaded values) go through a **pinned staging ring**: written into pinned host
+//! memory, copied asynchronously to a persistent device scratch buffer (or straight into
+//! the table), and fenced by an event. A region of the ring is reused only once its
+//! event reports done (`cuEventQuery`, which never waits). So the op path allocates
+//! nothing, copies nothing from pageable memory and never waits.
+//!
+//! When the ring has no room (the GPU is far behind, or one list is larger than the ring)
+//! the op still succeeds, through a temporary device allocation and a pageable copy: each
+//! of those calls is a [`SyncHazard`], counted by [`Device::sync_hazards`] and so by a
+//! [`SyncLedger`](crate::SyncLedger) wrapped around the device. The ring grows at the next
+//! step boundary ([`CudaDevice::end_step`]), never on the op path.
 
-#[cfg(feature = "cuda")]
-pub use real::{CudaDevice, DeviceEvent};
-
-#[cfg(not(feature = "cuda"))]
-pub use dummy::{CudaDevice, DeviceEvent};
+use crate::check;
+use crate::driver::{
+    Arg, DevPtr, Driver, DriverCall, EventHandle, GraphHandle, Grid, Kernel, Pinned, StreamKind,
+    SyncHazard, SyncHazards,
+};
+use crate::emulated::EmulatedDriver;
+use crate::handles::Handles;
+use crate::{ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, Translate};
+use std::collections::{HashSet, VecDeque};
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 /// A raw CUDA stream handle (`CUstream`) an engine hands to
 /// [`CudaDevice::on_engine_stream`].
@@ -25,877 +40,1065 @@ pub type RawStream = *mut std::ffi::c_void;
 /// A raw CUDA event handle (`CUevent`), of an engine's or of a [`DeviceEvent`].
 pub type RawEvent = *mut std::ffi::c_void;
 
-#[cfg(not(feature = "cuda"))]
-mod dummy {
-    use crate::{
-        ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, Translate,
-    };
-    use std::convert::Infallible;
+/// Threads per block of every launch.
+pub(crate) const BLOCK: u32 = 256;
+/// Most blocks of one grid dimension; the kernels use grid-stride loops, so any size works.
+const MAX_BLOCKS: u64 = 65_535;
+/// Bytes of a span one block handles at a time (`UNIKV_CHUNK` of `cu/spans.cu`: a
+/// 16-byte word per thread).
+const CHUNK: u64 = 16 * BLOCK as u64;
+/// Staging ring bytes at boot: room for a step's lists at page size 1 (a 64 K-entry
+/// scatter is 512 KiB).
+pub const DEFAULT_STAGING_BYTES: usize = 4 << 20;
+/// Fence events made at boot; more are made at a step boundary when a step used them all.
+const FENCES: usize = 64;
+/// Staged lists are placed at this alignment (the kernels read 8- and 16-byte words).
+const STAGE_ALIGN: usize = 16;
 
-    /// The CUDA backend. This build has no `cuda` feature: [`CudaDevice::new`] returns
-    /// [`Error::NotCompiledWithCuda`] and no value of this type can exist.
-    #[derive(Debug)]
-    pub struct CudaDevice {
-        never: Infallible,
+/// A launch of `items` independent items, one thread each (grid-stride).
+fn per_item(items: u64) -> Grid {
+    Grid {
+        blocks: (
+            items.div_ceil(u64::from(BLOCK)).clamp(1, MAX_BLOCKS) as u32,
+            1,
+            1,
+        ),
+        threads: BLOCK,
     }
+}
 
-    impl CudaDevice {
-        /// Always [`Error::NotCompiledWithCuda`] in this build.
-        pub fn new(ordinal: usize) -> Result<CudaDevice, Error> {
-            let _ = ordinal;
-            Err(Error::NotCompiledWithCuda)
-        }
-
-        /// Always [`Error::NotCompiledWithCuda`] in this build.
-        ///
-        /// # Safety
-        /// As for the `cuda` build: `stream` belongs to GPU `ordinal`'s primary context
-        /// and outlives the device.
-        pub unsafe fn on_engine_stream(
-            ordinal: usize,
-            stream: super::RawStream,
-        ) -> Result<CudaDevice, Error> {
-            let _ = (ordinal, stream);
-            Err(Error::NotCompiledWithCuda)
-        }
-
-        /// Always [`Error::NotCompiledWithCuda`] in this build.
-        pub fn device_count() -> Result<usize, Error> {
-            Err(Error::NotCompiledWithCuda)
-        }
-
-        /// Always [`Error::NotCompiledWithCuda`] in this build.
-        pub fn driver_version() -> Result<(i32, i32), Error> {
-            Err(Error::NotCompiledWithCuda)
-        }
-
-        /// The GPU's ordinal (unreachable: no value of this type exists).
-        pub fn ordinal(&self) -> usize {
-            match self.never {}
-        }
-
-        /// The stream (unreachable: no value of this type exists).
-        pub fn stream(&self) -> super::RawStream {
-            match self.never {}
-        }
-
-        /// Records the device's enqueued work (unreachable: no value of this type
-        /// exists).
-        pub fn record_event(&self) -> Result<DeviceEvent, Error> {
-            match self.never {}
-        }
-
-        /// Makes the device's stream wait for `event` (unreachable).
-        ///
-        /// # Safety
-        /// As for the `cuda` build.
-        pub unsafe fn wait_raw_event(&self, event: super::RawEvent) -> Result<(), Error> {
-            let _ = event;
-            match self.never {}
-        }
+/// A launch over `spans` spans of at most `max_len` bytes (`cu/spans.cu`): a row of
+/// blocks per span (y) and a block per chunk of the longest (x), both grid-stride.
+fn per_span(spans: u64, max_len: u64) -> Grid {
+    Grid {
+        // Both <= MAX_BLOCKS, so they fit in u32 (and y in the 65,535 limit).
+        blocks: (
+            max_len.div_ceil(CHUNK).clamp(1, MAX_BLOCKS) as u32,
+            spans.clamp(1, MAX_BLOCKS) as u32,
+            1,
+        ),
+        threads: BLOCK,
     }
+}
 
-    /// An event on a [`CudaDevice`]'s stream. This build has no `cuda` feature: no value
-    /// of this type can exist.
-    #[derive(Debug)]
-    pub struct DeviceEvent {
-        never: Infallible,
-    }
+/// One driver call the backend made, with the device op that made it
+/// ([`CudaDevice::take_driver_calls`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DriverRecord {
+    /// The device op (`scatter_table`, `alloc_bytes`, `end_step`, ...).
+    pub op: &'static str,
+    /// The call.
+    pub call: DriverCall,
+    /// What it may cost the host, if anything.
+    pub hazard: Option<SyncHazard>,
+}
 
-    impl DeviceEvent {
-        /// The raw handle (unreachable: no value of this type exists).
-        pub fn raw(&self) -> super::RawEvent {
-            match self.never {}
-        }
-    }
+/// A device allocation: its address and its length in elements.
+#[derive(Debug)]
+struct Alloc {
+    ptr: DevPtr,
+    len: usize,
+}
 
-    impl Device for CudaDevice {
-        fn name(&self) -> String {
-            match self.never {}
-        }
-        fn alloc_bytes(&self, _: u64, _: u8) -> Result<BytesId, Error> {
-            match self.never {}
-        }
-        fn alloc_table(&self, _: usize, _: i32) -> Result<TableId, Error> {
-            match self.never {}
-        }
-        fn free_bytes(&self, _: BytesId) -> Result<(), Error> {
-            match self.never {}
-        }
-        fn free_table(&self, _: TableId) -> Result<(), Error> {
-            match self.never {}
-        }
-        fn upload_table(&self, _: TableId, _: usize, _: &[i32]) -> Result<(), Error> {
-            match self.never {}
-        }
-        fn scatter_table(&self, _: TableId, _: &[(u32, i32)]) -> Result<(), Error> {
-            match self.never {}
-        }
-        fn gather_table(&self, _: TableId, _: TableId, _: usize, _: TableId) -> Result<(), Error> {
-            match self.never {}
-        }
-        fn fill_spans(&self, _: BytesId, _: &[ByteSpan], _: u8) -> Result<(), Error> {
-            match self.never {}
-        }
-        fn move_spans(&self, _: BytesId, _: &[SpanMove]) -> Result<(), Error> {
-            match self.never {}
-        }
-        fn translate(&self, _: &Translate) -> Result<(), Error> {
-            match self.never {}
-        }
-    }
+/// The pinned staging ring and its device mirror. Positions are monotonic byte counts;
+/// a position's place in the ring is `pos % cap`.
+#[derive(Debug)]
+struct Ring {
+    host: Option<Pinned>,
+    dev: DevPtr,
+    cap: usize,
+    /// Where the next list goes.
+    head: u64,
+    /// Every byte staged before this position has been consumed by the stream.
+    tail: u64,
+    /// In-flight fences, oldest first: (position the fence covers up to, its event).
+    fences: VecDeque<(u64, EventHandle)>,
+}
 
-    impl Readback for CudaDevice {
-        fn read_table(
-            &self,
-            _: &HostSync,
-            _: TableId,
-            _: usize,
-            _: usize,
-        ) -> Result<Vec<i32>, Error> {
-            match self.never {}
-        }
-        fn read_bytes(&self, _: &HostSync, _: BytesId, _: u64, _: u64) -> Result<Vec<u8>, Error> {
-            match self.never {}
-        }
-        fn synchronize(&self, _: &HostSync) -> Result<(), Error> {
-            match self.never {}
-        }
-    }
-
-    #[cfg(test)]
-    mod tests {
-        use super::*;
-
-        #[test]
-        fn without_the_cuda_feature_every_entry_point_says_so() {
-            assert!(matches!(
-                CudaDevice::new(0),
-                Err(Error::NotCompiledWithCuda)
-            ));
-            assert!(matches!(
-                CudaDevice::device_count(),
-                Err(Error::NotCompiledWithCuda)
-            ));
-            // SAFETY: the call refuses before it could use the (null) stream.
-            let on_stream = unsafe { CudaDevice::on_engine_stream(0, std::ptr::null_mut()) };
-            assert!(matches!(on_stream, Err(Error::NotCompiledWithCuda)));
-            assert!(matches!(
-                CudaDevice::driver_version(),
-                Err(Error::NotCompiledWithCuda)
-            ));
+impl Ring {
+    /// A ring of no capacity: every op takes the fallback path.
+    fn empty() -> Ring {
+        Ring {
+            host: None,
+            dev: 0,
+            cap: 0,
+            head: 0,
+            tail: 0,
+            fences: VecDeque::new(),
         }
     }
 }
 
-#[cfg(feature = "cuda")]
-mod real {
-    use crate::check;
-    use crate::nvrtc;
-    use crate::{
-        ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, Translate,
-    };
-    use cudarc::driver::sys::CUresult;
-    use cudarc::driver::{
-        CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, DriverError, LaunchConfig,
-        PushKernelArg,
-    };
-    use std::collections::HashSet;
-    use std::fmt;
-    use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+/// Where an op's staged list landed.
+enum Staged {
+    /// In the ring (fenced once the op has enqueued its work).
+    Ring(DevPtr),
+    /// In a temporary device allocation (the fallback), freed after the op's work.
+    Temporary(DevPtr),
+    /// Straight into the destination, through the ring.
+    Copied,
+    /// Straight into the destination, by a pageable copy (the fallback).
+    CopiedPageable,
+}
 
-    /// Threads per block of every launch.
-    const BLOCK: u32 = 256;
-    /// Most blocks of one launch; the kernels use grid-stride loops, so any size works.
-    const MAX_BLOCKS: u64 = 65_535;
+#[derive(Debug)]
+struct State {
+    bytes: Handles<Alloc>,
+    tables: Handles<Alloc>,
+    ring: Ring,
+    /// Rings replaced by a larger one, freed once their fences are done.
+    retired: Vec<Ring>,
+    /// Events not in use as fences.
+    spare: Vec<EventHandle>,
+    /// Set when an op found no room in the ring; the next step boundary grows it.
+    overflowed: bool,
+    /// The largest list staged (or refused) since the last step boundary.
+    largest: usize,
+    /// Set while [`CudaDevice::capture`] records a graph.
+    capturing: bool,
+    /// Reused host buffers: the packed list of an op, the indices a scatter has seen.
+    pack: Vec<u8>,
+    seen: HashSet<u32>,
+}
 
-    /// Whether the CUDA driver library can be loaded; asked once per process.
-    fn driver_present() -> bool {
-        static PRESENT: OnceLock<bool> = OnceLock::new();
-        *PRESENT.get_or_init(|| {
-            // SAFETY: `is_culib_present` only tries `dlopen` on the driver's library
-            // names (and closes what it opened). Loading runs libcuda's initialisers,
-            // which have no precondition on our side; no driver function is called.
-            unsafe { cudarc::driver::sys::is_culib_present() }
-        })
+#[derive(Debug, Default)]
+struct CallLog {
+    hazards: SyncHazards,
+    trace: Option<Vec<DriverRecord>>,
+}
+
+/// The CUDA backend: buffers and tables in GPU memory, every op one launch (or one copy)
+/// on a single stream, in call order, with arguments staged through a pinned ring (see
+/// the [module docs](self)).
+pub struct CudaDevice {
+    name: String,
+    driver: Arc<dyn Driver>,
+    emulated: Option<Arc<EmulatedDriver>>,
+    state: Mutex<State>,
+    log: Mutex<CallLog>,
+}
+
+impl fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// An event recorded on a [`CudaDevice`]'s stream ([`CudaDevice::record_event`]); its
+/// handle is destroyed when this drops.
+pub struct DeviceEvent {
+    handle: EventHandle,
+    driver: Arc<dyn Driver>,
+}
+
+impl fmt::Debug for DeviceEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("DeviceEvent").finish()
+    }
+}
+
+impl DeviceEvent {
+    /// The raw handle, for the engine's `cuStreamWaitEvent`; valid while this lives.
+    pub fn raw(&self) -> RawEvent {
+        self.handle.0 as RawEvent
     }
 
-    fn cuda(op: &'static str) -> impl Fn(DriverError) -> Error {
-        move |e| Error::Cuda(format!("{op}: {e}"))
+    /// Whether the work before the event is done (`cuEventQuery`: never waits).
+    pub fn is_done(&self) -> Result<bool, Error> {
+        self.driver.event_done(self.handle)
     }
+}
 
-    /// Like [`cuda`], but an out-of-memory result becomes [`Error::OutOfMemory`].
-    fn alloc_error(device: String, bytes: u64) -> impl Fn(DriverError) -> Error {
-        move |e| match e.0 {
-            CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory {
-                device: device.clone(),
-                bytes,
-            },
-            _ => Error::Cuda(format!("alloc of {bytes} bytes: {e}")),
-        }
+/// A CUDA graph captured from a [`CudaDevice`]'s ops ([`CudaDevice::capture`]), replayed
+/// with [`CudaDevice::launch_graph`]; destroyed when this drops.
+pub struct CapturedGraph {
+    handle: GraphHandle,
+    driver: Arc<dyn Driver>,
+}
+
+impl fmt::Debug for CapturedGraph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("CapturedGraph").finish()
     }
+}
 
-    /// A launch of `items` independent items, one thread each (grid-stride).
-    fn per_item(items: u64) -> LaunchConfig {
-        let blocks = items.div_ceil(u64::from(BLOCK)).clamp(1, MAX_BLOCKS);
-        LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1), // <= MAX_BLOCKS, fits in u32
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        }
+impl Drop for CapturedGraph {
+    fn drop(&mut self) {
+        // Runs already enqueued still complete; a failure only leaks the graph.
+        let _ = self.driver.graph_destroy(self.handle);
     }
+}
 
-    /// Bytes of a span one block handles at a time (`UNIKV_CHUNK` of `cu/spans.cu`: a
-    /// 16-byte word per thread).
-    const CHUNK: u64 = 16 * BLOCK as u64;
-
-    /// A launch over `spans` spans of at most `max_len` bytes (`cu/spans.cu`): a row of
-    /// blocks per span (y) and a block per chunk of the longest (x), both grid-stride.
-    fn per_span(spans: u64, max_len: u64) -> LaunchConfig {
-        LaunchConfig {
-            // Both <= MAX_BLOCKS, so they fit in u32 (and y in the 65,535 limit).
-            grid_dim: (
-                max_len.div_ceil(CHUNK).clamp(1, MAX_BLOCKS) as u32,
-                spans.clamp(1, MAX_BLOCKS) as u32,
-                1,
-            ),
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        }
+impl Drop for DeviceEvent {
+    fn drop(&mut self) {
+        // Destroying a pending event is allowed (its work still completes); a failure
+        // only leaks one event handle.
+        let _ = self.driver.event_destroy(self.handle);
     }
+}
 
-    struct Kernels {
-        translate: CudaFunction,
-        move_spans: CudaFunction,
-        fill_spans: CudaFunction,
-        scatter: CudaFunction,
-        gather: CudaFunction,
-    }
-
-    /// A device allocation and its length as the host knows it (the allocation holds
-    /// at least one element, since CUDA refuses empty allocations).
-    struct Slot<T> {
-        data: CudaSlice<T>,
-        len: usize,
-    }
-
-    #[derive(Default)]
-    struct State {
-        bytes: Vec<Option<Slot<u8>>>,
-        tables: Vec<Option<Slot<i32>>>,
-    }
-
-    /// The CUDA backend: buffers and tables in GPU memory, every op one or two kernel
-    /// launches (or one copy) on a single stream, in call order.
+impl CudaDevice {
+    /// Opens GPU `ordinal` on a non-blocking stream of its own and compiles every
+    /// kernel for its architecture.
     ///
-    /// Temporary device buffers of an op (scatter pairs, span and move lists) are
-    /// freed stream-ordered (`cuMemFreeAsync`) on GPUs with memory pools, so no op of
-    /// [`Device`] waits for the GPU; on a GPU without memory pools the driver frees
-    /// synchronously.
-    pub struct CudaDevice {
-        ordinal: usize,
-        stream: Arc<CudaStream>,
-        kernels: Kernels,
-        state: Mutex<State>,
+    /// Errors: [`Error::NotCompiledWithCuda`] in a build without the `cuda` feature,
+    /// [`Error::NoCudaDriver`] (no libcuda), [`Error::NoCudaDevice`] (no such GPU),
+    /// [`Error::NoNvrtc`] (no libnvrtc), [`Error::KernelCompile`], [`Error::Cuda`] for
+    /// other driver failures (e.g. a PTX too new for the driver).
+    pub fn new(ordinal: usize) -> Result<CudaDevice, Error> {
+        let driver = crate::cuda_driver::open(ordinal)?;
+        CudaDevice::with_driver(format!("cuda:{ordinal}"), driver, None)
     }
 
-    /// An event recorded on a [`CudaDevice`]'s stream ([`CudaDevice::record_event`]).
-    pub struct DeviceEvent(cudarc::driver::CudaEvent);
+    /// Opens GPU `ordinal` on the engine's `stream`: every op is enqueued there, in
+    /// call order with the engine's own work, and none waits for the GPU. Errors as
+    /// [`CudaDevice::new`]. Handing over the null stream (the legacy default stream)
+    /// works, but every enqueued call is then a [`SyncHazard::DefaultStream`].
+    ///
+    /// # Safety
+    /// `stream` is a valid stream of GPU `ordinal`'s primary context (the one the
+    /// CUDA runtime uses), and it outlives the device and everything it issued: the
+    /// device never destroys it.
+    pub unsafe fn on_engine_stream(ordinal: usize, stream: RawStream) -> Result<CudaDevice, Error> {
+        // SAFETY: forwarded contract: `stream` is of this context and outlives the device.
+        let driver = unsafe { crate::cuda_driver::open_on(ordinal, stream) }?;
+        CudaDevice::with_driver(format!("cuda:{ordinal}"), driver, None)
+    }
 
-    impl fmt::Debug for DeviceEvent {
-        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.debug_tuple("DeviceEvent").finish()
+    /// The CUDA backend over an emulated driver on the host: device memory, pinned
+    /// memory, one stream and its events, kernels run by their CPU twins. Every op
+    /// behaves as on a GPU, the driver calls it makes are the ones a GPU would get
+    /// ([`CudaDevice::take_driver_calls`]), and the stream can be stalled
+    /// ([`CudaDevice::stall_stream`]) as if the GPU were busy. For tests of the
+    /// backend's own logic without a GPU.
+    pub fn emulated() -> CudaDevice {
+        CudaDevice::emulated_on(StreamKind::Own)
+    }
+
+    /// [`CudaDevice::emulated`] on a stream of the given kind
+    /// ([`StreamKind::LegacyDefault`] makes every enqueue a sync hazard).
+    pub fn emulated_on(stream: StreamKind) -> CudaDevice {
+        let emulated = Arc::new(EmulatedDriver::new(stream));
+        let driver: Arc<dyn Driver> = emulated.clone();
+        let name = match stream {
+            StreamKind::LegacyDefault => "emulated-cuda(default stream)",
+            StreamKind::Own | StreamKind::Engine => "emulated-cuda",
+        };
+        match CudaDevice::with_driver(name.to_string(), driver.clone(), Some(emulated.clone())) {
+            Ok(dev) => dev,
+            // The emulated driver refuses nothing at boot but an allocation the host
+            // cannot make; boot again without a ring rather than fail.
+            Err(_) => CudaDevice::unstaged(name.to_string(), driver, Some(emulated)),
         }
     }
 
-    impl DeviceEvent {
-        /// The raw handle, for the engine's `cuStreamWaitEvent`; valid while this lives.
-        pub fn raw(&self) -> super::RawEvent {
-            self.0.cu_event() as super::RawEvent
+    fn unstaged(
+        name: String,
+        driver: Arc<dyn Driver>,
+        emulated: Option<Arc<EmulatedDriver>>,
+    ) -> CudaDevice {
+        CudaDevice {
+            name,
+            driver,
+            emulated,
+            state: Mutex::new(State {
+                bytes: Handles::new("bytes", "cuda"),
+                tables: Handles::new("table", "cuda"),
+                ring: Ring::empty(),
+                retired: Vec::new(),
+                spare: Vec::new(),
+                overflowed: false,
+                largest: 0,
+                capturing: false,
+                pack: Vec::new(),
+                seen: HashSet::new(),
+            }),
+            log: Mutex::new(CallLog::default()),
         }
     }
 
-    impl fmt::Debug for CudaDevice {
-        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.debug_struct("CudaDevice")
-                .field("ordinal", &self.ordinal)
-                .finish_non_exhaustive()
-        }
-    }
-
-    impl CudaDevice {
-        /// Opens GPU `ordinal` on a non-blocking stream of its own and compiles every
-        /// kernel for its architecture.
-        ///
-        /// Errors: [`Error::NoCudaDriver`] (no libcuda), [`Error::NoCudaDevice`] (no
-        /// such GPU), [`Error::NoNvrtc`] (no libnvrtc), [`Error::KernelCompile`],
-        /// [`Error::Cuda`] for other driver failures (e.g. a PTX too new for the driver).
-        pub fn new(ordinal: usize) -> Result<CudaDevice, Error> {
-            CudaDevice::open(ordinal, |ctx| {
-                ctx.new_stream()
-                    .map_err(cuda("create a non-blocking stream"))
-            })
-        }
-
-        /// Opens GPU `ordinal` on the engine's `stream`: every op is enqueued there, in
-        /// call order with the engine's own work, and none waits for the GPU. Errors as
-        /// [`CudaDevice::new`].
-        ///
-        /// # Safety
-        /// `stream` is a valid stream of GPU `ordinal`'s primary context (the one the
-        /// CUDA runtime uses), and it outlives the device and everything it issued: the
-        /// device never destroys it.
-        pub unsafe fn on_engine_stream(
-            ordinal: usize,
-            stream: super::RawStream,
-        ) -> Result<CudaDevice, Error> {
-            CudaDevice::open(ordinal, |ctx| {
-                // SAFETY: the caller keeps `stream` valid, of this context, and alive
-                // for the device's life (this function's contract); the wrapper does not
-                // destroy it.
-                Ok(unsafe { ctx.wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream) })
-            })
-        }
-
-        /// [`CudaDevice::new`] with the stream `stream` makes for the context.
-        fn open(
-            ordinal: usize,
-            stream: impl FnOnce(&Arc<CudaContext>) -> Result<Arc<CudaStream>, Error>,
-        ) -> Result<CudaDevice, Error> {
-            let count = CudaDevice::device_count()?;
-            if ordinal >= count {
-                return Err(Error::NoCudaDevice { ordinal, count });
+    fn with_driver(
+        name: String,
+        driver: Arc<dyn Driver>,
+        emulated: Option<Arc<EmulatedDriver>>,
+    ) -> Result<CudaDevice, Error> {
+        let dev = CudaDevice::unstaged(name, driver, emulated);
+        {
+            let mut st = dev.state();
+            for _ in 0..FENCES {
+                let event = dev.issue("boot", DriverCall::EventCreate, |d| d.event_create())?;
+                st.spare.push(event);
             }
-            let ctx = CudaContext::new(ordinal).map_err(cuda("create context"))?;
-            let (major, minor) = ctx
-                .compute_capability()
-                .map_err(cuda("compute capability"))?;
-            let arch = format!("compute_{major}{minor}");
-            let load = |file: &'static str, names: &[&str]| -> Result<Vec<CudaFunction>, Error> {
-                let src = nvrtc::source(file).ok_or(Error::KernelCompile {
-                    file,
-                    log: "not in KERNEL_SOURCES".to_string(),
-                })?;
-                let module = ctx
-                    .load_module(nvrtc::compile(file, src, &arch)?)
-                    .map_err(|e| {
-                        let hint = match e.0 {
-                            CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION => {
-                                "; the PTX comes from an NVRTC newer than the driver: use an \
-                                 NVRTC whose CUDA version is at most the driver's"
-                            }
-                            _ => "",
-                        };
-                        Error::Cuda(format!("load {file} ({arch}): {e}{hint}"))
-                    })?;
-                names
-                    .iter()
-                    .map(|name| {
-                        module
-                            .load_function(name)
-                            .map_err(|e| Error::Cuda(format!("{file}: kernel {name}: {e}")))
-                    })
-                    .collect()
-            };
-            let [translate] = take(load("translate.cu", &["unikv_translate"])?)?;
-            let [move_spans, fill_spans] =
-                take(load("spans.cu", &["unikv_move_spans", "unikv_fill_spans"])?)?;
-            let [scatter, gather] = take(load("tables.cu", &["unikv_scatter", "unikv_gather"])?)?;
-            Ok(CudaDevice {
-                ordinal,
-                stream: stream(&ctx)?,
-                kernels: Kernels {
-                    translate,
-                    move_spans,
-                    fill_spans,
-                    scatter,
-                    gather,
-                },
-                state: Mutex::new(State::default()),
-            })
+            st.ring = dev.make_ring("boot", DEFAULT_STAGING_BYTES)?;
         }
-
-        /// How many GPUs the driver sees (`0` when it has none).
-        ///
-        /// Errors: [`Error::NoCudaDriver`] when libcuda cannot be loaded.
-        pub fn device_count() -> Result<usize, Error> {
-            if !driver_present() {
-                return Err(Error::NoCudaDriver);
-            }
-            match CudaContext::device_count() {
-                Ok(n) => Ok(usize::try_from(n).unwrap_or(0)),
-                Err(DriverError(CUresult::CUDA_ERROR_NO_DEVICE)) => Ok(0),
-                Err(e) => Err(cuda("cuInit / device count")(e)),
-            }
-        }
-
-        /// The CUDA version the driver supports, as `(major, minor)`.
-        ///
-        /// Errors: [`Error::NoCudaDriver`] when libcuda cannot be loaded.
-        pub fn driver_version() -> Result<(i32, i32), Error> {
-            if !driver_present() {
-                return Err(Error::NoCudaDriver);
-            }
-            let mut version = 0;
-            // SAFETY: libcuda is loadable (checked above), so the symbol lookup
-            // succeeds; `cuDriverGetVersion` needs no `cuInit` and only writes one int
-            // through the valid pointer we pass.
-            unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }
-                .result()
-                .map_err(cuda("cuDriverGetVersion"))?;
-            Ok((version / 1000, version % 1000 / 10))
-        }
-
-        /// The GPU's ordinal.
-        pub fn ordinal(&self) -> usize {
-            self.ordinal
-        }
-
-        /// The stream every op is enqueued on (for the engine's `cuStreamWaitEvent`, graph
-        /// capture and the like); the device keeps owning it.
-        pub fn stream(&self) -> super::RawStream {
-            self.stream.cu_stream() as super::RawStream
-        }
-
-        /// Records the work enqueued so far (a step's unikv ops): an engine makes its
-        /// stream wait for the event before its forward reads what they wrote. Issues
-        /// without waiting.
-        pub fn record_event(&self) -> Result<DeviceEvent, Error> {
-            self.bind()?;
-            let event = self
-                .stream
-                .record_event(None)
-                .map_err(cuda("record an event"))?;
-            Ok(DeviceEvent(event))
-        }
-
-        /// Makes every op enqueued from now on wait for `event` (the engine's, recorded
-        /// after the work unikv must follow), without the host waiting.
-        ///
-        /// # Safety
-        /// `event` is a valid event of this GPU's context, recorded (or never recorded:
-        /// then nothing is waited for), and alive until this call returns.
-        pub unsafe fn wait_raw_event(&self, event: super::RawEvent) -> Result<(), Error> {
-            self.bind()?;
-            // SAFETY: the stream is valid for the device's life; `event` is valid (this
-            // function's contract); waiting enqueues a dependency and does not block.
-            unsafe {
-                cudarc::driver::result::stream::wait_event(
-                    self.stream.cu_stream(),
-                    event as cudarc::driver::sys::CUevent,
-                    cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                )
-            }
-            .map_err(cuda("wait for an event"))
-        }
-
-        fn state(&self) -> MutexGuard<'_, State> {
-            // Every op validates its arguments before it changes the slot vectors or
-            // issues work, and slot updates are single assignments; a panic elsewhere
-            // cannot leave them torn, so a poisoned lock still guards usable state.
-            self.state.lock().unwrap_or_else(PoisonError::into_inner)
-        }
-
-        /// Makes the GPU's context current on this thread. cudarc binds it for allocs,
-        /// copies and launches, but not for the frees in `CudaSlice`'s `Drop`, which
-        /// use the legacy default stream of the *current* context.
-        fn bind(&self) -> Result<(), Error> {
-            self.stream
-                .context()
-                .bind_to_thread()
-                .map_err(cuda("bind context"))
-        }
-
-        fn unknown(&self, kind: &'static str, id: u32) -> Error {
-            Error::UnknownHandle {
-                kind,
-                id,
-                device: self.name(),
-            }
-        }
+        Ok(dev)
     }
 
-    impl Drop for CudaDevice {
-        fn drop(&mut self) {
-            // The slots drop after this, possibly on a thread that never used the GPU;
-            // their frees need the context current. A failure here only leaks memory
-            // of a device being torn down, so it is ignored.
-            let _ = self.bind();
+    /// Replaces the staging ring by one of `bytes` (set-up; `0` leaves no ring, so every
+    /// op takes the hazardous fallback: the deliberately blocking variant the no-sync
+    /// tests must catch). The ring still grows at step boundaries after an overflow.
+    ///
+    /// Errors: [`Error::OutOfMemory`] when the pinned or device memory cannot be had (the
+    /// old ring is then kept).
+    pub fn with_staging(self, bytes: usize) -> Result<CudaDevice, Error> {
+        {
+            let mut st = self.state();
+            let ring = self.make_ring("with_staging", bytes)?;
+            let old = std::mem::replace(&mut st.ring, ring);
+            st.retired.push(old);
+            self.free_retired(&mut st, "with_staging")?;
         }
+        Ok(self)
     }
 
-    /// The `N` functions of one module, in the order asked for.
-    fn take<const N: usize>(functions: Vec<CudaFunction>) -> Result<[CudaFunction; N], Error> {
-        functions
-            .try_into()
-            .map_err(|_| Error::Cuda("a module returned the wrong number of kernels".into()))
+    /// How many GPUs the driver sees (`0` when it has none).
+    ///
+    /// Errors: [`Error::NotCompiledWithCuda`] without the `cuda` feature,
+    /// [`Error::NoCudaDriver`] when libcuda cannot be loaded.
+    pub fn device_count() -> Result<usize, Error> {
+        crate::cuda_driver::device_count()
     }
 
-    impl State {
-        fn bytes(&self, id: BytesId) -> Option<&Slot<u8>> {
-            self.bytes.get(id.0 as usize).and_then(Option::as_ref)
-        }
-        fn bytes_mut(&mut self, id: BytesId) -> Option<&mut Slot<u8>> {
-            self.bytes.get_mut(id.0 as usize).and_then(Option::as_mut)
-        }
-        fn table(&self, id: TableId) -> Option<&Slot<i32>> {
-            self.tables.get(id.0 as usize).and_then(Option::as_ref)
-        }
-        fn table_mut(&mut self, id: TableId) -> Option<&mut Slot<i32>> {
-            self.tables.get_mut(id.0 as usize).and_then(Option::as_mut)
-        }
+    /// The CUDA version the driver supports, as `(major, minor)`.
+    ///
+    /// Errors: as [`CudaDevice::device_count`].
+    pub fn driver_version() -> Result<(i32, i32), Error> {
+        crate::cuda_driver::driver_version()
     }
 
-    fn next_handle<T>(slots: &[T]) -> Result<u32, Error> {
-        u32::try_from(slots.len()).map_err(|_| Error::BadArguments {
-            op: "alloc",
-            reason: "every handle number of this device has been used".to_string(),
+    /// The stream every op is enqueued on (for the engine's `cuStreamWaitEvent`, graph
+    /// capture and the like); the device keeps owning it. Null on an emulated device.
+    pub fn stream(&self) -> RawStream {
+        self.driver.raw_stream() as RawStream
+    }
+
+    /// Records the work enqueued so far (a step's unikv ops): an engine makes its
+    /// stream wait for the event before its forward reads what they wrote. Issues
+    /// without waiting; it is also a step boundary ([`CudaDevice::end_step`]).
+    pub fn record_event(&self) -> Result<DeviceEvent, Error> {
+        self.end_step()?;
+        let handle = self.issue("record_event", DriverCall::EventCreate, |d| {
+            d.event_create()
+        })?;
+        let event = DeviceEvent {
+            handle,
+            driver: self.driver.clone(),
+        };
+        self.issue("record_event", DriverCall::EventRecord, |d| {
+            d.event_record(handle)
+        })?;
+        Ok(event)
+    }
+
+    /// Makes every op enqueued from now on wait for `event` (the engine's, recorded
+    /// after the work unikv must follow), without the host waiting.
+    ///
+    /// # Safety
+    /// `event` is a valid event of this GPU's context, recorded (or never recorded:
+    /// then nothing is waited for), and alive until this call returns.
+    pub unsafe fn wait_raw_event(&self, event: RawEvent) -> Result<(), Error> {
+        let handle = EventHandle(event as usize);
+        self.issue("wait_raw_event", DriverCall::EventWait, |d| {
+            d.event_wait(handle)
         })
     }
 
-    impl Device for CudaDevice {
-        fn name(&self) -> String {
-            format!("cuda:{}", self.ordinal)
+    /// The step boundary, between one step's ops and the next's (an engine calls it, or
+    /// [`CudaDevice::record_event`], once per step): frees rings an earlier growth
+    /// retired once the stream is past them, and, when an op of the step found no room
+    /// in the staging ring, grows it to twice its size (or more, to fit the largest
+    /// list). The only place the ring grows; its allocations are sync hazards of
+    /// `end_step`, outside every op.
+    ///
+    /// Errors: [`Error::OutOfMemory`] when the larger ring cannot be had; the old one is
+    /// kept and the step's ops still succeed through the fallback.
+    pub fn end_step(&self) -> Result<(), Error> {
+        let mut st = self.state();
+        self.free_retired(&mut st, "end_step")?;
+        let State { ring, spare, .. } = &mut *st;
+        self.retire(ring, spare, "end_step", u64::MAX)?; // done fences back to spare
+        if st.spare.is_empty() {
+            for _ in 0..FENCES {
+                let event =
+                    self.issue("end_step", DriverCall::EventCreate, |d| d.event_create())?;
+                st.spare.push(event);
+            }
         }
+        if st.overflowed {
+            let want = (2 * st.ring.cap)
+                .max(2 * st.largest.next_multiple_of(STAGE_ALIGN))
+                .max(DEFAULT_STAGING_BYTES);
+            let ring = self.make_ring("end_step", want)?;
+            let old = std::mem::replace(&mut st.ring, ring);
+            st.retired.push(old);
+            st.overflowed = false;
+            st.largest = 0;
+        }
+        Ok(())
+    }
 
-        fn alloc_bytes(&self, len: u64, fill: u8) -> Result<BytesId, Error> {
-            let oom = alloc_error(self.name(), len);
-            let n = usize::try_from(len)
-                .map_err(|_| oom(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY)))?;
-            let mut st = self.state();
-            let id = next_handle(&st.bytes)?;
-            // SAFETY: the allocation is uninitialised; the memset below, issued on the
-            // same stream before the handle is returned, writes every byte before any
-            // op can read one.
-            let mut data = unsafe { self.stream.alloc::<u8>(n.max(1)) }.map_err(&oom)?;
+    /// Captures the ops `record` issues into a CUDA graph instead of running them (an
+    /// engine capturing its forward captures the step's translation with it). Ops whose
+    /// argument list is staged per call (scatter, upload, fill, move) are refused during
+    /// the capture with [`Error::NotCapturable`]; `translate` and `gather_table` read
+    /// only device tables, so a replay sees the tables as they are at that time.
+    ///
+    /// Errors: what `record` returns (the capture is ended either way), or the driver's.
+    pub fn capture(
+        &self,
+        record: impl FnOnce(&CudaDevice) -> Result<(), Error>,
+    ) -> Result<CapturedGraph, Error> {
+        self.issue("capture", DriverCall::CaptureBegin, |d| d.capture_begin())?;
+        self.state().capturing = true;
+        let recorded = record(self);
+        self.state().capturing = false;
+        let handle = self.issue("capture", DriverCall::CaptureEnd, |d| d.capture_end())?;
+        let graph = CapturedGraph {
+            handle,
+            driver: self.driver.clone(),
+        };
+        recorded.map(|()| graph)
+    }
+
+    /// Enqueues one replay of `graph` (captured from this device), without waiting.
+    pub fn launch_graph(&self, graph: &CapturedGraph) -> Result<(), Error> {
+        self.issue("launch_graph", DriverCall::GraphLaunch, |d| {
+            d.graph_launch(graph.handle)
+        })
+    }
+
+    /// Enqueues a kernel that keeps the stream busy for about `cycles` GPU clock cycles
+    /// and returns an event recorded after it: while [`DeviceEvent::is_done`] is false,
+    /// nothing enqueued after it has run, so a host call that returns meanwhile did not
+    /// wait for the stream (the no-sync proof). On an emulated device the spin lasts
+    /// until [`CudaDevice::resume_stream`] or a read-back.
+    pub fn enqueue_spin(&self, cycles: u64) -> Result<DeviceEvent, Error> {
+        let grid = Grid {
+            blocks: (1, 1, 1),
+            threads: 1,
+        };
+        self.launch("enqueue_spin", Kernel::Spin, grid, &[Arg::U64(cycles)])?;
+        let handle = self.issue("enqueue_spin", DriverCall::EventCreate, |d| {
+            d.event_create()
+        })?;
+        let event = DeviceEvent {
+            handle,
+            driver: self.driver.clone(),
+        };
+        self.issue("enqueue_spin", DriverCall::EventRecord, |d| {
+            d.event_record(handle)
+        })?;
+        Ok(event)
+    }
+
+    /// The GPU's peak memory bandwidth in bytes per second (memory clock × bus width ×
+    /// 2), or `None` on an emulated device.
+    pub fn peak_bandwidth(&self) -> Option<f64> {
+        self.driver.peak_bandwidth()
+    }
+
+    /// The staging ring's capacity in bytes.
+    pub fn staging_capacity(&self) -> usize {
+        self.state().ring.cap
+    }
+
+    /// Starts keeping every driver call the backend makes (off by default).
+    pub fn trace_driver_calls(&self) {
+        self.log().trace.get_or_insert_with(Vec::new);
+    }
+
+    /// The driver calls made since [`CudaDevice::trace_driver_calls`] or the last take,
+    /// in call order; tracing stays on.
+    pub fn take_driver_calls(&self) -> Vec<DriverRecord> {
+        self.log()
+            .trace
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// Emulated devices only: stalls the stream as if the GPU were busy with a long
+    /// kernel; enqueued work waits until [`CudaDevice::resume_stream`] or a read-back.
+    /// Returns `false` (and does nothing) on a real GPU.
+    pub fn stall_stream(&self) -> bool {
+        self.emulated.as_ref().map(|e| e.stall()).is_some()
+    }
+
+    /// Emulated devices only: resumes a stalled stream and runs what it queued.
+    pub fn resume_stream(&self) -> Result<(), Error> {
+        match &self.emulated {
+            Some(e) => e.resume(),
+            None => Ok(()),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        // Every op validates its arguments before it changes the handle tables or the
+        // ring, and each update is a single assignment or push; a panic elsewhere
+        // cannot leave them torn, so a poisoned lock still guards usable state.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn log(&self) -> MutexGuard<'_, CallLog> {
+        // A record is pushed whole.
+        self.log.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Makes one driver call: the one place calls are classified, counted and traced.
+    fn issue<T>(
+        &self,
+        op: &'static str,
+        call: DriverCall,
+        f: impl FnOnce(&dyn Driver) -> Result<T, Error>,
+    ) -> Result<T, Error> {
+        let hazard = call.hazard(self.driver.stream_kind());
+        {
+            let mut log = self.log();
+            if let Some(h) = hazard {
+                log.hazards.count += 1;
+                log.hazards.last = Some(h);
+            }
+            if let Some(trace) = &mut log.trace {
+                trace.push(DriverRecord { op, call, hazard });
+            }
+        }
+        f(&*self.driver)
+    }
+
+    /// A ring of `bytes` (none for `0`): pinned host memory and its device mirror.
+    fn make_ring(&self, op: &'static str, bytes: usize) -> Result<Ring, Error> {
+        if bytes == 0 {
+            return Ok(Ring::empty());
+        }
+        let cap = bytes.next_multiple_of(STAGE_ALIGN);
+        let host = self.issue(op, DriverCall::PinnedAlloc { bytes: cap as u64 }, |d| {
+            d.alloc_pinned(cap)
+        })?;
+        match self.issue(op, DriverCall::DeviceAlloc { bytes: cap as u64 }, |d| {
+            d.alloc(cap)
+        }) {
+            Ok(dev) => Ok(Ring {
+                host: Some(host),
+                dev,
+                cap,
+                ..Ring::empty()
+            }),
+            Err(e) => {
+                let _ = self.issue(op, DriverCall::PinnedFree, |d| d.free_pinned(host));
+                Err(e)
+            }
+        }
+    }
+
+    /// Retires done fences of `ring` from the oldest, until the stream is known to be
+    /// past `need` (or no fence is left, or one is still pending).
+    fn retire(
+        &self,
+        ring: &mut Ring,
+        spare: &mut Vec<EventHandle>,
+        op: &'static str,
+        need: u64,
+    ) -> Result<(), Error> {
+        while let Some(&(end, event)) = ring.fences.front() {
+            if ring.tail >= need && !spare.is_empty() {
+                break;
+            }
+            if !self.issue(op, DriverCall::EventQuery, |d| d.event_done(event))? {
+                break;
+            }
+            ring.tail = end;
+            spare.push(event);
+            ring.fences.pop_front();
+        }
+        Ok(())
+    }
+
+    /// Frees retired rings the stream is past.
+    fn free_retired(&self, st: &mut State, op: &'static str) -> Result<(), Error> {
+        let State { retired, spare, .. } = st;
+        let mut i = 0;
+        while i < retired.len() {
+            let ring = &mut retired[i];
+            self.retire(ring, spare, op, u64::MAX)?;
+            if ring.fences.is_empty() {
+                let ring = retired.swap_remove(i);
+                if let Some(host) = ring.host {
+                    self.issue(op, DriverCall::DeviceFree, |d| d.free(ring.dev))?;
+                    self.issue(op, DriverCall::PinnedFree, |d| d.free_pinned(host))?;
+                }
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts `st.pack` on the device: into `dst` when given, else into the ring's device
+    /// mirror or (no room) a temporary allocation. The caller enqueues its work and then
+    /// calls [`CudaDevice::finish`] with the result.
+    fn stage(
+        &self,
+        st: &mut State,
+        op: &'static str,
+        dst: Option<DevPtr>,
+    ) -> Result<Staged, Error> {
+        if st.capturing {
+            return Err(Error::NotCapturable { op });
+        }
+        let len = st.pack.len();
+        let span = len.next_multiple_of(STAGE_ALIGN);
+        st.largest = st.largest.max(span);
+        let State {
+            ring,
+            spare,
+            pack,
+            overflowed,
+            ..
+        } = st;
+        if span <= ring.cap && ring.host.is_some() {
+            let mut pos = ring.head;
+            let place = (pos % ring.cap as u64) as usize;
+            if place + span > ring.cap {
+                pos += (ring.cap - place) as u64; // a list never wraps: skip to the start
+            }
+            let need = (pos + span as u64).saturating_sub(ring.cap as u64);
+            self.retire(ring, spare, op, need)?;
+            if let Some(host) = &ring.host
+                && ring.tail >= need
+                && !spare.is_empty()
             {
-                let (ptr, _record) = data.device_ptr_mut(&self.stream);
-                // SAFETY: `ptr` is the start of the live allocation just made on
-                // `self.stream`, of `n.max(1)` bytes; any byte pattern is a valid `u8`.
-                unsafe {
-                    cudarc::driver::result::memset_d8_async(
-                        ptr,
-                        fill,
-                        n.max(1),
-                        self.stream.cu_stream(),
-                    )
+                let place = (pos % ring.cap as u64) as usize;
+                self.driver.write_pinned(host, place, pack);
+                let target = dst.unwrap_or(ring.dev + place as u64);
+                self.issue(op, DriverCall::CopyFromPinned { bytes: len as u64 }, |d| {
+                    d.copy_from_pinned(target, host, place, len)
+                })?;
+                ring.head = pos + span as u64;
+                return Ok(match dst {
+                    Some(_) => Staged::Copied,
+                    None => Staged::Ring(target),
+                });
+            }
+        }
+        *overflowed = true;
+        let copy = DriverCall::CopyFromPageable { bytes: len as u64 };
+        match dst {
+            Some(dst) => {
+                self.issue(op, copy, |d| d.copy_from_pageable(dst, pack))?;
+                Ok(Staged::CopiedPageable)
+            }
+            None => {
+                let tmp = self.issue(op, DriverCall::DeviceAlloc { bytes: len as u64 }, |d| {
+                    d.alloc(len)
+                })?;
+                if let Err(e) = self.issue(op, copy, |d| d.copy_from_pageable(tmp, pack)) {
+                    let _ = self.issue(op, DriverCall::DeviceFree, |d| d.free(tmp));
+                    return Err(e);
                 }
-                .map_err(cuda("alloc_bytes: memset"))?;
-            }
-            st.bytes.push(Some(Slot { data, len: n }));
-            Ok(BytesId(id))
-        }
-
-        fn alloc_table(&self, len: usize, fill: i32) -> Result<TableId, Error> {
-            let bytes = (len as u64).saturating_mul(4);
-            let mut st = self.state();
-            let id = next_handle(&st.tables)?;
-            let mut host = Vec::new();
-            host.try_reserve_exact(len.max(1)).map_err(|_| {
-                alloc_error(self.name(), bytes)(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY))
-            })?;
-            host.resize(len.max(1), fill);
-            let data = self
-                .stream
-                .clone_htod(&host)
-                .map_err(alloc_error(self.name(), bytes))?;
-            st.tables.push(Some(Slot { data, len }));
-            Ok(TableId(id))
-        }
-
-        fn free_bytes(&self, buf: BytesId) -> Result<(), Error> {
-            let mut st = self.state();
-            match st.bytes.get_mut(buf.0 as usize) {
-                Some(slot @ Some(_)) => {
-                    self.bind()?;
-                    *slot = None; // freed stream-ordered by CudaSlice's Drop
-                    Ok(())
-                }
-                _ => Err(self.unknown("bytes", buf.0)),
+                Ok(Staged::Temporary(tmp))
             }
         }
+    }
 
-        fn free_table(&self, table: TableId) -> Result<(), Error> {
-            let mut st = self.state();
-            match st.tables.get_mut(table.0 as usize) {
-                Some(slot @ Some(_)) => {
-                    self.bind()?;
-                    *slot = None; // freed stream-ordered by CudaSlice's Drop
-                    Ok(())
-                }
-                _ => Err(self.unknown("table", table.0)),
-            }
-        }
-
-        fn upload_table(&self, table: TableId, offset: usize, values: &[i32]) -> Result<(), Error> {
-            let mut st = self.state();
-            let t = st
-                .table_mut(table)
-                .ok_or_else(|| self.unknown("table", table.0))?;
-            check::table_range("upload_table", table, offset, values.len(), t.len)?;
-            if values.is_empty() {
-                return Ok(());
-            }
-            let mut view = t.data.slice_mut(offset..offset + values.len()); // in bounds: checked
-            self.stream
-                .memcpy_htod(values, &mut view)
-                .map_err(cuda("upload_table"))
-        }
-
-        fn scatter_table(&self, table: TableId, entries: &[(u32, i32)]) -> Result<(), Error> {
-            let mut st = self.state();
-            let t = st
-                .table_mut(table)
-                .ok_or_else(|| self.unknown("table", table.0))?;
-            check::scatter(table, entries, t.len)?;
-            // Keep the last pair of each index, so no two threads write one entry.
-            let mut seen = HashSet::with_capacity(entries.len());
-            let mut pairs: Vec<u32> = Vec::with_capacity(2 * entries.len());
-            for &(index, value) in entries.iter().rev() {
-                if seen.insert(index) {
-                    pairs.extend([index, value as u32]); // bit pattern; the kernel casts back
-                }
-            }
-            if pairs.is_empty() {
-                return Ok(());
-            }
-            let n = (pairs.len() / 2) as u64;
-            let pairs = self
-                .stream
-                .clone_htod(&pairs)
-                .map_err(cuda("scatter_table: upload"))?;
-            let mut launch = self.stream.launch_builder(&self.kernels.scatter);
-            launch.arg(&mut t.data).arg(&pairs).arg(&n);
-            // SAFETY: kernel `unikv_scatter(int* table, const unsigned int* pairs,
-            // unsigned long long n)`, arguments in that order with matching types
-            // (CudaSlice<i32>, CudaSlice<u32>, u64). Bounds: `pairs` holds 2n entries
-            // and every index was checked `< t.len` on the host. Aliasing: `pairs` is a
-            // fresh allocation and indices are unique, so each table entry has at most
-            // one writer. `pairs` is freed stream-ordered after the launch.
-            unsafe { launch.launch(per_item(n)) }.map_err(cuda("scatter_table: launch"))?;
-            Ok(())
-        }
-
-        fn gather_table(
-            &self,
-            src: TableId,
-            indices: TableId,
-            n: usize,
-            out: TableId,
-        ) -> Result<(), Error> {
-            let mut st = self.state();
-            let indices_len = st
-                .table(indices)
-                .ok_or_else(|| self.unknown("table", indices.0))?
-                .len;
-            let src_len = st
-                .table(src)
-                .ok_or_else(|| self.unknown("table", src.0))?
-                .len;
-            let out_len = st
-                .table(out)
-                .ok_or_else(|| self.unknown("table", out.0))?
-                .len;
-            check::gather(src, (indices, indices_len), n, (out, out_len))?;
-            if n == 0 {
-                return Ok(());
-            }
-            // `out` differs from `src` and `indices` (checked), so taking it out of its
-            // slot leaves both readable while we hold `out` mutably.
-            let mut out_slot = st.tables[out.0 as usize]
-                .take()
-                .ok_or_else(|| self.unknown("table", out.0))?;
-            let result = (|| {
-                let (src_slot, indices_slot) = match (st.table(src), st.table(indices)) {
-                    (Some(s), Some(i)) => (s, i),
-                    _ => return Err(self.unknown("table", src.0)),
+    /// Ends an op that staged a list: fences the ring past it, or frees the temporary.
+    fn finish(&self, st: &mut State, op: &'static str, staged: Staged) -> Result<(), Error> {
+        match staged {
+            Staged::Ring(_) | Staged::Copied => {
+                // `stage` made sure a spare event exists.
+                let Some(event) = st.spare.pop() else {
+                    return Ok(());
                 };
-                let (src_len, n) = (src_len as u64, n as u64);
-                let mut launch = self.stream.launch_builder(&self.kernels.gather);
-                launch
-                    .arg(&src_slot.data)
-                    .arg(&src_len)
-                    .arg(&indices_slot.data)
-                    .arg(&n)
-                    .arg(&mut out_slot.data);
-                // SAFETY: kernel `unikv_gather(const int* src, unsigned long long
-                // src_len, const int* indices, unsigned long long n, int* out)`,
-                // arguments in that order with matching types. Bounds: `indices` and
-                // `out` hold >= n entries (checked); the kernel reads `src` only below
-                // `src_len`, its true length. Aliasing: `out` is a different table from
-                // `src` and `indices` (checked), and thread i writes only out[i].
-                unsafe { launch.launch(per_item(n)) }.map_err(cuda("gather_table: launch"))?;
+                let head = st.ring.head;
+                if let Err(e) = self.issue(op, DriverCall::EventRecord, |d| d.event_record(event)) {
+                    st.spare.push(event);
+                    return Err(e);
+                }
+                st.ring.fences.push_back((head, event));
                 Ok(())
-            })();
-            st.tables[out.0 as usize] = Some(out_slot);
-            result
+            }
+            Staged::Temporary(tmp) => self.issue(op, DriverCall::DeviceFree, |d| d.free(tmp)),
+            Staged::CopiedPageable => Ok(()),
         }
+    }
 
-        fn fill_spans(&self, buf: BytesId, spans: &[ByteSpan], value: u8) -> Result<(), Error> {
-            let mut st = self.state();
-            let b = st
-                .bytes_mut(buf)
-                .ok_or_else(|| self.unknown("bytes", buf.0))?;
-            check::fill(buf, spans, b.len as u64)?;
-            let list: Vec<u64> = spans
+    /// Stages `st.pack` and launches `kernel` with `args(list)`, the staged list's
+    /// device address. The fence (or free) follows the launch even when it fails, since
+    /// the copy before it was enqueued.
+    fn launch_with_list(
+        &self,
+        st: &mut State,
+        op: &'static str,
+        kernel: Kernel,
+        grid: Grid,
+        args: impl FnOnce(DevPtr) -> Vec<Arg>,
+    ) -> Result<(), Error> {
+        let staged = self.stage(st, op, None)?;
+        let list = match staged {
+            Staged::Ring(p) | Staged::Temporary(p) => p,
+            Staged::Copied | Staged::CopiedPageable => 0, // not reached: no destination given
+        };
+        let args = args(list);
+        let launched = self.issue(op, DriverCall::Launch { kernel, grid }, |d| {
+            d.launch(kernel, grid, &args)
+        });
+        let finished = self.finish(st, op, staged);
+        launched.and(finished)
+    }
+
+    fn launch(
+        &self,
+        op: &'static str,
+        kernel: Kernel,
+        grid: Grid,
+        args: &[Arg],
+    ) -> Result<(), Error> {
+        self.issue(op, DriverCall::Launch { kernel, grid }, |d| {
+            d.launch(kernel, grid, args)
+        })
+    }
+
+    /// Waits for the stream and copies `len` `T`-sized elements from `src`.
+    fn read<T: Copy>(
+        &self,
+        op: &'static str,
+        src: DevPtr,
+        len: usize,
+        decode: impl Fn(&[u8]) -> T,
+    ) -> Result<Vec<T>, Error> {
+        let size = size_of::<T>();
+        let mut raw = vec![0u8; len * size];
+        self.issue(
+            op,
+            DriverCall::CopyToHost {
+                bytes: raw.len() as u64,
+            },
+            |d| d.copy_to_host(src, &mut raw),
+        )?;
+        Ok(raw.chunks_exact(size).map(decode).collect())
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // Tear-down: a failure here only leaks memory of a device going away.
+        let st = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let _ = self.driver.synchronize();
+        for alloc in st.bytes.drain().chain(st.tables.drain()) {
+            let _ = self.driver.free(alloc.ptr);
+        }
+        let rings = st
+            .retired
+            .drain(..)
+            .chain([std::mem::replace(&mut st.ring, Ring::empty())]);
+        for ring in rings {
+            for (_, event) in ring.fences {
+                let _ = self.driver.event_destroy(event);
+            }
+            if let Some(host) = ring.host {
+                let _ = self.driver.free(ring.dev);
+                let _ = self.driver.free_pinned(host);
+            }
+        }
+        for event in st.spare.drain(..) {
+            let _ = self.driver.event_destroy(event);
+        }
+        let _ = self.driver.synchronize();
+    }
+}
+
+/// Appends `values` to `pack` as little-endian bytes (the GPU's byte order).
+fn pack_u64s(pack: &mut Vec<u8>, values: impl IntoIterator<Item = u64>) {
+    for v in values {
+        pack.extend_from_slice(&v.to_le_bytes());
+    }
+}
+
+fn decode_i32(b: &[u8]) -> i32 {
+    i32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+impl Device for CudaDevice {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn sync_hazards(&self) -> SyncHazards {
+        self.log().hazards
+    }
+
+    fn alloc_bytes(&self, len: u64, fill: u8) -> Result<BytesId, Error> {
+        let n = usize::try_from(len).map_err(|_| Error::OutOfMemory {
+            device: self.name(),
+            bytes: len,
+        })?;
+        let mut st = self.state();
+        st.bytes.next()?;
+        let size = n.max(1); // CUDA refuses empty allocations
+        let ptr = self.issue(
+            "alloc_bytes",
+            DriverCall::DeviceAlloc { bytes: size as u64 },
+            |d| d.alloc(size),
+        )?;
+        if let Err(e) = self.issue(
+            "alloc_bytes",
+            DriverCall::Memset { bytes: size as u64 },
+            |d| d.memset(ptr, fill, size),
+        ) {
+            let _ = self.issue("alloc_bytes", DriverCall::DeviceFree, |d| d.free(ptr));
+            return Err(e);
+        }
+        Ok(BytesId(st.bytes.push(Alloc { ptr, len: n })))
+    }
+
+    fn alloc_table(&self, len: usize, fill: i32) -> Result<TableId, Error> {
+        let mut st = self.state();
+        st.tables.next()?;
+        let count = len.max(1);
+        let bytes = count.checked_mul(4).ok_or_else(|| Error::OutOfMemory {
+            device: self.name(),
+            bytes: u64::MAX,
+        })?;
+        let ptr = self.issue(
+            "alloc_table",
+            DriverCall::DeviceAlloc {
+                bytes: bytes as u64,
+            },
+            |d| d.alloc(bytes),
+        )?;
+        if let Err(e) = self.issue(
+            "alloc_table",
+            DriverCall::Fill32 {
+                count: count as u64,
+            },
+            |d| d.fill32(ptr, fill as u32, count),
+        ) {
+            let _ = self.issue("alloc_table", DriverCall::DeviceFree, |d| d.free(ptr));
+            return Err(e);
+        }
+        Ok(TableId(st.tables.push(Alloc { ptr, len })))
+    }
+
+    fn free_bytes(&self, buf: BytesId) -> Result<(), Error> {
+        let mut st = self.state();
+        let ptr = st.bytes.get(buf.0)?.ptr;
+        self.issue("free_bytes", DriverCall::DeviceFree, |d| d.free(ptr))?;
+        st.bytes.remove(buf.0)
+    }
+
+    fn free_table(&self, table: TableId) -> Result<(), Error> {
+        let mut st = self.state();
+        let ptr = st.tables.get(table.0)?.ptr;
+        self.issue("free_table", DriverCall::DeviceFree, |d| d.free(ptr))?;
+        st.tables.remove(table.0)
+    }
+
+    fn upload_table(&self, table: TableId, offset: usize, values: &[i32]) -> Result<(), Error> {
+        let mut st = self.state();
+        let t = st.tables.get(table.0)?;
+        check::table_range("upload_table", table, offset, values.len(), t.len)?;
+        if values.is_empty() {
+            return Ok(());
+        }
+        let dst = t.ptr + 4 * offset as u64;
+        st.pack.clear();
+        st.pack.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        let staged = self.stage(&mut st, "upload_table", Some(dst))?;
+        self.finish(&mut st, "upload_table", staged)
+    }
+
+    fn scatter_table(&self, table: TableId, entries: &[(u32, i32)]) -> Result<(), Error> {
+        let mut st = self.state();
+        let t = st.tables.get(table.0)?;
+        check::scatter(table, entries, t.len)?;
+        let ptr = t.ptr;
+        // Keep the last pair of each index, so no two threads write one entry.
+        let State { pack, seen, .. } = &mut *st;
+        pack.clear();
+        seen.clear();
+        for &(index, value) in entries.iter().rev() {
+            if seen.insert(index) {
+                pack.extend_from_slice(&index.to_le_bytes());
+                pack.extend_from_slice(&value.to_le_bytes());
+            }
+        }
+        let n = (pack.len() / 8) as u64;
+        if n == 0 {
+            return Ok(());
+        }
+        // Kernel `unikv_scatter(int* table, const unsigned int* pairs, unsigned long
+        // long n)`: every index was checked `< len` above and is unique, so each entry
+        // has at most one writer.
+        self.launch_with_list(
+            &mut st,
+            "scatter_table",
+            Kernel::Scatter,
+            per_item(n),
+            |list| vec![Arg::U64(ptr), Arg::U64(list), Arg::U64(n)],
+        )
+    }
+
+    fn gather_table(
+        &self,
+        src: TableId,
+        indices: TableId,
+        n: usize,
+        out: TableId,
+    ) -> Result<(), Error> {
+        let st = self.state();
+        let (s, i, o) = (
+            st.tables.get(src.0)?,
+            st.tables.get(indices.0)?,
+            st.tables.get(out.0)?,
+        );
+        check::gather(src, (indices, i.len), n, (out, o.len))?;
+        if n == 0 {
+            return Ok(());
+        }
+        // Kernel `unikv_gather(const int* src, unsigned long long src_len, const int*
+        // indices, unsigned long long n, int* out)`: `indices` and `out` hold >= n
+        // entries and `out` is neither input (checked); thread i writes only out[i].
+        let args = [
+            Arg::U64(s.ptr),
+            Arg::U64(s.len as u64),
+            Arg::U64(i.ptr),
+            Arg::U64(n as u64),
+            Arg::U64(o.ptr),
+        ];
+        self.launch("gather_table", Kernel::Gather, per_item(n as u64), &args)
+    }
+
+    fn fill_spans(&self, buf: BytesId, spans: &[ByteSpan], value: u8) -> Result<(), Error> {
+        let mut st = self.state();
+        let b = st.bytes.get(buf.0)?;
+        check::fill(buf, spans, b.len as u64)?;
+        let ptr = b.ptr;
+        st.pack.clear();
+        pack_u64s(
+            &mut st.pack,
+            spans
                 .iter()
                 .filter(|s| s.len > 0)
-                .flat_map(|s| [s.offset, s.len])
-                .collect();
-            if list.is_empty() {
-                return Ok(());
-            }
-            let n = (list.len() / 2) as u64;
-            let longest = spans.iter().map(|s| s.len).max().unwrap_or(0);
-            let list = self
-                .stream
-                .clone_htod(&list)
-                .map_err(cuda("fill_spans: upload"))?;
-            let mut launch = self.stream.launch_builder(&self.kernels.fill_spans);
-            launch.arg(&mut b.data).arg(&list).arg(&n).arg(&value);
-            // SAFETY: kernel `unikv_fill_spans(unsigned char* buf, const unsigned long
-            // long* spans, unsigned long long n_spans, unsigned char value)`, arguments
-            // in that order with matching types. Bounds: `list` holds 2n entries and
-            // every span was checked inside `buf` on the host. Aliasing: `list` is a
-            // fresh allocation; overlapping spans write the same value.
-            unsafe { launch.launch(per_span(n, longest)) }.map_err(cuda("fill_spans: launch"))?;
-            Ok(())
+                .flat_map(|s| [s.offset, s.len]),
+        );
+        let n = (st.pack.len() / 16) as u64;
+        if n == 0 {
+            return Ok(());
         }
-
-        fn move_spans(&self, buf: BytesId, moves: &[SpanMove]) -> Result<(), Error> {
-            let mut st = self.state();
-            let b = st
-                .bytes_mut(buf)
-                .ok_or_else(|| self.unknown("bytes", buf.0))?;
-            check::moves(buf, moves, b.len as u64)?;
-            let list: Vec<u64> = moves
-                .iter()
-                .filter(|m| m.len > 0)
-                .flat_map(|m| [m.src, m.dst, m.len])
-                .collect();
-            if list.is_empty() {
-                return Ok(());
-            }
-            let n = (list.len() / 3) as u64;
-            let longest = moves.iter().map(|m| m.len).max().unwrap_or(0);
-            let list = self
-                .stream
-                .clone_htod(&list)
-                .map_err(cuda("move_spans: upload"))?;
-            let mut launch = self.stream.launch_builder(&self.kernels.move_spans);
-            launch.arg(&mut b.data).arg(&list).arg(&n);
-            // SAFETY: kernel `unikv_move_spans(unsigned char* buf, const unsigned long
-            // long* moves, unsigned long long n_moves)`, arguments in that order with
-            // matching types. Bounds: `list` holds 3n entries and every source and
-            // destination range was checked inside `buf` on the host. Aliasing: no
-            // destination overlaps another destination or any source (checked), so no
-            // byte is both read and written and each written byte has one writer.
-            unsafe { launch.launch(per_span(n, longest)) }.map_err(cuda("move_spans: launch"))?;
-            Ok(())
-        }
-
-        fn translate(&self, args: &Translate) -> Result<(), Error> {
-            let mut st = self.state();
-            let v2p_len = st
-                .table(args.v2p)
-                .ok_or_else(|| self.unknown("table", args.v2p.0))?
-                .len;
-            let ids_len = st
-                .table(args.ids)
-                .ok_or_else(|| self.unknown("table", args.ids.0))?
-                .len;
-            let out_len = st
-                .table(args.out)
-                .ok_or_else(|| self.unknown("table", args.out.0))?
-                .len;
-            let (page_size, stride) = check::translate(args, ids_len, out_len)?;
-            if args.out_width == 0 {
-                return Ok(());
-            }
-            let out = args.out;
-            // `out` differs from `v2p` and `ids` (checked): take it out of its slot.
-            let mut out_slot = st.tables[out.0 as usize]
-                .take()
-                .ok_or_else(|| self.unknown("table", out.0))?;
-            let result = (|| {
-                let (v2p, ids) = match (st.table(args.v2p), st.table(args.ids)) {
-                    (Some(v), Some(i)) => (v, i),
-                    _ => return Err(self.unknown("table", args.v2p.0)),
-                };
-                let (v2p_len, n, out_width) =
-                    (v2p_len as u64, args.n as u64, args.out_width as u64);
-                let mut launch = self.stream.launch_builder(&self.kernels.translate);
-                launch
-                    .arg(&v2p.data)
-                    .arg(&v2p_len)
-                    .arg(&ids.data)
-                    .arg(&n)
-                    .arg(&page_size)
-                    .arg(&stride)
-                    .arg(&mut out_slot.data)
-                    .arg(&out_width);
-                // SAFETY: kernel `unikv_translate(const int* v2p, unsigned long long
-                // v2p_len, const int* ids, unsigned long long n, int page_size, int
-                // stride, int* out, unsigned long long out_width)`, arguments in that
-                // order with matching types. Bounds: `ids` holds >= n and `out` >=
-                // out_width entries (checked), `v2p` is read only below its true length,
-                // page_size > 0 (checked, so no division by zero). Aliasing: `out` is a
-                // different table from `v2p` and `ids` (checked); thread i writes only
-                // out[i].
-                unsafe { launch.launch(per_item(out_width)) }.map_err(cuda("translate: launch"))?;
-                Ok(())
-            })();
-            st.tables[out.0 as usize] = Some(out_slot);
-            result
-        }
+        let longest = spans.iter().map(|s| s.len).max().unwrap_or(0);
+        // Kernel `unikv_fill_spans(unsigned char* buf, const unsigned long long* spans,
+        // unsigned long long n_spans, unsigned char value)`: every span was checked
+        // inside `buf`; overlapping spans write the same value.
+        self.launch_with_list(
+            &mut st,
+            "fill_spans",
+            Kernel::FillSpans,
+            per_span(n, longest),
+            |list| vec![Arg::U64(ptr), Arg::U64(list), Arg::U64(n), Arg::U8(value)],
+        )
     }
 
-    impl Readback for CudaDevice {
-        fn read_table(
-            &self,
-            sync: &HostSync,
-            table: TableId,
-            offset: usize,
-            len: usize,
-        ) -> Result<Vec<i32>, Error> {
-            let st = self.state();
-            let t = st
-                .table(table)
-                .ok_or_else(|| self.unknown("table", table.0))?;
-            check::table_range("read_table", table, offset, len, t.len)?;
-            if len == 0 {
-                return self.synchronize(sync).map(|()| Vec::new());
-            }
-            let view = t.data.slice(offset..offset + len); // in bounds: checked
-            let values = self.stream.clone_dtoh(&view).map_err(cuda("read_table"))?;
-            self.synchronize(sync)?;
-            Ok(values)
+    fn move_spans(&self, buf: BytesId, moves: &[SpanMove]) -> Result<(), Error> {
+        let mut st = self.state();
+        let b = st.bytes.get(buf.0)?;
+        check::moves(buf, moves, b.len as u64)?;
+        let ptr = b.ptr;
+        st.pack.clear();
+        pack_u64s(
+            &mut st.pack,
+            moves
+                .iter()
+                .filter(|m| m.len > 0)
+                .flat_map(|m| [m.src, m.dst, m.len]),
+        );
+        let n = (st.pack.len() / 24) as u64;
+        if n == 0 {
+            return Ok(());
         }
+        let longest = moves.iter().map(|m| m.len).max().unwrap_or(0);
+        // Kernel `unikv_move_spans(unsigned char* buf, const unsigned long long* moves,
+        // unsigned long long n_moves)`: every range was checked inside `buf`, and no
+        // destination overlaps another destination or any source, so no byte is both
+        // read and written and each written byte has one writer: no staging copy.
+        self.launch_with_list(
+            &mut st,
+            "move_spans",
+            Kernel::MoveSpans,
+            per_span(n, longest),
+            |list| vec![Arg::U64(ptr), Arg::U64(list), Arg::U64(n)],
+        )
+    }
 
-        fn read_bytes(
-            &self,
-            sync: &HostSync,
-            buf: BytesId,
-            offset: u64,
-            len: u64,
-        ) -> Result<Vec<u8>, Error> {
-            let st = self.state();
-            let b = st.bytes(buf).ok_or_else(|| self.unknown("bytes", buf.0))?;
-            check::bytes_range("read_bytes", buf, offset, len, b.len as u64)?;
-            if len == 0 {
-                return self.synchronize(sync).map(|()| Vec::new());
-            }
-            // In bounds (checked), so both ends fit in usize.
-            let view = b.data.slice(offset as usize..(offset + len) as usize);
-            let values = self.stream.clone_dtoh(&view).map_err(cuda("read_bytes"))?;
-            self.synchronize(sync)?;
-            Ok(values)
+    fn translate(&self, args: &Translate) -> Result<(), Error> {
+        let st = self.state();
+        let (v2p, ids, out) = (
+            st.tables.get(args.v2p.0)?,
+            st.tables.get(args.ids.0)?,
+            st.tables.get(args.out.0)?,
+        );
+        let (page_size, stride) = check::translate(args, ids.len, out.len)?;
+        if args.out_width == 0 {
+            return Ok(());
         }
+        // Kernel `unikv_translate(const int* v2p, unsigned long long v2p_len, const int*
+        // ids, unsigned long long n, int page_size, int stride, int* out, unsigned long
+        // long out_width)`: `ids` holds >= n and `out` >= out_width entries, `out` is
+        // neither input and page_size > 0 (checked); thread i writes only out[i].
+        let launch = [
+            Arg::U64(v2p.ptr),
+            Arg::U64(v2p.len as u64),
+            Arg::U64(ids.ptr),
+            Arg::U64(args.n as u64),
+            Arg::I32(page_size),
+            Arg::I32(stride),
+            Arg::U64(out.ptr),
+            Arg::U64(args.out_width as u64),
+        ];
+        self.launch(
+            "translate",
+            Kernel::Translate,
+            per_item(args.out_width as u64),
+            &launch,
+        )
+    }
+}
 
-        fn synchronize(&self, _sync: &HostSync) -> Result<(), Error> {
-            self.stream.synchronize().map_err(cuda("synchronize"))?;
-            // Errors the driver reported from drops (stream-ordered frees) surface here.
-            self.stream.context().check_err().map_err(cuda("deferred"))
+impl Readback for CudaDevice {
+    fn read_table(
+        &self,
+        sync: &HostSync,
+        table: TableId,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<i32>, Error> {
+        let st = self.state();
+        let t = st.tables.get(table.0)?;
+        check::table_range("read_table", table, offset, len, t.len)?;
+        if len == 0 {
+            return self.synchronize(sync).map(|()| Vec::new());
         }
+        self.read("read_table", t.ptr + 4 * offset as u64, len, decode_i32)
+    }
+
+    fn read_bytes(
+        &self,
+        sync: &HostSync,
+        buf: BytesId,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, Error> {
+        let st = self.state();
+        let b = st.bytes.get(buf.0)?;
+        check::bytes_range("read_bytes", buf, offset, len, b.len as u64)?;
+        if len == 0 {
+            return self.synchronize(sync).map(|()| Vec::new());
+        }
+        // In bounds (checked), so the length fits in usize.
+        self.read("read_bytes", b.ptr + offset, len as usize, |b| b[0])
+    }
+
+    fn synchronize(&self, _sync: &HostSync) -> Result<(), Error> {
+        self.issue("synchronize", DriverCall::Synchronize, |d| d.synchronize())
     }
 }

@@ -136,6 +136,14 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     /// Translates virtual token ids into kernel ids (see [`Translate`]).
     #[track_caller]
     fn translate(&self, args: &Translate) -> Result<(), Error>;
+
+    /// The driver calls that may have made the host wait (allocation, free, pageable
+    /// copy, synchronize, the legacy default stream) this device has issued so far, for
+    /// [`SyncLedger`](crate::SyncLedger) to charge to the op that issued them. Host
+    /// backends issue none; [`CudaDevice`](crate::CudaDevice) counts its own.
+    fn sync_hazards(&self) -> crate::SyncHazards {
+        crate::SyncHazards::default()
+    }
 }
 
 /// A capability to wait for the device. Only [`Readback`] methods take one, and

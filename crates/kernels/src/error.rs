@@ -108,6 +108,17 @@ pub enum Error {
         /// Where it was called from.
         location: &'static std::panic::Location<'static>,
     },
+    /// An op that stages an argument list (scatter, upload, fill, move) was issued while
+    /// [`CudaDevice::capture`](crate::CudaDevice::capture) records a graph: its list
+    /// changes every step, so a replayed graph would reuse a stale one. Refused before
+    /// anything was issued.
+    #[error(
+        "{op} cannot be captured into a CUDA graph: its argument list is staged per call; capture translate and gather_table, and issue the rest outside the graph"
+    )]
+    NotCapturable {
+        /// The op refused.
+        op: &'static str,
+    },
     /// The CUDA driver or NVRTC reported an error.
     #[error("CUDA: {0}")]
     Cuda(String),

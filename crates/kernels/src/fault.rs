@@ -217,6 +217,10 @@ impl<D: Device + ?Sized> Device for FaultInjector<D> {
         format!("faults({})", self.inner.name())
     }
 
+    fn sync_hazards(&self) -> crate::SyncHazards {
+        self.inner.sync_hazards()
+    }
+
     fn alloc_bytes(&self, len: u64, fill: u8) -> Result<BytesId, Error> {
         self.admit(DeviceOp::AllocBytes)?;
         self.inner.alloc_bytes(len, fill)

@@ -65,4 +65,9 @@ impl<T> Handles<T> {
         self.items[id as usize] = None;
         Ok(())
     }
+
+    /// Takes every live item out (tear-down).
+    pub(crate) fn drain(&mut self) -> impl Iterator<Item = T> + '_ {
+        self.items.drain(..).flatten()
+    }
 }

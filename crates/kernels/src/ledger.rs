@@ -9,12 +9,19 @@
 //! ledger counts every `Readback` call as a sync, and the reads (`read_table`,
 //! `read_bytes`) also as data-dependent shapes.
 //!
+//! A backend can also make the host wait inside an op of [`Device`]: the CUDA driver
+//! may block in an allocation, a free, a copy from pageable memory or work on the legacy
+//! default stream. [`CudaDevice`](crate::CudaDevice) counts those calls as *sync
+//! hazards* ([`Device::sync_hazards`]); the ledger charges each to the op that issued it,
+//! which then counts as a sync too.
+//!
 //! Call sites come from `#[track_caller]` on the trait methods, which holds through
 //! `dyn Device` too: a record names the line that called the op, wherever the ledger
 //! sits behind an `Arc<dyn Device>`.
 
 use crate::{
-    ByteSpan, BytesId, CpuDevice, Device, Error, HostSync, Readback, SpanMove, TableId, Translate,
+    ByteSpan, BytesId, CpuDevice, Device, Error, HostSync, Readback, SpanMove, SyncHazard,
+    SyncHazards, TableId, Translate,
 };
 use std::fmt;
 use std::panic::Location;
@@ -29,8 +36,13 @@ pub struct OpRecord {
     pub op: &'static str,
     /// Where it was called from.
     pub location: &'static Location<'static>,
-    /// Whether the host waited for the device.
+    /// Whether the host waited for the device, or may have: a `Readback` op, or an op
+    /// during which the device issued a sync hazard.
     pub synced: bool,
+    /// How many sync hazards the device issued during the op.
+    pub hazards: u64,
+    /// The kind of the op's last sync hazard, if any.
+    pub hazard: Option<SyncHazard>,
     /// Whether device data came back to the host, where it can size a later op.
     pub data_dependent_shape: bool,
     /// The [`HostSync::reason`] of the permit, for a `Readback` op.
@@ -42,6 +54,9 @@ impl fmt::Display for OpRecord {
         write!(f, "{} at {}", self.op, self.location)?;
         if let Some(reason) = self.sync_reason {
             write!(f, " (permit: {reason})")?;
+        }
+        if let Some(hazard) = self.hazard {
+            write!(f, " ({} sync hazard(s), the last a {hazard})", self.hazards)?;
         }
         Ok(())
     }
@@ -188,16 +203,6 @@ impl SyncLedger {
         }
     }
 
-    /// Runs one op of the wrapped device, adding its duration to
-    /// [`SyncLedger::device_time`].
-    fn timed<T>(&self, op: impl FnOnce() -> T) -> T {
-        let started = Instant::now();
-        let result = op();
-        self.device_nanos
-            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        result
-    }
-
     /// Time spent inside the wrapped device's ops since creation or the last
     /// [`SyncLedger::reset`]. On the CPU backend device work runs synchronously inside
     /// the caller; subtracting this from a measured interval leaves the host's own
@@ -207,16 +212,36 @@ impl SyncLedger {
         Duration::from_nanos(self.device_nanos.load(Ordering::Relaxed))
     }
 
+    /// Runs one op of the wrapped device and records it: its duration goes to
+    /// [`SyncLedger::device_time`], and the sync hazards the device issued meanwhile
+    /// (read before and after, so ops on other threads at the same time may be charged
+    /// here) to its record.
     #[track_caller]
-    fn record(&self, op: &'static str, sync: Option<&HostSync>, data_dependent_shape: bool) {
-        let record = OpRecord {
+    fn run<T>(
+        &self,
+        op: &'static str,
+        sync: Option<&HostSync>,
+        data_dependent_shape: bool,
+        f: impl FnOnce(&dyn Readback) -> T,
+    ) -> T {
+        let location = Location::caller();
+        let before = self.inner.sync_hazards().count;
+        let started = Instant::now();
+        let result = f(&*self.inner);
+        self.device_nanos
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let after: SyncHazards = self.inner.sync_hazards();
+        let hazards = after.count.saturating_sub(before);
+        self.records().push(OpRecord {
             op,
-            location: Location::caller(),
-            synced: sync.is_some(),
+            location,
+            synced: sync.is_some() || hazards > 0,
+            hazards,
+            hazard: if hazards > 0 { after.last } else { None },
             data_dependent_shape,
             sync_reason: sync.map(HostSync::reason),
-        };
-        self.records().push(record);
+        });
+        result
     }
 }
 
@@ -225,34 +250,36 @@ impl Device for SyncLedger {
         format!("ledger({})", self.inner.name())
     }
 
+    fn sync_hazards(&self) -> SyncHazards {
+        self.inner.sync_hazards()
+    }
+
     fn alloc_bytes(&self, len: u64, fill: u8) -> Result<BytesId, Error> {
-        self.record("alloc_bytes", None, false);
-        self.timed(|| self.inner.alloc_bytes(len, fill))
+        self.run("alloc_bytes", None, false, |d| d.alloc_bytes(len, fill))
     }
 
     fn alloc_table(&self, len: usize, fill: i32) -> Result<TableId, Error> {
-        self.record("alloc_table", None, false);
-        self.timed(|| self.inner.alloc_table(len, fill))
+        self.run("alloc_table", None, false, |d| d.alloc_table(len, fill))
     }
 
     fn free_bytes(&self, buf: BytesId) -> Result<(), Error> {
-        self.record("free_bytes", None, false);
-        self.timed(|| self.inner.free_bytes(buf))
+        self.run("free_bytes", None, false, |d| d.free_bytes(buf))
     }
 
     fn free_table(&self, table: TableId) -> Result<(), Error> {
-        self.record("free_table", None, false);
-        self.timed(|| self.inner.free_table(table))
+        self.run("free_table", None, false, |d| d.free_table(table))
     }
 
     fn upload_table(&self, table: TableId, offset: usize, values: &[i32]) -> Result<(), Error> {
-        self.record("upload_table", None, false);
-        self.timed(|| self.inner.upload_table(table, offset, values))
+        self.run("upload_table", None, false, |d| {
+            d.upload_table(table, offset, values)
+        })
     }
 
     fn scatter_table(&self, table: TableId, entries: &[(u32, i32)]) -> Result<(), Error> {
-        self.record("scatter_table", None, false);
-        self.timed(|| self.inner.scatter_table(table, entries))
+        self.run("scatter_table", None, false, |d| {
+            d.scatter_table(table, entries)
+        })
     }
 
     fn gather_table(
@@ -262,23 +289,23 @@ impl Device for SyncLedger {
         n: usize,
         out: TableId,
     ) -> Result<(), Error> {
-        self.record("gather_table", None, false);
-        self.timed(|| self.inner.gather_table(src, indices, n, out))
+        self.run("gather_table", None, false, |d| {
+            d.gather_table(src, indices, n, out)
+        })
     }
 
     fn fill_spans(&self, buf: BytesId, spans: &[ByteSpan], value: u8) -> Result<(), Error> {
-        self.record("fill_spans", None, false);
-        self.timed(|| self.inner.fill_spans(buf, spans, value))
+        self.run("fill_spans", None, false, |d| {
+            d.fill_spans(buf, spans, value)
+        })
     }
 
     fn move_spans(&self, buf: BytesId, moves: &[SpanMove]) -> Result<(), Error> {
-        self.record("move_spans", None, false);
-        self.timed(|| self.inner.move_spans(buf, moves))
+        self.run("move_spans", None, false, |d| d.move_spans(buf, moves))
     }
 
     fn translate(&self, args: &Translate) -> Result<(), Error> {
-        self.record("translate", None, false);
-        self.timed(|| self.inner.translate(args))
+        self.run("translate", None, false, |d| d.translate(args))
     }
 }
 
@@ -290,8 +317,9 @@ impl Readback for SyncLedger {
         offset: usize,
         len: usize,
     ) -> Result<Vec<i32>, Error> {
-        self.record("read_table", Some(sync), true);
-        self.timed(|| self.inner.read_table(sync, table, offset, len))
+        self.run("read_table", Some(sync), true, |d| {
+            d.read_table(sync, table, offset, len)
+        })
     }
 
     fn read_bytes(
@@ -301,13 +329,13 @@ impl Readback for SyncLedger {
         offset: u64,
         len: u64,
     ) -> Result<Vec<u8>, Error> {
-        self.record("read_bytes", Some(sync), true);
-        self.timed(|| self.inner.read_bytes(sync, buf, offset, len))
+        self.run("read_bytes", Some(sync), true, |d| {
+            d.read_bytes(sync, buf, offset, len)
+        })
     }
 
     fn synchronize(&self, sync: &HostSync) -> Result<(), Error> {
-        self.record("synchronize", Some(sync), false);
-        self.timed(|| self.inner.synchronize(sync))
+        self.run("synchronize", Some(sync), false, |d| d.synchronize(sync))
     }
 }
 

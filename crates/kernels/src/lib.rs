@@ -32,6 +32,14 @@
 //! ([`CudaDevice::record_event`] after a step's unikv ops, waited for on the engine's
 //! stream; [`CudaDevice::wait_raw_event`] the other way), so the host never waits.
 //!
+//! The op path of [`CudaDevice`] allocates nothing, copies nothing from pageable memory
+//! and never waits: argument lists go through a pinned staging ring, reused behind
+//! events it only queries, and grown only at [`CudaDevice::end_step`]. Any driver call
+//! that may block is counted as a [`SyncHazard`] ([`Device::sync_hazards`]), and a
+//! [`SyncLedger`] around the device charges it to the op and call site that issued it.
+//! [`CudaDevice::emulated`] runs the same backend over an emulated driver, so all of this
+//! is tested without a GPU.
+//!
 //! ```no_run
 //! # fn engine() -> Result<(), unikv_kernels::Error> {
 //! use unikv_kernels::CudaDevice;
@@ -54,8 +62,13 @@
 //! - Every op checks its arguments on the host before it writes or issues anything: an
 //!   op that returns an error has changed nothing.
 //! - [`CpuDevice`] defines the semantics; every CUDA op has a CPU twin and a parity test
-//!   (`tests/gpu_parity.rs`), and the scalar rules both follow (translate's sink and
-//!   tombstone rule, gather's out-of-range rule) are written once.
+//!   (`tests/gpu_parity.rs`, on the emulated driver in every build and on a GPU when
+//!   there is one), and the scalar rules both follow (translate's sink and tombstone
+//!   rule, gather's out-of-range rule) are written once.
+//! - Every driver call of [`CudaDevice`] goes through one function that classifies it
+//!   ([`DriverCall::hazard`]), counts it and, when asked, traces it
+//!   ([`CudaDevice::take_driver_calls`]); `tests/cuda_backend.rs` checks that the op path
+//!   makes no call that may block, and that a ringless backend is caught by the ledger.
 //! - Every `.cu` file of `cu/` is listed in [`nvrtc::KERNEL_SOURCES`] and compiled by
 //!   [`nvrtc::compile_all`] (the CI check); sources include no toolkit header.
 //! - Without the `cuda` feature the CUDA API exists and returns
@@ -66,7 +79,10 @@ mod check;
 mod clock;
 mod cpu;
 mod cuda;
+mod cuda_driver;
 mod device;
+mod driver;
+mod emulated;
 mod error;
 mod fault;
 mod handles;
@@ -77,8 +93,12 @@ mod sparse;
 
 pub use clock::{thread_cpu_time, thread_cpu_time_overhead};
 pub use cpu::CpuDevice;
-pub use cuda::{CudaDevice, DeviceEvent, RawEvent, RawStream};
+pub use cuda::{
+    CapturedGraph, CudaDevice, DEFAULT_STAGING_BYTES, DeviceEvent, DriverRecord, RawEvent,
+    RawStream,
+};
 pub use device::{ByteSpan, BytesId, Device, HostSync, Readback, SpanMove, TableId, Translate};
+pub use driver::{DriverCall, Grid, Kernel, StreamKind, SyncHazard, SyncHazards};
 pub use error::Error;
 pub use fault::{DeviceOp, FaultInjector, InjectedFault};
 pub use ledger::{OpRecord, SyncLedger, SyncReport};

@@ -14,6 +14,7 @@ use crate::Error;
 
 /// Every kernel source file: `(file name, source)`.
 pub const KERNEL_SOURCES: &[(&str, &str)] = &[
+    ("diag.cu", include_str!("../cu/diag.cu")),
     ("spans.cu", include_str!("../cu/spans.cu")),
     ("tables.cu", include_str!("../cu/tables.cu")),
     ("translate.cu", include_str!("../cu/translate.cu")),

@@ -1,10 +1,12 @@
 //! Parity of the CUDA backend with the CPU reference: the same ops on the same inputs
 //! give the same tables, bytes and errors.
 //!
-//! Without a usable GPU (no driver, no device, no NVRTC) each test prints
-//! `SKIPPED: no CUDA device (...)` and passes, unless `UNIKV_REQUIRE_GPU=1`, in which
-//! case it fails. `cargo xtask gpu` runs these on a GPU machine.
-#![cfg(feature = "cuda")]
+//! Every scenario runs on the CUDA backend over its emulated driver (in every build, so
+//! the backend's packing, staging ring and checks are tested on the CPU), once with the
+//! stream running and once with it stalled as if the GPU were busy, and then on a GPU.
+//! Without a usable GPU (no `cuda` feature, no driver, no device, no NVRTC) the GPU half
+//! prints `SKIPPED: no CUDA device (...)` and passes, unless `UNIKV_REQUIRE_GPU=1`, in
+//! which case it fails. `cargo xtask gpu` runs these on a GPU machine.
 
 use unikv_invariants::testing::page_sizes;
 use unikv_kernels::{
@@ -20,7 +22,12 @@ fn gpu_required() -> bool {
 fn cuda_or_skip(test: &str) -> Option<CudaDevice> {
     match CudaDevice::new(0) {
         Ok(dev) => Some(dev),
-        Err(e @ (Error::NoCudaDriver | Error::NoCudaDevice { .. } | Error::NoNvrtc)) => {
+        Err(
+            e @ (Error::NotCompiledWithCuda
+            | Error::NoCudaDriver
+            | Error::NoCudaDevice { .. }
+            | Error::NoNvrtc),
+        ) => {
             assert!(!gpu_required(), "UNIKV_REQUIRE_GPU=1 but: {e}");
             eprintln!("SKIPPED: no CUDA device ({e}) [{test}]");
             None
@@ -40,10 +47,31 @@ fn check_parity<T: PartialEq + std::fmt::Debug>(
         on_cpu.is_ok(),
         "{test}: the scenario fails on the CPU: {on_cpu:?}"
     );
+    let as_cpu = |e: Error| {
+        format!("{e:?}")
+            .replace("emulated-cuda", "cpu")
+            .replace("cuda:0", "cpu")
+            .replace("\"cuda\"", "\"cpu\"")
+    };
+    let emulated = CudaDevice::emulated();
+    let on_emulated = scenario(&emulated).map_err(as_cpu);
+    assert_eq!(
+        on_emulated, on_cpu,
+        "{test}: the CUDA backend (emulated driver) differs from the CPU reference"
+    );
+    // Stalled, every op's work waits in the stream, reading its staged arguments only
+    // when it runs (at the read-back): staging memory reused too early shows here.
+    let stalled = CudaDevice::emulated();
+    assert!(stalled.stall_stream());
+    let on_stalled = scenario(&stalled).map_err(as_cpu);
+    assert_eq!(
+        on_stalled, on_cpu,
+        "{test}: the CUDA backend on a stalled stream differs from the CPU reference"
+    );
     let Some(gpu) = cuda_or_skip(test) else {
         return;
     };
-    let on_gpu = scenario(&gpu).map_err(|e| format!("{e:?}").replace("cuda:0", "cpu"));
+    let on_gpu = scenario(&gpu).map_err(as_cpu);
     assert_eq!(
         on_gpu, on_cpu,
         "{test}: CUDA differs from the CPU reference"
@@ -314,11 +342,16 @@ fn empty_ops_and_empty_tables_match_cpu() {
             out_width: 0,
         })?;
         dev.free_table(t)?;
-        let stale = format!("{:?}", dev.free_table(t));
+        // The same error but for the device's name.
+        let stale = match dev.free_table(t) {
+            Err(Error::UnknownHandle { kind, id, .. }) => Some((kind, id)),
+            _ => None,
+        };
         Ok((stale, dev.read_bytes(&sync(), b, 0, 0)?))
     });
 }
 
+#[cfg(feature = "cuda")]
 /// The backend never uses the legacy default stream: its own stream is a created one, an
 /// engine's stream carries its ops when handed over, and events order the two without
 /// the host waiting.
@@ -346,4 +379,243 @@ fn an_engine_stream_and_events_order_unikv_work() {
     assert_eq!(dev.read_table(&sync, t, 0, 4).unwrap(), [0, 7, 0, 9]);
     drop(dev);
     drop(engine);
+}
+
+/// The CUDA backends a check runs on: the emulated driver always, the GPU when present.
+fn backends(test: &str) -> Vec<(&'static str, CudaDevice)> {
+    let mut all = vec![("emulated", CudaDevice::emulated())];
+    all.extend(cuda_or_skip(test).map(|gpu| ("gpu", gpu)));
+    all
+}
+
+/// About a second of spinning on any current GPU (1-2 GHz SM clocks).
+const SPIN_CYCLES: u64 = 2_000_000_000;
+
+/// The no-sync proof: with a long kernel holding the stream, every scheduling-path op
+/// returns to the host while that kernel still runs, so none waited for the stream; the
+/// results, read back afterwards, equal the CPU reference's.
+#[test]
+fn every_op_returns_while_the_gpu_is_still_busy() {
+    let scenario = |dev: &dyn Readback, busy: &dyn Fn(&str)| -> Result<_, Error> {
+        let v2p = dev.alloc_table(64, 0)?;
+        let ids = dev.alloc_table(16, 0)?;
+        let out = dev.alloc_table(20, -1)?;
+        let buf = dev.alloc_bytes(1 << 20, 3)?;
+        busy("set-up");
+        dev.scatter_table(v2p, &[(1, 3), (2, -1), (3, 5), (1, 4)])?;
+        busy("scatter_table");
+        dev.upload_table(ids, 0, &[4, 5, 9, 12, 13, 1])?;
+        busy("upload_table");
+        dev.move_spans(
+            buf,
+            &[SpanMove {
+                src: 0,
+                dst: 1 << 19,
+                len: 1 << 18,
+            }],
+        )?;
+        busy("move_spans");
+        dev.fill_spans(
+            buf,
+            &[ByteSpan {
+                offset: 0,
+                len: 1 << 18,
+            }],
+            0,
+        )?;
+        busy("fill_spans");
+        let args = Translate {
+            v2p,
+            ids,
+            n: 6,
+            page_size: 4,
+            stride: 8,
+            out,
+            out_width: 20,
+        };
+        dev.translate(&args)?;
+        busy("translate");
+        dev.gather_table(v2p, ids, 6, out)?;
+        busy("gather_table");
+        let s = sync();
+        Ok((
+            dev.read_table(&s, out, 0, 20)?,
+            dev.read_bytes(&s, buf, 0, 1 << 20)?,
+        ))
+    };
+    let cpu = scenario(&CpuDevice::new(), &|_| {}).unwrap();
+    for (label, dev) in backends("every_op_returns_while_the_gpu_is_still_busy") {
+        let spin = dev.enqueue_spin(SPIN_CYCLES).unwrap();
+        let busy = |op: &str| {
+            assert!(
+                !spin.is_done().unwrap(),
+                "{label}: the spin ended before {op} returned"
+            );
+        };
+        let hazards = dev.sync_hazards();
+        let got = scenario(&dev, &busy).unwrap();
+        assert!(
+            spin.is_done().unwrap(),
+            "{label}: the read-back waited for the spin"
+        );
+        assert_eq!(got, cpu, "{label}");
+        // Only the set-up allocations and the read-backs may block.
+        assert!(dev.sync_hazards().count >= hazards.count);
+    }
+}
+
+/// A step's translation captured into a CUDA graph replays with the tables as they are
+/// at its launch, and an op whose list is staged per call is refused during capture.
+#[test]
+fn a_captured_translation_replays_with_the_tables_of_its_launch() {
+    for (label, dev) in backends("a_captured_translation_replays_with_the_tables_of_its_launch") {
+        let v2p = dev.alloc_table(16, 0).unwrap();
+        let ids = dev.alloc_table(8, 0).unwrap();
+        let out = dev.alloc_table(8, -1).unwrap();
+        let gathered = dev.alloc_table(8, -1).unwrap();
+        let args = Translate {
+            v2p,
+            ids,
+            n: 4,
+            page_size: 2,
+            stride: 4,
+            out,
+            out_width: 8,
+        };
+        let graph = dev
+            .capture(|d| {
+                assert!(matches!(
+                    d.scatter_table(v2p, &[(1, 2)]),
+                    Err(Error::NotCapturable {
+                        op: "scatter_table"
+                    })
+                ));
+                d.translate(&args)?;
+                d.gather_table(v2p, ids, 4, gathered)
+            })
+            .unwrap();
+        let s = sync();
+        assert_eq!(
+            dev.read_table(&s, out, 0, 8).unwrap(),
+            [-1; 8],
+            "{label}: captured, not run"
+        );
+        for (k, table) in [[(1, 3), (2, 5)], [(1, 7), (3, 2)]].iter().enumerate() {
+            dev.scatter_table(v2p, table).unwrap();
+            dev.upload_table(ids, 0, &[2, 3, 4 + k as i32, 7]).unwrap();
+            dev.launch_graph(&graph).unwrap();
+            let cpu = CpuDevice::new();
+            let (cv, ci) = (table_of(&cpu, 16), table_of(&cpu, 8));
+            let (co, cg) = (
+                cpu.alloc_table(8, -1).unwrap(),
+                cpu.alloc_table(8, -1).unwrap(),
+            );
+            cpu.scatter_table(cv, &[(1, 3), (2, 5)]).unwrap();
+            if k == 1 {
+                cpu.scatter_table(cv, table).unwrap();
+            }
+            cpu.upload_table(ci, 0, &[2, 3, 4 + k as i32, 7]).unwrap();
+            cpu.translate(&Translate {
+                v2p: cv,
+                ids: ci,
+                out: co,
+                ..args
+            })
+            .unwrap();
+            cpu.gather_table(cv, ci, 4, cg).unwrap();
+            for (a, b) in [(out, co), (gathered, cg)] {
+                assert_eq!(
+                    dev.read_table(&s, a, 0, 8).unwrap(),
+                    cpu.read_table(&s, b, 0, 8).unwrap(),
+                    "{label}: replay {k}"
+                );
+            }
+        }
+    }
+}
+
+fn table_of(dev: &dyn Device, len: usize) -> TableId {
+    dev.alloc_table(len, 0).unwrap()
+}
+
+/// Moves, fills and translations at page sizes 1, 16 and 256 of a gpt-oss-sized page
+/// (24 layers × K and V × 8 heads × 64 × 2 bytes = 48 KiB per token), timed on the GPU:
+/// one table of GB/s against the device's peak (GPU only; printed by `cargo xtask gpu`).
+#[test]
+fn bandwidth_table() {
+    let Some(dev) = cuda_or_skip("bandwidth_table") else {
+        return;
+    };
+    let peak = dev.peak_bandwidth().unwrap_or(f64::NAN);
+    let per_token: u64 = 24 * 2 * 8 * 64 * 2;
+    let budget: u64 = 8 << 30;
+    let s = sync();
+    println!("BANDWIDTH peak {:.0} GB/s", peak / 1e9);
+    println!(
+        "BANDWIDTH {:>6} {:>10} {:>12} {:>10} {:>8}",
+        "op", "page size", "bytes", "GB/s", "of peak"
+    );
+    for ps in [1u64, 16, 256] {
+        let envelope = per_token * ps;
+        let pages = budget / envelope;
+        let buf = dev.alloc_bytes(pages * envelope, 0).unwrap();
+        let half = pages / 2;
+        let moves: Vec<SpanMove> = (0..half)
+            .map(|p| SpanMove {
+                src: p * envelope,
+                dst: (half + p) * envelope,
+                len: envelope,
+            })
+            .collect();
+        let spans: Vec<ByteSpan> = (0..half)
+            .map(|p| ByteSpan {
+                offset: p * envelope,
+                len: envelope,
+            })
+            .collect();
+        let timed = |run: &dyn Fn()| {
+            run(); // warm-up
+            dev.synchronize(&s).unwrap();
+            let started = std::time::Instant::now();
+            let reps = 5;
+            for _ in 0..reps {
+                run();
+            }
+            dev.synchronize(&s).unwrap();
+            started.elapsed().as_secs_f64() / f64::from(reps)
+        };
+        let moved = 2 * half * envelope; // read + write
+        let t = timed(&|| dev.move_spans(buf, &moves).unwrap());
+        row("move", ps, moved, t, peak);
+        let t = timed(&|| dev.fill_spans(buf, &spans, 0).unwrap());
+        row("fill", ps, half * envelope, t, peak);
+        dev.free_bytes(buf).unwrap();
+        let n = 1 << 24;
+        let v2p = dev.alloc_table((n / ps as usize) + 1, 1).unwrap();
+        let ids = dev.alloc_table(n, 1).unwrap();
+        let out = dev.alloc_table(n, 0).unwrap();
+        let args = Translate {
+            v2p,
+            ids,
+            n,
+            page_size: ps as u32,
+            stride: 1,
+            out,
+            out_width: n,
+        };
+        let t = timed(&|| dev.translate(&args).unwrap());
+        row("translate", ps, 12 * n as u64, t, peak); // ids + v2p (roughly) + out
+        for t in [v2p, ids, out] {
+            dev.free_table(t).unwrap();
+        }
+    }
+}
+
+fn row(op: &str, ps: u64, bytes: u64, seconds: f64, peak: f64) {
+    let rate = bytes as f64 / seconds;
+    println!(
+        "BANDWIDTH {op:>6} {ps:>10} {bytes:>12} {:>10.1} {:>7.0}%",
+        rate / 1e9,
+        100.0 * rate / peak
+    );
 }

@@ -1,0 +1,359 @@
+//! The CUDA backend's host logic, over its emulated driver: what it asks the driver on
+//! the op path (nothing that may block the host), how the sync-hazard count and the
+//! ledger see a backend that does block, and the pinned staging ring under a busy GPU
+//! (fenced reuse, the fallback when it is full, growth only at a step boundary).
+
+use proptest::prelude::*;
+use std::sync::Arc;
+use unikv_kernels::{
+    ByteSpan, BytesId, CpuDevice, CudaDevice, Device, DriverCall, HostSync, Readback, SpanMove,
+    StreamKind, SyncHazard, SyncLedger, TableId, Translate,
+};
+
+/// The tables and buffer of a step, allocated at set-up.
+struct Fixture {
+    v2p: TableId,
+    ids: TableId,
+    out: TableId,
+    buf: BytesId,
+}
+
+fn set_up(dev: &dyn Device) -> Fixture {
+    Fixture {
+        v2p: dev.alloc_table(64, 0).unwrap(),
+        ids: dev.alloc_table(32, 0).unwrap(),
+        out: dev.alloc_table(40, -1).unwrap(),
+        buf: dev.alloc_bytes(1 << 16, 7).unwrap(),
+    }
+}
+
+/// Every scheduling-path op of [`Device`], the way a decode step issues them.
+fn step(dev: &dyn Device, f: &Fixture, k: u32) {
+    let k = k % 8;
+    dev.scatter_table(f.v2p, &[(1, 3 + k as i32), (2, -1), (5, 9), (1, 4)])
+        .unwrap();
+    dev.upload_table(f.ids, 0, &[4, 5, 12, 13, 20 + k as i32])
+        .unwrap();
+    dev.translate(&Translate {
+        v2p: f.v2p,
+        ids: f.ids,
+        n: 5,
+        page_size: 4,
+        stride: 8,
+        out: f.out,
+        out_width: 40,
+    })
+    .unwrap();
+    dev.gather_table(f.v2p, f.ids, 5, f.out).unwrap();
+    let page = 4096;
+    dev.move_spans(
+        f.buf,
+        &[SpanMove {
+            src: u64::from(k) * page,
+            dst: 8 * page + u64::from(k) * page,
+            len: page,
+        }],
+    )
+    .unwrap();
+    dev.fill_spans(
+        f.buf,
+        &[ByteSpan {
+            offset: u64::from(k) * page,
+            len: page,
+        }],
+        0,
+    )
+    .unwrap();
+}
+
+fn sync() -> HostSync {
+    HostSync::acquire("test read-back")
+}
+
+/// The ops of many steps (their lists wrap the ring many times) make only calls that
+/// enqueue work or ask without waiting: no allocation, free, pageable copy or wait, and
+/// no hazard at all, on a running stream and on one the GPU never gets to.
+#[test]
+fn the_op_path_makes_no_driver_call_that_may_block() {
+    for stalled in [false, true] {
+        let dev = CudaDevice::emulated().with_staging(4096).unwrap();
+        let f = set_up(&dev);
+        if stalled {
+            assert!(dev.stall_stream());
+        }
+        dev.trace_driver_calls();
+        let before = dev.sync_hazards();
+        let steps = if stalled { 12 } else { 200 };
+        for k in 0..steps {
+            step(&dev, &f, k);
+            if !stalled {
+                dev.end_step().unwrap();
+            }
+        }
+        let calls = dev.take_driver_calls();
+        assert!(calls.len() > 6 * steps as usize, "{}", calls.len());
+        for record in &calls {
+            assert!(
+                matches!(
+                    record.call,
+                    DriverCall::CopyFromPinned { .. }
+                        | DriverCall::Launch { .. }
+                        | DriverCall::EventRecord
+                        | DriverCall::EventQuery
+                ),
+                "stalled {stalled}: {record:?}"
+            );
+            assert_eq!(record.hazard, None, "{record:?}");
+        }
+        assert_eq!(dev.sync_hazards(), before, "stalled {stalled}");
+        dev.resume_stream().unwrap();
+        // And what the ops wrote is what the CPU reference writes.
+        let cpu = CpuDevice::new();
+        let g = set_up(&cpu);
+        for k in 0..steps {
+            step(&cpu, &g, k);
+        }
+        let s = sync();
+        assert_eq!(
+            dev.read_table(&s, f.out, 0, 40).unwrap(),
+            cpu.read_table(&s, g.out, 0, 40).unwrap()
+        );
+        assert_eq!(
+            dev.read_bytes(&s, f.buf, 0, 1 << 16).unwrap(),
+            cpu.read_bytes(&s, g.buf, 0, 1 << 16).unwrap()
+        );
+    }
+}
+
+/// With no staging ring every list goes through a temporary allocation and a pageable
+/// copy: each such call is a hazard, the ledger charges it to the op and its call site,
+/// and its no-sync check fails, where the ring-staged backend passes.
+#[test]
+fn a_blocking_backend_is_caught_by_the_ledger_with_the_op_and_the_hazard() {
+    let staged = Arc::new(SyncLedger::new(Arc::new(CudaDevice::emulated())));
+    let f = set_up(&*staged);
+    staged.reset();
+    step(&*staged, &f, 1);
+    staged.assert_no_syncs();
+
+    let blocking = Arc::new(SyncLedger::new(Arc::new(
+        CudaDevice::emulated().with_staging(0).unwrap(),
+    )));
+    let f = set_up(&*blocking);
+    blocking.reset();
+    step(&*blocking, &f, 1);
+    let report = blocking.check_no_syncs().unwrap_err();
+    let ops: Vec<&str> = report.offenders.iter().map(|r| r.op).collect();
+    assert_eq!(
+        ops,
+        ["scatter_table", "upload_table", "move_spans", "fill_spans"],
+        "the ops that stage a list, and only those: {report}"
+    );
+    for r in &report.offenders {
+        assert!(r.hazards >= 1 && r.hazard.is_some(), "{r}");
+        assert_eq!(r.location.file(), file!(), "{r}");
+    }
+    let upload = &report.offenders[1];
+    assert_eq!(upload.hazard, Some(SyncHazard::PageableCopy), "{upload}");
+    // An argument list in a temporary allocation: allocate, copy, free.
+    assert_eq!(report.offenders[0].hazards, 3);
+    assert_eq!(report.offenders[0].hazard, Some(SyncHazard::Free));
+    assert!(report.to_string().contains("sync hazard"), "{report}");
+}
+
+/// On the legacy default stream (an engine that handed over the null stream) every
+/// enqueued call is a hazard, even with a staging ring.
+#[test]
+fn the_legacy_default_stream_makes_every_enqueue_a_hazard() {
+    let dev = CudaDevice::emulated_on(StreamKind::LegacyDefault);
+    let f = set_up(&dev);
+    dev.trace_driver_calls();
+    step(&dev, &f, 0);
+    let calls = dev.take_driver_calls();
+    let enqueues = calls
+        .iter()
+        .filter(|r| {
+            matches!(
+                r.call,
+                DriverCall::Launch { .. }
+                    | DriverCall::CopyFromPinned { .. }
+                    | DriverCall::EventRecord
+            )
+        })
+        .count();
+    assert!(enqueues >= 6);
+    assert!(
+        calls
+            .iter()
+            .filter(|r| !matches!(r.call, DriverCall::EventQuery))
+            .all(|r| r.hazard == Some(SyncHazard::DefaultStream))
+    );
+    assert_eq!(dev.sync_hazards().last, Some(SyncHazard::DefaultStream));
+}
+
+/// A busy GPU (the stream stalled) fills a small ring: later ops still succeed, through
+/// the counted fallback, and the results are right; the ring grows only at the step
+/// boundary, after which the same step stages everything again.
+#[test]
+fn a_full_ring_falls_back_with_hazards_and_grows_only_at_the_step_boundary() {
+    let dev = CudaDevice::emulated().with_staging(256).unwrap();
+    let f = set_up(&dev);
+    let cap = dev.staging_capacity();
+    assert_eq!(cap, 256);
+    assert!(dev.stall_stream());
+    let before = dev.sync_hazards().count;
+    for k in 0..4 {
+        step(&dev, &f, k);
+    }
+    assert!(dev.sync_hazards().count > before, "the ring overflowed");
+    assert_eq!(dev.staging_capacity(), cap, "no growth on the op path");
+    dev.resume_stream().unwrap();
+    dev.end_step().unwrap();
+    let grown = dev.staging_capacity();
+    assert!(grown > cap, "{grown}");
+
+    let cpu = CpuDevice::new();
+    let g = set_up(&cpu);
+    for k in 0..4 {
+        step(&cpu, &g, k);
+    }
+    let s = sync();
+    assert_eq!(
+        dev.read_table(&s, f.out, 0, 40).unwrap(),
+        cpu.read_table(&s, g.out, 0, 40).unwrap()
+    );
+    assert_eq!(
+        dev.read_table(&s, f.v2p, 0, 64).unwrap(),
+        cpu.read_table(&s, g.v2p, 0, 64).unwrap()
+    );
+
+    assert!(dev.stall_stream());
+    let before = dev.sync_hazards().count;
+    step(&dev, &f, 5);
+    assert_eq!(
+        dev.sync_hazards().count,
+        before,
+        "the grown ring holds a step"
+    );
+    dev.resume_stream().unwrap();
+    // A retired ring is freed once the stream is past it: at a later boundary.
+    dev.trace_driver_calls();
+    dev.end_step().unwrap();
+    let frees = dev
+        .take_driver_calls()
+        .iter()
+        .filter(|r| matches!(r.call, DriverCall::PinnedFree))
+        .count();
+    assert_eq!(frees, 1, "the old ring is freed");
+}
+
+/// One random op of the ring proptest.
+#[derive(Clone, Debug)]
+enum Op {
+    Scatter(Vec<(u32, i32)>),
+    Upload(usize, Vec<i32>),
+    Move(u64, u64, u64),
+    Fill(u64, u64, u8),
+    Translate(usize),
+    Stall,
+    Resume,
+    EndStep,
+}
+
+const TABLE: usize = 48;
+const BYTES: u64 = 4096;
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => prop::collection::vec((0..TABLE as u32, -2..50i32), 1..40).prop_map(Op::Scatter),
+        3 => (0..TABLE / 2, prop::collection::vec(-1..200i32, 1..TABLE / 2))
+            .prop_map(|(o, v)| Op::Upload(o, v)),
+        2 => (0..BYTES / 2, 0..BYTES / 4, 1..BYTES / 4)
+            .prop_map(|(s, d, l)| Op::Move(s, BYTES / 2 + d, l)),
+        2 => (0..BYTES / 2, 1..BYTES / 2, any::<u8>()).prop_map(|(o, l, v)| Op::Fill(o, l, v)),
+        2 => (0..TABLE).prop_map(Op::Translate),
+        1 => Just(Op::Stall),
+        1 => Just(Op::Resume),
+        1 => Just(Op::EndStep),
+    ]
+}
+
+fn apply(dev: &dyn Device, t: (TableId, TableId, TableId, BytesId), op: &Op) {
+    let (v2p, ids, out, buf) = t;
+    match op {
+        Op::Scatter(e) => dev.scatter_table(v2p, e).unwrap(),
+        Op::Upload(o, v) => dev.upload_table(ids, *o, v).unwrap(),
+        Op::Move(s, d, l) => {
+            let len = (*l).min(BYTES - d).min(BYTES / 2 - s);
+            dev.move_spans(
+                buf,
+                &[SpanMove {
+                    src: *s,
+                    dst: *d,
+                    len,
+                }],
+            )
+            .unwrap()
+        }
+        Op::Fill(o, l, v) => dev
+            .fill_spans(
+                buf,
+                &[ByteSpan {
+                    offset: *o,
+                    len: *l,
+                }],
+                *v,
+            )
+            .unwrap(),
+        Op::Translate(n) => dev
+            .translate(&Translate {
+                v2p,
+                ids,
+                n: *n,
+                page_size: 3,
+                stride: 5,
+                out,
+                out_width: TABLE,
+            })
+            .unwrap(),
+        Op::Stall | Op::Resume | Op::EndStep => {}
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Random ops through a small ring, with the GPU stalling and catching up at random
+    /// and step boundaries between: the backend's tables and bytes equal the CPU
+    /// reference's after every run, so no staged list was overwritten in flight.
+    #[test]
+    fn a_small_ring_under_a_stalling_gpu_matches_the_cpu_reference(
+        ring in prop_oneof![Just(0usize), 64usize..1024],
+        ops in prop::collection::vec(op(), 1..60),
+    ) {
+        let dev = CudaDevice::emulated().with_staging(ring).unwrap();
+        let cpu = CpuDevice::new();
+        let make = |d: &dyn Device| (
+            d.alloc_table(TABLE, 0).unwrap(),
+            d.alloc_table(TABLE, 1).unwrap(),
+            d.alloc_table(TABLE, -1).unwrap(),
+            d.alloc_bytes(BYTES, 3).unwrap(),
+        );
+        let (t, u) = (make(&dev), make(&cpu));
+        for op in &ops {
+            match op {
+                Op::Stall => { dev.stall_stream(); }
+                Op::Resume => dev.resume_stream().unwrap(),
+                Op::EndStep => dev.end_step().unwrap(),
+                _ => {}
+            }
+            apply(&dev, t, op);
+            apply(&cpu, u, op);
+        }
+        let s = sync();
+        for (a, b) in [(t.0, u.0), (t.1, u.1), (t.2, u.2)] {
+            prop_assert_eq!(dev.read_table(&s, a, 0, TABLE).unwrap(), cpu.read_table(&s, b, 0, TABLE).unwrap());
+        }
+        prop_assert_eq!(dev.read_bytes(&s, t.3, 0, BYTES).unwrap(), cpu.read_bytes(&s, u.3, 0, BYTES).unwrap());
+    }
+}
