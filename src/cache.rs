@@ -562,6 +562,14 @@ impl HybridCache {
         Ok(self.alloc.translate(side, ids, n, out, out_width)?)
     }
 
+    /// [`HybridCache::translate`] for several rows in one device op: a step's
+    /// translation of every side (FULL and SWA rows, Mamba slots) is one launch on a
+    /// GPU. Uploads the mirror first as `translate` does; a refused row refuses all.
+    pub fn translate_many(&mut self, rows: &[unikv_pools::SideTranslation]) -> Result<(), Error> {
+        self.sync_mirror()?;
+        Ok(self.alloc.translate_many(rows)?)
+    }
+
     /// Uploads the mirror when it is behind the host tables, starting a new mirror
     /// generation (which makes step metadata built before it stale).
     pub(crate) fn sync_mirror(&mut self) -> Result<(), unikv_pools::Error> {

@@ -424,8 +424,8 @@ impl Run {
 /// The device ops the sweep must reach in `layout` (only the one buffer compacts).
 fn kinds_expected(layout: Layout) -> &'static [&'static str] {
     match layout {
-        Layout::Unified => &["move_spans", "fill_spans", "scatter_table"],
-        Layout::Static { .. } => &["fill_spans", "scatter_table"],
+        Layout::Unified => &["move_spans", "fill_spans", "scatter_tables"],
+        Layout::Static { .. } => &["fill_spans", "scatter_tables"],
     }
 }
 

@@ -8,7 +8,7 @@ mod common;
 use common::*;
 use std::sync::Arc;
 use unikv::kernels::{CpuDevice, Device, HostSync, Readback, SyncLedger};
-use unikv::pools::{Error as PoolError, Side};
+use unikv::pools::{Error as PoolError, Side, SideTranslation};
 use unikv::{Layout, Request};
 
 const W: u32 = 8;
@@ -105,6 +105,73 @@ fn a_translate_after_a_compacting_allocation_is_refused_by_the_allocator_and_upl
         }
         fx.step();
         fx.check_accounting(&[&long, &req]);
+        fx.teardown(vec![long, req]);
+    }
+}
+
+/// Both sides' translations of a step in one device op: refused as a whole on a stale
+/// mirror by the allocator (nothing written), uploaded first by the cache, and then equal
+/// to the host's kernel ids on both sides, through one `translate_many`.
+#[test]
+fn both_sides_translate_in_one_op_with_the_same_epoch_rule() {
+    for ps in page_sizes() {
+        let (mut fx, cpu, ledger, long, pages) = holed(ps);
+        let mut req = fx.admit(text(7_000, pages * ps as usize + 1));
+        fx.cache
+            .alloc_extend(&mut req, pages * ps as usize)
+            .unwrap();
+        assert!(!fx.cache.allocator().mirror_current(), "{}", fx.label);
+        let ids: Vec<i32> = req.row().iter().map(|t| t.0 as i32).collect();
+        let n = ids.len();
+        let dev_ids = cpu.alloc_table(n, 0).unwrap();
+        cpu.upload_table(dev_ids, 0, &ids).unwrap();
+        let outs = [
+            cpu.alloc_table(n + 2, -7).unwrap(),
+            cpu.alloc_table(n + 2, -7).unwrap(),
+        ];
+        let rows: Vec<SideTranslation> = [Side::Full, Side::Swa]
+            .into_iter()
+            .zip(outs)
+            .map(|(side, out)| SideTranslation {
+                side,
+                ids: dev_ids,
+                n,
+                out,
+                out_width: n + 2,
+            })
+            .collect();
+        let refused = fx.cache.allocator().translate_many(&rows);
+        assert!(
+            matches!(refused, Err(PoolError::MirrorBehind { .. })),
+            "{}: {refused:?}",
+            fx.label
+        );
+        let sync = HostSync::acquire("test: reading kernel ids back");
+        for out in outs {
+            assert_eq!(
+                cpu.read_table(&sync, out, 0, n + 2).unwrap(),
+                vec![-7; n + 2]
+            );
+        }
+        ledger.reset();
+        fx.cache.translate_many(&rows).unwrap();
+        let kinds: Vec<&str> = ledger.ops().iter().map(|r| r.op).collect();
+        assert_eq!(kinds, ["scatter_tables", "translate_many"], "{}", fx.label);
+        for (row, out) in rows.iter().zip(outs) {
+            let host: Vec<i32> = req
+                .row()
+                .iter()
+                .map(|&t| fx.cache.allocator().kernel_id(row.side, t))
+                .chain([0, 0])
+                .collect();
+            assert_eq!(
+                cpu.read_table(&sync, out, 0, n + 2).unwrap(),
+                host,
+                "{}",
+                fx.label
+            );
+        }
+        fx.step();
         fx.teardown(vec![long, req]);
     }
 }

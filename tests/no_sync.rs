@@ -39,7 +39,7 @@ fn a_cuda_backend_that_may_block_fails_the_no_sync_step() {
         .cloned()
         .unwrap_or_default();
     assert!(
-        message.contains("sync hazard") && message.contains("scatter_table"),
+        message.contains("sync hazard") && message.contains("scatter_tables"),
         "{message}"
     );
 }
@@ -187,17 +187,17 @@ fn a_full_scheduler_step_on(device: impl Fn() -> Arc<dyn Readback>) {
             .check_no_syncs()
             .unwrap_or_else(|report| panic!("{}: {report}", fx.label));
         assert_eq!((ledger.syncs(), ledger.data_dependent_shapes()), (0, 0));
-        // The boundary's own device work: the mirror upload, one scatter per changed side.
+        // The boundary's own device work: the mirror upload, one op for every side.
         let ops = ledger.ops()[before_boundary..].to_vec();
-        let uploads = ops.iter().filter(|r| r.op == "scatter_table").count();
-        assert!(
-            (1..=2).contains(&uploads),
-            "{}: the boundary uploads the mirror once per side: {ops:?}",
+        let uploads = ops.iter().filter(|r| r.op == "scatter_tables").count();
+        assert_eq!(
+            uploads, 1,
+            "{}: the boundary uploads the mirror in one op: {ops:?}",
             fx.label
         );
         assert!(
             ops.iter()
-                .all(|r| matches!(r.op, "scatter_table" | "move_spans")),
+                .all(|r| matches!(r.op, "scatter_tables" | "move_spans")),
             "{}: unexpected device ops at the boundary: {ops:?}",
             fx.label
         );

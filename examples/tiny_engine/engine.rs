@@ -21,7 +21,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use unikv::kernels::{
-    ByteSpan, BytesId, CpuDevice, Device, Error as DeviceError, SpanMove, TableId, Translate,
+    ByteSpan, BytesId, CpuDevice, Device, Error as DeviceError, SpanMove, SyncHazards, TableId,
+    TableScatter, Translate,
 };
 use unikv::mamba::{MambaSpec, SlotLayout};
 use unikv::pools::Side;
@@ -546,6 +547,15 @@ impl Device for CountingDevice {
     }
     fn translate(&self, args: &Translate) -> Result<(), DeviceError> {
         self.inner.translate(args)
+    }
+    fn scatter_tables(&self, scatters: &[TableScatter<'_>]) -> Result<(), DeviceError> {
+        self.inner.scatter_tables(scatters)
+    }
+    fn translate_many(&self, all: &[Translate]) -> Result<(), DeviceError> {
+        self.inner.translate_many(all)
+    }
+    fn sync_hazards(&self) -> SyncHazards {
+        self.inner.sync_hazards()
     }
 }
 

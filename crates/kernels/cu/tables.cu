@@ -1,19 +1,23 @@
 // tables.cu: scatter and gather of i32 table entries (the CUDA twins of
-// CpuDevice::scatter_table and CpuDevice::gather_table).
+// CpuDevice::scatter_tables and CpuDevice::gather_table).
 // Plain C types only: NVRTC compiles this without any CUDA toolkit header.
 
-// table[pairs[2k]] = (int)pairs[2k + 1] for k < n. The host checks every index against
-// the table and keeps only the last pair for each index, so no two threads write the
-// same entry; `pairs` is a separate allocation.
-extern "C" __global__ void unikv_scatter(
-    int* table,
-    const unsigned int* pairs,
+// One launch for the scatters into several tables (a step's mirror upload of every
+// side). `list` holds `k` table addresses (u64), then `n` triples of u32: the table's
+// slot in the list, the index, the value's bit pattern. The host checks every index
+// against its table and keeps only the last triple for each (table, index), so no two
+// threads write the same entry; `list` is separate from every table.
+extern "C" __global__ void unikv_scatter_tables(
+    const unsigned long long* list,
+    unsigned long long k,
     unsigned long long n)
 {
+    const unsigned int* triples = (const unsigned int*)(list + k);
     unsigned long long step = (unsigned long long)blockDim.x * gridDim.x;
-    for (unsigned long long k = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-         k < n; k += step) {
-        table[pairs[2 * k]] = (int)pairs[2 * k + 1];
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n; i += step) {
+        int* table = (int*)list[triples[3 * i]];
+        table[triples[3 * i + 1]] = (int)triples[3 * i + 2];
     }
 }
 

@@ -11,6 +11,35 @@
 // and each writes its own out[i].
 // Plain C types only: NVRTC compiles this without any CUDA toolkit header.
 
+// The kernel id of one slot `i` of a translation's output.
+static __device__ int unikv_kernel_id(
+    const int* v2p,
+    unsigned long long v2p_len,
+    const int* ids,
+    unsigned long long n,
+    int page_size,
+    int stride,
+    unsigned long long i)
+{
+    if (i >= n) {
+        return 0;
+    }
+    int id = ids[i];
+    if (id <= 0) {
+        return 0;
+    }
+    unsigned long long page = (unsigned long long)(id / page_size);
+    if (page >= v2p_len) {
+        return 0;
+    }
+    int phys = v2p[page];
+    if (phys <= 0) {
+        return 0;
+    }
+    unsigned int k = (unsigned int)phys * (unsigned int)stride + (unsigned int)(id % page_size);
+    return (int)k;
+}
+
 extern "C" __global__ void unikv_translate(
     const int* v2p,
     unsigned long long v2p_len,
@@ -24,21 +53,27 @@ extern "C" __global__ void unikv_translate(
     unsigned long long step = (unsigned long long)blockDim.x * gridDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
          i < out_width; i += step) {
-        int kernel_id = 0;
-        if (i < n) {
-            int id = ids[i];
-            if (id > 0) {
-                unsigned long long page = (unsigned long long)(id / page_size);
-                if (page < v2p_len) {
-                    int phys = v2p[page];
-                    if (phys > 0) {
-                        unsigned int k = (unsigned int)phys * (unsigned int)stride
-                                       + (unsigned int)(id % page_size);
-                        kernel_id = (int)k;
-                    }
-                }
-            }
+        out[i] = unikv_kernel_id(v2p, v2p_len, ids, n, page_size, stride, i);
+    }
+}
+
+// Several translations in one launch (a step's translation of every side): `list` holds
+// 8 u64 per translation (v2p, v2p_len, ids, n, page_size, stride, out, out_width, the
+// pointers as addresses). blockIdx.y strides over the translations, x over each one's
+// output. The host checks each as for unikv_translate, and that no output is another
+// translation's table.
+extern "C" __global__ void unikv_translate_many(
+    const unsigned long long* list,
+    unsigned long long count)
+{
+    for (unsigned long long t = blockIdx.y; t < count; t += gridDim.y) {
+        const unsigned long long* a = list + 8 * t;
+        int* out = (int*)a[6];
+        unsigned long long step = (unsigned long long)blockDim.x * gridDim.x;
+        for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+             i < a[7]; i += step) {
+            out[i] = unikv_kernel_id((const int*)a[0], a[1], (const int*)a[2], a[3], (int)a[4],
+                                     (int)a[5], i);
         }
-        out[i] = kernel_id;
     }
 }

@@ -4,7 +4,7 @@
 //! Every check here uses only host-known values (handles, lengths, offsets), so a
 //! backend runs them all before issuing any work: an op that fails has changed nothing.
 
-use crate::{ByteSpan, BytesId, Error, SpanMove, TableId, Translate};
+use crate::{ByteSpan, BytesId, Error, SpanMove, TableId, TableScatter, Translate};
 
 /// `[start, start + len)` lies inside `[0, total)`; `kind`/`id` name the buffer.
 fn range(
@@ -79,6 +79,42 @@ pub(crate) fn scatter(table: TableId, entries: &[(u32, i32)], total: usize) -> R
         Some(&(i, _)) => table_range("scatter_table", table, i as usize, 1, total),
         None => Ok(()),
     }
+}
+
+/// Every index of every scatter is inside its table, whose length `len` gives.
+pub(crate) fn scatters(
+    scatters: &[TableScatter<'_>],
+    len: impl Fn(TableId) -> Result<usize, Error>,
+) -> Result<(), Error> {
+    scatters
+        .iter()
+        .try_for_each(|s| scatter(s.table, s.entries, len(s.table)?))
+}
+
+/// Every translation's arguments (as [`translate`], with the table lengths `len` gives),
+/// and no translation's output is another's input or output. Returns each one's
+/// `(page_size, stride)`, in order, through `each`.
+pub(crate) fn translates(
+    all: &[Translate],
+    len: impl Fn(TableId) -> Result<usize, Error>,
+    mut each: impl FnMut(usize, (i32, i32)),
+) -> Result<(), Error> {
+    for (i, args) in all.iter().enumerate() {
+        len(args.v2p)?;
+        each(i, translate(args, len(args.ids)?, len(args.out)?)?);
+        for (j, other) in all.iter().enumerate().filter(|&(j, _)| j != i) {
+            if [other.v2p, other.ids, other.out].contains(&args.out) {
+                return Err(Error::BadArguments {
+                    op: "translate",
+                    reason: format!(
+                        "the output table {} of translation {i} is also a table of translation {j}",
+                        args.out.0
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Every span is inside a buffer of `total` bytes.

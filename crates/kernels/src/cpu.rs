@@ -6,7 +6,10 @@
 use crate::check;
 use crate::handles::Handles;
 use crate::sparse::Buffer;
-use crate::{ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, Translate};
+use crate::{
+    ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, TableScatter,
+    Translate,
+};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// The CPU reference backend: the semantics every other backend is compared against.
@@ -136,11 +139,17 @@ impl Device for CpuDevice {
     }
 
     fn scatter_table(&self, table: TableId, entries: &[(u32, i32)]) -> Result<(), Error> {
+        self.scatter_tables(&[TableScatter { table, entries }])
+    }
+
+    fn scatter_tables(&self, scatters: &[TableScatter<'_>]) -> Result<(), Error> {
         let mut st = self.state();
-        let t = st.table_mut(table)?;
-        check::scatter(table, entries, t.len())?;
-        for &(i, v) in entries {
-            t[i as usize] = v; // in order, so the last pair for an index wins
+        check::scatters(scatters, |t| Ok(st.table(t)?.len()))?;
+        for s in scatters {
+            let t = st.table_mut(s.table)?;
+            for &(i, v) in s.entries {
+                t[i as usize] = v; // in order, so the last pair for an index wins
+            }
         }
         Ok(())
     }
@@ -191,21 +200,25 @@ impl Device for CpuDevice {
     }
 
     fn translate(&self, args: &Translate) -> Result<(), Error> {
+        self.translate_many(std::slice::from_ref(args))
+    }
+
+    fn translate_many(&self, all: &[Translate]) -> Result<(), Error> {
         let mut st = self.state();
-        st.table(args.v2p)?;
-        let ids_len = st.table(args.ids)?.len();
-        let out_len = st.table(args.out)?.len();
-        let (page_size, stride) = check::translate(args, ids_len, out_len)?;
-        let kernel_ids: Vec<i32> = {
-            let (v2p, ids) = (st.table(args.v2p)?, st.table(args.ids)?);
-            ids[..args.n]
-                .iter()
-                .map(|&id| check::translate_one(v2p, id, page_size, stride))
-                .collect()
-        };
-        let out = st.table_mut(args.out)?;
-        out[..args.n].copy_from_slice(&kernel_ids);
-        out[args.n..args.out_width].fill(0);
+        let mut scalars = Vec::with_capacity(all.len());
+        check::translates(all, |t| Ok(st.table(t)?.len()), |_, ps| scalars.push(ps))?;
+        for (args, &(page_size, stride)) in all.iter().zip(&scalars) {
+            let kernel_ids: Vec<i32> = {
+                let (v2p, ids) = (st.table(args.v2p)?, st.table(args.ids)?);
+                ids[..args.n]
+                    .iter()
+                    .map(|&id| check::translate_one(v2p, id, page_size, stride))
+                    .collect()
+            };
+            let out = st.table_mut(args.out)?;
+            out[..args.n].copy_from_slice(&kernel_ids);
+            out[args.n..args.out_width].fill(0);
+        }
         Ok(())
     }
 }

@@ -28,7 +28,10 @@ use crate::driver::{
 };
 use crate::emulated::EmulatedDriver;
 use crate::handles::Handles;
-use crate::{ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, Translate};
+use crate::{
+    ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, TableScatter,
+    Translate,
+};
 use std::collections::{HashSet, VecDeque};
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -158,7 +161,7 @@ struct State {
     capturing: bool,
     /// Reused host buffers: the packed list of an op, the indices a scatter has seen.
     pack: Vec<u8>,
-    seen: HashSet<u32>,
+    seen: HashSet<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -909,33 +912,44 @@ impl Device for CudaDevice {
     }
 
     fn scatter_table(&self, table: TableId, entries: &[(u32, i32)]) -> Result<(), Error> {
+        self.scatter_tables(&[TableScatter { table, entries }])
+    }
+
+    fn scatter_tables(&self, scatters: &[TableScatter<'_>]) -> Result<(), Error> {
         let mut st = self.state();
-        let t = st.tables.get(table.0)?;
-        check::scatter(table, entries, t.len)?;
-        let ptr = t.ptr;
-        // Keep the last pair of each index, so no two threads write one entry.
-        let State { pack, seen, .. } = &mut *st;
+        check::scatters(scatters, |t| Ok(st.tables.get(t.0)?.len))?;
+        let State {
+            tables, pack, seen, ..
+        } = &mut *st;
         pack.clear();
         seen.clear();
-        for &(index, value) in entries.iter().rev() {
-            if seen.insert(index) {
-                pack.extend_from_slice(&index.to_le_bytes());
-                pack.extend_from_slice(&value.to_le_bytes());
+        // The list: each table's address, then (slot, index, value) triples, keeping
+        // only the last of each (table, index) so no two threads write one entry.
+        for s in scatters {
+            pack.extend_from_slice(&tables.get(s.table.0)?.ptr.to_le_bytes());
+        }
+        let k = scatters.len() as u64;
+        for (slot, s) in scatters.iter().enumerate().rev() {
+            for &(index, value) in s.entries.iter().rev() {
+                if seen.insert((u64::from(s.table.0) << 32) | u64::from(index)) {
+                    for word in [slot as u32, index, value as u32] {
+                        pack.extend_from_slice(&word.to_le_bytes());
+                    }
+                }
             }
         }
-        let n = (pack.len() / 8) as u64;
+        let n = (pack.len() as u64 - 8 * k) / 12;
         if n == 0 {
             return Ok(());
         }
-        // Kernel `unikv_scatter(int* table, const unsigned int* pairs, unsigned long
-        // long n)`: every index was checked `< len` above and is unique, so each entry
-        // has at most one writer.
+        // Kernel `unikv_scatter_tables(const unsigned long long* list, unsigned long long
+        // k, unsigned long long n)`: every index was checked inside its table above.
         self.launch_with_list(
             &mut st,
-            "scatter_table",
-            Kernel::Scatter,
+            "scatter_tables",
+            Kernel::ScatterTables,
             per_item(n),
-            |list| vec![Arg::U64(ptr), Arg::U64(list), Arg::U64(n)],
+            |list| vec![Arg::U64(list), Arg::U64(k), Arg::U64(n)],
         )
     }
 
@@ -1060,6 +1074,61 @@ impl Device for CudaDevice {
             Kernel::Translate,
             per_item(args.out_width as u64),
             &launch,
+        )
+    }
+
+    fn translate_many(&self, all: &[Translate]) -> Result<(), Error> {
+        let mut st = self.state();
+        let mut scalars = Vec::with_capacity(all.len());
+        check::translates(
+            all,
+            |t| Ok(st.tables.get(t.0)?.len),
+            |_, ps| scalars.push(ps),
+        )?;
+        let State { tables, pack, .. } = &mut *st;
+        pack.clear();
+        let mut widest = 0;
+        for (args, &(page_size, stride)) in all.iter().zip(&scalars) {
+            if args.out_width == 0 {
+                continue;
+            }
+            widest = widest.max(args.out_width as u64);
+            let v2p = tables.get(args.v2p.0)?;
+            pack_u64s(
+                pack,
+                [
+                    v2p.ptr,
+                    v2p.len as u64,
+                    tables.get(args.ids.0)?.ptr,
+                    args.n as u64,
+                    page_size as u64,
+                    stride as u64,
+                    tables.get(args.out.0)?.ptr,
+                    args.out_width as u64,
+                ],
+            );
+        }
+        let count = (pack.len() / 64) as u64;
+        if count == 0 {
+            return Ok(());
+        }
+        // Kernel `unikv_translate_many(const unsigned long long* list, unsigned long long
+        // count)`: each translation checked as for `translate`, and no output is another
+        // one's table (checked), so each output slot has one writer.
+        let grid = Grid {
+            blocks: (
+                widest.div_ceil(u64::from(BLOCK)).clamp(1, MAX_BLOCKS) as u32,
+                count.clamp(1, MAX_BLOCKS) as u32,
+                1,
+            ),
+            threads: BLOCK,
+        };
+        self.launch_with_list(
+            &mut st,
+            "translate_many",
+            Kernel::TranslateMany,
+            grid,
+            |list| vec![Arg::U64(list), Arg::U64(count)],
         )
     }
 }

@@ -70,6 +70,15 @@ pub struct Translate {
     pub out_width: usize,
 }
 
+/// One table's entries of a [`Device::scatter_tables`] call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableScatter<'a> {
+    /// The table written.
+    pub table: TableId,
+    /// Its `(index, value)` pairs, as for [`Device::scatter_table`].
+    pub entries: &'a [(u32, i32)],
+}
+
 /// Device work with host-known output shapes, issued in stream order; nothing here
 /// waits for the device. Errors are for caller mistakes (bad handle, out of bounds) and
 /// for device failures; they are detected on the host before any work is issued, so an
@@ -109,6 +118,13 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     #[track_caller]
     fn scatter_table(&self, table: TableId, entries: &[(u32, i32)]) -> Result<(), Error>;
 
+    /// [`Device::scatter_table`] for several tables in one op: the per-step mirror upload
+    /// of every side is one launch on a GPU. Pairs apply in order across the whole call,
+    /// so when a table's index appears more than once the last pair wins. Every index of
+    /// every table is checked before anything is written.
+    #[track_caller]
+    fn scatter_tables(&self, scatters: &[TableScatter<'_>]) -> Result<(), Error>;
+
     /// `out[i] = src[indices[i]]` for `i < n`, or `0` when `indices[i]` is outside `src`
     /// (negative or too large; device data, so not an error). `out` must be a table
     /// other than `src` and `indices`.
@@ -136,6 +152,12 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     /// Translates virtual token ids into kernel ids (see [`Translate`]).
     #[track_caller]
     fn translate(&self, args: &Translate) -> Result<(), Error>;
+
+    /// Several [`Device::translate`]s in one op (a step's translation of every side: one
+    /// launch on a GPU). Every one is checked before any is issued; no output may be an
+    /// input of another or another's output.
+    #[track_caller]
+    fn translate_many(&self, all: &[Translate]) -> Result<(), Error>;
 
     /// The driver calls that may have made the host wait (allocation, free, pageable
     /// copy, synchronize, the legacy default stream) this device has issued so far, for

@@ -63,8 +63,10 @@ pub enum Kernel {
     MoveSpans,
     /// `unikv_fill_spans` (`cu/spans.cu`).
     FillSpans,
-    /// `unikv_scatter` (`cu/tables.cu`).
-    Scatter,
+    /// `unikv_translate_many` (`cu/translate.cu`).
+    TranslateMany,
+    /// `unikv_scatter_tables` (`cu/tables.cu`).
+    ScatterTables,
     /// `unikv_gather` (`cu/tables.cu`).
     Gather,
     /// `unikv_spin` (`cu/diag.cu`): keeps the stream busy, for no-sync proofs.
@@ -74,11 +76,12 @@ pub enum Kernel {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // ALL and file: the real driver's
 impl Kernel {
     /// Every kernel, in the order a driver loads them.
-    pub(crate) const ALL: [Kernel; 6] = [
+    pub(crate) const ALL: [Kernel; 7] = [
         Kernel::Translate,
         Kernel::MoveSpans,
         Kernel::FillSpans,
-        Kernel::Scatter,
+        Kernel::TranslateMany,
+        Kernel::ScatterTables,
         Kernel::Gather,
         Kernel::Spin,
     ];
@@ -89,7 +92,8 @@ impl Kernel {
             Kernel::Translate => "unikv_translate",
             Kernel::MoveSpans => "unikv_move_spans",
             Kernel::FillSpans => "unikv_fill_spans",
-            Kernel::Scatter => "unikv_scatter",
+            Kernel::TranslateMany => "unikv_translate_many",
+            Kernel::ScatterTables => "unikv_scatter_tables",
             Kernel::Gather => "unikv_gather",
             Kernel::Spin => "unikv_spin",
         }
@@ -98,9 +102,9 @@ impl Kernel {
     /// The `.cu` file of `cu/` that defines it.
     pub(crate) fn file(self) -> &'static str {
         match self {
-            Kernel::Translate => "translate.cu",
+            Kernel::Translate | Kernel::TranslateMany => "translate.cu",
             Kernel::MoveSpans | Kernel::FillSpans => "spans.cu",
-            Kernel::Scatter | Kernel::Gather => "tables.cu",
+            Kernel::ScatterTables | Kernel::Gather => "tables.cu",
             Kernel::Spin => "diag.cu",
         }
     }

@@ -251,6 +251,28 @@ impl Emulation {
         }
     }
 
+    /// One translation (`unikv_translate`'s arguments), by the shared scalar rule.
+    #[allow(clippy::too_many_arguments)] // the kernel's own parameter list
+    fn translate(
+        &mut self,
+        v2p: DevPtr,
+        v2p_len: u64,
+        ids: DevPtr,
+        n: u64,
+        page_size: i32,
+        stride: i32,
+        out: DevPtr,
+        width: u64,
+    ) -> Result<(), String> {
+        let v2p = self.i32s(v2p, v2p_len)?;
+        let ids = self.i32s(ids, n)?;
+        let mut values = vec![0; width as usize];
+        for (slot, &id) in values.iter_mut().zip(&ids) {
+            *slot = check::translate_one(&v2p, id, page_size, stride);
+        }
+        self.write_i32s(out, &values)
+    }
+
     /// Runs `kernel` by its CPU twin, reading every argument list from device memory.
     fn launch(&mut self, kernel: Kernel, args: &[Arg]) -> Result<(), String> {
         let u = |i: usize| match args.get(i) {
@@ -263,15 +285,7 @@ impl Emulation {
                     Some(Arg::I32(v)) => Ok(*v),
                     other => Err(format!("translate: argument {i} is {other:?}, not an int")),
                 };
-                let (v2p, v2p_len, ids, n) = (u(0)?, u(1)?, u(2)?, u(3)?);
-                let (page_size, stride, out, width) = (i(4)?, i(5)?, u(6)?, u(7)?);
-                let v2p = self.i32s(v2p, v2p_len)?;
-                let ids = self.i32s(ids, n)?;
-                let mut values = vec![0; width as usize];
-                for (slot, &id) in values.iter_mut().zip(&ids) {
-                    *slot = check::translate_one(&v2p, id, page_size, stride);
-                }
-                self.write_i32s(out, &values)
+                self.translate(u(0)?, u(1)?, u(2)?, u(3)?, i(4)?, i(5)?, u(6)?, u(7)?)
             }
             Kernel::MoveSpans => {
                 let (buf, list, n) = (u(0)?, u(1)?, u(2)?);
@@ -295,11 +309,22 @@ impl Emulation {
                 }
                 Ok(())
             }
-            Kernel::Scatter => {
-                let (table, pairs, n) = (u(0)?, u(1)?, u(2)?);
-                let pairs = self.i32s(pairs, 2 * n)?;
-                for p in pairs.chunks_exact(2) {
-                    self.write_i32s(table + 4 * u64::from(p[0] as u32), &[p[1]])?;
+            Kernel::ScatterTables => {
+                let (list, k, n) = (u(0)?, u(1)?, u(2)?);
+                let tables = self.u64s(list, k)?;
+                let triples = self.i32s(list + 8 * k, 3 * n)?;
+                for t in triples.chunks_exact(3) {
+                    let table = *tables
+                        .get(t[0] as usize)
+                        .ok_or_else(|| format!("scatter: table slot {} of {k}", t[0]))?;
+                    self.write_i32s(table + 4 * u64::from(t[1] as u32), &[t[2]])?;
+                }
+                Ok(())
+            }
+            Kernel::TranslateMany => {
+                let (list, count) = (u(0)?, u(1)?);
+                for a in self.u64s(list, 8 * count)?.chunks_exact(8) {
+                    self.translate(a[0], a[1], a[2], a[3], a[4] as i32, a[5] as i32, a[6], a[7])?;
                 }
                 Ok(())
             }

@@ -5,7 +5,10 @@
 //! Like [`SyncLedger`](crate::SyncLedger) it is `#[track_caller]`-transparent: an
 //! injected error names the line that called the op, through `dyn Device` too.
 
-use crate::{ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, Translate};
+use crate::{
+    ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, TableScatter,
+    Translate,
+};
 use std::panic::Location;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -32,6 +35,10 @@ pub enum DeviceOp {
     MoveSpans,
     /// [`Device::translate`].
     Translate,
+    /// [`Device::scatter_tables`].
+    ScatterTables,
+    /// [`Device::translate_many`].
+    TranslateMany,
 }
 
 impl DeviceOp {
@@ -48,6 +55,8 @@ impl DeviceOp {
             DeviceOp::FillSpans => "fill_spans",
             DeviceOp::MoveSpans => "move_spans",
             DeviceOp::Translate => "translate",
+            DeviceOp::ScatterTables => "scatter_tables",
+            DeviceOp::TranslateMany => "translate_many",
         }
     }
 }
@@ -275,6 +284,16 @@ impl<D: Device + ?Sized> Device for FaultInjector<D> {
     fn translate(&self, args: &Translate) -> Result<(), Error> {
         self.admit(DeviceOp::Translate)?;
         self.inner.translate(args)
+    }
+
+    fn scatter_tables(&self, scatters: &[TableScatter<'_>]) -> Result<(), Error> {
+        self.admit(DeviceOp::ScatterTables)?;
+        self.inner.scatter_tables(scatters)
+    }
+
+    fn translate_many(&self, all: &[Translate]) -> Result<(), Error> {
+        self.admit(DeviceOp::TranslateMany)?;
+        self.inner.translate_many(all)
     }
 }
 

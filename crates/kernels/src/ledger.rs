@@ -21,7 +21,7 @@
 
 use crate::{
     ByteSpan, BytesId, CpuDevice, Device, Error, HostSync, Readback, SpanMove, SyncHazard,
-    SyncHazards, TableId, Translate,
+    SyncHazards, TableId, TableScatter, Translate,
 };
 use std::fmt;
 use std::panic::Location;
@@ -306,6 +306,16 @@ impl Device for SyncLedger {
 
     fn translate(&self, args: &Translate) -> Result<(), Error> {
         self.run("translate", None, false, |d| d.translate(args))
+    }
+
+    fn scatter_tables(&self, scatters: &[TableScatter<'_>]) -> Result<(), Error> {
+        self.run("scatter_tables", None, false, |d| {
+            d.scatter_tables(scatters)
+        })
+    }
+
+    fn translate_many(&self, all: &[Translate]) -> Result<(), Error> {
+        self.run("translate_many", None, false, |d| d.translate_many(all))
     }
 }
 

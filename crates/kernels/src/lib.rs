@@ -97,7 +97,9 @@ pub use cuda::{
     CapturedGraph, CudaDevice, DEFAULT_STAGING_BYTES, DeviceEvent, DriverRecord, RawEvent,
     RawStream,
 };
-pub use device::{ByteSpan, BytesId, Device, HostSync, Readback, SpanMove, TableId, Translate};
+pub use device::{
+    ByteSpan, BytesId, Device, HostSync, Readback, SpanMove, TableId, TableScatter, Translate,
+};
 pub use driver::{DriverCall, Grid, Kernel, StreamKind, SyncHazard, SyncHazards};
 pub use error::Error;
 pub use fault::{DeviceOp, FaultInjector, InjectedFault};

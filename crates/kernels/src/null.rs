@@ -2,7 +2,10 @@
 
 use crate::check;
 use crate::handles::Handles;
-use crate::{ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, Translate};
+use crate::{
+    ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, TableScatter,
+    Translate,
+};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// A device that stores nothing: it remembers only each buffer's and table's length, and
@@ -99,7 +102,11 @@ impl Device for NullDevice {
     }
 
     fn scatter_table(&self, table: TableId, entries: &[(u32, i32)]) -> Result<(), Error> {
-        check::scatter(table, entries, self.table_len(table)?)
+        self.scatter_tables(&[TableScatter { table, entries }])
+    }
+
+    fn scatter_tables(&self, scatters: &[TableScatter<'_>]) -> Result<(), Error> {
+        check::scatters(scatters, |t| self.table_len(t))
     }
 
     fn gather_table(
@@ -123,9 +130,11 @@ impl Device for NullDevice {
     }
 
     fn translate(&self, args: &Translate) -> Result<(), Error> {
-        self.table_len(args.v2p)?;
-        check::translate(args, self.table_len(args.ids)?, self.table_len(args.out)?)?;
-        Ok(())
+        self.translate_many(std::slice::from_ref(args))
+    }
+
+    fn translate_many(&self, all: &[Translate]) -> Result<(), Error> {
+        check::translates(all, |t| self.table_len(t), |_, _| {})
     }
 }
 

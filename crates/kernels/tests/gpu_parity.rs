@@ -11,7 +11,7 @@
 use unikv_invariants::testing::page_sizes;
 use unikv_kernels::{
     ByteSpan, CpuDevice, CudaDevice, Device, Error, HostSync, Readback, SpanMove, TableId,
-    Translate,
+    TableScatter, Translate,
 };
 
 fn gpu_required() -> bool {
@@ -487,7 +487,7 @@ fn a_captured_translation_replays_with_the_tables_of_its_launch() {
                 assert!(matches!(
                     d.scatter_table(v2p, &[(1, 2)]),
                     Err(Error::NotCapturable {
-                        op: "scatter_table"
+                        op: "scatter_tables"
                     })
                 ));
                 d.translate(&args)?;
@@ -618,4 +618,76 @@ fn row(op: &str, ps: u64, bytes: u64, seconds: f64, peak: f64) {
         rate / 1e9,
         100.0 * rate / peak
     );
+}
+
+/// The fused forms: several tables scattered in one op (a table named twice, indices
+/// repeated: the last pair wins) and several translations in one op, with the errors of
+/// an out-of-range index and of an output that is another translation's input.
+#[test]
+fn fused_scatters_and_translations_match_cpu() {
+    check_parity("fused", |dev| {
+        let (a, b) = (dev.alloc_table(10, 0)?, dev.alloc_table(4, -1)?);
+        let first = [(1, 5), (3, 6), (1, 7)];
+        let second = [(0, 1), (3, 2)];
+        let again = [(3, 9), (9, 4)];
+        dev.scatter_tables(&[
+            TableScatter {
+                table: a,
+                entries: &first,
+            },
+            TableScatter {
+                table: b,
+                entries: &second,
+            },
+            TableScatter {
+                table: a,
+                entries: &again,
+            },
+        ])?;
+        let refused = format!(
+            "{:?}",
+            dev.scatter_tables(&[
+                TableScatter {
+                    table: a,
+                    entries: &[(0, 1)]
+                },
+                TableScatter {
+                    table: b,
+                    entries: &[(4, 1)]
+                },
+            ])
+        );
+        let ids = table(dev, &[1, 2, 3, 9, 0, 7])?;
+        let (o1, o2) = (dev.alloc_table(8, -5)?, dev.alloc_table(6, -5)?);
+        let one = Translate {
+            v2p: a,
+            ids,
+            n: 6,
+            page_size: 1,
+            stride: 3,
+            out: o1,
+            out_width: 8,
+        };
+        let two = Translate {
+            v2p: b,
+            ids,
+            n: 5,
+            page_size: 2,
+            stride: 5,
+            out: o2,
+            out_width: 6,
+        };
+        dev.translate_many(&[one, two])?;
+        let aliased = Translate { out: ids, ..two };
+        let alias = format!("{:?}", dev.translate_many(&[one, aliased]));
+        let s = sync();
+        Ok((
+            dev.read_table(&s, a, 0, 10)?,
+            dev.read_table(&s, b, 0, 4)?,
+            refused,
+            dev.read_table(&s, o1, 0, 8)?,
+            dev.read_table(&s, o2, 0, 6)?,
+            alias,
+        ))
+    });
 }

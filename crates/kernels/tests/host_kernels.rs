@@ -13,7 +13,9 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use unikv_kernels::nvrtc::KERNEL_SOURCES;
-use unikv_kernels::{ByteSpan, CpuDevice, Device, HostSync, Readback, SpanMove, Translate};
+use unikv_kernels::{
+    ByteSpan, CpuDevice, Device, HostSync, Readback, SpanMove, TableScatter, Translate,
+};
 
 /// Threads per block and most blocks of the CUDA backend's launches (`cuda.rs`).
 const BLOCK: u32 = 256;
@@ -251,21 +253,65 @@ fn table_scatters_and_gathers_match_the_cpu_twin() {
             .iter()
             .map(|&i| (i, rng.below(1 << 20) as i32))
             .collect();
-        let table = dev.alloc_table(len, 0).unwrap();
-        dev.upload_table(table, 0, &initial).unwrap();
-        dev.scatter_table(table, &pairs).unwrap();
-        let want = dev.read_table(&sync(), table, 0, len).unwrap();
-        let list = bytes_of(&pairs, |(i, v)| {
-            [i.to_le_bytes(), (v as u32).to_le_bytes()].concat()
-        });
-        for shape in item_shapes(pairs.len() as u64) {
-            let got = from_i32s(&run("scatter", shape, &[&i32s(&initial), &list]));
-            assert_eq!(
-                got,
-                want,
-                "scatter of {} into {len}, shape {shape:?}",
-                pairs.len()
-            );
+        // Three tables in one launch, as the mirror upload of three sides.
+        let others: [Vec<i32>; 2] = [vec![-3; len / 2 + 1], vec![9; 7]];
+        let more: [Vec<(u32, i32)>; 2] = [
+            (0..(len / 2 + 1) as u32)
+                .step_by(2)
+                .map(|i| (i, i as i32))
+                .collect(),
+            vec![(6, 1), (0, 2)],
+        ];
+        let tables: Vec<_> = [&initial, &others[0], &others[1]]
+            .iter()
+            .map(|values| {
+                let t = dev.alloc_table(values.len(), 0).unwrap();
+                dev.upload_table(t, 0, values).unwrap();
+                t
+            })
+            .collect();
+        let scatters = [
+            TableScatter {
+                table: tables[0],
+                entries: &pairs,
+            },
+            TableScatter {
+                table: tables[1],
+                entries: &more[0],
+            },
+            TableScatter {
+                table: tables[2],
+                entries: &more[1],
+            },
+        ];
+        dev.scatter_tables(&scatters).unwrap();
+        let want: Vec<i32> = tables
+            .iter()
+            .zip([len, len / 2 + 1, 7])
+            .flat_map(|(&t, n)| dev.read_table(&sync(), t, 0, n).unwrap())
+            .collect();
+        let mut list = Vec::new();
+        for (slot, s) in scatters.iter().enumerate() {
+            for &(i, v) in s.entries {
+                for word in [slot as u32, i, v as u32] {
+                    list.extend_from_slice(&word.to_le_bytes());
+                }
+            }
+        }
+        let n = (list.len() / 12) as u64;
+        for shape in item_shapes(n) {
+            let got = from_i32s(&run(
+                "scatter_tables",
+                shape,
+                &[
+                    &3u64.to_le_bytes(),
+                    &i32s(&initial),
+                    &i32s(&others[0]),
+                    &i32s(&others[1]),
+                    &list,
+                ],
+            ));
+            assert_eq!(got, want, "scatter of {n} into 3 tables, shape {shape:?}");
         }
 
         // Indices in range, negative and past the end.
@@ -299,6 +345,9 @@ fn translate_matches_the_cpu_twin_at_every_page_size() {
         return;
     }
     let mut rng = Rng(0xC0FFEE);
+    // Every page size's translation again, all in one launch of `unikv_translate_many`.
+    let many = CpuDevice::new();
+    let (mut all, mut arrays, mut widest) = (Vec::new(), Vec::new(), 0);
     for ps in [1i64, 16, 256] {
         let dev = CpuDevice::new();
         let pages = 200usize;
@@ -348,5 +397,35 @@ fn translate_matches_the_cpu_twin_at_every_page_size() {
                 "translate at ps {ps}, stride {stride}, shape {shape:?}"
             );
         }
+        let table = |values: &[i32]| {
+            let t = many.alloc_table(values.len(), 0).unwrap();
+            many.upload_table(t, 0, values).unwrap();
+            t
+        };
+        all.push(Translate {
+            v2p: table(&v2p),
+            ids: table(&ids),
+            out: table(&vec![7; width + 2]),
+            n,
+            page_size: ps as u32,
+            stride: stride as u32,
+            out_width: width,
+        });
+        arrays.extend([i32s(&v2p), i32s(&ids), args, i32s(&vec![7; width + 2])]);
+        widest = widest.max(width as u64);
+    }
+    many.translate_many(&all).unwrap();
+    let want: Vec<i32> = all
+        .iter()
+        .flat_map(|t| many.read_table(&sync(), t.out, 0, t.out_width + 2).unwrap())
+        .collect();
+    let count = 3u64.to_le_bytes();
+    let inputs: Vec<&[u8]> = std::iter::once(&count[..])
+        .chain(arrays.iter().map(Vec::as_slice))
+        .collect();
+    let rows = widest.div_ceil(u64::from(BLOCK)) as u32;
+    for shape in [(1, 1, 1), (3, 2, 7), (rows, 3, BLOCK)] {
+        let got = from_i32s(&run("translate_many", shape, &inputs));
+        assert_eq!(got, want, "translate_many, shape {shape:?}");
     }
 }

@@ -10,6 +10,22 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use unikv_invariants::Scope;
 use unikv_kernels::{BytesId, TableId};
 
+/// One row of [`KvAllocator::translate_many`]: `n` virtual ids in the device table
+/// `ids` translated against `side`'s mirror into `out`, zero-filled to `out_width`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SideTranslation {
+    /// The side whose mirror translates.
+    pub side: Side,
+    /// The virtual ids.
+    pub ids: TableId,
+    /// How many.
+    pub n: usize,
+    /// The output table.
+    pub out: TableId,
+    /// Width written to `out` (`>= n`).
+    pub out_width: usize,
+}
+
 /// One request of an extend batch: its row grows from `prefix_len` to `seq_len` tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ExtendRequest {
@@ -604,6 +620,11 @@ pub trait KvAllocator: std::fmt::Debug + Send {
         out: TableId,
         out_width: usize,
     ) -> Result<(), Error>;
+
+    /// [`KvAllocator::translate`] for several rows in one device op (a step's
+    /// translation of every side: one launch on a GPU). Refused as a whole, issuing
+    /// nothing, when any row is refused.
+    fn translate_many(&self, rows: &[SideTranslation]) -> Result<(), Error>;
 
     /// The device byte buffer both sides live in.
     fn buffer(&self) -> BytesId;

@@ -3,14 +3,16 @@
 //! liveness filter, free groups with their deferred lists, and the one flush every
 //! flush site calls.
 
-use crate::api::{DeferredKind, ExtendRequest, FreeOp, Segment};
+use crate::api::{DeferredKind, ExtendRequest, FreeOp, KvAllocator, Segment, SideTranslation};
 use crate::error::{Error, SlotFault};
 use crate::ids::{PageSize, VirtualPage, VirtualSlot, VirtualToken};
 use crate::invariants::{
     DOUBLE_FREE, FREE_BATCH_WELL_FORMED, ONE_FREE_PER_GROUP, PEER_MAPPED, PEER_RELEASED,
     SEGMENT_SHAPE, SINK_RESERVED, WINDOW_RATCHET,
 };
+use crate::spec::Side;
 use unikv_invariants::{Scope, enabled};
+use unikv_kernels::Translate;
 
 /// The page tables a layout exposes to the free family.
 pub(crate) trait PageTables {
@@ -941,6 +943,39 @@ fn apply_deferred<T: PageTables + ?Sized>(t: &mut T) {
     g.forget_freed();
 }
 
+/// The device translation of `row` against its side's mirror, refused while the mirror
+/// is `pending` entries behind the host tables (the mirror-epoch rule).
+pub(crate) fn device_translation(
+    a: &(impl KvAllocator + PageTables + ?Sized),
+    pending: usize,
+    row: &SideTranslation,
+) -> Result<Translate, Error> {
+    let Some(v2p) = a.mirror_table(row.side) else {
+        let op = "translate";
+        return Err(match row.side {
+            Side::Swa => Error::NoSwaSide { op },
+            _ => Error::NoSlotPool { op },
+        });
+    };
+    if pending != 0 {
+        return Err(Error::MirrorBehind { pending });
+    }
+    Ok(Translate {
+        v2p,
+        ids: row.ids,
+        n: row.n,
+        // A slot is a page of one: its id is its page.
+        page_size: if row.side == Side::Mamba {
+            1
+        } else {
+            a.ps().get()
+        },
+        stride: a.stride(row.side),
+        out: row.out,
+        out_width: row.out_width,
+    })
+}
+
 /// The [`crate::KvAllocator`] methods both allocators implement the same way: allocation
 /// through their inherent `alloc`, the whole free family through this module's generic
 /// functions, and the device translate against a side's mirror. Written once here and expanded inside each `impl KvAllocator`, so
@@ -1054,32 +1089,24 @@ macro_rules! free_family_methods {
             out: TableId,
             out_width: usize,
         ) -> Result<(), Error> {
-            let Some(v2p) = self.mirror_table(side) else {
-                let op = "translate";
-                return Err(match side {
-                    Side::Swa => Error::NoSwaSide { op },
-                    _ => Error::NoSlotPool { op },
-                });
-            };
-            let pending = self.mirror_pending();
-            if pending != 0 {
-                return Err(Error::MirrorBehind { pending });
-            }
-            self.device.translate(&Translate {
-                v2p,
+            let row = $crate::api::SideTranslation {
+                side,
                 ids,
                 n,
-                // A slot is a page of one: its id is its page.
-                page_size: if side == Side::Mamba {
-                    1
-                } else {
-                    self.ps.get()
-                },
-                stride: self.stride(side),
                 out,
                 out_width,
-            })?;
-            Ok(())
+            };
+            let args = $crate::frees::device_translation(self, self.mirror_pending(), &row)?;
+            Ok(self.device.translate(&args)?)
+        }
+
+        fn translate_many(&self, rows: &[$crate::api::SideTranslation]) -> Result<(), Error> {
+            let pending = self.mirror_pending();
+            let all = rows
+                .iter()
+                .map(|row| $crate::frees::device_translation(self, pending, row))
+                .collect::<Result<Vec<_>, Error>>()?;
+            Ok(self.device.translate_many(&all)?)
         }
 
         fn buffer(&self) -> BytesId {

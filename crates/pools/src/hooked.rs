@@ -6,7 +6,7 @@
 
 use crate::api::{
     Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, FreeOp, KvAllocator,
-    MoveGate, PageDemand, PoolMap, ReclaimPlan, Reclaimable, Segment, SwaState,
+    MoveGate, PageDemand, PoolMap, ReclaimPlan, Reclaimable, Segment, SideTranslation, SwaState,
 };
 use crate::{Error, Grid, PageSize, Side, VirtualPage, VirtualSlot, VirtualToken};
 use unikv_invariants::Scope;
@@ -410,6 +410,9 @@ impl<H: Hooks> KvAllocator for Hooked<H> {
         out_width: usize,
     ) -> Result<(), Error> {
         self.inner.translate(side, ids, n, out, out_width)
+    }
+    fn translate_many(&self, rows: &[SideTranslation]) -> Result<(), Error> {
+        self.inner.translate_many(rows)
     }
     fn buffer(&self) -> BytesId {
         self.inner.buffer()

@@ -110,8 +110,8 @@ mod unified;
 
 pub use api::{
     Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, FreeOp, KvAllocator,
-    MoveGate, PageDemand, PoolMap, ReclaimPlan, Reclaimable, Segment, SideCapacity, SpanInfo,
-    SwaState,
+    MoveGate, PageDemand, PoolMap, ReclaimPlan, Reclaimable, Segment, SideCapacity,
+    SideTranslation, SpanInfo, SwaState,
 };
 pub use error::{Bs1Floor, Error, SlotFault};
 pub use hooked::{Call, Hooked, Hooks, IdFree, Outcome};

@@ -23,7 +23,7 @@ use crate::sub::{resident_list, resident_table};
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 use unikv_invariants::{Scope, enabled};
-use unikv_kernels::{ByteSpan, BytesId, Device, SpanMove, TableId, Translate};
+use unikv_kernels::{ByteSpan, BytesId, Device, SpanMove, TableId, TableScatter};
 
 /// How to build a [`StaticSwa`].
 #[derive(Clone, Debug)]
@@ -975,16 +975,23 @@ impl KvAllocator for StaticSwa {
         }));
         let (full, rest) = self.entries.split_at(n);
         let (swa, slots) = rest.split_at(if self.swa_side { n } else { 0 });
-        if n > 0 {
-            self.device.scatter_table(self.full_mirror, full)?;
-            if let Some(t) = self.swa_mirror {
-                self.device.scatter_table(t, swa)?;
+        // One op for every table that changed.
+        let mirrors = [Some(self.full_mirror), self.swa_mirror, self.slot_mirror];
+        let mut scatters = [TableScatter {
+            table: self.full_mirror,
+            entries: &[],
+        }; 3];
+        let mut k = 0;
+        for (table, entries) in mirrors.into_iter().zip([full, swa, slots]) {
+            if let Some(table) = table
+                && !entries.is_empty()
+            {
+                scatters[k] = TableScatter { table, entries };
+                k += 1;
             }
         }
-        if let Some(t) = self.slot_mirror
-            && !slots.is_empty()
-        {
-            self.device.scatter_table(t, slots)?;
+        if k > 0 {
+            self.device.scatter_tables(&scatters[..k])?;
         }
         let flags = &mut self.dirty_flag;
         for &v in &self.dirty {

@@ -23,7 +23,7 @@ use crate::sub::{CompactionPlan, Edge, RelayPlan, SpanView, SubAllocator, Virtua
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use unikv_invariants::{Scope, enabled};
-use unikv_kernels::{ByteSpan, BytesId, Device, SpanMove, TableId, Translate};
+use unikv_kernels::{ByteSpan, BytesId, Device, SpanMove, TableId, TableScatter};
 
 /// How to build a [`UnifiedSwa`]: FULL with SWA (gpt-oss, Gemma) or with Mamba state
 /// (Qwen3-Next, Nemotron-H).
@@ -1196,15 +1196,27 @@ impl KvAllocator for UnifiedSwa {
     }
 
     fn upload_mirror(&mut self) -> Result<(), Error> {
-        // One scatter per side of its changes in order (the last of a page's wins). The
-        // entries stay until every scatter was issued, so a failed upload is retried
-        // whole (re-scattering an entry is idempotent).
+        // One op for every side's changes in order (the last of a page's wins). The
+        // entries stay until it was issued, so a failed upload is retried whole
+        // (re-scattering an entry is idempotent).
+        let mut scatters = [TableScatter {
+            table: TableId(0),
+            entries: &[],
+        }; 3];
+        let mut n = 0;
         for side in [Side::Full, Side::Swa, Side::Mamba] {
-            if let (Some(sub), Some(mirror)) = (self.side(side), self.mirrors[ix(side)])
+            if let (Some(sub), Some(table)) = (self.side(side), self.mirrors[ix(side)])
                 && sub.has_dirty()
             {
-                self.device.scatter_table(mirror, sub.dirty_entries())?;
+                scatters[n] = TableScatter {
+                    table,
+                    entries: sub.dirty_entries(),
+                };
+                n += 1;
             }
+        }
+        if n > 0 {
+            self.device.scatter_tables(&scatters[..n])?;
         }
         self.full.clear_dirty();
         for sub in [&mut self.swa, &mut self.mamba].into_iter().flatten() {

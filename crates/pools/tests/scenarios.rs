@@ -8,8 +8,8 @@ use unikv_invariants::{Level, scoped_level};
 use unikv_kernels::{HostSync, Readback};
 use unikv_pools::invariants::{DOUBLE_FREE, PEER_RELEASED, SINK_RESERVED};
 use unikv_pools::{
-    DecodeRequest, Error, ExtendRequest, KvAllocator, PageDemand, Segment, Side, StaticSwa,
-    StaticSwaConfig, SubPoolSpec, SwaState, UnifiedSwa, UnifiedSwaConfig, VirtualPage,
+    DecodeRequest, Error, ExtendRequest, KvAllocator, PageDemand, Segment, Side, SideTranslation,
+    StaticSwa, StaticSwaConfig, SubPoolSpec, SwaState, UnifiedSwa, UnifiedSwaConfig, VirtualPage,
     VirtualToken,
 };
 
@@ -288,6 +288,7 @@ fn s07_translate() {
         let dev = pool.ledger.clone();
         let table = dev.alloc_table_for_test(&ids);
         let width = ids.len() + 5;
+        let mut per_side = Vec::new();
         for side in [Side::Full, Side::Swa] {
             let out = unikv_kernels::Device::alloc_table(&*dev, width, 77).unwrap();
             pool.translate(side, table, ids.len(), out, width).unwrap();
@@ -312,6 +313,24 @@ fn s07_translate() {
                 }
             }
             assert!(got[ids.len()..].iter().all(|&x| x == 0), "zero-filled tail");
+            per_side.push(got);
+        }
+        // Both sides in one op: the same kernel ids.
+        let outs = [Side::Full, Side::Swa].map(|side| SideTranslation {
+            side,
+            ids: table,
+            n: ids.len(),
+            out: unikv_kernels::Device::alloc_table(&*dev, width, 77).unwrap(),
+            out_width: width,
+        });
+        dev.reset();
+        pool.translate_many(&outs).unwrap();
+        assert_eq!(dev.op_count(), 1, "one device op: {:?}", dev.ops());
+        for (row, want) in outs.iter().zip(&per_side) {
+            let got = dev
+                .read_table(&HostSync::acquire("test"), row.out, 0, width)
+                .unwrap();
+            assert_eq!(&got, want, "{layout:?}/{ps} {:?} fused", row.side);
         }
         // SWA of the window-evicted page reads as the sink; FULL still translates.
         assert_eq!(pool.kernel_id(Side::Swa, row[0]), 0);

@@ -464,7 +464,7 @@ fn a_failed_device_op_on_a_slot_path_changes_nothing_and_the_retry_succeeds() {
         faults.clear();
         a.copy_slots(&[(s[0], s[1])]).unwrap();
         assert!(slot_bytes(&**dev, &a, s[1]).iter().all(|&b| b == 0x33));
-        // The mirror upload: fail each of its scatters in turn (FULL, SWA, slots).
+        // The mirror upload: one op for FULL, SWA and the slots; fail it, then retry.
         let _row = fresh_row(&mut a, 3);
         let more = alloc_slots(&mut a, 1);
         a.free_slots(&more).unwrap();
@@ -481,14 +481,13 @@ fn a_failed_device_op_on_a_slot_path_changes_nothing_and_the_retry_succeeds() {
             assert!(result.is_err());
             assert!(
                 !a.mirror_current(),
-                "stays dirty until every scatter was issued"
+                "stays dirty until the upload was issued"
             );
             assert_eq!(snapshot(&a), before);
             faults.clear();
             n += 1;
         }
-        let scatters = if kv == Kv::FullSwa { 3 } else { 2 };
-        assert_eq!(n, scatters, "one scatter per table");
+        assert_eq!(n, 1, "one upload op for every table");
         assert!(a.mirror_current());
         let mirror = a.mirror_table(Side::Mamba).unwrap();
         let table = dev

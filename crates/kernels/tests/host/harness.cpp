@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -91,13 +92,28 @@ int main() {
         launch(grid_x, grid_y, block,
                [&] { unikv_move_spans(buf.data(), as<unsigned long long>(moves), n); });
         write_array(buf);
-    } else if (name == "scatter") {
-        auto table = read_array();
-        auto pairs = read_array();
-        unsigned long long n = pairs.size() / 8;
-        launch(grid_x, grid_y, block,
-               [&] { unikv_scatter(as<int>(table), as<unsigned int>(pairs), n); });
-        write_array(table);
+    } else if (name == "scatter_tables") {
+        // k, the k tables, then the (slot, index, value) triples; the tables' addresses
+        // go in front of the triples, as the backend stages them.
+        auto k_bytes = read_array();
+        unsigned long long k = as<unsigned long long>(k_bytes)[0];
+        std::vector<std::vector<unsigned char>> tables;
+        for (unsigned long long t = 0; t < k; ++t) {
+            tables.push_back(read_array());
+        }
+        auto triples = read_array();
+        std::vector<unsigned long long> list(k + (triples.size() + 7) / 8);
+        for (unsigned long long t = 0; t < k; ++t) {
+            list[t] = (unsigned long long)(uintptr_t)tables[t].data();
+        }
+        memcpy(&list[k], triples.data(), triples.size());
+        unsigned long long n = triples.size() / 12;
+        launch(grid_x, grid_y, block, [&] { unikv_scatter_tables(list.data(), k, n); });
+        std::vector<unsigned char> all;
+        for (auto& t : tables) {
+            all.insert(all.end(), t.begin(), t.end());
+        }
+        write_array(all);
     } else if (name == "gather") {
         auto src = read_array();
         auto indices = read_array();
@@ -119,6 +135,35 @@ int main() {
                             (unsigned long long)a[3]);
         });
         write_array(out);
+    } else if (name == "translate_many") {
+        // count, then per translation: v2p, ids, (n, page size, stride, out width) as
+        // 4 x i64, out. Output: the outs, concatenated.
+        auto count_bytes = read_array();
+        unsigned long long count = as<unsigned long long>(count_bytes)[0];
+        std::vector<std::vector<unsigned char>> v2ps, idss, outs;
+        std::vector<unsigned long long> list;
+        for (unsigned long long t = 0; t < count; ++t) {
+            v2ps.push_back(read_array());
+            idss.push_back(read_array());
+            auto args = read_array();
+            outs.push_back(read_array());
+            long long* a = as<long long>(args);
+            unsigned long long words[8] = {0, v2ps.back().size() / 4, 0, (unsigned long long)a[0],
+                                           (unsigned long long)a[1], (unsigned long long)a[2], 0,
+                                           (unsigned long long)a[3]};
+            list.insert(list.end(), words, words + 8);
+        }
+        for (unsigned long long t = 0; t < count; ++t) {  // the vectors no longer move
+            list[8 * t] = (unsigned long long)(uintptr_t)v2ps[t].data();
+            list[8 * t + 2] = (unsigned long long)(uintptr_t)idss[t].data();
+            list[8 * t + 6] = (unsigned long long)(uintptr_t)outs[t].data();
+        }
+        launch(grid_x, grid_y, block, [&] { unikv_translate_many(list.data(), count); });
+        std::vector<unsigned char> all;
+        for (auto& o : outs) {
+            all.insert(all.end(), o.begin(), o.end());
+        }
+        write_array(all);
     } else {
         fprintf(stderr, "harness: unknown kernel %s\n", name.c_str());
         return 2;
