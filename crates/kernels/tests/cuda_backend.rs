@@ -70,6 +70,26 @@ fn sync() -> HostSync {
     HostSync::acquire("test read-back")
 }
 
+/// `dev`'s tables and buffer after `steps` steps equal the CPU reference's.
+fn assert_matches_the_cpu_after(dev: &CudaDevice, f: &Fixture, steps: u32) {
+    let cpu = CpuDevice::new();
+    let g = set_up(&cpu);
+    for k in 0..steps {
+        step(&cpu, &g, k);
+    }
+    let s = sync();
+    for (a, b, len) in [(f.out, g.out, 40), (f.v2p, g.v2p, 64)] {
+        assert_eq!(
+            dev.read_table(&s, a, 0, len).unwrap(),
+            cpu.read_table(&s, b, 0, len).unwrap()
+        );
+    }
+    assert_eq!(
+        dev.read_bytes(&s, f.buf, 0, 1 << 16).unwrap(),
+        cpu.read_bytes(&s, g.buf, 0, 1 << 16).unwrap()
+    );
+}
+
 /// The ops of many steps (their lists wrap the ring many times) make only calls that
 /// enqueue work or ask without waiting: no allocation, free, pageable copy or wait, and
 /// no hazard at all, on a running stream and on one the GPU never gets to.
@@ -108,20 +128,7 @@ fn the_op_path_makes_no_driver_call_that_may_block() {
         assert_eq!(dev.sync_hazards(), before, "stalled {stalled}");
         dev.resume_stream().unwrap();
         // And what the ops wrote is what the CPU reference writes.
-        let cpu = CpuDevice::new();
-        let g = set_up(&cpu);
-        for k in 0..steps {
-            step(&cpu, &g, k);
-        }
-        let s = sync();
-        assert_eq!(
-            dev.read_table(&s, f.out, 0, 40).unwrap(),
-            cpu.read_table(&s, g.out, 0, 40).unwrap()
-        );
-        assert_eq!(
-            dev.read_bytes(&s, f.buf, 0, 1 << 16).unwrap(),
-            cpu.read_bytes(&s, g.buf, 0, 1 << 16).unwrap()
-        );
+        assert_matches_the_cpu_after(&dev, &f, steps);
     }
 }
 
@@ -211,21 +218,7 @@ fn a_full_ring_falls_back_with_hazards_and_grows_only_at_the_step_boundary() {
     dev.end_step().unwrap();
     let grown = dev.staging_capacity();
     assert!(grown > cap, "{grown}");
-
-    let cpu = CpuDevice::new();
-    let g = set_up(&cpu);
-    for k in 0..4 {
-        step(&cpu, &g, k);
-    }
-    let s = sync();
-    assert_eq!(
-        dev.read_table(&s, f.out, 0, 40).unwrap(),
-        cpu.read_table(&s, g.out, 0, 40).unwrap()
-    );
-    assert_eq!(
-        dev.read_table(&s, f.v2p, 0, 64).unwrap(),
-        cpu.read_table(&s, g.v2p, 0, 64).unwrap()
-    );
+    assert_matches_the_cpu_after(&dev, &f, 4);
 
     assert!(dev.stall_stream());
     let before = dev.sync_hazards().count;
