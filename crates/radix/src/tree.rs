@@ -808,6 +808,44 @@ mod tests {
         tree.sanity_check().unwrap();
     }
 
+    /// States attached from the deepest node up (each on a node a split made, whose own
+    /// path holds only itself) leave one path of five over a cap of two; the next attach
+    /// below them evicts every excess state, not just one per attach.
+    #[test]
+    fn an_attach_below_a_path_over_the_cap_evicts_every_excess_state() {
+        let cap = std::num::NonZeroUsize::new(2).unwrap();
+        let mut tree = RadixTree::new(
+            TreeConfig::full_only(1)
+                .with_mamba()
+                .with_mamba_path_cap(cap),
+        )
+        .unwrap();
+        for (slot, n) in [5, 4, 3, 2, 1].into_iter().enumerate() {
+            let out = tree
+                .insert(InsertRequest::new(&key(n), &row(n)).mamba(MambaSlot(slot as u32 + 1)))
+                .unwrap();
+            assert!(
+                !out.actions
+                    .iter()
+                    .any(|a| matches!(a, crate::Action::EvictMambaState { .. })),
+                "{:?}",
+                out.actions
+            );
+        }
+        assert_eq!(tree.held().2.get(), 5, "{}", tree.dump());
+        let out = tree
+            .insert(InsertRequest::new(&key(6), &row(6)).mamba(MambaSlot(6)))
+            .unwrap();
+        let evicted = out
+            .actions
+            .iter()
+            .filter(|a| matches!(a, crate::Action::EvictMambaState { .. }))
+            .count();
+        assert_eq!(evicted, 4, "{:?}", out.actions);
+        assert_eq!(tree.held().2.get(), 2, "{}", tree.dump());
+        tree.sanity_check().unwrap();
+    }
+
     /// An insert's claimed prefix is checked value by value up to its end only, in every
     /// node of the path.
     #[test]
