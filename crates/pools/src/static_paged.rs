@@ -1076,7 +1076,8 @@ impl KvAllocator for StaticSwa {
     }
 
     fn check_conservation(&self) -> bool {
-        let full_live = self.full_pages as usize - self.free_full.len();
+        // Saturating: a free list longer than the pool is a breach to report, not a panic.
+        let full_live = (self.full_pages as usize).saturating_sub(self.free_full.len());
         let (mamba, swa, full) = (
             self.region(Side::Mamba),
             self.region(Side::Swa),
@@ -1246,6 +1247,148 @@ mod tests {
             },
         )
         .unwrap()
+    }
+
+    /// A pool with a FULL, an SWA and a slot side, one FULL page and one slot bound.
+    fn full_pool() -> StaticSwa {
+        let mut p = StaticSwa::new(
+            Arc::new(CpuDevice::new()),
+            StaticSwaConfig {
+                total_bytes: 1 << 17,
+                mamba: Some(StaticSlots {
+                    spec: crate::SlotPoolSpec {
+                        name: "mamba",
+                        layers: 1,
+                        bytes_per_slot: 64,
+                    },
+                    slots: 4,
+                }),
+                ..config()
+            },
+        )
+        .unwrap();
+        let mut out = Vec::new();
+        p.alloc_extend(
+            &[ExtendRequest {
+                prefix_len: 0,
+                seq_len: 4,
+                last_token: None,
+            }],
+            &mut out,
+        )
+        .unwrap();
+        let mut slots = Vec::new();
+        p.alloc_slots(1, &mut slots).unwrap();
+        assert_eq!(p.verify(), Ok(()));
+        p
+    }
+
+    fn config() -> StaticSwaConfig {
+        StaticSwaConfig {
+            total_bytes: 1 << 16,
+            page_size: 4,
+            window: 8,
+            full: SubPoolSpec::mha("full", 2, 1, 4, 2),
+            swa: Some(SubPoolSpec::mha("swa", 2, 2, 4, 2)),
+            mamba: None,
+            swa_full_ratio: 1.0,
+            zero_on_handout: false,
+        }
+    }
+
+    /// Each clause of the conservation equation is checked on its own: breaking any one
+    /// counter or region bound fails it, while the others still hold.
+    #[test]
+    fn each_conservation_clause_fails_on_its_own() {
+        let corruptions: [(&str, fn(&mut StaticSwa)); 8] = [
+            ("swa free + live", |p| p.swa_live += 1),
+            ("full free list longer than the pool", |p| {
+                p.free_full.extend(0..p.full_pages + 1)
+            }),
+            ("swa live + tombstones within full live", |p| {
+                p.tombstones += 2
+            }),
+            ("slots free + live", |p| p.live_slots += 1),
+            ("slots above the floor", |p| p.floor = u64::MAX),
+            ("slots below swa and full", |p| p.slots += 1 << 20),
+            ("swa below full", |p| p.swa_pages += 1 << 20),
+            ("full inside the buffer", |p| p.total_bytes = 0),
+        ];
+        for (clause, corrupt) in corruptions {
+            let mut p = full_pool();
+            assert!(p.check_conservation(), "{clause}: clean");
+            corrupt(&mut p);
+            assert!(!p.check_conservation(), "{clause}: not caught");
+        }
+    }
+
+    /// The full scan names each kind of corruption that the counters alone do not show.
+    #[test]
+    fn verify_names_each_corruption_the_counters_miss() {
+        let mut p = full_pool();
+        p.full_live[0] = true;
+        p.free_full.retain(|_| true);
+        assert_eq!(p.verify(), Err("the sink is bound".to_string()));
+
+        let mut p = full_pool();
+        let v = (1..p.swa_of.len()).find(|&v| p.full_live[v]).unwrap();
+        let s = p.swa_of[v];
+        // A tombstone the counter does not know: the map says one, the counter none.
+        p.swa_owner[(s as u32 - p.swa_base) as usize] = 0;
+        p.free_swa.push(s as u32);
+        p.swa_of[v] = -1;
+        p.swa_live -= 1;
+        assert_eq!(
+            p.verify(),
+            Err("0 SWA live and 1 tombstones in the map, counters say 0 and 0".to_string())
+        );
+
+        let mut p = full_pool();
+        p.slot_live[0] = true;
+        assert_eq!(p.verify(), Err("the sink slot is live".to_string()));
+    }
+
+    /// An allocator without an SWA side that still holds an SWA tombstone is caught.
+    #[test]
+    fn a_pool_without_swa_that_binds_swa_is_caught() {
+        let mut p = StaticSwa::new(
+            Arc::new(CpuDevice::new()),
+            StaticSwaConfig {
+                swa: None,
+                ..config()
+            },
+        )
+        .unwrap();
+        let mut out = Vec::new();
+        p.alloc_extend(
+            &[ExtendRequest {
+                prefix_len: 0,
+                seq_len: 4,
+                last_token: None,
+            }],
+            &mut out,
+        )
+        .unwrap();
+        let v = (1..p.swa_of.len()).find(|&v| p.full_live[v]).unwrap();
+        let clean = (p.swa_pages, p.free_swa.clone(), p.swa_owner.clone());
+        p.swa_of[v] = -1;
+        p.tombstones = 1;
+        assert_eq!(
+            p.verify(),
+            Err("an allocator without SWA binds SWA pages".to_string())
+        );
+        // Or one that claims an SWA pool, free and unowned, with nothing bound.
+        p.swa_of[v] = 0;
+        p.tombstones = 0;
+        p.swa_pages = 1;
+        p.free_swa.push(p.swa_base);
+        p.swa_owner = vec![0];
+        assert_eq!(
+            p.verify(),
+            Err("an allocator without SWA binds SWA pages".to_string())
+        );
+        (p.swa_pages, p.free_swa, p.swa_owner) = clean;
+        assert_eq!(p.verify(), Ok(()));
     }
 
     /// The full scan finds a free FULL list that repeats a page or holds the sink, even
