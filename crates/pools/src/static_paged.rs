@@ -1300,7 +1300,8 @@ mod tests {
     /// counter or region bound fails it, while the others still hold.
     #[test]
     fn each_conservation_clause_fails_on_its_own() {
-        let corruptions: [(&str, fn(&mut StaticSwa)); 8] = [
+        type Corruption = (&'static str, fn(&mut StaticSwa));
+        let corruptions: [Corruption; 8] = [
             ("swa free + live", |p| p.swa_live += 1),
             ("full free list longer than the pool", |p| {
                 p.free_full.extend(0..p.full_pages + 1)
