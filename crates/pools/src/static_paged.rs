@@ -1347,6 +1347,44 @@ mod tests {
         let mut p = full_pool();
         p.slot_live[0] = true;
         assert_eq!(p.verify(), Err("the sink slot is live".to_string()));
+
+        // The sink on the free slot list, in place of a free slot: the counts balance.
+        let mut p = full_pool();
+        let last = p.free_slots.len() - 1;
+        p.free_slots[last] = 0;
+        assert_eq!(
+            p.verify(),
+            Err("free slot list holds a duplicate or the sink".to_string())
+        );
+    }
+
+    /// Dropping the allocator frees its buffer and every mirror table.
+    #[test]
+    fn dropping_the_allocator_frees_its_device_memory() {
+        let ledger = Arc::new(unikv_kernels::SyncLedger::cpu());
+        let p = StaticSwa::new(
+            ledger.clone(),
+            StaticSwaConfig {
+                mamba: Some(StaticSlots {
+                    spec: crate::SlotPoolSpec {
+                        name: "mamba",
+                        layers: 1,
+                        bytes_per_slot: 64,
+                    },
+                    slots: 4,
+                }),
+                total_bytes: 1 << 17,
+                ..config()
+            },
+        )
+        .unwrap();
+        ledger.reset();
+        drop(p);
+        let frees: Vec<&str> = ledger.ops().iter().map(|r| r.op).collect();
+        assert_eq!(
+            frees,
+            ["free_bytes", "free_table", "free_table", "free_table"]
+        );
     }
 
     /// An allocator without an SWA side that still holds an SWA tombstone is caught.

@@ -1037,6 +1037,7 @@ mod tests {
         let p = sub.take();
         assert_eq!(p, 31, "grows down from the top page");
         sub.bind(3, p);
+        assert_eq!((sub.v2p[3], sub.tombstones(), sub.live()), (p as i32, 0, 1));
         sub.unbind(3, true);
         assert_eq!((sub.v2p[3], sub.tombstones(), sub.live()), (-1, 1, 0));
         sub.clear_tombstone(3);
