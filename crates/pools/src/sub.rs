@@ -1031,6 +1031,37 @@ mod tests {
         }
     }
 
+    /// The read accessors answer from the tables: a bound page's entries both ways, a
+    /// page freed inside the span as a hole, the span's ends (the high one exclusive),
+    /// and binding a tombstoned page clears its tombstone.
+    #[test]
+    fn the_accessors_and_a_rebind_over_a_tombstone_follow_the_tables() {
+        let mut sub = SubAllocator::new(grid(), Grow::Down, 16);
+        let (p, q) = (sub.take(), sub.take());
+        sub.bind(3, p);
+        sub.bind(5, q);
+        assert_eq!(
+            (sub.v2p(3), sub.p2v(p), sub.v2p(5), sub.p2v(q)),
+            (p as i32, 3, q as i32, 5)
+        );
+        assert_eq!(
+            (sub.v2p(99), sub.p2v(999)),
+            (0, 0),
+            "out of range reads as unbound"
+        );
+        let (lo, hi) = sub.span();
+        assert!(sub.in_span(lo) && sub.in_span(hi - 1) && !sub.in_span(hi));
+        // Freeing the top page (the span's far end, below the frontier) leaves a hole.
+        let top = p.max(q);
+        let v = sub.p2v(top);
+        sub.unbind(v, true);
+        assert_eq!(sub.holes(), [top]);
+        assert_eq!((sub.v2p(v), sub.tombstones()), (-1, 1));
+        let r = sub.take();
+        sub.bind(v, r);
+        assert_eq!((sub.v2p(v), sub.tombstones(), sub.live()), (r as i32, 0, 2));
+    }
+
     #[test]
     fn tombstones_and_dirty_entries_are_tracked() {
         let mut sub = SubAllocator::new(grid(), Grow::Down, 16);
