@@ -1179,6 +1179,97 @@ mod tests {
         }
     }
 
+    /// A float on [14, 18) with four live pages.
+    fn float_of_four() -> SubAllocator {
+        let mut f = SubAllocator::new(grid(), Grow::Float, 64);
+        assert!(f.place(16));
+        for (v, edge) in [Edge::High, Edge::Low, Edge::High, Edge::Low]
+            .into_iter()
+            .enumerate()
+        {
+            let p = f.take_at(edge);
+            f.bind(v as u32 + 1, p);
+        }
+        assert_eq!((f.span(), f.live()), ((14, 18), 4));
+        f
+    }
+
+    /// A relay target too short above the span grows downward by exactly the pages still
+    /// missing, and never below the room's low end (then the target is what fits).
+    #[test]
+    fn a_relay_target_grows_down_by_the_missing_pages_and_stops_at_the_room() {
+        let (mut moves, mut plan) = (Vec::new(), RelayPlan::default());
+        // Room [4, 16), six pages needed: [14, 16) grows down by four, to [10, 16).
+        float_of_four().plan_relay((4, 16), 2, &mut moves, &mut plan);
+        assert_eq!(plan.span, Some((10, 16)));
+        // Room [12, 16): only two pages below, so the target is all of the room.
+        float_of_four().plan_relay((12, 16), 2, &mut moves, &mut plan);
+        assert_eq!(plan.span, Some((12, 16)));
+    }
+
+    /// The span's accounting fails on each of its clauses alone: the pinned edge of each
+    /// growth, the floor, the ends' order, the grid's top, and live + holes = span.
+    #[test]
+    fn accounting_fails_on_each_clause_alone() {
+        let up = || {
+            let mut s = SubAllocator::new(grid(), Grow::Up, 16);
+            let p = s.take();
+            s.bind(3, p);
+            s
+        };
+        let down = || {
+            let mut s = SubAllocator::new(grid(), Grow::Down, 16);
+            let p = s.take();
+            s.bind(3, p);
+            s
+        };
+        type Corruption = (&'static str, fn() -> SubAllocator, fn(&mut SubAllocator));
+        let g = grid();
+        let cases: [Corruption; 6] = [
+            ("up: low end off the floor", up, |s| s.lo += 1),
+            ("down: high end off the top", down, |s| s.hi -= 1),
+            (
+                "float: nothing live but a span of holes",
+                float_of_four,
+                |s| {
+                    s.live = 0;
+                    s.holes = (14..18).collect();
+                },
+            ),
+            ("below the floor", down, |s| s.lo = 0),
+            ("ends crossed", down, |s| s.lo = s.hi + 1),
+            ("live + holes != span", up, |s| s.live += 1),
+        ];
+        for (what, make, corrupt) in cases {
+            let mut s = make();
+            assert!(s.accounting_holds(), "{what}: clean");
+            corrupt(&mut s);
+            assert!(!s.accounting_holds(), "{what}: not caught");
+        }
+        // Above the grid's top, on a float (no pinned edge to trip first).
+        let mut f = float_of_four();
+        f.hi = g.pages + 1;
+        f.lo = f.hi - 4;
+        assert!(!f.accounting_holds(), "above the top");
+    }
+
+    /// Binding a batch over tombstoned entries revives them: the tombstone count drops
+    /// by each, as page-by-page binds would.
+    #[test]
+    fn a_batch_bind_over_tombstones_clears_them() {
+        let mut sub = SubAllocator::new(grid(), Grow::Down, 16);
+        for v in [3, 4, 5] {
+            let p = sub.take();
+            sub.bind(v, p);
+        }
+        sub.unbind(3, true);
+        sub.unbind(5, true);
+        assert_eq!(sub.tombstones(), 2);
+        sub.bind_each([3, 5, 6].into_iter());
+        assert_eq!((sub.tombstones(), sub.live()), (0, 4));
+        sub.verify("down").unwrap();
+    }
+
     #[test]
     fn a_float_is_placed_grows_both_ways_packs_relays_and_parks() {
         let mut f = SubAllocator::new(grid(), Grow::Float, 64);
