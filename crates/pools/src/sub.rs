@@ -1179,6 +1179,27 @@ mod tests {
         }
     }
 
+    /// The small pieces: an id space's size and free ids, a list with its room already
+    /// mapped, and a cleared relay plan that has nothing to show or commit.
+    #[test]
+    fn ids_lists_and_a_cleared_plan_say_what_they_hold() {
+        let mut ids = VirtualIds::new(5);
+        assert_eq!((ids.count(), ids.available()), (5, 4));
+        assert_eq!(ids.pop(), Some(1), "the lowest first");
+        let mut free = ids.as_slice().to_vec();
+        free.sort_unstable();
+        assert_eq!(free, [2, 3, 4]);
+        let list: Vec<u32> = resident_list(1000);
+        assert!(list.is_empty() && list.capacity() >= 1000);
+        let table: Vec<u32> = resident_table(3000);
+        assert!(table.len() == 3000 && table.iter().all(|&x| x == 0));
+        let (mut moves, mut plan) = (Vec::new(), RelayPlan::default());
+        float_of_four().plan_relay((4, 16), 2, &mut moves, &mut plan);
+        assert!(plan.view().is_some() && !plan.pairs.is_empty());
+        plan.clear();
+        assert!(plan.view().is_none() && plan.pairs.is_empty() && plan.holes.is_empty());
+    }
+
     /// A float on [14, 18) with four live pages.
     fn float_of_four() -> SubAllocator {
         let mut f = SubAllocator::new(grid(), Grow::Float, 64);
