@@ -171,8 +171,10 @@ struct CallLog {
 }
 
 /// The CUDA backend: buffers and tables in GPU memory, every op one launch (or one copy)
-/// on a single stream, in call order, with arguments staged through a pinned ring (see
-/// the [module docs](self)).
+/// on a single stream, in call order. Argument lists go through a pinned staging ring,
+/// reused behind events it only queries and grown only at [`CudaDevice::end_step`]; an op
+/// that finds no room falls back to an allocation and a pageable copy, each counted by
+/// [`Device::sync_hazards`].
 pub struct CudaDevice {
     name: String,
     driver: Arc<dyn Driver>,

@@ -158,7 +158,7 @@ pub enum StreamKind {
     LegacyDefault,
 }
 
-/// One call the backend made to its driver, as [`CudaDevice::driver_calls`](crate::CudaDevice::driver_calls)
+/// One call the backend made to its driver, as [`CudaDevice::take_driver_calls`](crate::CudaDevice::take_driver_calls)
 /// records it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DriverCall {
