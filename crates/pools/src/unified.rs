@@ -1383,3 +1383,76 @@ impl Drop for UnifiedSwa {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::invariants::ROOM_CHECK;
+    use unikv_invariants::{Level, scoped_level};
+    use unikv_kernels::CpuDevice;
+
+    fn pool(ps: u32) -> UnifiedSwa {
+        let (full, swa) = (
+            SubPoolSpec::mha("full", 2, 1, 4, 2),
+            SubPoolSpec::mha("swa", 2, 2, 4, 2),
+        );
+        let floor = full.bytes_per_token.max(swa.bytes_per_token) * u64::from(ps);
+        UnifiedSwa::new(
+            Arc::new(CpuDevice::new()),
+            UnifiedSwaConfig {
+                total_bytes: floor
+                    + 16 * u64::from(ps) * (full.bytes_per_token + swa.bytes_per_token),
+                page_size: ps,
+                window: 8,
+                full,
+                swa: Some(swa),
+                mamba: None,
+                zero_on_handout: false,
+            },
+        )
+        .unwrap()
+    }
+
+    /// A stack of free ids that breaks the room check's promise (the sink on it, two ids
+    /// below its top) takes the page-by-page path: the ids above the sink are handed out
+    /// a page at a time (a request's last page only as far as its length), bound on both
+    /// sides, and the breach is recorded where the sink would have been popped.
+    #[test]
+    fn a_broken_id_stack_hands_out_up_to_the_breach_and_records_it() {
+        let fresh = |seq_len: usize| ExtendRequest {
+            prefix_len: 0,
+            seq_len,
+            last_token: None,
+        };
+        for ps in [1u32, 4] {
+            let p = ps as usize;
+            // One request of three pages; or one of a page and a token, then one of a page.
+            let batches: [(Vec<ExtendRequest>, u32); 2] = [
+                (vec![fresh(2 * p + 1)], ps),
+                (vec![fresh(p + 1), fresh(p)], 1),
+            ];
+            for (requests, b_tokens) in batches {
+                scoped_level(Level::Strict, || {
+                    let mut pool = pool(ps);
+                    let stack = pool.free_ids.stack();
+                    let top = stack.len();
+                    let (a, b) = (stack[top - 1], stack[top - 2]);
+                    stack.insert(top - 2, 0);
+                    let mut out = Vec::new();
+                    pool.alloc_extend(&requests, &mut out).unwrap();
+                    let page = |v: u32, n: u32| (0..n).map(move |o| VirtualToken(v * ps + o));
+                    let want: Vec<VirtualToken> = page(a, ps).chain(page(b, b_tokens)).collect();
+                    assert_eq!(out, want, "ps {ps} {requests:?}");
+                    for v in [a, b] {
+                        assert!(
+                            KvAllocator::full_live(&pool, VirtualPage(v)),
+                            "ps {ps}: v{v}"
+                        );
+                        assert_eq!(pool.swa_state(VirtualPage(v)), SwaState::Live, "ps {ps}");
+                    }
+                    assert_eq!(pool.scope.violations(&ROOM_CHECK), 1, "ps {ps}");
+                });
+            }
+        }
+    }
+}
