@@ -1392,13 +1392,17 @@ mod tests {
     use unikv_kernels::CpuDevice;
 
     fn pool(ps: u32) -> UnifiedSwa {
+        pool_on(Arc::new(CpuDevice::new()), ps, false)
+    }
+
+    fn pool_on(device: Arc<dyn Device>, ps: u32, zero_on_handout: bool) -> UnifiedSwa {
         let (full, swa) = (
             SubPoolSpec::mha("full", 2, 1, 4, 2),
             SubPoolSpec::mha("swa", 2, 2, 4, 2),
         );
         let floor = full.bytes_per_token.max(swa.bytes_per_token) * u64::from(ps);
         UnifiedSwa::new(
-            Arc::new(CpuDevice::new()),
+            device,
             UnifiedSwaConfig {
                 total_bytes: floor
                     + 16 * u64::from(ps) * (full.bytes_per_token + swa.bytes_per_token),
@@ -1407,10 +1411,52 @@ mod tests {
                 full,
                 swa: Some(swa),
                 mamba: None,
-                zero_on_handout: false,
+                zero_on_handout,
             },
         )
         .unwrap()
+    }
+
+    /// An empty pool's totals: every virtual id but the sink on FULL, every page above the
+    /// floor on SWA (all of them free).
+    #[test]
+    fn an_empty_pools_totals_count_every_id_and_every_page_above_the_floor() {
+        let pool = pool(4);
+        let cap = pool.capacity();
+        assert_eq!(cap.full.total_pages, pool.free_ids.available());
+        assert_eq!(cap.full.total_pages, pool.virtual_pages as usize - 1);
+        let swa = pool.swa.as_ref().unwrap();
+        assert_eq!(
+            cap.swa.total_pages,
+            (swa.grid.pages - swa.grid.min_page) as usize
+        );
+        assert!(cap.swa.total_pages > 0 && cap.full.total_pages > 0);
+    }
+
+    /// Zeroing on hand-out happens only when asked, and only for an allocation that takes
+    /// new pages (one filling a page's free tail zeroes nothing).
+    #[test]
+    fn only_new_pages_are_zeroed_and_only_when_asked() {
+        let fresh = |seq_len: usize, prefix_len: usize, last: Option<VirtualToken>| ExtendRequest {
+            prefix_len,
+            seq_len,
+            last_token: last,
+        };
+        for zero in [false, true] {
+            let ledger = Arc::new(unikv_kernels::SyncLedger::cpu());
+            let mut pool = pool_on(ledger.clone(), 4, zero);
+            ledger.reset();
+            let mut out = Vec::new();
+            pool.alloc_extend(&[fresh(2, 0, None)], &mut out).unwrap();
+            let fills = |l: &unikv_kernels::SyncLedger| {
+                l.ops().iter().filter(|r| r.op == "fill_spans").count()
+            };
+            assert_eq!(fills(&ledger), usize::from(zero), "zero {zero}: a new page");
+            ledger.reset();
+            let last = out.last().copied();
+            pool.alloc_extend(&[fresh(4, 2, last)], &mut out).unwrap();
+            assert_eq!(fills(&ledger), 0, "zero {zero}: the page's free tail");
+        }
     }
 
     /// A stack of free ids that breaks the room check's promise (the sink on it, two ids
