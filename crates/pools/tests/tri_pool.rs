@@ -785,3 +785,28 @@ proptest! {
         churn(ps, budget_slots * SLOT + budget_joint_pages * joint(ps), &ops);
     }
 }
+
+/// A flush packs the float's holes away toward the side with more room (the low side
+/// on a tie): the float's end facing that side stays, the other moves in, and every
+/// page keeps its bytes.
+#[test]
+fn a_flush_packs_the_float_toward_the_side_with_more_room() {
+    for ps in PAGE_SIZES {
+        let (mut rig, _rows, _slots) = float_with_holes(ps, 2);
+        let dev = rig.ledger.inner().clone();
+        let a = &mut rig.a;
+        let (lo, hi) = a.span_bytes(Side::Swa);
+        let below = lo - a.span_bytes(Side::Mamba).1;
+        let above = a.span_bytes(Side::Full).0 - hi;
+        a.flush().unwrap();
+        assert_eq!(a.capacity().swa.hole_pages, 0, "ps {ps}: holes packed");
+        let (lo2, hi2) = a.span_bytes(Side::Swa);
+        if below >= above {
+            assert!(lo2 == lo && hi2 < hi, "ps {ps}: toward the low side");
+        } else {
+            assert!(hi2 == hi && lo2 > lo, "ps {ps}: toward the high side");
+        }
+        assert_stamps(&*dev, a, "packed float");
+        assert_sound(a);
+    }
+}
