@@ -1396,25 +1396,68 @@ mod tests {
     }
 
     fn pool_on(device: Arc<dyn Device>, ps: u32, zero_on_handout: bool) -> UnifiedSwa {
+        UnifiedSwa::new(
+            device,
+            UnifiedSwaConfig {
+                zero_on_handout,
+                ..config(ps)
+            },
+        )
+        .unwrap()
+    }
+
+    /// FULL and SWA sides with room for 16 joint pages above the sink floor.
+    fn config(ps: u32) -> UnifiedSwaConfig {
         let (full, swa) = (
             SubPoolSpec::mha("full", 2, 1, 4, 2),
             SubPoolSpec::mha("swa", 2, 2, 4, 2),
         );
         let floor = full.bytes_per_token.max(swa.bytes_per_token) * u64::from(ps);
-        UnifiedSwa::new(
-            device,
+        UnifiedSwaConfig {
+            total_bytes: floor + 16 * u64::from(ps) * (full.bytes_per_token + swa.bytes_per_token),
+            page_size: ps,
+            window: 8,
+            full,
+            swa: Some(swa),
+            mamba: None,
+            zero_on_handout: false,
+        }
+    }
+
+    /// The conservation check fails on a corruption of one of its clauses alone: a FULL
+    /// tombstone (FULL has none), or a Mamba tombstone (slots have none either).
+    #[test]
+    fn conservation_fails_on_a_tombstone_where_a_side_has_none() {
+        let mut out = Vec::new();
+        let request = ExtendRequest {
+            prefix_len: 0,
+            seq_len: 4,
+            last_token: None,
+        };
+        let mut p = pool(4);
+        p.alloc_extend(&[request], &mut out).unwrap();
+        assert!(p.check_conservation());
+        p.full.tombstones = 1;
+        assert!(!p.check_conservation(), "a FULL tombstone");
+
+        let mut p = UnifiedSwa::new(
+            Arc::new(CpuDevice::new()),
             UnifiedSwaConfig {
-                total_bytes: floor
-                    + 16 * u64::from(ps) * (full.bytes_per_token + swa.bytes_per_token),
-                page_size: ps,
-                window: 8,
-                full,
-                swa: Some(swa),
-                mamba: None,
-                zero_on_handout,
+                mamba: Some(crate::SlotPoolSpec {
+                    name: "mamba",
+                    layers: 1,
+                    bytes_per_slot: 64,
+                }),
+                total_bytes: 1 << 16,
+                ..config(4)
             },
         )
-        .unwrap()
+        .unwrap();
+        let mut slots = Vec::new();
+        p.alloc_slots(1, &mut slots).unwrap();
+        assert!(p.check_conservation());
+        p.mamba.as_mut().unwrap().tombstones = 1;
+        assert!(!p.check_conservation(), "a Mamba tombstone");
     }
 
     /// An empty pool's totals: every virtual id but the sink on FULL, every page above the
