@@ -1358,6 +1358,17 @@ mod tests {
         );
     }
 
+    /// A mirror upload with nothing changed issues no device op.
+    #[test]
+    fn an_upload_with_nothing_dirty_issues_nothing() {
+        let ledger = Arc::new(unikv_kernels::SyncLedger::cpu());
+        let mut p = StaticSwa::new(ledger.clone(), config()).unwrap();
+        p.upload_mirror().unwrap();
+        ledger.reset();
+        p.upload_mirror().unwrap();
+        assert_eq!(ledger.op_count(), 0, "{:?}", ledger.ops());
+    }
+
     /// Dropping the allocator frees its buffer and every mirror table.
     #[test]
     fn dropping_the_allocator_frees_its_device_memory() {

@@ -1460,6 +1460,20 @@ mod tests {
         assert!(!p.check_conservation(), "a Mamba tombstone");
     }
 
+    /// The full scan finds a free id list holding the sink in place of a free id, which
+    /// the counts alone do not show.
+    #[test]
+    fn verify_finds_the_sink_on_the_free_id_list() {
+        let mut p = pool(4);
+        assert_eq!(p.verify(), Ok(()));
+        let stack = p.free_ids.stack();
+        stack[0] = 0;
+        assert_eq!(
+            p.verify(),
+            Err("free virtual pages hold a duplicate or the sink".to_string())
+        );
+    }
+
     /// An empty pool's totals: every virtual id but the sink on FULL, every page above the
     /// floor on SWA (all of them free).
     #[test]
