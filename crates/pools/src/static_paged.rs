@@ -1233,54 +1233,43 @@ mod tests {
     use unikv_kernels::CpuDevice;
 
     fn pool() -> StaticSwa {
-        StaticSwa::new(
-            Arc::new(CpuDevice::new()),
-            StaticSwaConfig {
-                total_bytes: 1 << 16,
-                page_size: 4,
-                window: 8,
-                full: SubPoolSpec::mha("full", 2, 1, 4, 2),
-                swa: Some(SubPoolSpec::mha("swa", 2, 2, 4, 2)),
-                mamba: None,
-                swa_full_ratio: 1.0,
-                zero_on_handout: false,
-            },
-        )
-        .unwrap()
+        StaticSwa::new(Arc::new(CpuDevice::new()), config()).unwrap()
     }
 
     /// A pool with a FULL, an SWA and a slot side, one FULL page and one slot bound.
     fn full_pool() -> StaticSwa {
-        let mut p = StaticSwa::new(
-            Arc::new(CpuDevice::new()),
-            StaticSwaConfig {
-                total_bytes: 1 << 17,
-                mamba: Some(StaticSlots {
-                    spec: crate::SlotPoolSpec {
-                        name: "mamba",
-                        layers: 1,
-                        bytes_per_slot: 64,
-                    },
-                    slots: 4,
-                }),
-                ..config()
-            },
-        )
-        .unwrap();
-        let mut out = Vec::new();
-        p.alloc_extend(
-            &[ExtendRequest {
-                prefix_len: 0,
-                seq_len: 4,
-                last_token: None,
-            }],
-            &mut out,
-        )
-        .unwrap();
+        let mut p = StaticSwa::new(Arc::new(CpuDevice::new()), config_with_slots()).unwrap();
+        one_page(&mut p);
         let mut slots = Vec::new();
         p.alloc_slots(1, &mut slots).unwrap();
         assert_eq!(p.verify(), Ok(()));
         p
+    }
+
+    /// Allocates one fresh page (four tokens).
+    fn one_page(p: &mut StaticSwa) {
+        let request = ExtendRequest {
+            prefix_len: 0,
+            seq_len: 4,
+            last_token: None,
+        };
+        p.alloc_extend(&[request], &mut Vec::new()).unwrap();
+    }
+
+    /// [`config`] with four state slots and room for them.
+    fn config_with_slots() -> StaticSwaConfig {
+        StaticSwaConfig {
+            total_bytes: 1 << 17,
+            mamba: Some(StaticSlots {
+                spec: crate::SlotPoolSpec {
+                    name: "mamba",
+                    layers: 1,
+                    bytes_per_slot: 64,
+                },
+                slots: 4,
+            }),
+            ..config()
+        }
     }
 
     fn config() -> StaticSwaConfig {
@@ -1373,22 +1362,7 @@ mod tests {
     #[test]
     fn dropping_the_allocator_frees_its_device_memory() {
         let ledger = Arc::new(unikv_kernels::SyncLedger::cpu());
-        let p = StaticSwa::new(
-            ledger.clone(),
-            StaticSwaConfig {
-                mamba: Some(StaticSlots {
-                    spec: crate::SlotPoolSpec {
-                        name: "mamba",
-                        layers: 1,
-                        bytes_per_slot: 64,
-                    },
-                    slots: 4,
-                }),
-                total_bytes: 1 << 17,
-                ..config()
-            },
-        )
-        .unwrap();
+        let p = StaticSwa::new(ledger.clone(), config_with_slots()).unwrap();
         ledger.reset();
         drop(p);
         let frees: Vec<&str> = ledger.ops().iter().map(|r| r.op).collect();
@@ -1409,16 +1383,7 @@ mod tests {
             },
         )
         .unwrap();
-        let mut out = Vec::new();
-        p.alloc_extend(
-            &[ExtendRequest {
-                prefix_len: 0,
-                seq_len: 4,
-                last_token: None,
-            }],
-            &mut out,
-        )
-        .unwrap();
+        one_page(&mut p);
         let v = (1..p.swa_of.len()).find(|&v| p.full_live[v]).unwrap();
         let clean = (p.swa_pages, p.free_swa.clone(), p.swa_owner.clone());
         p.swa_of[v] = -1;
