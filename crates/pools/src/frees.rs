@@ -109,6 +109,9 @@ impl DeferredFrees {
     }
 }
 
+/// Pages each segment-free list of a group holds mapped from construction (4 MiB).
+const DEFERRED_RESIDENT: usize = 1 << 20;
+
 /// A free group: open or not, its deferred lists, and (when checks are enabled) the
 /// pages freed in it since the last flush, as epoch stamps per virtual page (O(1) per
 /// page, no hashing; forgetting them all is one increment).
@@ -132,11 +135,19 @@ impl FreeGroup {
     /// its stamps are sized and mapped now rather than grown (and faulted in) by the
     /// first groups; with checks off they stay empty and grow only if checks are raised.
     pub(crate) fn new(virtual_pages: u32) -> FreeGroup {
+        // The segment lists (a step's row frees) are mapped now up to a bound, so the
+        // first big flushes do not fault them in on the scheduling path.
+        let resident = (virtual_pages as usize).min(DEFERRED_RESIDENT);
         FreeGroup {
             stamps: if enabled() {
                 crate::sub::resident_table(virtual_pages as usize)
             } else {
                 Vec::new()
+            },
+            deferred: DeferredFrees {
+                page_reps: crate::sub::resident_list(resident),
+                full_only_page_reps: crate::sub::resident_list(resident),
+                ..DeferredFrees::default()
             },
             ..FreeGroup::default()
         }
@@ -1124,6 +1135,23 @@ pub(crate) use free_family_methods;
 mod tests {
     use super::*;
     use crate::{KvAllocator, Side};
+
+    #[test]
+    fn a_groups_segment_lists_are_mapped_at_construction_up_to_their_bound() {
+        let small = FreeGroup::new(1000);
+        for list in [
+            &small.deferred.page_reps,
+            &small.deferred.full_only_page_reps,
+        ] {
+            assert!(list.is_empty() && list.capacity() >= 1000);
+        }
+        let big = FreeGroup::new(3 * DEFERRED_RESIDENT as u32);
+        assert!(big.deferred.page_reps.capacity() >= DEFERRED_RESIDENT);
+        assert!(
+            big.deferred.page_reps.capacity() < 2 * DEFERRED_RESIDENT,
+            "capped"
+        );
+    }
 
     /// Applies the same calls to two allocators, releases `pages` through the layout's
     /// batch `release_pages` in one and `release_page_silently` page by page in the other,

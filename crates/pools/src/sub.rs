@@ -619,22 +619,26 @@ impl SubAllocator {
     /// page and binds `v` to it, as by `let p = take(); bind(v, p)` (the pages
     /// [`SubAllocator::handout_envelopes`] predicts). Same tables, counters, hole and
     /// dirty order as those calls one by one. The caller checked the room.
-    #[inline(always)]
-    pub(crate) fn bind_each(&mut self, pages: impl ExactSizeIterator<Item = u32>) {
+    ///
+    /// The tables are written in one pass and the dirty entries appended in a second, an
+    /// exact-size extend, so no page pays for a `Vec::push` (which reloads the length
+    /// from memory after every store to a table).
+    pub(crate) fn bind_each(&mut self, pages: impl ExactSizeIterator<Item = u32> + Clone) {
         let n = pages.len();
         // `take` pops holes (last first), then moves the frontier one page at a time.
         let from_holes = n.min(self.holes.len());
         let hole_split = self.holes.len() - from_holes;
+        let fresh = (n - from_holes) as u32;
         let edge = self.growth_edge();
         let frontier = match edge {
             Edge::Low => {
                 let lo = self.lo;
-                self.lo -= (n - from_holes) as u32;
+                self.lo -= fresh;
                 lo
             }
             Edge::High => {
                 let hi = self.hi;
-                self.hi += (n - from_holes) as u32;
+                self.hi += fresh;
                 hi
             }
         };
@@ -649,8 +653,7 @@ impl SubAllocator {
             ..
         } = self;
         let taken = &holes[hole_split..];
-        let fresh_page = |i: u32| if down { frontier - 1 - i } else { frontier + i };
-        dirty.reserve(n);
+        let fresh_page = move |i: u32| if down { frontier - 1 - i } else { frontier + i };
         let (v2p, p2v) = (&mut v2p[..], &mut p2v[..]);
         let mut revived = 0u32;
         let mut bind = |v: u32, p: u32| {
@@ -659,17 +662,26 @@ impl SubAllocator {
             revived += (*entry == -1) as u32;
             *entry = p as i32;
             p2v[p as usize] = v;
-            dirty.push((v, p as i32));
         };
         // Holes first, then the frontier; `taken` leads the zip, so the page after the
         // last hole is not consumed by it.
-        let mut pages = pages;
-        for (&p, v) in taken.iter().rev().zip(pages.by_ref()) {
+        let mut ids = pages.clone();
+        for (&p, v) in taken.iter().rev().zip(ids.by_ref()) {
             bind(v, p);
         }
-        for (i, v) in pages.enumerate() {
+        for (i, v) in ids.enumerate() {
             bind(v, fresh_page(i as u32));
         }
+        // `mark(v)` of each bind, in the same order.
+        let mut ids = pages;
+        dirty.extend(
+            taken
+                .iter()
+                .rev()
+                .zip(ids.by_ref())
+                .map(|(&p, v)| (v, p as i32)),
+        );
+        dirty.extend((0..fresh).zip(ids).map(|(i, v)| (v, fresh_page(i) as i32)));
         holes.truncate(hole_split);
         *live += n as u32;
         *tombstones -= revived;

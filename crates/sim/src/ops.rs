@@ -890,15 +890,18 @@ pub fn replay(
                 // `check` made every request grow: no underflow.
                 tokens = reqs.iter().map(|r| (r.seq_len - r.prefix_len) as u64).sum();
                 out.clear();
-                started = Instant::now();
-                if let Op::AllocDecode { .. } = op {
-                    let dec: Vec<DecodeRequest> = reqs
+                let dec: Vec<DecodeRequest> = match op {
+                    Op::AllocDecode { .. } => reqs
                         .iter()
                         .map(|r| DecodeRequest {
                             prefix_len: r.prefix_len,
                             last_token: r.last_token,
                         })
-                        .collect();
+                        .collect(),
+                    _ => Vec::new(),
+                };
+                started = Instant::now();
+                if let Op::AllocDecode { .. } = op {
                     alloc.alloc_decode(&dec, &mut out).map_err(pool)?;
                 } else {
                     alloc.alloc_extend(&reqs, &mut out).map_err(pool)?;
