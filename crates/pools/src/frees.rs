@@ -37,7 +37,7 @@ pub(crate) trait PageTables {
     /// the sink and pages not live on FULL are skipped. The same effect on every table
     /// and list, in the same order per list, as `release_page_silently` page by page (a
     /// test compares the two for every layout), in one batch pass.
-    fn release_pages(&mut self, pages: impl ExactSizeIterator<Item = u32> + Clone);
+    fn release_pages(&mut self, pages: &[u32]);
     /// Whether the layout has an SWA side. Without one (a FULL/Mamba layout) a
     /// two-sided free is a FULL free with no SWA premise, and SWA-only frees and
     /// transfers are refused ([`Error::NoSwaSide`]).
@@ -62,12 +62,12 @@ pub(crate) trait PageTables {
 pub(crate) struct DeferredFrees {
     /// Set-shaped two-sided frees.
     tokens: Vec<VirtualToken>,
-    /// Two-sided segment frees, by page.
-    page_reps: Vec<VirtualPage>,
+    /// Two-sided segment frees, by virtual page.
+    page_reps: Vec<u32>,
     /// Set-shaped FULL-only frees.
     full_only_tokens: Vec<VirtualToken>,
-    /// FULL-only segment frees, by page.
-    full_only_page_reps: Vec<VirtualPage>,
+    /// FULL-only segment frees, by virtual page.
+    full_only_page_reps: Vec<u32>,
     /// Mamba state slot frees.
     slots: Vec<VirtualSlot>,
 }
@@ -498,11 +498,11 @@ pub(crate) fn free_full<T: PageTables + ?Sized>(
 
 /// Appends `seg`'s pages to a deferred list; at page size 1 a token is its page, and the
 /// exact-size copy needs no capacity check per page.
-fn extend_pages(ps: PageSize, seg: &Segment<'_>, list: &mut Vec<VirtualPage>) {
+fn extend_pages(ps: PageSize, seg: &Segment<'_>, list: &mut Vec<u32>) {
     if ps.get() == 1 {
-        list.extend(seg.tokens.iter().map(|t| VirtualPage(t.0)));
+        list.extend(seg.tokens.iter().map(|t| t.0));
     } else {
-        list.extend(seg.pages(ps));
+        list.extend(seg.pages(ps).map(|v| v.0));
     }
 }
 
@@ -541,7 +541,7 @@ fn free_segment_pages<T: PageTables + ?Sized>(
     t: &mut T,
     seg: Segment<'_>,
     kind: DeferredKind,
-    list: fn(&mut DeferredFrees) -> &mut Vec<VirtualPage>,
+    list: fn(&mut DeferredFrees) -> &mut Vec<u32>,
     apply: impl Fn(&mut T, u32),
 ) -> Result<(), Error> {
     check_segment(t, &seg)?;
@@ -927,11 +927,11 @@ fn apply_deferred<T: PageTables + ?Sized>(t: &mut T) {
     // Without reports, a two-sided free (either premise) and a FULL-only free are the same
     // transition: both sides go, whatever the SWA state (see `release_page_silently`).
     sorted_pages(ps, &tokens, &mut pages);
-    t.release_pages(pages.iter().copied());
-    t.release_pages(page_reps.iter().map(|v| v.0));
+    t.release_pages(&pages);
+    t.release_pages(&page_reps);
     sorted_pages(ps, &full_only_tokens, &mut pages);
-    t.release_pages(pages.iter().copied());
-    t.release_pages(full_only_page_reps.iter().map(|v| v.0));
+    t.release_pages(&pages);
+    t.release_pages(&full_only_page_reps);
     for s in &slots {
         t.group().slot_pending[s.0 as usize] = false;
         t.release_slot(s.0);
@@ -1188,7 +1188,7 @@ mod tests {
             page(11) + 1,
             page(0),
         ];
-        batch.release_pages(pages.iter().copied());
+        batch.release_pages(&pages);
         for &v in &pages {
             release_page_silently(&mut single, v);
         }
@@ -1282,9 +1282,9 @@ mod tests {
     fn the_enumeration_names_every_list() {
         let d = DeferredFrees {
             tokens: vec![VirtualToken(1)],
-            page_reps: vec![VirtualPage(1); 2],
+            page_reps: vec![1; 2],
             full_only_tokens: vec![VirtualToken(2); 3],
-            full_only_page_reps: vec![VirtualPage(2); 4],
+            full_only_page_reps: vec![2; 4],
             slots: vec![VirtualSlot(1); 5],
         };
         assert_eq!(

@@ -651,7 +651,7 @@ impl PageTables for StaticSwa {
     /// One pass with the same effect, in the same order, as `release_page_silently` page
     /// by page: the lists are written through slices reserved up front (a few stores per
     /// page instead of three `Vec::push`es), and the counters are settled once.
-    fn release_pages(&mut self, pages: impl ExactSizeIterator<Item = u32> + Clone) {
+    fn release_pages(&mut self, pages: &[u32]) {
         let n = pages.len();
         let StaticSwa {
             full_live,
@@ -683,7 +683,7 @@ impl PageTables for StaticSwa {
             &mut dirty_flag[..],
         );
         let (mut freed, mut swa_freed, mut marked, mut cleared) = (0usize, 0usize, 0usize, 0u32);
-        for v in pages {
+        for &v in pages {
             if v == 0 || !full_live[v as usize] {
                 continue;
             }

@@ -24,8 +24,8 @@ pub enum Edge {
 use unikv_kernels::{ByteSpan, SpanMove};
 
 /// One sub-pool's host-authoritative bookkeeping: a span `[lo, hi)` of its grid, its
-/// translation tables (`v2p`: > 0 bound, -1 tombstone, 0 unbound; `p2v`: 0 free), its
-/// holes and its dirty mirror entries. An `Up` end keeps `lo` at the floor and grows at
+/// translation tables (`v2p`: > 0 bound, -1 tombstone, 0 unbound; `p2v`: the owner of a
+/// bound page), its holes and its dirty mirror entries. An `Up` end keeps `lo` at the floor and grows at
 /// `hi`; a `Down` end keeps `hi` at the top and grows at `lo`; a `Float` moves both and
 /// parks (becomes empty and transparent) when its last page is freed. Methods that take
 /// a page trust the composite's arithmetic (documented preconditions);
@@ -50,7 +50,10 @@ pub struct SubAllocator {
     pub(crate) grow: Grow,
     /// Virtual page → physical page: > 0 bound, -1 tombstone, 0 unbound. Index 0 is the sink.
     pub(crate) v2p: Vec<i32>,
-    /// Physical page → virtual page; 0 = free (page 0 is the sink).
+    /// Physical page → virtual page, written only by a bind: page `p` is bound iff
+    /// `v2p[p2v[p]] == p`, so a release leaves its stale entry and writes one table
+    /// rather than two (at page size 1 each is a cache miss). Read it through
+    /// [`SubAllocator::p2v`] or `owner`.
     pub(crate) p2v: Vec<u32>,
     /// First page of the span.
     pub(crate) lo: u32,
@@ -145,7 +148,18 @@ impl SubAllocator {
 
     /// The virtual page bound to physical page `p` (0 when free or out of range).
     pub fn p2v(&self, p: u32) -> u32 {
-        self.p2v.get(p as usize).copied().unwrap_or(0)
+        if (p as usize) < self.p2v.len() {
+            self.owner(p)
+        } else {
+            0
+        }
+    }
+
+    /// The owner of page `p` (in the grid), 0 when free: its `p2v` entry if that page's
+    /// `v2p` entry points back.
+    #[inline(always)]
+    fn owner(&self, p: u32) -> u32 {
+        owner(&self.v2p, &self.p2v, p)
     }
 
     /// Pages of the span (live + holes).
@@ -249,7 +263,7 @@ impl SubAllocator {
     /// [`SubAllocator::take`]).
     #[inline(always)]
     pub(crate) fn bind(&mut self, v: u32, p: u32) {
-        debug_assert!(p != 0 && self.p2v[p as usize] == 0);
+        debug_assert!(p != 0 && self.owner(p) == 0);
         let entry = &mut self.v2p[v as usize];
         if *entry == -1 {
             self.tombstones -= 1;
@@ -268,7 +282,6 @@ impl SubAllocator {
         debug_assert!(*entry > 0);
         let p = *entry as u32;
         *entry = if tombstone { -1 } else { 0 };
-        self.p2v[p as usize] = 0;
         self.holes.push(p);
         self.live -= 1;
         self.tombstones += tombstone as u32;
@@ -378,7 +391,7 @@ impl SubAllocator {
         plan.inner.sort_unstable();
         let mut dst_iter = plan.inner.iter().copied();
         for src in band {
-            if self.p2v[src as usize] == 0 {
+            if self.owner(src) == 0 {
                 continue;
             }
             let Some(dst) = dst_iter.next() else { break };
@@ -419,8 +432,8 @@ impl SubAllocator {
     /// moved its bytes).
     fn rebind_moved(&mut self, pairs: &[(u32, u32)]) {
         for &(src, dst) in pairs {
+            // `src` is left with a stale entry: `v2p[v]` no longer points to it.
             let v = self.p2v[src as usize];
-            self.p2v[src as usize] = 0;
             self.p2v[dst as usize] = v;
             self.v2p[v as usize] = dst as i32;
             self.mark(v);
@@ -502,7 +515,7 @@ impl SubAllocator {
         // next free page.
         let mut used = 0;
         for src in (lo..t0.min(hi)).chain(t1.max(lo)..hi) {
-            if self.p2v[src as usize] == 0 {
+            if self.owner(src) == 0 {
                 continue;
             }
             let Some(&dst) = plan.holes.get(used) else {
@@ -531,24 +544,28 @@ impl SubAllocator {
         }
     }
 
-    /// Batch release for a flush: for each `v` of `pages` with `filter(v)`, in order, a
+    /// Batch release for a flush: for each `v` of `pages` that `keep` keeps, in order, a
     /// live page is unbound as by `unbind(v, false)` (and `v` appended to `released`),
     /// a tombstone is cleared as by `clear_tombstone(v)` when `clear_tombstones`, and any
     /// other entry is left alone. Same tables, counters, hole and dirty order as those
     /// calls one by one; the lists are written through slices reserved up front, so a
     /// page costs a few stores rather than a few `Vec::push`es (a push reloads the
     /// length from memory after every store to a table).
+    ///
+    /// A page-size-1 row is runs of consecutive virtual pages bound to consecutive
+    /// physical pages (its prefill): each [`RUN`] pages that form one are released with
+    /// slice fills and copies instead of page by page.
     #[inline(always)]
     pub(crate) fn release_each(
         &mut self,
-        pages: impl ExactSizeIterator<Item = u32>,
-        filter: impl Fn(u32) -> bool,
+        pages: &[u32],
+        keep: Keep<'_>,
         clear_tombstones: bool,
         mut released: Option<&mut Vec<u32>>,
     ) {
         if self.grow == Grow::Float {
             // A float parks when its last page goes: keep the page-by-page path.
-            for v in pages.filter(|&v| filter(v)) {
+            for &v in pages.iter().filter(|&&v| keep.keeps(v)) {
                 match self.v2p[v as usize] {
                     p if p > 0 => {
                         self.unbind(v, false);
@@ -563,9 +580,9 @@ impl SubAllocator {
             return;
         }
         let n = pages.len();
+        // No `p2v` write: a released page's entry goes stale (see the field).
         let SubAllocator {
             v2p,
-            p2v,
             holes,
             live,
             tombstones,
@@ -582,30 +599,50 @@ impl SubAllocator {
             released.resize(released_base + n, 0);
         }
         let (new_holes, new_released) = (&mut holes[hole_base..], &mut released[released_base..]);
-        let (v2p, p2v) = (&mut v2p[..], &mut p2v[..]);
+        let v2p = &mut v2p[..];
         let (mut unbound, mut cleared) = (0usize, 0u32);
-        for v in pages {
-            if !filter(v) {
-                continue;
-            }
-            let entry = &mut v2p[v as usize];
-            let p = *entry;
-            if p > 0 {
-                *entry = 0;
-                p2v[p as usize] = 0;
-                new_holes[unbound] = p as u32;
-                if record {
-                    new_released[unbound] = v;
+        let mut i = 0;
+        while i < n {
+            let end = (i + RUN).min(n);
+            if let Some(run) = release_run(&pages[i..end], v2p, keep) {
+                // A whole run of live pages: the same writes as the loop below, as slice
+                // fills and copies.
+                v2p[run.v_lo..run.v_lo + RUN].fill(0);
+                let holes = &mut new_holes[unbound..unbound + RUN];
+                for (t, hole) in holes.iter_mut().enumerate() {
+                    *hole = run.p_first.wrapping_add(run.p_step.wrapping_mul(t as u32));
                 }
-                unbound += 1;
-            } else if p == -1 && clear_tombstones {
-                *entry = 0;
-                cleared += 1;
-            } else {
+                if record {
+                    new_released[unbound..unbound + RUN].copy_from_slice(&pages[i..end]);
+                }
+                dirty.extend(pages[i..end].iter().map(|&v| (v, 0)));
+                unbound += RUN;
+                i = end;
                 continue;
             }
-            // `mark(v)`: both transitions leave the entry 0.
-            dirty.push((v, 0));
+            for &v in &pages[i..end] {
+                if !keep.keeps(v) {
+                    continue;
+                }
+                let entry = &mut v2p[v as usize];
+                let p = *entry;
+                if p > 0 {
+                    *entry = 0;
+                    new_holes[unbound] = p as u32;
+                    if record {
+                        new_released[unbound] = v;
+                    }
+                    unbound += 1;
+                } else if p == -1 && clear_tombstones {
+                    *entry = 0;
+                    cleared += 1;
+                } else {
+                    continue;
+                }
+                // `mark(v)`: both transitions leave the entry 0.
+                dirty.push((v, 0));
+            }
+            i = end;
         }
         holes.truncate(hole_base + unbound);
         if record {
@@ -615,16 +652,19 @@ impl SubAllocator {
         *tombstones -= cleared;
     }
 
-    /// Batch bind for an allocation: for each `v` of `pages`, in order, takes a physical
-    /// page and binds `v` to it, as by `let p = take(); bind(v, p)` (the pages
-    /// [`SubAllocator::handout_envelopes`] predicts). Same tables, counters, hole and
-    /// dirty order as those calls one by one. The caller checked the room.
+    /// Batch bind for an allocation of the ids `popped`, as a stack pops them (the last
+    /// first): for each id, takes a physical page and binds the id to it, as by
+    /// `let p = take(); bind(v, p)` (the pages [`SubAllocator::handout_envelopes`]
+    /// predicts). Same tables, counters, hole and dirty order as those calls one by one.
+    /// The caller checked the room; the ids are distinct and not the sink.
     ///
     /// The tables are written in one pass and the dirty entries appended in a second, an
     /// exact-size extend, so no page pays for a `Vec::push` (which reloads the length
-    /// from memory after every store to a table).
-    pub(crate) fn bind_each(&mut self, pages: impl ExactSizeIterator<Item = u32> + Clone) {
-        let n = pages.len();
+    /// from memory after every store to a table). Each [`RUN`] ids that are consecutive,
+    /// unbound and get consecutive physical pages (a page-size-1 prefill) are bound with
+    /// slice writes instead of page by page.
+    pub(crate) fn bind_popped(&mut self, popped: &[u32]) {
+        let n = popped.len();
         // `take` pops holes (last first), then moves the frontier one page at a time.
         let from_holes = n.min(self.holes.len());
         let hole_split = self.holes.len() - from_holes;
@@ -653,35 +693,75 @@ impl SubAllocator {
             ..
         } = self;
         let taken = &holes[hole_split..];
-        let fresh_page = move |i: u32| if down { frontier - 1 - i } else { frontier + i };
+        // The `t`-th bind's id and page.
+        let id = |t: usize| popped[n - 1 - t];
+        let page = move |t: usize| {
+            if t < from_holes {
+                taken[from_holes - 1 - t]
+            } else {
+                let i = (t - from_holes) as u32;
+                if down { frontier - 1 - i } else { frontier + i }
+            }
+        };
         let (v2p, p2v) = (&mut v2p[..], &mut p2v[..]);
         let mut revived = 0u32;
-        let mut bind = |v: u32, p: u32| {
-            debug_assert!(p != 0 && p2v[p as usize] == 0);
-            let entry = &mut v2p[v as usize];
-            revived += (*entry == -1) as u32;
-            *entry = p as i32;
-            p2v[p as usize] = v;
-        };
-        // Holes first, then the frontier; `taken` leads the zip, so the page after the
-        // last hole is not consumed by it.
-        let mut ids = pages.clone();
-        for (&p, v) in taken.iter().rev().zip(ids.by_ref()) {
-            bind(v, p);
+        let mut t = 0;
+        while t < n {
+            let end = (t + RUN).min(n);
+            // A chunk of holes or of fresh pages, not both.
+            if end - t == RUN && (end <= from_holes || t >= from_holes) {
+                // The chunk's ids and holes lie reversed on their stacks.
+                let ids = reversed_run(&popped[n - end..n - t]);
+                let pages = if end <= from_holes {
+                    reversed_run(&taken[from_holes - end..from_holes - t])
+                } else {
+                    let i = (t - from_holes) as u32;
+                    Some(if down {
+                        (frontier - 1 - i, u32::MAX)
+                    } else {
+                        (frontier + i, 1)
+                    })
+                };
+                if let (Some(ids), Some(pages)) = (ids, pages)
+                    && let Some(run) = bind_run(ids, pages, v2p)
+                {
+                    revived += run.revived;
+                    let entries = &mut v2p[run.v_lo..run.v_lo + RUN];
+                    for (k, entry) in entries.iter_mut().enumerate() {
+                        *entry = run.entry.wrapping_add(run.step.wrapping_mul(k as u32)) as i32;
+                    }
+                    let owners = &mut p2v[run.p_lo..run.p_lo + RUN];
+                    for (k, owner) in owners.iter_mut().enumerate() {
+                        *owner = run.owner.wrapping_add(run.step.wrapping_mul(k as u32));
+                    }
+                    t = end;
+                    continue;
+                }
+            }
+            for t in t..end {
+                let (v, p) = (id(t), page(t));
+                debug_assert!(p != 0 && owner(v2p, p2v, p) == 0);
+                let entry = &mut v2p[v as usize];
+                revived += (*entry == -1) as u32;
+                *entry = p as i32;
+                p2v[p as usize] = v;
+            }
+            t = end;
         }
-        for (i, v) in ids.enumerate() {
-            bind(v, fresh_page(i as u32));
-        }
-        // `mark(v)` of each bind, in the same order.
-        let mut ids = pages;
+        // `mark(v)` of each bind, in the same order (holes, then the frontier: no branch
+        // per entry).
+        let (fresh_ids, hole_ids) = popped.split_at(n - from_holes);
         dirty.extend(
-            taken
+            hole_ids
                 .iter()
                 .rev()
-                .zip(ids.by_ref())
-                .map(|(&p, v)| (v, p as i32)),
+                .zip(taken.iter().rev())
+                .map(|(&v, &p)| (v, p as i32)),
         );
-        dirty.extend((0..fresh).zip(ids).map(|(i, v)| (v, fresh_page(i) as i32)));
+        dirty.extend(fresh_ids.iter().rev().enumerate().map(|(i, &v)| {
+            let i = i as u32;
+            (v, if down { frontier - 1 - i } else { frontier + i } as i32)
+        }));
         holes.truncate(hole_split);
         *live += n as u32;
         *tombstones -= revived;
@@ -757,19 +837,15 @@ impl SubAllocator {
                 self.live, self.tombstones
             ));
         }
-        let bound_in_p2v = self.p2v.iter().filter(|&&v| v != 0).count() as u32;
-        if bound_in_p2v != live {
-            return Err(format!(
-                "{name}: p2v binds {bound_in_p2v} pages, v2p {live}"
-            ));
-        }
+        // Each bound page's owner points back (above), so `p2v` binds exactly `live`
+        // pages: its other entries are stale by construction.
         let mut holes = self.holes.clone();
         holes.sort_unstable();
         if holes.windows(2).any(|w| w[0] == w[1]) {
             return Err(format!("{name}: a hole is listed twice"));
         }
         for &h in &holes {
-            if !self.in_span(h) || self.p2v[h as usize] != 0 {
+            if !self.in_span(h) || self.owner(h) != 0 {
                 return Err(format!("{name}: hole p{h} is bound or outside the span"));
             }
         }
@@ -850,6 +926,139 @@ pub(crate) struct SpanView<'a> {
     pub(crate) lo: u32,
     /// One past the last page.
     pub(crate) hi: u32,
+}
+
+/// Which pages of a batch release [`SubAllocator::release_each`] visits.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Keep<'a> {
+    /// Every page but the sink.
+    NotSink,
+    /// Every page but the sink whose entry in this table (the peer side's `v2p`) is live.
+    LiveIn(&'a [i32]),
+}
+
+impl Keep<'_> {
+    #[inline(always)]
+    fn keeps(self, v: u32) -> bool {
+        match self {
+            Keep::NotSink => v != 0,
+            Keep::LiveIn(table) => v != 0 && table[v as usize] > 0,
+        }
+    }
+}
+
+/// Pages a batch pass handles at once when they form a run.
+pub(crate) const RUN: usize = 16;
+
+/// The step (1 or -1, as a wrapping `u32`) of `xs` when it is `xs[0] + step * t`.
+/// Branch-free over the array, so it compiles to a few vector compares.
+#[inline(always)]
+fn unit_step(xs: &[u32; RUN]) -> Option<u32> {
+    let step = xs[1].wrapping_sub(xs[0]);
+    let mut ok = step == 1 || step == u32::MAX;
+    for (t, &x) in xs.iter().enumerate() {
+        ok &= x == xs[0].wrapping_add(step.wrapping_mul(t as u32));
+    }
+    ok.then_some(step)
+}
+
+/// The owner of page `p` in these tables, 0 when free (see [`SubAllocator::p2v`]).
+#[inline(always)]
+fn owner(v2p: &[i32], p2v: &[u32], p: u32) -> u32 {
+    let v = p2v[p as usize];
+    if v != 0 && v2p[v as usize] == p as i32 {
+        v
+    } else {
+        0
+    }
+}
+
+/// A run of [`RUN`] pages a batch release can clear with slice writes.
+struct ReleaseRun {
+    /// The lowest virtual page.
+    v_lo: usize,
+    /// The physical page of the first page visited, and the step to the next (±1).
+    p_first: u32,
+    p_step: u32,
+}
+
+/// `chunk` as a run, when it holds [`RUN`] consecutive virtual pages (either way), none
+/// the sink, each kept by `keep` and live on consecutive physical pages (either way).
+#[inline(always)]
+fn release_run(chunk: &[u32], v2p: &[i32], keep: Keep<'_>) -> Option<ReleaseRun> {
+    let chunk: &[u32; RUN] = chunk.try_into().ok()?;
+    let v_step = unit_step(chunk)?;
+    let v_lo = chunk[0].min(chunk[RUN - 1]) as usize;
+    let entries: &[i32; RUN] = v2p.get(v_lo..v_lo + RUN)?.try_into().ok()?;
+    // Consecutive entries are all live when the first is: a run down through 0 would
+    // need an entry below the tombstone (-1), which no table holds.
+    let (a, b) = (entries[0], entries[RUN - 1]);
+    if v_lo == 0 || a <= 0 {
+        return None;
+    }
+    let p_step = unit_step(&entries.map(|e| e as u32))?;
+    if let Keep::LiveIn(peer) = keep {
+        let peer = peer.get(v_lo..v_lo + RUN)?;
+        if !peer.iter().fold(true, |ok, &e| ok & (e > 0)) {
+            return None;
+        }
+    }
+    // Visited downward, the run meets its entries from the last.
+    let (p_first, p_step) = if v_step == 1 {
+        (a as u32, p_step)
+    } else {
+        (b as u32, p_step.wrapping_neg())
+    };
+    Some(ReleaseRun {
+        v_lo,
+        p_first,
+        p_step,
+    })
+}
+
+/// `(first, step)` of a run that lies reversed in `xs` (a stack's top): the first value
+/// taken is the last listed.
+#[inline(always)]
+fn reversed_run(xs: &[u32]) -> Option<(u32, u32)> {
+    let xs: &[u32; RUN] = xs.try_into().ok()?;
+    Some((xs[RUN - 1], unit_step(xs)?.wrapping_neg()))
+}
+
+/// A run of [`RUN`] binds a batch bind writes as two slices.
+struct BindRun {
+    /// The lowest id; its entry (the page it gets), then one `step` more per id.
+    v_lo: usize,
+    entry: u32,
+    /// The lowest page; its owner (the id it gets), then one `step` more per page.
+    p_lo: usize,
+    owner: u32,
+    /// 1 or -1 (wrapping): whether ids and pages run the same way.
+    step: u32,
+    /// Tombstones among the ids' entries (a bind revives them).
+    revived: u32,
+}
+
+/// The binds of the ids `(first, step)` to the pages `(first, step)`, in bind order, as
+/// a run, when no id is bound. The `t`-th bind is `(u + su·t, q + sq·t)`, so id `v`
+/// gets page `q + d·(v - u)` and page `p` gets id `u + d·(p - q)`, with `d = su·sq`.
+#[inline(always)]
+fn bind_run((u, su): (u32, u32), (q, sq): (u32, u32), v2p: &[i32]) -> Option<BindRun> {
+    let last = RUN as u32 - 1;
+    let v_lo = u.min(u.wrapping_add(su.wrapping_mul(last)));
+    let p_lo = q.min(q.wrapping_add(sq.wrapping_mul(last)));
+    let entries = v2p.get(v_lo as usize..v_lo as usize + RUN)?;
+    if !entries.iter().fold(true, |ok, &e| ok & (e <= 0)) {
+        return None;
+    }
+    let step = su.wrapping_mul(sq);
+    Some(BindRun {
+        v_lo: v_lo as usize,
+        entry: q.wrapping_add(step.wrapping_mul(v_lo.wrapping_sub(u))),
+        p_lo: p_lo as usize,
+        owner: u.wrapping_add(step.wrapping_mul(p_lo.wrapping_sub(q))),
+        step,
+        revived: entries.iter().map(|&e| (e == -1) as u32).sum(),
+    })
 }
 
 /// A zeroed table of `len` entries whose memory is mapped now: one write per 4 KiB page
@@ -1017,13 +1226,12 @@ mod tests {
         };
         assert_eq!(sound().verify("up"), Ok(()));
         type Corrupt = fn(&mut SubAllocator);
-        let cases: [(&str, Corrupt); 8] = [
+        let cases: [(&str, Corrupt); 7] = [
             ("the sink is bound", |s| s.v2p[0] = 3),
             ("outside the span", |s| s.v2p[1] = 30),
             ("but p", |s| s.p2v[s.v2p[1] as usize] = 4),
             ("has v2p -2", |s| s.v2p[5] = -2),
             ("counters say", |s| s.tombstones += 1),
-            ("p2v binds", |s| s.p2v[20] = 9),
             ("listed twice", |s| {
                 let h = s.holes[0];
                 s.holes.push(h);
@@ -1103,6 +1311,112 @@ mod tests {
         )
     }
 
+    /// The run fast paths (a page-size-1 prefill: [`RUN`] consecutive ids on consecutive
+    /// pages) against page-by-page calls: ids ascending and descending, pages fresh at
+    /// either end or from holes in either order, runs broken by a bound id, a tombstone,
+    /// a peer page that is not live or a repeated page, and batches that end mid-chunk.
+    #[test]
+    fn run_shaped_batches_match_page_by_page_calls() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: u32| {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((seed >> 33) % n as u64) as u32
+        };
+        let big = Grid {
+            envelope: 8,
+            pages: 400,
+            min_page: 2,
+            stride: 4,
+        };
+        const IDS: u32 = 300;
+        // A peer table that keeps every page but a few.
+        let peer: Vec<i32> = (0..IDS as i32).map(|v| (v % 37 != 5) as i32).collect();
+        let (mut fast_binds, mut fast_releases) = (0, 0);
+        for grow in [Grow::Up, Grow::Down] {
+            let (mut batch, mut single) = (
+                SubAllocator::new(big, grow, IDS),
+                SubAllocator::new(big, grow, IDS),
+            );
+            for round in 0..300 {
+                let free: Vec<u32> = (1..IDS).filter(|&v| batch.v2p[v as usize] <= 0).collect();
+                let room = (big.pages - big.min_page - batch.live) as usize;
+                if round % 2 == 0 && free.len() > RUN && room > RUN {
+                    // A run of ids from a random start, either way, sometimes with one id
+                    // that is already bound swapped in (a broken run).
+                    let n = (RUN + next(3 * RUN as u32) as usize)
+                        .min(free.len())
+                        .min(room);
+                    let start = next((free.len() - n) as u32 + 1) as usize;
+                    let mut ids: Vec<u32> = free[start..start + n].to_vec();
+                    if next(2) == 0 {
+                        ids.reverse();
+                    }
+                    fast_binds += ids.windows(2).filter(|w| w[0].abs_diff(w[1]) == 1).count();
+                    // The stack's top: the last bound first.
+                    let popped: Vec<u32> = ids.iter().rev().copied().collect();
+                    batch.bind_popped(&popped);
+                    for &v in &ids {
+                        let p = single.take();
+                        single.bind(v, p);
+                    }
+                } else if batch.live > 0 {
+                    // Release a run of bound ids (either way), with repeats and sink visits
+                    // now and then, and tombstone a few first so some chunks are broken.
+                    let bound: Vec<u32> = (1..IDS).filter(|&v| batch.v2p[v as usize] > 0).collect();
+                    let n = (RUN + next(3 * RUN as u32) as usize).min(bound.len());
+                    let start = next((bound.len() - n) as u32 + 1) as usize;
+                    let mut pages: Vec<u32> = bound[start..start + n].to_vec();
+                    if next(2) == 0 {
+                        pages.reverse();
+                    }
+                    match next(4) {
+                        0 => pages.push(pages[0]),
+                        1 => pages.insert(next(pages.len() as u32) as usize, 0),
+                        2 => {
+                            let v = pages[next(pages.len() as u32) as usize];
+                            batch.unbind(v, true);
+                            single.unbind(v, true);
+                        }
+                        _ => {}
+                    }
+                    fast_releases += pages.len();
+                    let tomb = next(2) == 0;
+                    let keep = Keep::LiveIn(&peer);
+                    let mut released = Vec::new();
+                    batch.release_each(&pages, keep, tomb, Some(&mut released));
+                    let mut expected = Vec::new();
+                    for &v in pages.iter().filter(|&&v| keep.keeps(v)) {
+                        match single.v2p[v as usize] {
+                            p if p > 0 => {
+                                single.unbind(v, false);
+                                expected.push(v);
+                            }
+                            -1 if tomb => single.clear_tombstone(v),
+                            _ => {}
+                        }
+                    }
+                    assert_eq!(released, expected, "{grow:?} round {round}");
+                }
+                assert_eq!(state(&batch), state(&single), "{grow:?} round {round}");
+                batch.verify("batch").unwrap();
+                if round % 7 == 6 {
+                    // Holes in both orders: a compaction empties them, binds refill them.
+                    let mut moves = Vec::new();
+                    batch.compact(&mut moves);
+                    single.compact(&mut moves);
+                    batch.clear_dirty();
+                    single.clear_dirty();
+                }
+            }
+        }
+        assert!(
+            fast_binds > 2000 && fast_releases > 2000,
+            "{fast_binds} {fast_releases}"
+        );
+    }
+
     #[test]
     fn batch_binds_and_releases_match_page_by_page_calls() {
         // A small LCG: deterministic, no dependency.
@@ -1140,7 +1454,7 @@ mod tests {
                         batch.growth_edge(),
                         &mut spans_batch,
                     );
-                    batch.bind_each(ids.iter().copied());
+                    batch.bind_popped(&ids.iter().rev().copied().collect::<Vec<_>>());
                     bound += ids.len();
                     for &v in &ids {
                         let p = single.take();
@@ -1153,9 +1467,11 @@ mod tests {
                     // the table decide, as in a flush.
                     let pages: Vec<u32> = (0..next(8)).map(|_| next(64)).collect();
                     let tomb = next(2) == 0;
-                    let keep = |v: u32| v % 5 != 1;
+                    // A peer table that keeps four pages in five.
+                    let peer: Vec<i32> = (0..64).map(|v| (v % 5 != 1) as i32).collect();
+                    let keep = |v: u32| v != 0 && peer[v as usize] > 0;
                     let mut released = Vec::new();
-                    batch.release_each(pages.iter().copied(), keep, tomb, Some(&mut released));
+                    batch.release_each(&pages, Keep::LiveIn(&peer), tomb, Some(&mut released));
                     let mut expected = Vec::new();
                     for &v in pages.iter().filter(|&&v| keep(v)) {
                         match single.v2p[v as usize] {
@@ -1298,7 +1614,7 @@ mod tests {
         sub.unbind(3, true);
         sub.unbind(5, true);
         assert_eq!(sub.tombstones(), 2);
-        sub.bind_each([3, 5, 6].into_iter());
+        sub.bind_popped(&[6, 5, 3]);
         assert_eq!((sub.tombstones(), sub.live()), (0, 4));
         sub.verify("down").unwrap();
     }

@@ -19,7 +19,7 @@ use crate::spec::{
     BS1_STATE_SLOTS, Grid, Grow, Side, SlotPoolSpec, SubPoolSpec, bs1_floor, check_bs1_floor,
     sink_floor, window_pages,
 };
-use crate::sub::{CompactionPlan, Edge, RelayPlan, SpanView, SubAllocator, VirtualIds};
+use crate::sub::{CompactionPlan, Edge, Keep, RelayPlan, SpanView, SubAllocator, VirtualIds};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use unikv_invariants::{Scope, enabled};
@@ -678,9 +678,9 @@ impl UnifiedSwa {
         }
         // FULL then SWA, each side's takes and binds in id order: the same tables, holes
         // and dirty entries as binding both sides page by page.
-        self.full.bind_each(ids.iter().rev().copied());
+        self.full.bind_popped(ids);
         if let Some(swa) = &mut self.swa {
-            swa.bind_each(ids.iter().rev().copied());
+            swa.bind_popped(ids);
         }
         let page_size = self.ps;
         let ps = page_size.get() as usize;
@@ -939,19 +939,13 @@ impl PageTables for UnifiedSwa {
     /// liveness filter, which the SWA pass reads before the FULL pass changes it. A page
     /// listed twice is still released once: its second visit finds SWA unbound (0: no
     /// change) in the first pass and FULL free in the second.
-    fn release_pages(&mut self, pages: impl ExactSizeIterator<Item = u32> + Clone) {
-        let full = &self.full.v2p;
+    fn release_pages(&mut self, pages: &[u32]) {
         if let Some(swa) = &mut self.swa {
-            swa.release_each(
-                pages.clone(),
-                |v| v != 0 && full[v as usize] > 0,
-                true,
-                None,
-            );
+            swa.release_each(pages, Keep::LiveIn(&self.full.v2p), true, None);
         }
         // FULL has no tombstones; each released id goes back on the stack, in order.
         self.full
-            .release_each(pages, |v| v != 0, false, Some(self.free_ids.stack()));
+            .release_each(pages, Keep::NotSink, false, Some(self.free_ids.stack()));
     }
     fn group(&mut self) -> &mut FreeGroup {
         &mut self.group

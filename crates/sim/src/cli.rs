@@ -158,6 +158,9 @@ pub struct BenchOpsArgs {
     pub json: bool,
     /// The device the allocator runs on (`--device`, default cpu).
     pub backend: Backend,
+    /// Replays per level (`--passes`, default 5), each against a fresh allocator; the
+    /// pass with the median total time is reported.
+    pub passes: usize,
 }
 
 /// The options of `unikv sim`: seeds `first..first + seeds` of [`crate::dst`].
@@ -435,6 +438,7 @@ fn parse_bench_ops(args: &[&str]) -> Result<Command, SimError> {
     let mut levels: Vec<Level> = Vec::new();
     let mut json = false;
     let mut backend = Backend::Cpu;
+    let mut passes = 5;
     let mut args = Args {
         command: "bench-ops",
         rest: args.iter(),
@@ -463,6 +467,19 @@ fn parse_bench_ops(args: &[&str]) -> Result<Command, SimError> {
             Arg::Option("--device", inline) => {
                 backend = parse_backend(args.single("--device", inline)?)?;
             }
+            Arg::Option("--passes", inline) => {
+                let value = args.single("--passes", inline)?;
+                passes = value
+                    .trim()
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| SimError::BadNumber {
+                        option: "--passes",
+                        value: value.to_string(),
+                        reason: "expected a whole number of passes, at least 1",
+                    })?;
+            }
             Arg::Option(other, _) => return Err(args.unknown(other)),
         }
     }
@@ -478,6 +495,7 @@ fn parse_bench_ops(args: &[&str]) -> Result<Command, SimError> {
         levels,
         json,
         backend,
+        passes,
     }))
 }
 
@@ -669,7 +687,7 @@ unikv bench-ops: replay only the allocator operations a replay recorded, against
 allocator, and report throughput (ops/s and tokens/s per operation kind)
 
 USAGE:
-  unikv bench-ops FILE [--invariants LEVEL]... [--device D] [--json]
+  unikv bench-ops FILE [--invariants LEVEL]... [--device D] [--passes N] [--json]
 
 ARGUMENTS:
   FILE                  an ops trace written by `unikv replay --record-ops FILE`
@@ -1275,7 +1293,20 @@ mod tests {
         else {
             panic!("not bench-ops");
         };
-        assert_eq!((b.levels, b.json), (vec![Level::Strict], true));
+        assert_eq!((b.levels, b.json, b.passes), (vec![Level::Strict], true, 5));
+        let Command::BenchOps(b) = parse_args(&["bench-ops", "f", "--passes", "3"]).unwrap() else {
+            panic!("not bench-ops");
+        };
+        assert_eq!(b.passes, 3);
+        for bad in ["0", "-1", "x"] {
+            assert!(matches!(
+                parse_args(&["bench-ops", "f", "--passes", bad]),
+                Err(SimError::BadNumber {
+                    option: "--passes",
+                    ..
+                })
+            ));
+        }
         assert!(matches!(
             parse_args(&["bench-ops"]),
             Err(SimError::MissingArgument {
