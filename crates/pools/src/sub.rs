@@ -593,12 +593,15 @@ impl SubAllocator {
         let record = released.is_some();
         let released = released.unwrap_or(&mut nothing);
         let (hole_base, released_base) = (holes.len(), released.len());
-        holes.resize(hole_base + n, 0);
+        // Written in place in the lists' spare room (not zero-filled first), lengths set
+        // once at the end.
+        holes.reserve(n);
         dirty.reserve(n);
         if record {
-            released.resize(released_base + n, 0);
+            released.reserve(n);
         }
-        let (new_holes, new_released) = (&mut holes[hole_base..], &mut released[released_base..]);
+        let new_holes = &mut holes.spare_capacity_mut()[..n];
+        let new_released = &mut released.spare_capacity_mut()[..if record { n } else { 0 }];
         let v2p = &mut v2p[..];
         let (mut unbound, mut cleared) = (0usize, 0u32);
         let mut i = 0;
@@ -610,10 +613,13 @@ impl SubAllocator {
                 v2p[run.v_lo..run.v_lo + RUN].fill(0);
                 let holes = &mut new_holes[unbound..unbound + RUN];
                 for (t, hole) in holes.iter_mut().enumerate() {
-                    *hole = run.p_first.wrapping_add(run.p_step.wrapping_mul(t as u32));
+                    hole.write(run.p_first.wrapping_add(run.p_step.wrapping_mul(t as u32)));
                 }
                 if record {
-                    new_released[unbound..unbound + RUN].copy_from_slice(&pages[i..end]);
+                    let released = &mut new_released[unbound..unbound + RUN];
+                    for (slot, &v) in released.iter_mut().zip(&pages[i..end]) {
+                        slot.write(v);
+                    }
                 }
                 dirty.extend(pages[i..end].iter().map(|&v| (v, 0)));
                 unbound += RUN;
@@ -628,9 +634,9 @@ impl SubAllocator {
                 let p = *entry;
                 if p > 0 {
                     *entry = 0;
-                    new_holes[unbound] = p as u32;
+                    new_holes[unbound].write(p as u32);
                     if record {
-                        new_released[unbound] = v;
+                        new_released[unbound].write(v);
                     }
                     unbound += 1;
                 } else if p == -1 && clear_tombstones {
@@ -644,9 +650,13 @@ impl SubAllocator {
             }
             i = end;
         }
-        holes.truncate(hole_base + unbound);
+        // SAFETY: the loop wrote the first `unbound` entries of both spare slices (each
+        // unbound page writes its hole and, when recording, its id at index `unbound`
+        // before the count moves on), and `unbound <= n`, the room reserved.
+        unsafe { holes.set_len(hole_base + unbound) };
         if record {
-            released.truncate(released_base + unbound);
+            // SAFETY: as above.
+            unsafe { released.set_len(released_base + unbound) };
         }
         *live -= unbound as u32;
         *tombstones -= cleared;
