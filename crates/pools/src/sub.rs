@@ -1321,6 +1321,28 @@ mod tests {
         )
     }
 
+    /// What [`SubAllocator::release_each`] promises, page by page: unbind each kept live
+    /// page (returning the ids), clear each kept tombstone when `tomb`.
+    fn release_one_by_one(
+        sub: &mut SubAllocator,
+        pages: &[u32],
+        keep: Keep<'_>,
+        tomb: bool,
+    ) -> Vec<u32> {
+        let mut released = Vec::new();
+        for &v in pages.iter().filter(|&&v| keep.keeps(v)) {
+            match sub.v2p[v as usize] {
+                p if p > 0 => {
+                    sub.unbind(v, false);
+                    released.push(v);
+                }
+                -1 if tomb => sub.clear_tombstone(v),
+                _ => {}
+            }
+        }
+        released
+    }
+
     /// The run fast paths (a page-size-1 prefill: [`RUN`] consecutive ids on consecutive
     /// pages) against page-by-page calls: ids ascending and descending, pages fresh at
     /// either end or from holes in either order, runs broken by a bound id, a tombstone,
@@ -1396,17 +1418,7 @@ mod tests {
                     let keep = Keep::LiveIn(&peer);
                     let mut released = Vec::new();
                     batch.release_each(&pages, keep, tomb, Some(&mut released));
-                    let mut expected = Vec::new();
-                    for &v in pages.iter().filter(|&&v| keep.keeps(v)) {
-                        match single.v2p[v as usize] {
-                            p if p > 0 => {
-                                single.unbind(v, false);
-                                expected.push(v);
-                            }
-                            -1 if tomb => single.clear_tombstone(v),
-                            _ => {}
-                        }
-                    }
+                    let expected = release_one_by_one(&mut single, &pages, keep, tomb);
                     assert_eq!(released, expected, "{grow:?} round {round}");
                 }
                 assert_eq!(state(&batch), state(&single), "{grow:?} round {round}");
@@ -1479,20 +1491,10 @@ mod tests {
                     let tomb = next(2) == 0;
                     // A peer table that keeps four pages in five.
                     let peer: Vec<i32> = (0..64).map(|v| (v % 5 != 1) as i32).collect();
-                    let keep = |v: u32| v != 0 && peer[v as usize] > 0;
+                    let keep = Keep::LiveIn(&peer);
                     let mut released = Vec::new();
-                    batch.release_each(&pages, Keep::LiveIn(&peer), tomb, Some(&mut released));
-                    let mut expected = Vec::new();
-                    for &v in pages.iter().filter(|&&v| keep(v)) {
-                        match single.v2p[v as usize] {
-                            p if p > 0 => {
-                                single.unbind(v, false);
-                                expected.push(v);
-                            }
-                            -1 if tomb => single.clear_tombstone(v),
-                            _ => {}
-                        }
-                    }
+                    batch.release_each(&pages, keep, tomb, Some(&mut released));
+                    let expected = release_one_by_one(&mut single, &pages, keep, tomb);
                     assert_eq!(released, expected, "{grow:?} round {round}");
                     unbound += released.len();
                     free.extend(released);
