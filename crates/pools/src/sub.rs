@@ -25,9 +25,10 @@ use unikv_kernels::{ByteSpan, SpanMove};
 
 /// One sub-pool's host-authoritative bookkeeping: a span `[lo, hi)` of its grid, its
 /// translation tables (`v2p`: > 0 bound, -1 tombstone, 0 unbound; `p2v`: the owner of a
-/// bound page), its holes and its dirty mirror entries. An `Up` end keeps `lo` at the floor and grows at
-/// `hi`; a `Down` end keeps `hi` at the top and grows at `lo`; a `Float` moves both and
-/// parks (becomes empty and transparent) when its last page is freed. Methods that take
+/// bound page), its holes and its dirty mirror entries. An `Up` end keeps `lo` at the
+/// floor and grows at `hi`; a `Down` end keeps `hi` at the top and grows at `lo`; a
+/// `Float` moves both and parks (becomes empty and transparent) when its last page is
+/// freed. Methods that take
 /// a page trust the composite's arithmetic (documented preconditions);
 /// [`SubAllocator::verify`] checks everything.
 ///
@@ -703,14 +704,14 @@ impl SubAllocator {
             ..
         } = self;
         let taken = &holes[hole_split..];
-        // The `t`-th bind's id and page.
+        // The `i`-th page past the frontier, and the `t`-th bind's id and page.
+        let fresh_page = move |i: u32| if down { frontier - 1 - i } else { frontier + i };
         let id = |t: usize| popped[n - 1 - t];
         let page = move |t: usize| {
             if t < from_holes {
                 taken[from_holes - 1 - t]
             } else {
-                let i = (t - from_holes) as u32;
-                if down { frontier - 1 - i } else { frontier + i }
+                fresh_page((t - from_holes) as u32)
             }
         };
         let (v2p, p2v) = (&mut v2p[..], &mut p2v[..]);
@@ -725,12 +726,8 @@ impl SubAllocator {
                 let pages = if end <= from_holes {
                     reversed_run(&taken[from_holes - end..from_holes - t])
                 } else {
-                    let i = (t - from_holes) as u32;
-                    Some(if down {
-                        (frontier - 1 - i, u32::MAX)
-                    } else {
-                        (frontier + i, 1)
-                    })
+                    let step = if down { u32::MAX } else { 1 };
+                    Some((fresh_page((t - from_holes) as u32), step))
                 };
                 if let (Some(ids), Some(pages)) = (ids, pages)
                     && let Some(run) = bind_run(ids, pages, v2p)
@@ -768,10 +765,13 @@ impl SubAllocator {
                 .zip(taken.iter().rev())
                 .map(|(&v, &p)| (v, p as i32)),
         );
-        dirty.extend(fresh_ids.iter().rev().enumerate().map(|(i, &v)| {
-            let i = i as u32;
-            (v, if down { frontier - 1 - i } else { frontier + i } as i32)
-        }));
+        dirty.extend(
+            fresh_ids
+                .iter()
+                .rev()
+                .enumerate()
+                .map(|(i, &v)| (v, fresh_page(i as u32) as i32)),
+        );
         holes.truncate(hole_split);
         *live += n as u32;
         *tombstones -= revived;

@@ -890,22 +890,21 @@ pub fn replay(
                 // `check` made every request grow: no underflow.
                 tokens = reqs.iter().map(|r| (r.seq_len - r.prefix_len) as u64).sum();
                 out.clear();
-                let dec: Vec<DecodeRequest> = match op {
-                    Op::AllocDecode { .. } => reqs
-                        .iter()
-                        .map(|r| DecodeRequest {
-                            prefix_len: r.prefix_len,
-                            last_token: r.last_token,
-                        })
-                        .collect(),
-                    _ => Vec::new(),
-                };
+                let decode: Option<Vec<DecodeRequest>> =
+                    matches!(op, Op::AllocDecode { .. }).then(|| {
+                        reqs.iter()
+                            .map(|r| DecodeRequest {
+                                prefix_len: r.prefix_len,
+                                last_token: r.last_token,
+                            })
+                            .collect()
+                    });
                 started = Instant::now();
-                if let Op::AllocDecode { .. } = op {
-                    alloc.alloc_decode(&dec, &mut out).map_err(pool)?;
-                } else {
-                    alloc.alloc_extend(&reqs, &mut out).map_err(pool)?;
+                match &decode {
+                    Some(decode) => alloc.alloc_decode(decode, &mut out),
+                    None => alloc.alloc_extend(&reqs, &mut out),
                 }
+                .map_err(pool)?;
                 let nanos = host_nanos(started);
                 if to_runs(&out) != *expected {
                     return Err(at(OpsProblem::Diverged { op: op.name() }));
