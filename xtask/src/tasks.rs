@@ -17,6 +17,18 @@ struct Cell {
     page_size: &'static str,
     passed: bool,
     seconds: f64,
+    /// A failed cell's last lines (nextest's final list of failures and their output),
+    /// repeated after the table: a CI log that keeps only its tail still names them.
+    digest: Option<String>,
+}
+
+/// How many of a failed cell's last lines its digest keeps.
+const DIGEST_LINES: usize = 60;
+
+/// The last [`DIGEST_LINES`] lines of `output`.
+fn digest(output: &str) -> String {
+    let lines: Vec<&str> = output.lines().collect();
+    lines[lines.len().saturating_sub(DIGEST_LINES)..].join("\n")
 }
 
 /// `cargo xtask test [--quick]`.
@@ -64,13 +76,14 @@ fn run_matrix(quick: bool, extra_env: &[(&str, String)]) -> Result<(), String> {
                     cmd = cmd.env(k, v.clone());
                 }
                 let cell_started = Instant::now();
-                let passed = cmd.run().is_ok();
+                let (passed, output) = cmd.run_reporting()?;
                 cells.push(Cell {
                     features,
                     level,
                     page_size,
                     passed,
                     seconds: cell_started.elapsed().as_secs_f64(),
+                    digest: (!passed).then(|| digest(&output)),
                 });
             }
         }
@@ -100,6 +113,14 @@ fn run_matrix(quick: bool, extra_env: &[(&str, String)]) -> Result<(), String> {
         if doc_passed { "pass" } else { "FAIL" },
         doc_seconds
     );
+    for c in &cells {
+        if let Some(digest) = &c.digest {
+            println!(
+                "\n=== failed cell: features={} UNIKV_INVARIANT_CHECK={} UNIKV_TEST_PAGE_SIZE={} (last lines)\n{digest}",
+                c.features, c.level, c.page_size
+            );
+        }
+    }
     let failed = cells.iter().filter(|c| !c.passed).count() + usize::from(!doc_passed);
     let total = cells.len() + 1;
     if failed == 0 {
