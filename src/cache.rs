@@ -888,15 +888,28 @@ impl HybridCache {
                 });
             }
         }
+        // The batch's SWA that left the window, in one allocator call.
+        let released: Vec<(usize, std::ops::Range<usize>)> = batch
+            .iter()
+            .enumerate()
+            .filter_map(|(i, req)| self.out_of_window(req).map(|rows| (i, rows)))
+            .collect();
+        if !released.is_empty() {
+            let segments: Vec<Segment<'_>> = released
+                .iter()
+                .map(|(i, rows)| Segment::of_row(&batch[*i].row, rows.clone()))
+                .collect();
+            self.alloc.free_swa_segments(&segments)?;
+            for (i, rows) in released {
+                self.window_released(batch[i], rows.end)?;
+            }
+        }
         let mut requests = std::mem::take(&mut self.decode_scratch);
         requests.clear();
-        for req in batch.iter_mut() {
-            self.release_out_of_window(req)?;
-            requests.push(DecodeRequest {
-                prefix_len: req.len(),
-                last_token: req.row.last().copied(),
-            });
-        }
+        requests.extend(batch.iter().map(|req| DecodeRequest {
+            prefix_len: req.len(),
+            last_token: req.row.last().copied(),
+        }));
         let ps = self.alloc.page_size();
         let pages = requests
             .iter()
@@ -931,23 +944,34 @@ impl HybridCache {
     /// Returns the tokens released. Called by the alloc methods; engines may call it too.
     pub fn release_out_of_window(&mut self, req: &mut Request) -> Result<usize, Error> {
         self.check_owner(req)?;
-        if !self.has_swa {
+        let Some(rows) = self.out_of_window(req) else {
             return Ok(0);
+        };
+        self.alloc
+            .free_swa_segment(Segment::of_row(&req.row, rows.clone()))?;
+        self.window_released(req, rows.end)?;
+        Ok(rows.len())
+    }
+
+    /// The rows of `req` whose SWA [`HybridCache::release_out_of_window`] releases now
+    /// (from the cursor to the new cursor), if any.
+    fn out_of_window(&self, req: &Request) -> Option<std::ops::Range<usize>> {
+        if !self.has_swa {
+            return None;
         }
         let len = req.len();
-        let dead_lo = req.protected;
-        let evicted = req.cursor.max(dead_lo);
+        let evicted = req.cursor.max(req.protected);
         let keep = self.window.div_ceil(self.ps) * self.ps;
         if len < evicted + keep + self.interval {
-            return Ok(0);
+            return None;
         }
         let new_cursor = len / self.ps * self.ps - keep;
-        if new_cursor <= evicted {
-            return Ok(0);
-        }
+        (new_cursor > evicted).then_some(evicted..new_cursor)
+    }
+
+    /// Moves `req`'s cursor to `new_cursor` once the SWA below it is freed.
+    fn window_released(&mut self, req: &mut Request, new_cursor: usize) -> Result<(), Error> {
         let before = self.held(req);
-        self.alloc
-            .free_swa_segment(Segment::of_row(&req.row, evicted..new_cursor))?;
         req.cursor = new_cursor;
         self.account(before, self.held(req));
         // Once the window has left the cached prefix, the prefix's SWA may be evicted.
@@ -959,7 +983,7 @@ impl HybridCache {
             req.window_lock_released = true;
             self.epoch += 1;
         }
-        Ok(new_cursor - evicted)
+        Ok(())
     }
 
     // ----- finishing, caching, releasing -------------------------------------------------

@@ -224,6 +224,11 @@ impl Hooks for Probe {
                     self.check(inner, "free_segments", Freed::Both, segment_pages(ps, s));
                 }
             }
+            Call::FreeSwaSegments(segments) => {
+                for &s in segments {
+                    self.check(inner, "free_swa_segments", Freed::Swa, segment_pages(ps, s));
+                }
+            }
             _ => {}
         }
         Ok(())

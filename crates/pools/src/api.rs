@@ -469,6 +469,12 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     /// (`swa.window_ratchet`). Fixed shape; never deferred.
     fn free_swa_segment(&mut self, segment: Segment<'_>) -> Result<(), Error>;
 
+    /// SWA-only frees of several segments, as [`KvAllocator::free_swa_segment`] of each in
+    /// order: the window eviction of a whole decode batch in one call. Every segment's
+    /// shape and range is checked before any page is freed, so a refused batch changes
+    /// nothing. Never deferred.
+    fn free_swa_segments(&mut self, segments: &[Segment<'_>]) -> Result<(), Error>;
+
     /// FULL-only segment free: every page must have no live SWA peer
     /// (`swa.peer_released`). Fixed shape; deferred inside a group through its own list.
     fn free_full_segment(&mut self, segment: Segment<'_>) -> Result<(), Error>;

@@ -568,11 +568,33 @@ pub(crate) fn free_swa_segment<T: PageTables + ?Sized>(
     t: &mut T,
     seg: Segment<'_>,
 ) -> Result<(), Error> {
-    require_swa(t, "free_swa_segment")?;
-    check_segment(t, &seg)?;
-    for v in seg.pages(t.ps()) {
+    swa_segments(t, std::slice::from_ref(&seg), "free_swa_segment")
+}
+
+/// SWA-only frees of several segments (a decode batch's window eviction): every segment
+/// is checked before any page is freed, then each is freed as by `free_swa_segment`, in
+/// order. Never deferred.
+pub(crate) fn free_swa_segments<T: PageTables + ?Sized>(
+    t: &mut T,
+    segments: &[Segment<'_>],
+) -> Result<(), Error> {
+    swa_segments(t, segments, "free_swa_segments")
+}
+
+/// The SWA-only segment frees, one segment or a batch: all checked, then all released.
+fn swa_segments<T: PageTables + ?Sized>(
+    t: &mut T,
+    segments: &[Segment<'_>],
+    op: &'static str,
+) -> Result<(), Error> {
+    require_swa(t, op)?;
+    for seg in segments {
+        check_segment(t, seg)?;
+    }
+    let ps = t.ps();
+    for v in segments.iter().flat_map(|seg| seg.pages(ps)) {
         let v = v.0;
-        if is_sink(t.scope(), v, "free_swa_segment") {
+        if is_sink(t.scope(), v, op) {
             continue;
         }
         let swa = t.swa_entry(v);
@@ -1033,6 +1055,10 @@ macro_rules! free_family_methods {
 
         fn free_swa_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
             $crate::frees::free_swa_segment(self, segment)
+        }
+
+        fn free_swa_segments(&mut self, segments: &[Segment<'_>]) -> Result<(), Error> {
+            $crate::frees::free_swa_segments(self, segments)
         }
 
         fn free_full_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {

@@ -41,6 +41,8 @@ pub enum Call<'a> {
     Free(FreeOp<'a>),
     /// [`KvAllocator::free_segments`].
     FreeSegments(&'a [Segment<'a>]),
+    /// [`KvAllocator::free_swa_segments`].
+    FreeSwaSegments(&'a [Segment<'a>]),
     /// [`KvAllocator::free_batch`] (infallible).
     FreeBatch(&'a [FreeOp<'a>]),
     /// [`KvAllocator::free_group_begin`].
@@ -71,6 +73,7 @@ impl Call<'_> {
             Call::FreeIds(IdFree::Swa, _) => "free_swa",
             Call::Free(op) => op.name(),
             Call::FreeSegments(_) => "free_segments",
+            Call::FreeSwaSegments(_) => "free_swa_segments",
             Call::FreeBatch(_) => "free_batch",
             Call::GroupBegin => "free_group_begin",
             Call::GroupEnd => "free_group_end",
@@ -289,6 +292,11 @@ impl<H: Hooks> KvAllocator for Hooked<H> {
     }
     fn free_swa_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
         self.free(FreeOp::SwaSegment(segment), |a| a.free_swa_segment(segment))
+    }
+    fn free_swa_segments(&mut self, segments: &[Segment<'_>]) -> Result<(), Error> {
+        self.fallible(Call::FreeSwaSegments(segments), |a| {
+            a.free_swa_segments(segments)
+        })
     }
     fn free_full_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
         self.free(FreeOp::FullSegment(segment), |a| {

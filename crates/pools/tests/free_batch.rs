@@ -8,15 +8,7 @@ mod common;
 use common::*;
 use unikv_invariants::{Level, scoped_level};
 use unikv_pools::invariants::FREE_BATCH_WELL_FORMED;
-use unikv_pools::{Error, FreeOp, KvAllocator, Segment, VirtualPage, VirtualSlot, VirtualToken};
-
-/// The host tables and views two pools are compared by.
-fn snapshot(a: &dyn KvAllocator) -> impl PartialEq + std::fmt::Debug + use<> {
-    let pages: Vec<_> = (0..a.virtual_pages())
-        .map(|v| (a.full_live(VirtualPage(v)), a.swa_state(VirtualPage(v))))
-        .collect();
-    (a.capacity(), a.pool_map(), a.pending_frees(), pages)
-}
+use unikv_pools::{Error, FreeOp, KvAllocator, Segment, VirtualSlot, VirtualToken};
 
 /// Rows on a fresh pool: `[live, tombstoned head + live tail, dead, kv row, swa]`.
 fn rows(p: &mut Pool) -> Vec<Vec<VirtualToken>> {

@@ -217,8 +217,18 @@ fn drive(t: &mut Twin, ps: usize) {
         ])
     })
     .unwrap_err();
-    t.step("free_swa_segment", |a| {
-        a.free_swa_segment(Segment::of_row(&r3, 0..ps))
+    t.step("free_swa_segments with a token out of range", |a| {
+        a.free_swa_segments(&[
+            Segment::of_row(&r3, 0..ps),
+            Segment {
+                tokens: &[VirtualToken(u32::MAX)],
+                start: 0,
+            },
+        ])
+    })
+    .unwrap_err();
+    t.step("free_swa_segments", |a| {
+        a.free_swa_segments(&[Segment::of_row(&r3, 0..ps)])
     })
     .unwrap();
     if ps > 1 {
@@ -425,6 +435,9 @@ impl KvAllocator for Corrupted {
         not_asked()
     }
     fn free_segments(&mut self, _: &[Segment<'_>]) -> Result<(), Error> {
+        not_asked()
+    }
+    fn free_swa_segments(&mut self, _: &[Segment<'_>]) -> Result<(), Error> {
         not_asked()
     }
     fn free_kv_row_segments(

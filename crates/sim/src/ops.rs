@@ -186,6 +186,11 @@ pub enum Op {
         /// The segments.
         segments: Vec<Seg>,
     },
+    /// Several SWA-only segment frees (a decode batch's window release).
+    FreeSwaSegments {
+        /// The segments.
+        segments: Vec<Seg>,
+    },
     /// A finishing row split at its cursor.
     FreeKvRowSegments {
         /// The row's first `len` ids.
@@ -265,6 +270,7 @@ impl Op {
             Op::FreeSwaSegment(_) => "free_swa_segment",
             Op::FreeFullSegment(_) => "free_full_segment",
             Op::FreeSegments { .. } => "free_segments",
+            Op::FreeSwaSegments { .. } => "free_swa_segments",
             Op::FreeKvRowSegments { .. } => "free_kv_row_segments",
             Op::TransferSwa { .. } => "transfer_swa",
             Op::GroupBegin => "group_begin",
@@ -411,6 +417,9 @@ impl Hooks for Recorder {
             Call::FreeIds(IdFree::Swa, ids) => Op::FreeSwa { ids: to_runs(ids) },
             Call::Free(op) => recorded(op),
             Call::FreeSegments(segments) => Op::FreeSegments {
+                segments: segments.iter().map(Seg::of).collect(),
+            },
+            Call::FreeSwaSegments(segments) => Op::FreeSwaSegments {
                 segments: segments.iter().map(Seg::of).collect(),
             },
             // Recorded as the checked ops it is made of, so `bench-ops` replays the same
@@ -654,7 +663,7 @@ pub fn check(op: &Op, page_size: u32) -> Result<(), OpsProblem> {
         Op::FreeSegment(seg) | Op::FreeSwaSegment(seg) | Op::FreeFullSegment(seg) => {
             segment(seg)?;
         }
-        Op::FreeSegments { segments } => {
+        Op::FreeSegments { segments } | Op::FreeSwaSegments { segments } => {
             let mut ids = 0;
             for seg in segments {
                 ids = total(ids + segment(seg)?)?;
@@ -938,7 +947,7 @@ pub fn replay(
                 }
                 .map_err(pool)?;
             }
-            Op::FreeSegments { segments } => {
+            Op::FreeSegments { segments } | Op::FreeSwaSegments { segments } => {
                 let ids = segments
                     .iter()
                     .map(|s| from_runs(&s.ids))
@@ -954,7 +963,12 @@ pub fn replay(
                     .collect();
                 tokens = ids.iter().map(|v| v.len() as u64).sum();
                 started = Instant::now();
-                alloc.free_segments(&segs).map_err(pool)?;
+                if matches!(op, Op::FreeSegments { .. }) {
+                    alloc.free_segments(&segs)
+                } else {
+                    alloc.free_swa_segments(&segs)
+                }
+                .map_err(pool)?;
             }
             Op::FreeKvRowSegments {
                 row,
@@ -1156,7 +1170,7 @@ mod tests {
 
     #[test]
     fn check_names_the_right_cause() {
-        let cases: [(&str, Option<&str>); 16] = [
+        let cases: [(&str, Option<&str>); 17] = [
             (r#"{"op":"free_segment","start":8,"ids":[[8,4]]}"#, None),
             (
                 r#"{"op":"free","ids":[[0,4294967295]]}"#,
@@ -1178,6 +1192,10 @@ mod tests {
             ),
             (
                 r#"{"op":"free_segments","segments":[{"start":0,"ids":[[4,4]]},{"start":4,"ids":[[13,3]]}]}"#,
+                Some("the ids start mid-page: id 13 is token 1"),
+            ),
+            (
+                r#"{"op":"free_swa_segments","segments":[{"start":0,"ids":[[4,4]]},{"start":4,"ids":[[13,3]]}]}"#,
                 Some("the ids start mid-page: id 13 is token 1"),
             ),
             (

@@ -499,6 +499,7 @@ mod tests {
             "alloc_extend",
             "alloc_decode",
             "free_swa_segment",
+            "free_swa_segments",
             "free_kv_row_segments",
             "flush",
             "all",

@@ -745,7 +745,9 @@ impl Hooks for PagesHandled {
                 (0..ids.len()).filter(|&i| first(i)).count() as u64
             }
             Call::Free(op) => free_pages(op, ps),
-            Call::FreeSegments(segments) => segments.iter().map(|s| s.page_count(ps) as u64).sum(),
+            Call::FreeSegments(segments) | Call::FreeSwaSegments(segments) => {
+                segments.iter().map(|s| s.page_count(ps) as u64).sum()
+            }
             Call::FreeBatch(ops) => ops.iter().map(|&op| free_pages(op, ps)).sum(),
             _ => 0,
         };

@@ -7,7 +7,7 @@ use unikv_invariants::{Invariant, Level, scoped_level};
 use unikv_kernels::{Device, SyncLedger};
 use unikv_pools::{
     Error, ExtendRequest, KvAllocator, SlotPoolSpec, StaticSwa, StaticSwaConfig, SubPoolSpec,
-    UnifiedSwa, UnifiedSwaConfig, VirtualSlot, VirtualToken,
+    UnifiedSwa, UnifiedSwaConfig, VirtualPage, VirtualSlot, VirtualToken,
 };
 
 /// Which allocator.
@@ -218,4 +218,12 @@ pub fn try_row(a: &mut dyn KvAllocator, n: usize) -> Result<Vec<VirtualToken>, E
 /// A fresh row of `n` tokens that must fit.
 pub fn fresh_row(a: &mut dyn KvAllocator, n: usize) -> Vec<VirtualToken> {
     try_row(a, n).unwrap()
+}
+
+/// The host tables and views two pools are compared by.
+pub fn snapshot(a: &dyn KvAllocator) -> impl PartialEq + std::fmt::Debug + use<> {
+    let pages: Vec<_> = (0..a.virtual_pages())
+        .map(|v| (a.full_live(VirtualPage(v)), a.swa_state(VirtualPage(v))))
+        .collect();
+    (a.capacity(), a.pool_map(), a.pending_frees(), pages)
 }
