@@ -75,10 +75,15 @@ pub(crate) fn distinct_output(
 
 /// Every index of a scatter is inside a table of `total` entries.
 pub(crate) fn scatter(table: TableId, entries: &[(u32, i32)], total: usize) -> Result<(), Error> {
-    // One branch-free maximum (it vectorises: a page-size-1 upload is millions of
-    // entries); only a failing scatter looks for its first offender.
-    let top = entries.iter().fold(0u32, |m, &(i, _)| m.max(i));
-    if (top as usize) < total {
+    // One branch-free pass (it vectorises: a page-size-1 upload is millions of entries);
+    // only a failing scatter looks for its first offender.
+    let Ok(limit) = u32::try_from(total) else {
+        return Ok(()); // every `u32` index is inside
+    };
+    if !entries
+        .iter()
+        .fold(false, |over, &(i, _)| over | (i >= limit))
+    {
         return Ok(());
     }
     match entries.iter().find(|(i, _)| *i as usize >= total) {

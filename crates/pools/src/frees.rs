@@ -1034,7 +1034,7 @@ macro_rules! free_family_methods {
                     reason: "a row of usize::MAX tokens cannot grow by one".into(),
                 });
             }
-            self.alloc(requests.iter().map(|&d| ExtendRequest::from(d)), out)
+            self.alloc_one_each(requests, out)
         }
 
         fn free(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {

@@ -529,6 +529,15 @@ impl StaticSwa {
         Ok(totals.0)
     }
 
+    /// A decode batch: an extend by one token per request.
+    pub(crate) fn alloc_one_each(
+        &mut self,
+        requests: &[DecodeRequest],
+        out: &mut Vec<VirtualToken>,
+    ) -> Result<(), Error> {
+        self.alloc(requests.iter().map(|&d| ExtendRequest::from(d)), out)
+    }
+
     /// An allocation as one transaction: validate, size the room, zero the envelopes
     /// the pops will hand out (the tops of the two free stacks) on the device, and only
     /// then bind. A failed zeroing changes nothing.

@@ -633,29 +633,64 @@ impl UnifiedSwa {
         for (index, r) in requests.enumerate() {
             frees::check_request(index, &r, ps, &mut totals)?;
             if !ps.is_aligned(r.prefix_len) {
-                let Some(last) = r.last_token else {
-                    return Err(Error::BadRequest {
-                        index,
-                        reason: format!("prefix of {} tokens without a last token", r.prefix_len),
-                    });
-                };
-                let v = last.page(ps).0;
-                if last.offset(ps) as usize != ps.offset_of(r.prefix_len - 1)
-                    || v == 0
-                    || v >= self.virtual_pages
-                    || self.full.v2p[v as usize] <= 0
-                {
-                    return Err(Error::BadRequest {
-                        index,
-                        reason: format!(
-                            "last token {last} is not a live token at row position {}",
-                            r.prefix_len - 1
-                        ),
-                    });
-                }
+                self.check_last_token(index, r.prefix_len, r.last_token)?;
             }
         }
         Ok(totals)
+    }
+
+    /// Checks a decode batch (one token each); returns the new pages it needs: one per
+    /// request whose row ends on a page boundary.
+    fn validate_decode(&self, requests: &[DecodeRequest]) -> Result<usize, Error> {
+        let ps = self.ps;
+        let mut pages = 0;
+        for (index, d) in requests.iter().enumerate() {
+            if ps.is_aligned(d.prefix_len) {
+                pages += 1;
+            } else {
+                self.check_last_token(index, d.prefix_len, d.last_token)?;
+            }
+        }
+        Ok(pages)
+    }
+
+    /// Request `index` holds `prefix_len` tokens, not a whole number of pages: its last
+    /// token must be live, at row position `prefix_len - 1` of its page.
+    #[inline(always)]
+    fn check_last_token(
+        &self,
+        index: usize,
+        prefix_len: usize,
+        last: Option<VirtualToken>,
+    ) -> Result<(), Error> {
+        let ps = self.ps;
+        let live = last.is_some_and(|last| {
+            let v = last.page(ps).0;
+            last.offset(ps) as usize == ps.offset_of(prefix_len - 1)
+                && v != 0
+                && v < self.virtual_pages
+                && self.full.v2p[v as usize] > 0
+        });
+        if live {
+            Ok(())
+        } else {
+            Err(Self::bad_last_token(index, prefix_len, last))
+        }
+    }
+
+    /// The refusal of [`UnifiedSwa::check_last_token`] (kept out of the per-request loop).
+    #[cold]
+    fn bad_last_token(index: usize, prefix_len: usize, last: Option<VirtualToken>) -> Error {
+        Error::BadRequest {
+            index,
+            reason: match last {
+                None => format!("prefix of {prefix_len} tokens without a last token"),
+                Some(last) => format!(
+                    "last token {last} is not a live token at row position {}",
+                    prefix_len - 1
+                ),
+            },
+        }
     }
 
     /// Hands out the batch's tokens: each request's free tail first, then `pages` new
@@ -667,21 +702,11 @@ impl UnifiedSwa {
         pages: usize,
         out: &mut Vec<VirtualToken>,
     ) {
-        let stack = self.free_ids.stack();
-        let Some(first) = stack.len().checked_sub(pages) else {
+        let Some(first) = self.bind_top(pages) else {
             return self.extend_page_by_page(requests, out);
         };
-        // The ids `pages` pops would return, last on the stack first.
+        let stack = self.free_ids.stack();
         let ids = &stack[first..];
-        if ids.contains(&0) {
-            return self.extend_page_by_page(requests, out);
-        }
-        // FULL then SWA, each side's takes and binds in id order: the same tables, holes
-        // and dirty entries as binding both sides page by page.
-        self.full.bind_popped(ids);
-        if let Some(swa) = &mut self.swa {
-            swa.bind_popped(ids);
-        }
         let page_size = self.ps;
         let ps = page_size.get() as usize;
         let mut next = ids.iter().rev();
@@ -712,6 +737,51 @@ impl UnifiedSwa {
                 pos += n;
             }
         }
+        stack.truncate(first);
+    }
+
+    /// Binds both sides of the `pages` ids on top of the id stack (the ids `pages` pops
+    /// would return, last first) and returns where they start; the caller hands them out
+    /// and truncates the stack there. `None`, binding nothing, when the stack breaks the
+    /// room check's promise (too few ids, or the sink among them).
+    fn bind_top(&mut self, pages: usize) -> Option<usize> {
+        let stack = self.free_ids.stack();
+        let first = stack.len().checked_sub(pages)?;
+        let ids = &stack[first..];
+        if ids.contains(&0) {
+            return None;
+        }
+        // FULL then SWA, each side's takes and binds in id order: the same tables, holes
+        // and dirty entries as binding both sides page by page.
+        self.full.bind_popped(ids);
+        if let Some(swa) = &mut self.swa {
+            swa.bind_popped(ids);
+        }
+        Some(first)
+    }
+
+    /// The decode form of [`UnifiedSwa::extend_unchecked`]: each request's token is the
+    /// next slot of its last page or, when its row ends on a page boundary, the first
+    /// token of the next new page (`pages` of them, in pop order). The caller checked the
+    /// requests (`pages` is [`UnifiedSwa::validate_decode`]'s count) and the room.
+    fn decode_unchecked(
+        &mut self,
+        requests: &[DecodeRequest],
+        pages: usize,
+        out: &mut Vec<VirtualToken>,
+    ) {
+        let Some(first) = self.bind_top(pages) else {
+            let requests = requests.iter().map(|&d| ExtendRequest::from(d));
+            return self.extend_page_by_page(requests, out);
+        };
+        let ps = self.ps;
+        let stack = self.free_ids.stack();
+        let mut next = stack[first..].iter().rev();
+        out.extend(requests.iter().map(|d| match d.last_token {
+            Some(last) if !ps.is_aligned(d.prefix_len) => VirtualToken(last.0 + 1),
+            // One id per aligned request: `validate_decode` counted them.
+            _ => VirtualToken(next.next().map_or(0, |&v| v * ps.get())),
+        }));
         stack.truncate(first);
     }
 
@@ -781,6 +851,20 @@ impl UnifiedSwa {
         self.prepare_handout(Side::Full, PageDemand::joint(pages), pages)?;
         out.reserve(tokens);
         self.extend_unchecked(requests, pages, out);
+        Ok(())
+    }
+
+    /// [`UnifiedSwa::alloc`] for a decode batch, through the one-token forms of its
+    /// check and handout.
+    pub(crate) fn alloc_one_each(
+        &mut self,
+        requests: &[DecodeRequest],
+        out: &mut Vec<VirtualToken>,
+    ) -> Result<(), Error> {
+        let pages = self.validate_decode(requests)?;
+        self.prepare_handout(Side::Full, PageDemand::joint(pages), pages)?;
+        out.reserve(requests.len());
+        self.decode_unchecked(requests, pages, out);
         Ok(())
     }
 
