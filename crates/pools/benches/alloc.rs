@@ -1,5 +1,6 @@
 //! Allocator micro-benchmarks (divan): alloc_extend, alloc_decode for a batch of 256,
-//! the three segment frees of 4,096 and 32,768 tokens, and a flush with 10% holes — at
+//! the three segment frees of 4,096 and 32,768 tokens, a decode batch's window release
+//! (`free_swa_segments` of 256 rows), and a flush with 10% holes — at
 //! page sizes 1 and 256, unified and static — and Mamba state slots (alloc and free of a
 //! batch's slots, the copy-on-write copies) on FULL + Mamba pools. Inputs are built
 //! outside the timed region.
@@ -158,6 +159,23 @@ fn free_full_segment<const N: usize>(bencher: Bencher, case: &str) {
 
 /// A flush of a pool of 32,768 tokens in 64 rows with every tenth page freed (10% holes):
 /// the holes are compacted through the device.
+/// One decode step's window release: 256 rows each leave 256 tokens of the window, in one
+/// `free_swa_segments` call.
+#[divan::bench(args = CASES)]
+fn free_swa_segments_batch_256(bencher: Bencher, case: &str) {
+    bencher
+        .with_inputs(|| {
+            let mut pool = pool(case, 256 * 512);
+            let rows: Vec<Vec<VirtualToken>> = (0..256).map(|_| row(&mut *pool, 512)).collect();
+            (pool, rows)
+        })
+        .bench_local_refs(|(pool, rows)| {
+            let windows: Vec<Segment<'_>> =
+                rows.iter().map(|r| Segment::of_row(r, 0..256)).collect();
+            pool.free_swa_segments(&windows).unwrap()
+        });
+}
+
 #[divan::bench(args = CASES)]
 fn flush_10pct_holes(bencher: Bencher, case: &str) {
     bencher

@@ -38,6 +38,16 @@ pub(crate) trait PageTables {
     /// and list, in the same order per list, as `release_page_silently` page by page (a
     /// test compares the two for every layout), in one batch pass.
     fn release_pages(&mut self, pages: &[u32]);
+    /// A window release of `pages`, in order: each page live on SWA (and not the sink)
+    /// becomes a tombstone as by `release_swa(v, true)`; the rest are left alone. One
+    /// batch pass where the layout has one.
+    fn tombstone_swa_pages(&mut self, pages: &[u32]) {
+        for &v in pages {
+            if v != 0 && self.swa_entry(v) > 0 {
+                self.release_swa(v, true);
+            }
+        }
+    }
     /// Whether the layout has an SWA side. Without one (a FULL/Mamba layout) a
     /// two-sided free is a FULL free with no SWA premise, and SWA-only frees and
     /// transfers are refused ([`Error::NoSwaSide`]).
@@ -592,6 +602,20 @@ fn swa_segments<T: PageTables + ?Sized>(
         check_segment(t, seg)?;
     }
     let ps = t.ps();
+    if ps.get() == 1 && !enabled() {
+        // Nothing to report, and a token is its page: the pages live on SWA become
+        // tombstones in one batch pass (what the loop below does, less its reports), with
+        // slice writes for a prefill's runs. Larger pages make short lists, for which
+        // the loop is cheaper than the pass's set-up.
+        let mut pages = take_scratch(t);
+        pages.clear();
+        for seg in segments {
+            pages.extend(seg.tokens.iter().map(|t| t.0));
+        }
+        t.tombstone_swa_pages(&pages);
+        put_scratch(t, pages);
+        return Ok(());
+    }
     for v in segments.iter().flat_map(|seg| seg.pages(ps)) {
         let v = v.0;
         if is_sink(t.scope(), v, op) {

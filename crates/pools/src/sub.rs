@@ -545,13 +545,13 @@ impl SubAllocator {
         }
     }
 
-    /// Batch release for a flush: for each `v` of `pages` that `keep` keeps, in order, a
-    /// live page is unbound as by `unbind(v, false)` (and `v` appended to `released`),
-    /// a tombstone is cleared as by `clear_tombstone(v)` when `clear_tombstones`, and any
-    /// other entry is left alone. Same tables, counters, hole and dirty order as those
-    /// calls one by one; the lists are written through slices reserved up front, so a
-    /// page costs a few stores rather than a few `Vec::push`es (a push reloads the
-    /// length from memory after every store to a table).
+    /// Batch release: for each `v` of `pages` that `keep` keeps, in order, a live page is
+    /// unbound as by `unbind(v, how == Release::Tombstone)` (and `v` appended to
+    /// `released`), a tombstone is cleared as by `clear_tombstone(v)` under
+    /// [`Release::FreeAndClear`], and any other entry is left alone. Same tables, counters,
+    /// hole and dirty order as those calls one by one; the lists are written through
+    /// slices reserved up front, so a page costs a few stores rather than a few
+    /// `Vec::push`es (a push reloads the length from memory after every store to a table).
     ///
     /// A page-size-1 row is runs of consecutive virtual pages bound to consecutive
     /// physical pages (its prefill): each [`RUN`] pages that form one are released with
@@ -561,15 +561,18 @@ impl SubAllocator {
         &mut self,
         pages: &[u32],
         keep: Keep<'_>,
-        clear_tombstones: bool,
+        how: Release,
         mut released: Option<&mut Vec<u32>>,
     ) {
+        let clear_tombstones = how == Release::FreeAndClear;
+        // What a released entry becomes.
+        let to = if how == Release::Tombstone { -1 } else { 0 };
         if self.grow == Grow::Float {
             // A float parks when its last page goes: keep the page-by-page path.
             for &v in pages.iter().filter(|&&v| keep.keeps(v)) {
                 match self.v2p[v as usize] {
                     p if p > 0 => {
-                        self.unbind(v, false);
+                        self.unbind(v, to == -1);
                         if let Some(released) = released.as_deref_mut() {
                             released.push(v);
                         }
@@ -611,7 +614,7 @@ impl SubAllocator {
             if let Some(run) = release_run(&pages[i..end], v2p, keep) {
                 // A whole run of live pages: the same writes as the loop below, as slice
                 // fills and copies.
-                v2p[run.v_lo..run.v_lo + RUN].fill(0);
+                v2p[run.v_lo..run.v_lo + RUN].fill(to);
                 let holes = &mut new_holes[unbound..unbound + RUN];
                 for (t, hole) in holes.iter_mut().enumerate() {
                     hole.write(run.p_first.wrapping_add(run.p_step.wrapping_mul(t as u32)));
@@ -622,7 +625,7 @@ impl SubAllocator {
                         slot.write(v);
                     }
                 }
-                dirty.extend(pages[i..end].iter().map(|&v| (v, 0)));
+                dirty.extend(pages[i..end].iter().map(|&v| (v, to)));
                 unbound += RUN;
                 i = end;
                 continue;
@@ -634,20 +637,18 @@ impl SubAllocator {
                 let entry = &mut v2p[v as usize];
                 let p = *entry;
                 if p > 0 {
-                    *entry = 0;
+                    *entry = to;
                     new_holes[unbound].write(p as u32);
                     if record {
                         new_released[unbound].write(v);
                     }
                     unbound += 1;
+                    dirty.push((v, to));
                 } else if p == -1 && clear_tombstones {
                     *entry = 0;
                     cleared += 1;
-                } else {
-                    continue;
+                    dirty.push((v, 0));
                 }
-                // `mark(v)`: both transitions leave the entry 0.
-                dirty.push((v, 0));
             }
             i = end;
         }
@@ -661,6 +662,9 @@ impl SubAllocator {
         }
         *live -= unbound as u32;
         *tombstones -= cleared;
+        if to == -1 {
+            *tombstones += unbound as u32;
+        }
     }
 
     /// Batch bind for an allocation of the ids `popped`, as a stack pops them (the last
@@ -936,6 +940,17 @@ pub(crate) struct SpanView<'a> {
     pub(crate) lo: u32,
     /// One past the last page.
     pub(crate) hi: u32,
+}
+
+/// What a batch release [`SubAllocator::release_each`] makes of the pages it visits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Release {
+    /// Live pages are freed (the FULL side, which has no tombstones).
+    Free,
+    /// Live pages are freed and tombstones cleared (the SWA side of a two-sided free).
+    FreeAndClear,
+    /// Live pages become tombstones, the rest is left (the SWA side of a window release).
+    Tombstone,
 }
 
 /// Which pages of a batch release [`SubAllocator::release_each`] visits.
@@ -1322,25 +1337,31 @@ mod tests {
     }
 
     /// What [`SubAllocator::release_each`] promises, page by page: unbind each kept live
-    /// page (returning the ids), clear each kept tombstone when `tomb`.
+    /// page (returning the ids; to a tombstone under `Release::Tombstone`), clear each
+    /// kept tombstone under `Release::FreeAndClear`.
     fn release_one_by_one(
         sub: &mut SubAllocator,
         pages: &[u32],
         keep: Keep<'_>,
-        tomb: bool,
+        how: Release,
     ) -> Vec<u32> {
         let mut released = Vec::new();
         for &v in pages.iter().filter(|&&v| keep.keeps(v)) {
             match sub.v2p[v as usize] {
                 p if p > 0 => {
-                    sub.unbind(v, false);
+                    sub.unbind(v, how == Release::Tombstone);
                     released.push(v);
                 }
-                -1 if tomb => sub.clear_tombstone(v),
+                -1 if how == Release::FreeAndClear => sub.clear_tombstone(v),
                 _ => {}
             }
         }
         released
+    }
+
+    /// A release mode drawn from `n` (0, 1 or 2).
+    fn release_mode(n: u32) -> Release {
+        [Release::Free, Release::FreeAndClear, Release::Tombstone][n as usize]
     }
 
     /// The run fast paths (a page-size-1 prefill: [`RUN`] consecutive ids on consecutive
@@ -1414,11 +1435,11 @@ mod tests {
                         _ => {}
                     }
                     fast_releases += pages.len();
-                    let tomb = next(2) == 0;
+                    let how = release_mode(next(3));
                     let keep = Keep::LiveIn(&peer);
                     let mut released = Vec::new();
-                    batch.release_each(&pages, keep, tomb, Some(&mut released));
-                    let expected = release_one_by_one(&mut single, &pages, keep, tomb);
+                    batch.release_each(&pages, keep, how, Some(&mut released));
+                    let expected = release_one_by_one(&mut single, &pages, keep, how);
                     assert_eq!(released, expected, "{grow:?} round {round}");
                 }
                 assert_eq!(state(&batch), state(&single), "{grow:?} round {round}");
@@ -1488,13 +1509,13 @@ mod tests {
                     // Any pages, bound or not, with repeats and the sink: the filter and
                     // the table decide, as in a flush.
                     let pages: Vec<u32> = (0..next(8)).map(|_| next(64)).collect();
-                    let tomb = next(2) == 0;
+                    let how = release_mode(next(3));
                     // A peer table that keeps four pages in five.
                     let peer: Vec<i32> = (0..64).map(|v| (v % 5 != 1) as i32).collect();
                     let keep = Keep::LiveIn(&peer);
                     let mut released = Vec::new();
-                    batch.release_each(&pages, keep, tomb, Some(&mut released));
-                    let expected = release_one_by_one(&mut single, &pages, keep, tomb);
+                    batch.release_each(&pages, keep, how, Some(&mut released));
+                    let expected = release_one_by_one(&mut single, &pages, keep, how);
                     assert_eq!(released, expected, "{grow:?} round {round}");
                     unbound += released.len();
                     free.extend(released);

@@ -19,7 +19,9 @@ use crate::spec::{
     BS1_STATE_SLOTS, Grid, Grow, Side, SlotPoolSpec, SubPoolSpec, bs1_floor, check_bs1_floor,
     sink_floor, window_pages,
 };
-use crate::sub::{CompactionPlan, Edge, Keep, RelayPlan, SpanView, SubAllocator, VirtualIds};
+use crate::sub::{
+    CompactionPlan, Edge, Keep, RelayPlan, Release, SpanView, SubAllocator, VirtualIds,
+};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use unikv_invariants::{Scope, enabled};
@@ -1025,11 +1027,25 @@ impl PageTables for UnifiedSwa {
     /// change) in the first pass and FULL free in the second.
     fn release_pages(&mut self, pages: &[u32]) {
         if let Some(swa) = &mut self.swa {
-            swa.release_each(pages, Keep::LiveIn(&self.full.v2p), true, None);
+            swa.release_each(
+                pages,
+                Keep::LiveIn(&self.full.v2p),
+                Release::FreeAndClear,
+                None,
+            );
         }
         // FULL has no tombstones; each released id goes back on the stack, in order.
-        self.full
-            .release_each(pages, Keep::NotSink, false, Some(self.free_ids.stack()));
+        self.full.release_each(
+            pages,
+            Keep::NotSink,
+            Release::Free,
+            Some(self.free_ids.stack()),
+        );
+    }
+    fn tombstone_swa_pages(&mut self, pages: &[u32]) {
+        if let Some(swa) = &mut self.swa {
+            swa.release_each(pages, Keep::NotSink, Release::Tombstone, None);
+        }
     }
     fn group(&mut self) -> &mut FreeGroup {
         &mut self.group

@@ -7,6 +7,7 @@
 mod common;
 
 use common::*;
+use unikv_invariants::{Level, scoped_level};
 use unikv_pools::{DecodeRequest, Error, ExtendRequest, Segment, VirtualToken};
 
 /// A pool with four rows of three pages each.
@@ -44,6 +45,53 @@ fn a_window_batch_equals_the_segment_frees_one_by_one() {
         );
         assert_clean(&batch);
     });
+}
+
+/// Without checks at page size 1 a window batch takes one batch pass (slice writes for
+/// each 16 pages of a prefill); with them, page by page with its reports. The two agree,
+/// on live pages, on pages already tombstoned (a second ratchet) and on repeats.
+#[test]
+fn a_window_batch_without_checks_equals_the_checked_page_by_page_release() {
+    each_case(|layout, ps| {
+        // Rows of 48 tokens at least: thirds of a row are whole pages, and at page size 1
+        // runs of 16.
+        let third = ps.max(16) as usize;
+        let setup = || {
+            let mut p = pool(layout, ps, 64 * ps.max(16) as u64);
+            let rows: Vec<_> = (0..4).map(|_| new_row(&mut p, 3 * third)).collect();
+            (p, rows)
+        };
+        let ((mut off, off_rows), (mut warn, warn_rows)) = (setup(), setup());
+        for (p, rows, level) in [
+            (&mut off, &off_rows, Level::Off),
+            (&mut warn, &warn_rows, Level::Warn),
+        ] {
+            scoped_level(level, || {
+                // The first third of rows[0] leaves first: the batch meets its tombstones.
+                p.free_swa_segment(Segment::of_row(&rows[0], 0..third))
+                    .unwrap();
+                p.free_swa_segments(&thirds(rows, third)).unwrap();
+            });
+        }
+        assert_eq!(
+            snapshot(&*off.alloc),
+            snapshot(&*warn.alloc),
+            "{layout:?}/{ps}"
+        );
+        off.verify().unwrap();
+        warn.verify().unwrap();
+    });
+}
+
+/// Window releases of whole thirds of rows, out of row order, with a repeat (the second
+/// ratchet over rows[2]'s first third).
+fn thirds(rows: &[Vec<VirtualToken>], third: usize) -> Vec<Segment<'_>> {
+    vec![
+        Segment::of_row(&rows[2], 0..third),
+        Segment::of_row(&rows[0], 0..2 * third),
+        Segment::of_row(&rows[3], third..3 * third),
+        Segment::of_row(&rows[2], 0..third),
+    ]
 }
 
 #[test]
