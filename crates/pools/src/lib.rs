@@ -56,8 +56,9 @@
 //!   whose trait has no waiting op. Device work is limited to zeroing envelopes on
 //!   hand-out (optional), moving envelopes on a compaction flush and the per-step mirror
 //!   upload ([`KvAllocator::upload_mirror`]).
-//! - **Fixed-shape segment frees.** `free_segment`, `free_swa_segment`,
-//!   `free_full_segment` and `free_kv_row_segments` take page representatives by stride
+//! - **Fixed-shape segment frees.** `free_segment`, `free_swa_segment` (and its batch
+//!   form `free_swa_segments`), `free_full_segment` and `free_kv_row_segments` take page
+//!   representatives by stride
 //!   from host arithmetic; they never filter by liveness and never de-duplicate. They
 //!   check their premise as named invariants (`swa.peer_mapped`, `swa.peer_released`,
 //!   `swa.window_ratchet`, `pool.double_free`, `pool.sink_reserved`,
