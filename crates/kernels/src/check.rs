@@ -75,8 +75,8 @@ pub(crate) fn distinct_output(
 
 /// Every index of a scatter is inside a table of `total` entries.
 pub(crate) fn scatter(table: TableId, entries: &[(u32, i32)], total: usize) -> Result<(), Error> {
-    // One branch-free pass (it vectorises: a page-size-1 upload is millions of entries);
-    // only a failing scatter looks for its first offender.
+    // One pass without an early exit (a page-size-1 upload is millions of entries; a
+    // search branches on each); only a failing scatter looks for its first offender.
     let Ok(limit) = u32::try_from(total) else {
         return Ok(()); // every `u32` index is inside
     };
