@@ -21,6 +21,7 @@ pub enum Edge {
     /// The high (one past the last) page.
     High,
 }
+use std::mem::MaybeUninit;
 use unikv_kernels::{ByteSpan, SpanMove};
 
 /// One sub-pool's host-authoritative bookkeeping: a span `[lo, hi)` of its grid, its
@@ -554,8 +555,8 @@ impl SubAllocator {
     /// `Vec::push`es (a push reloads the length from memory after every store to a table).
     ///
     /// A page-size-1 row is runs of consecutive virtual pages bound to consecutive
-    /// physical pages (its prefill): each [`RUN`] pages that form one are released with
-    /// slice fills and copies instead of page by page.
+    /// physical pages (its prefill), or of tombstones (its window): each
+    /// [`ReleaseRun`] is released with slice fills and ramps instead of page by page.
     #[inline(always)]
     pub(crate) fn release_each(
         &mut self,
@@ -596,7 +597,7 @@ impl SubAllocator {
         let mut nothing = Vec::new();
         let record = released.is_some();
         let released = released.unwrap_or(&mut nothing);
-        let (hole_base, released_base) = (holes.len(), released.len());
+        let (hole_base, released_base, dirty_base) = (holes.len(), released.len(), dirty.len());
         // Written in place in the lists' spare room (not zero-filled first), lengths set
         // once at the end.
         holes.reserve(n);
@@ -606,30 +607,42 @@ impl SubAllocator {
         }
         let new_holes = &mut holes.spare_capacity_mut()[..n];
         let new_released = &mut released.spare_capacity_mut()[..if record { n } else { 0 }];
+        let new_dirty = &mut dirty.spare_capacity_mut()[..n];
         let v2p = &mut v2p[..];
-        let (mut unbound, mut cleared) = (0usize, 0u32);
+        let (mut unbound, mut cleared) = (0usize, 0usize);
         let mut i = 0;
         while i < n {
-            let end = (i + RUN).min(n);
-            if let Some(run) = release_run(&pages[i..end], v2p, keep) {
-                // A whole run of live pages: the same writes as the loop below, as slice
-                // fills and copies.
-                v2p[run.v_lo..run.v_lo + RUN].fill(to);
-                let holes = &mut new_holes[unbound..unbound + RUN];
-                for (t, hole) in holes.iter_mut().enumerate() {
-                    hole.write(run.p_first.wrapping_add(run.p_step.wrapping_mul(t as u32)));
-                }
-                if record {
-                    let released = &mut new_released[unbound..unbound + RUN];
-                    for (slot, &v) in released.iter_mut().zip(&pages[i..end]) {
-                        slot.write(v);
+            if let Some(run) = ReleaseRun::find(&pages[i..], v2p, keep, clear_tombstones) {
+                // The same writes as the loop below, as slice fills and ramps.
+                let len = run.len;
+                let marked = unbound + cleared;
+                let (v, sv) = run.pages;
+                let v_lo = v.min(v.wrapping_add(sv.wrapping_mul(len as u32 - 1))) as usize;
+                let dirty = &mut new_dirty[marked..marked + len];
+                match run.entries {
+                    Some(entries) => {
+                        v2p[v_lo..v_lo + len].fill(to);
+                        let holes = &mut new_holes[unbound..unbound + len];
+                        fill_ramps(holes, entries, (0, 1), |p, _| MaybeUninit::new(p));
+                        if record {
+                            let released = &mut new_released[unbound..unbound + len];
+                            for (slot, &v) in released.iter_mut().zip(&pages[i..i + len]) {
+                                slot.write(v);
+                            }
+                        }
+                        fill_ramps(dirty, (v, sv), (0, 1), |v, _| MaybeUninit::new((v, to)));
+                        unbound += len;
+                    }
+                    None => {
+                        v2p[v_lo..v_lo + len].fill(0);
+                        fill_ramps(dirty, (v, sv), (0, 1), |v, _| MaybeUninit::new((v, 0)));
+                        cleared += len;
                     }
                 }
-                dirty.extend(pages[i..end].iter().map(|&v| (v, to)));
-                unbound += RUN;
-                i = end;
+                i += len;
                 continue;
             }
+            let end = (i + RUN).min(n);
             for &v in &pages[i..end] {
                 if !keep.keeps(v) {
                     continue;
@@ -642,26 +655,30 @@ impl SubAllocator {
                     if record {
                         new_released[unbound].write(v);
                     }
+                    new_dirty[unbound + cleared].write((v, to));
                     unbound += 1;
-                    dirty.push((v, to));
                 } else if p == -1 && clear_tombstones {
                     *entry = 0;
+                    new_dirty[unbound + cleared].write((v, 0));
                     cleared += 1;
-                    dirty.push((v, 0));
                 }
             }
             i = end;
         }
-        // SAFETY: the loop wrote the first `unbound` entries of both spare slices (each
-        // unbound page writes its hole and, when recording, its id at index `unbound`
-        // before the count moves on), and `unbound <= n`, the room reserved.
-        unsafe { holes.set_len(hole_base + unbound) };
+        // SAFETY: the loop wrote the first `unbound` entries of the hole and (when
+        // recording) id slices and the first `unbound + cleared` of the dirty slice (each
+        // page writes at the index its count has reached before the count moves on), and
+        // `unbound + cleared <= n`, the room reserved.
+        unsafe {
+            holes.set_len(hole_base + unbound);
+            dirty.set_len(dirty_base + unbound + cleared);
+        }
         if record {
             // SAFETY: as above.
             unsafe { released.set_len(released_base + unbound) };
         }
         *live -= unbound as u32;
-        *tombstones -= cleared;
+        *tombstones -= cleared as u32;
         if to == -1 {
             *tombstones += unbound as u32;
         }
@@ -673,31 +690,30 @@ impl SubAllocator {
     /// predicts). Same tables, counters, hole and dirty order as those calls one by one.
     /// The caller checked the room; the ids are distinct and not the sink.
     ///
-    /// The tables are written in one pass and the dirty entries appended in a second, an
-    /// exact-size extend, so no page pays for a `Vec::push` (which reloads the length
-    /// from memory after every store to a table). Each [`RUN`] ids that are consecutive,
-    /// unbound and get consecutive physical pages (a page-size-1 prefill) are bound with
-    /// slice writes instead of page by page.
+    /// The tables and the dirty entries (written in place in the list's spare room) are
+    /// filled in one pass, so no page pays for a `Vec::push` (which reloads the length
+    /// from memory after every store to a table). Consecutive ids, unbound, that get
+    /// consecutive physical pages (a page-size-1 prefill) are bound as a [`BindRun`]:
+    /// checked [`RUN`] at a time, then written as ramps however long the run.
     pub(crate) fn bind_popped(&mut self, popped: &[u32]) {
         let n = popped.len();
         // `take` pops holes (last first), then moves the frontier one page at a time.
         let from_holes = n.min(self.holes.len());
         let hole_split = self.holes.len() - from_holes;
         let fresh = (n - from_holes) as u32;
-        let edge = self.growth_edge();
-        let frontier = match edge {
+        // The first fresh page and the step to the next.
+        let (fresh_first, fresh_step) = match self.growth_edge() {
             Edge::Low => {
                 let lo = self.lo;
                 self.lo -= fresh;
-                lo
+                (lo.wrapping_sub(1), u32::MAX)
             }
             Edge::High => {
                 let hi = self.hi;
                 self.hi += fresh;
-                hi
+                (hi, 1)
             }
         };
-        let down = edge == Edge::Low;
         let SubAllocator {
             v2p,
             p2v,
@@ -708,74 +724,49 @@ impl SubAllocator {
             ..
         } = self;
         let taken = &holes[hole_split..];
-        // The `i`-th page past the frontier, and the `t`-th bind's id and page.
-        let fresh_page = move |i: u32| if down { frontier - 1 - i } else { frontier + i };
+        // The `t`-th bind's id and page.
         let id = |t: usize| popped[n - 1 - t];
-        let page = move |t: usize| {
+        let page = |t: usize| {
             if t < from_holes {
                 taken[from_holes - 1 - t]
             } else {
-                fresh_page((t - from_holes) as u32)
+                fresh_first.wrapping_add(fresh_step.wrapping_mul((t - from_holes) as u32))
             }
         };
+        let dirty_base = dirty.len();
+        dirty.reserve(n);
+        let new_dirty = &mut dirty.spare_capacity_mut()[..n];
         let (v2p, p2v) = (&mut v2p[..], &mut p2v[..]);
         let mut revived = 0u32;
         let mut t = 0;
         while t < n {
-            let end = (t + RUN).min(n);
-            // A chunk of holes or of fresh pages, not both.
-            if end - t == RUN && (end <= from_holes || t >= from_holes) {
-                // The chunk's ids and holes lie reversed on their stacks.
-                let ids = reversed_run(&popped[n - end..n - t]);
-                let pages = if end <= from_holes {
-                    reversed_run(&taken[from_holes - end..from_holes - t])
-                } else {
-                    let step = if down { u32::MAX } else { 1 };
-                    Some((fresh_page((t - from_holes) as u32), step))
-                };
-                if let (Some(ids), Some(pages)) = (ids, pages)
-                    && let Some(run) = bind_run(ids, pages, v2p)
-                {
-                    revived += run.revived;
-                    let entries = &mut v2p[run.v_lo..run.v_lo + RUN];
-                    for (k, entry) in entries.iter_mut().enumerate() {
-                        *entry = run.entry.wrapping_add(run.step.wrapping_mul(k as u32)) as i32;
-                    }
-                    let owners = &mut p2v[run.p_lo..run.p_lo + RUN];
-                    for (k, owner) in owners.iter_mut().enumerate() {
-                        *owner = run.owner.wrapping_add(run.step.wrapping_mul(k as u32));
-                    }
-                    t = end;
-                    continue;
-                }
+            // Holes, then fresh pages: a run lies in one of them.
+            let (pages, seg_end) = if t < from_holes {
+                (Pages::Stack(&taken[..from_holes - t]), from_holes)
+            } else {
+                (Pages::Ramp(page(t), fresh_step), n)
+            };
+            if let Some(run) = BindRun::find(&popped[..n - t], pages, seg_end - t, v2p) {
+                revived += run.revived;
+                run.write(v2p, p2v, &mut new_dirty[t..t + run.len]);
+                t += run.len;
+                continue;
             }
-            for t in t..end {
+            let end = (t + RUN).min(seg_end);
+            for (t, slot) in (t..end).zip(&mut new_dirty[t..end]) {
                 let (v, p) = (id(t), page(t));
                 debug_assert!(p != 0 && owner(v2p, p2v, p) == 0);
                 let entry = &mut v2p[v as usize];
                 revived += (*entry == -1) as u32;
                 *entry = p as i32;
                 p2v[p as usize] = v;
+                slot.write((v, p as i32));
             }
             t = end;
         }
-        // `mark(v)` of each bind, in the same order (holes, then the frontier: no branch
-        // per entry).
-        let (fresh_ids, hole_ids) = popped.split_at(n - from_holes);
-        dirty.extend(
-            hole_ids
-                .iter()
-                .rev()
-                .zip(taken.iter().rev())
-                .map(|(&v, &p)| (v, p as i32)),
-        );
-        dirty.extend(
-            fresh_ids
-                .iter()
-                .rev()
-                .enumerate()
-                .map(|(i, &v)| (v, fresh_page(i as u32) as i32)),
-        );
+        // SAFETY: the loop wrote every one of the `n` spare slots (a run or the page by
+        // page loop writes slot `t` for each bind `t`), and `n` is the room reserved.
+        unsafe { dirty.set_len(dirty_base + n) };
         holes.truncate(hole_split);
         *live += n as u32;
         *tombstones -= revived;
@@ -975,16 +966,17 @@ impl Keep<'_> {
 /// Pages a batch pass handles at once when they form a run.
 pub(crate) const RUN: usize = 16;
 
-/// The step (1 or -1, as a wrapping `u32`) of `xs` when it is `xs[0] + step * t`.
-/// Branch-free over the array, so it compiles to a few vector compares.
+/// `step * t` for each `t < RUN` (wrapping), for a step of 1 or -1: with `m` all ones
+/// for -1 and zero for 1, `step * t = (t ^ m) - m`, since SSE2 has no lane-wise 32-bit
+/// multiply (and a select between two ramps costs more than this).
 #[inline(always)]
-fn unit_step(xs: &[u32; RUN]) -> Option<u32> {
-    let step = xs[1].wrapping_sub(xs[0]);
-    let mut ok = step == 1 || step == u32::MAX;
-    for (t, &x) in xs.iter().enumerate() {
-        ok &= x == xs[0].wrapping_add(step.wrapping_mul(t as u32));
+fn steps(step: u32) -> [u32; RUN] {
+    let m = ((step as i32) >> 31) as u32;
+    let mut out = [0; RUN];
+    for (t, o) in out.iter_mut().enumerate() {
+        *o = (t as u32 ^ m).wrapping_sub(m);
     }
-    ok.then_some(step)
+    out
 }
 
 /// The owner of page `p` in these tables, 0 when free (see [`SubAllocator::p2v`]).
@@ -998,92 +990,265 @@ fn owner(v2p: &[i32], p2v: &[u32], p: u32) -> u32 {
     }
 }
 
-/// A run of [`RUN`] pages a batch release can clear with slice writes.
+/// Pages a batch release clears with slice writes: consecutive virtual pages (either
+/// way), none the sink and each kept, all live on consecutive physical pages (either
+/// way) or all tombstones.
 struct ReleaseRun {
-    /// The lowest virtual page.
-    v_lo: usize,
-    /// The physical page of the first page visited, and the step to the next (±1).
-    p_first: u32,
-    p_step: u32,
+    /// The pages in the run, a multiple of [`RUN`].
+    len: usize,
+    /// The first page visited and the step to the next (±1).
+    pages: (u32, u32),
+    /// Live: the physical page of the first page visited and the step to the next's
+    /// (±1). `None`: tombstones.
+    entries: Option<(u32, u32)>,
 }
 
-/// `chunk` as a run, when it holds [`RUN`] consecutive virtual pages (either way), none
-/// the sink, each kept by `keep` and live on consecutive physical pages (either way).
-#[inline(always)]
-fn release_run(chunk: &[u32], v2p: &[i32], keep: Keep<'_>) -> Option<ReleaseRun> {
-    let chunk: &[u32; RUN] = chunk.try_into().ok()?;
-    let v_step = unit_step(chunk)?;
-    let v_lo = chunk[0].min(chunk[RUN - 1]) as usize;
-    let entries: &[i32; RUN] = v2p.get(v_lo..v_lo + RUN)?.try_into().ok()?;
-    // Consecutive entries are all live when the first is: a run down through 0 would
-    // need an entry below the tombstone (-1), which no table holds.
-    let (a, b) = (entries[0], entries[RUN - 1]);
-    if v_lo == 0 || a <= 0 {
-        return None;
-    }
-    let p_step = unit_step(&entries.map(|e| e as u32))?;
-    if let Keep::LiveIn(peer) = keep {
-        let peer = peer.get(v_lo..v_lo + RUN)?;
-        if !peer.iter().fold(true, |ok, &e| ok & (e > 0)) {
+impl ReleaseRun {
+    /// The longest run, [`RUN`] pages at a time, at the start of `pages`; tombstones
+    /// only when `clear_tombstones`.
+    #[inline(always)]
+    fn find(
+        pages: &[u32],
+        v2p: &[i32],
+        keep: Keep<'_>,
+        clear_tombstones: bool,
+    ) -> Option<ReleaseRun> {
+        let [v, next, ..] = *pages else { return None };
+        let sv = next.wrapping_sub(v);
+        if pages.len() < RUN || !is_unit(sv) {
             return None;
         }
+        let first = *v2p.get(v as usize)?;
+        let entries = if first > 0 {
+            let sp = (*v2p.get(next as usize)? as u32).wrapping_sub(first as u32);
+            if !is_unit(sp) {
+                return None;
+            }
+            Some((first as u32, sp))
+        } else if first == -1 && clear_tombstones {
+            None
+        } else {
+            return None;
+        };
+        let page_steps = steps(sv);
+        // Entries as the table lists them: in visiting order when the pages ascend, else
+        // reversed.
+        let entry_steps =
+            entries.map(|(_, sp)| steps(if sv == 1 { sp } else { sp.wrapping_neg() }));
+        let mut len = 0;
+        while len + RUN <= pages.len() {
+            let chunk: &[u32; RUN] = pages[len..len + RUN].try_into().ok()?;
+            if !is_ramp(
+                chunk,
+                v.wrapping_add(sv.wrapping_mul(len as u32)),
+                &page_steps,
+            ) {
+                break;
+            }
+            let v_lo = chunk[0].min(chunk[RUN - 1]) as usize;
+            let Some(table) = v2p.get(v_lo..v_lo + RUN) else {
+                break;
+            };
+            let table: &[i32; RUN] = table.try_into().ok()?;
+            if v_lo == 0 {
+                break;
+            }
+            if let Keep::LiveIn(peer) = keep {
+                let Some(peer) = peer.get(v_lo..v_lo + RUN) else {
+                    break;
+                };
+                if !peer.iter().fold(true, |ok, &e| ok & (e > 0)) {
+                    break;
+                }
+            }
+            let ok = match (entries, &entry_steps) {
+                (Some((p, sp)), Some(steps)) => {
+                    // The entry of the chunk's lowest page.
+                    let back = if sv == 1 { len } else { len + RUN - 1 } as u32;
+                    let lo = p.wrapping_add(sp.wrapping_mul(back));
+                    // A ramp of pages is live when both its ends are (it is monotone).
+                    is_ramp(&table.map(|e| e as u32), lo, steps) && table[0].min(table[RUN - 1]) > 0
+                }
+                _ => table.iter().fold(true, |ok, &e| ok & (e == -1)),
+            };
+            if !ok {
+                break;
+            }
+            len += RUN;
+        }
+        (len > 0).then_some(ReleaseRun {
+            len,
+            pages: (v, sv),
+            entries,
+        })
     }
-    // Visited downward, the run meets its entries from the last.
-    let (p_first, p_step) = if v_step == 1 {
-        (a as u32, p_step)
-    } else {
-        (b as u32, p_step.wrapping_neg())
-    };
-    Some(ReleaseRun {
-        v_lo,
-        p_first,
-        p_step,
-    })
 }
 
-/// `(first, step)` of a run that lies reversed in `xs` (a stack's top): the first value
-/// taken is the last listed.
-#[inline(always)]
-fn reversed_run(xs: &[u32]) -> Option<(u32, u32)> {
-    let xs: &[u32; RUN] = xs.try_into().ok()?;
-    Some((xs[RUN - 1], unit_step(xs)?.wrapping_neg()))
+/// Where a batch bind's next pages come from.
+#[derive(Clone, Copy)]
+enum Pages<'a> {
+    /// The top of the hole stack: the last entry is taken first.
+    Stack(&'a [u32]),
+    /// The frontier: `(first, step)`.
+    Ramp(u32, u32),
 }
 
-/// A run of [`RUN`] binds a batch bind writes as two slices.
+/// Binds a batch bind writes as ramps: the `t`-th is `(u + su·t, q + sq·t)` for steps
+/// of ±1, so id `v` gets page `q + d·(v - u)` and page `p` gets id `u + d·(p - q)`,
+/// with `d = su·sq`.
 struct BindRun {
-    /// The lowest id; its entry (the page it gets), then one `step` more per id.
-    v_lo: usize,
-    entry: u32,
-    /// The lowest page; its owner (the id it gets), then one `step` more per page.
-    p_lo: usize,
-    owner: u32,
-    /// 1 or -1 (wrapping): whether ids and pages run the same way.
-    step: u32,
+    /// The binds in the run, a multiple of [`RUN`].
+    len: usize,
+    /// The first id and the step to the next (`u`, `su`).
+    ids: (u32, u32),
+    /// The first page and the step to the next (`q`, `sq`).
+    pages: (u32, u32),
     /// Tombstones among the ids' entries (a bind revives them).
     revived: u32,
 }
 
-/// The binds of the ids `(first, step)` to the pages `(first, step)`, in bind order, as
-/// a run, when no id is bound. The `t`-th bind is `(u + su·t, q + sq·t)`, so id `v`
-/// gets page `q + d·(v - u)` and page `p` gets id `u + d·(p - q)`, with `d = su·sq`.
-#[inline(always)]
-fn bind_run((u, su): (u32, u32), (q, sq): (u32, u32), v2p: &[i32]) -> Option<BindRun> {
-    let last = RUN as u32 - 1;
-    let v_lo = u.min(u.wrapping_add(su.wrapping_mul(last)));
-    let p_lo = q.min(q.wrapping_add(sq.wrapping_mul(last)));
-    let entries = v2p.get(v_lo as usize..v_lo as usize + RUN)?;
-    if !entries.iter().fold(true, |ok, &e| ok & (e <= 0)) {
-        return None;
+impl BindRun {
+    /// The longest run, [`RUN`] binds at a time and at most `max`, at the next binds:
+    /// the ids from the end of `ids` backward (a stack's top), the pages from `pages`;
+    /// `None` when not one [`RUN`] of ids and pages runs, or an id is bound.
+    #[inline(always)]
+    fn find(ids: &[u32], pages: Pages<'_>, max: usize, v2p: &[i32]) -> Option<BindRun> {
+        if max < RUN || ids.len() < RUN {
+            return None;
+        }
+        let (u, su) = stack_top_step(ids);
+        let (q, sq) = match pages {
+            Pages::Stack(stack) if stack.len() >= RUN => stack_top_step(stack),
+            Pages::Stack(_) => return None,
+            Pages::Ramp(q, sq) => (q, sq),
+        };
+        if !(is_unit(su) && is_unit(sq)) {
+            return None;
+        }
+        let (id_steps, page_steps) = (steps(su.wrapping_neg()), steps(sq.wrapping_neg()));
+        let (mut len, mut revived) = (0usize, 0u32);
+        while len + RUN <= max.min(ids.len()) {
+            // The next RUN binds' ids, as the stack lists them (reversed): the last is
+            // bind `len`, the first bind `len + RUN - 1`.
+            let back = (len + RUN - 1) as u32;
+            let chunk = stack_chunk(ids, len);
+            if !is_ramp(chunk, u.wrapping_add(su.wrapping_mul(back)), &id_steps) {
+                break;
+            }
+            if let Pages::Stack(stack) = pages {
+                if stack.len() < len + RUN {
+                    break;
+                }
+                let chunk = stack_chunk(stack, len);
+                if !is_ramp(chunk, q.wrapping_add(sq.wrapping_mul(back)), &page_steps) {
+                    break;
+                }
+            }
+            let v_lo = chunk[0].min(chunk[RUN - 1]) as usize;
+            let Some(entries) = v2p.get(v_lo..v_lo + RUN) else {
+                break;
+            };
+            // Unbound entries are 0 (free) or -1 (a tombstone): minus their sum counts
+            // the tombstones, without a popcount (which baseline x86-64 lacks).
+            if !entries.iter().fold(true, |ok, &e| ok & (e == 0 || e == -1)) {
+                break;
+            }
+            revived += entries.iter().sum::<i32>().unsigned_abs();
+            len += RUN;
+        }
+        (len > 0).then_some(BindRun {
+            len,
+            ids: (u, su),
+            pages: (q, sq),
+            revived,
+        })
     }
-    let step = su.wrapping_mul(sq);
-    Some(BindRun {
-        v_lo: v_lo as usize,
-        entry: q.wrapping_add(step.wrapping_mul(v_lo.wrapping_sub(u))),
-        p_lo: p_lo as usize,
-        owner: u.wrapping_add(step.wrapping_mul(p_lo.wrapping_sub(q))),
-        step,
-        revived: entries.iter().map(|&e| (e == -1) as u32).sum(),
-    })
+
+    /// Writes the run's entries, owners and dirty entries (`dirty`: one slot per bind).
+    #[inline(always)]
+    fn write(&self, v2p: &mut [i32], p2v: &mut [u32], dirty: &mut [MaybeUninit<(u32, i32)>]) {
+        let ((u, su), (q, sq)) = (self.ids, self.pages);
+        let last = (self.len - 1) as u32;
+        let d = su.wrapping_mul(sq);
+        let v_lo = u.min(u.wrapping_add(su.wrapping_mul(last)));
+        let p_lo = q.min(q.wrapping_add(sq.wrapping_mul(last)));
+        let entry_lo = q.wrapping_add(d.wrapping_mul(v_lo.wrapping_sub(u)));
+        let owner_lo = u.wrapping_add(d.wrapping_mul(p_lo.wrapping_sub(q)));
+        let (v_lo, p_lo) = (v_lo as usize, p_lo as usize);
+        fill_ramps(
+            &mut v2p[v_lo..v_lo + self.len],
+            (entry_lo, d),
+            (0, 1),
+            |p, _| p as i32,
+        );
+        fill_ramps(
+            &mut p2v[p_lo..p_lo + self.len],
+            (owner_lo, d),
+            (0, 1),
+            |v, _| v,
+        );
+        fill_ramps(dirty, (u, su), (q, sq), |v, p| {
+            MaybeUninit::new((v, p as i32))
+        });
+    }
+}
+
+/// The top entry of a stack (the next popped) and the step to the one below it.
+#[inline(always)]
+fn stack_top_step(stack: &[u32]) -> (u32, u32) {
+    let [.., below, top] = stack else {
+        return (0, 0);
+    };
+    (*top, below.wrapping_sub(*top))
+}
+
+/// The [`RUN`] entries of `stack` below its top `skip`, as listed (the last popped
+/// first).
+#[inline(always)]
+fn stack_chunk(stack: &[u32], skip: usize) -> &[u32; RUN] {
+    let end = stack.len() - skip;
+    stack[end - RUN..end].try_into().unwrap_or(&[0; RUN])
+}
+
+/// Whether `step` is 1 or -1 (wrapping).
+#[inline(always)]
+fn is_unit(step: u32) -> bool {
+    step == 1 || step == u32::MAX
+}
+
+/// Whether `chunk[t] == first + steps[t]` for every `t` (wrapping), branch-free.
+#[inline(always)]
+fn is_ramp(chunk: &[u32; RUN], first: u32, steps: &[u32; RUN]) -> bool {
+    chunk
+        .iter()
+        .zip(steps)
+        .fold(true, |ok, (&x, &d)| ok & (x == first.wrapping_add(d)))
+}
+
+/// Writes `f(a + sa·t, b + sb·t)` (wrapping) to `dst[t]`, for steps of ±1: two ramps,
+/// [`RUN`] slots at a time as vector adds (a ramp not needed is `(0, 1)`, and folds
+/// away).
+#[inline(always)]
+fn fill_ramps<T>(
+    dst: &mut [T],
+    (a, sa): (u32, u32),
+    (b, sb): (u32, u32),
+    f: impl Fn(u32, u32) -> T,
+) {
+    let (da, db) = (steps(sa), steps(sb));
+    let (ja, jb) = (sa.wrapping_mul(RUN as u32), sb.wrapping_mul(RUN as u32));
+    let (mut a, mut b) = (a, b);
+    let mut chunks = dst.chunks_exact_mut(RUN);
+    for chunk in &mut chunks {
+        for ((slot, &da), &db) in chunk.iter_mut().zip(&da).zip(&db) {
+            *slot = f(a.wrapping_add(da), b.wrapping_add(db));
+        }
+        a = a.wrapping_add(ja);
+        b = b.wrapping_add(jb);
+    }
+    for ((slot, &da), &db) in chunks.into_remainder().iter_mut().zip(&da).zip(&db) {
+        *slot = f(a.wrapping_add(da), b.wrapping_add(db));
+    }
 }
 
 /// A zeroed table of `len` entries whose memory is mapped now: one write per 4 KiB page
@@ -1366,8 +1531,9 @@ mod tests {
 
     /// The run fast paths (a page-size-1 prefill: [`RUN`] consecutive ids on consecutive
     /// pages) against page-by-page calls: ids ascending and descending, pages fresh at
-    /// either end or from holes in either order, runs broken by a bound id, a tombstone,
-    /// a peer page that is not live or a repeated page, and batches that end mid-chunk.
+    /// either end or from holes in either order, runs of tombstones, runs broken by a
+    /// bound id, a tombstone, a free page, a peer page that is not live or a repeated
+    /// page, and batches that end mid-chunk.
     #[test]
     fn run_shaped_batches_match_page_by_page_calls() {
         let mut seed = 0x2545_f491_4f6c_dd1du64;
@@ -1380,7 +1546,8 @@ mod tests {
         let big = Grid {
             envelope: 8,
             pages: 400,
-            min_page: 2,
+            // Page 1 bound: a descending run of entries can end at a free entry (0).
+            min_page: 1,
             stride: 4,
         };
         const IDS: u32 = 300;
@@ -1415,9 +1582,13 @@ mod tests {
                         single.bind(v, p);
                     }
                 } else if batch.live > 0 {
-                    // Release a run of bound ids (either way), with repeats and sink visits
+                    // Release a run of bound ids (either way), or of any ids (runs of
+                    // tombstones, free pages amid live ones), with repeats and sink visits
                     // now and then, and tombstone a few first so some chunks are broken.
-                    let bound: Vec<u32> = (1..IDS).filter(|&v| batch.v2p[v as usize] > 0).collect();
+                    let bound: Vec<u32> = match next(3) {
+                        0 => (1..IDS).collect(),
+                        _ => (1..IDS).filter(|&v| batch.v2p[v as usize] > 0).collect(),
+                    };
                     let n = (RUN + next(3 * RUN as u32) as usize).min(bound.len());
                     let start = next((bound.len() - n) as u32 + 1) as usize;
                     let mut pages: Vec<u32> = bound[start..start + n].to_vec();
@@ -1429,8 +1600,10 @@ mod tests {
                         1 => pages.insert(next(pages.len() as u32) as usize, 0),
                         2 => {
                             let v = pages[next(pages.len() as u32) as usize];
-                            batch.unbind(v, true);
-                            single.unbind(v, true);
+                            if batch.v2p[v as usize] > 0 {
+                                batch.unbind(v, true);
+                                single.unbind(v, true);
+                            }
                         }
                         _ => {}
                     }
@@ -1458,6 +1631,67 @@ mod tests {
             fast_binds > 2000 && fast_releases > 2000,
             "{fast_binds} {fast_releases}"
         );
+    }
+
+    /// The two run shapes a random walk seldom makes: a run of tombstones cleared by a
+    /// two-sided free, and pages whose entries descend to page 1 and then to a free
+    /// entry, which a run must not take for live.
+    #[test]
+    fn tombstone_runs_and_a_ramp_down_to_a_free_entry_release_as_page_by_page() {
+        let grid = Grid {
+            envelope: 8,
+            pages: 128,
+            min_page: 1,
+            stride: 4,
+        };
+        let peer = vec![1; 128];
+        let keep = Keep::LiveIn(&peer);
+        let check = |setup: &dyn Fn(&mut SubAllocator), pages: &[u32], how: Release| {
+            let (mut batch, mut single) = (
+                SubAllocator::new(grid, Grow::Up, 128),
+                SubAllocator::new(grid, Grow::Up, 128),
+            );
+            setup(&mut batch);
+            setup(&mut single);
+            let mut released = Vec::new();
+            batch.release_each(pages, keep, how, Some(&mut released));
+            let expected = release_one_by_one(&mut single, pages, keep, how);
+            assert_eq!(released, expected, "{how:?}");
+            assert_eq!(state(&batch), state(&single), "{how:?}");
+            batch.verify("batch").unwrap();
+        };
+        // Ids 20 down to 6 on pages 1 up to 15: v2p[6..=20] is 15 down to 1, v2p[21] is 0.
+        let descending = |sub: &mut SubAllocator| {
+            for v in (6..=20).rev() {
+                let p = sub.take();
+                sub.bind(v, p);
+            }
+        };
+        let ids: Vec<u32> = (6..=21).collect();
+        check(&descending, &ids, Release::Free);
+        check(
+            &descending,
+            &ids.iter().rev().copied().collect::<Vec<_>>(),
+            Release::Free,
+        );
+        // Ids 10..60 bound in order, then tombstoned: 50 tombstones in a row.
+        let tombstoned = |sub: &mut SubAllocator| {
+            for v in 10..60 {
+                let p = sub.take();
+                sub.bind(v, p);
+            }
+            let pages: Vec<u32> = (10..60).collect();
+            sub.release_each(&pages, Keep::NotSink, Release::Tombstone, None);
+            assert_eq!((sub.live(), sub.tombstones()), (0, 50));
+        };
+        let ids: Vec<u32> = (5..65).collect();
+        check(&tombstoned, &ids, Release::FreeAndClear);
+        check(
+            &tombstoned,
+            &ids.iter().rev().copied().collect::<Vec<_>>(),
+            Release::FreeAndClear,
+        );
+        check(&tombstoned, &ids, Release::Free);
     }
 
     #[test]
