@@ -176,20 +176,47 @@ impl FreeGroup {
     /// Records the pages of one free call (one call frees each page once), reporting a
     /// page freed twice in this group. A set-shaped call passes its pages sorted and
     /// de-duplicated (`sorted_pages`), so each page is noted once per call.
-    fn note_pages(&mut self, scope: &Scope, pages: impl Iterator<Item = u32>) {
+    ///
+    /// The common case, no page noted before and none listed twice, is one read-only
+    /// pass and one pass of stores; anything else is reported page by page, as noted.
+    fn note_pages(&mut self, scope: &Scope, pages: &[u32]) {
         if !enabled() {
             return;
         }
         if self.epoch == 0 {
             self.epoch = 1;
         }
-        for v in pages {
-            let v = v as usize;
-            if v >= self.stamps.len() {
-                self.stamps.resize((v + 1).next_power_of_two(), 0);
+        let epoch = self.epoch;
+        let Some(&top) = pages.iter().max() else {
+            return;
+        };
+        if top as usize >= self.stamps.len() {
+            self.stamps
+                .resize((top as usize + 1).next_power_of_two(), 0);
+        }
+        let stamps = &mut self.stamps[..];
+        if pages
+            .iter()
+            .fold(true, |ok, &v| ok & (stamps[v as usize] != epoch))
+        {
+            let mut repeated = false;
+            for &v in pages {
+                let stamp = &mut stamps[v as usize];
+                repeated |= *stamp == epoch;
+                *stamp = epoch;
             }
-            let fresh = self.stamps[v] != self.epoch;
-            self.stamps[v] = self.epoch;
+            if !repeated {
+                return;
+            }
+            // A page listed twice: every page was fresh, so unmark them all (any stamp
+            // but the epoch is fresh) and note them one by one, reporting the repeat.
+            for &v in pages {
+                stamps[v as usize] = 0;
+            }
+        }
+        for &v in pages {
+            let fresh = stamps[v as usize] != epoch;
+            stamps[v as usize] = epoch;
             scope.expect(&ONE_FREE_PER_GROUP, fresh, || {
                 format!("virtual page {v} is freed twice in one free group")
             });
@@ -419,6 +446,20 @@ fn check_at_enqueue<T: PageTables + ?Sized>(t: &T, v: u32, kind: DeferredKind) {
     }
 }
 
+/// Whether [`check_at_enqueue`] passes for every one of `pages`, without a report: the
+/// same premises, folded without a branch per page.
+fn enqueue_clean<T: PageTables + ?Sized>(t: &T, pages: &[u32], kind: DeferredKind) -> bool {
+    // What the SWA entry must be: live, released, or anything.
+    let swa_ok: fn(i32) -> bool = match kind {
+        DeferredKind::PageReps if t.has_swa() => |swa| swa > 0,
+        DeferredKind::FullOnlyTokens | DeferredKind::FullOnlyPageReps => |swa| swa <= 0,
+        DeferredKind::PageReps | DeferredKind::Tokens | DeferredKind::Slots => |_| true,
+    };
+    pages.iter().fold(true, |ok, &v| {
+        ok & (v != 0) & t.full_live(v) & swa_ok(t.swa_entry(v))
+    })
+}
+
 fn sorted_pages(ps: PageSize, ids: &[VirtualToken], scratch: &mut Vec<u32>) {
     scratch.clear();
     scratch.extend(ids.iter().map(|t| t.page(ps).0));
@@ -447,7 +488,7 @@ pub(crate) fn free<T: PageTables + ?Sized>(t: &mut T, ids: &[VirtualToken]) -> R
                 check_at_enqueue(t, v, DeferredKind::Tokens);
             }
             let scope = t.scope().clone();
-            t.group().note_pages(&scope, pages.iter().copied());
+            t.group().note_pages(&scope, &pages);
         }
         t.group().deferred.tokens.extend_from_slice(ids);
     } else {
@@ -494,7 +535,7 @@ pub(crate) fn free_full<T: PageTables + ?Sized>(
                 check_at_enqueue(t, v, DeferredKind::FullOnlyTokens);
             }
             let scope = t.scope().clone();
-            t.group().note_pages(&scope, pages.iter().copied());
+            t.group().note_pages(&scope, &pages);
         }
         t.group().deferred.full_only_tokens.extend_from_slice(ids);
     } else {
@@ -557,14 +598,24 @@ fn free_segment_pages<T: PageTables + ?Sized>(
     check_segment(t, &seg)?;
     let ps = t.ps();
     if t.group_ref().open {
-        if enabled() {
-            for v in seg.pages(ps) {
-                check_at_enqueue(t, v.0, kind);
-            }
-            let scope = t.scope().clone();
-            t.group().note_pages(&scope, seg.pages(ps).map(|v| v.0));
+        if !enabled() {
+            extend_pages(ps, &seg, list(&mut t.group().deferred));
+            return Ok(());
         }
-        extend_pages(ps, &seg, list(&mut t.group().deferred));
+        let mut pages = take_scratch(t);
+        pages.clear();
+        extend_pages(ps, &seg, &mut pages);
+        // The common case, every check passing, is one branch-free pass over a slice;
+        // only a breach pays for the reporting checks, which then say what failed.
+        if !enqueue_clean(t, &pages, kind) {
+            for &v in &pages {
+                check_at_enqueue(t, v, kind);
+            }
+        }
+        let scope = t.scope().clone();
+        t.group().note_pages(&scope, &pages);
+        list(&mut t.group().deferred).extend_from_slice(&pages);
+        put_scratch(t, pages);
         return Ok(());
     }
     for v in seg.pages(ps) {
@@ -602,11 +653,18 @@ fn swa_segments<T: PageTables + ?Sized>(
         check_segment(t, seg)?;
     }
     let ps = t.ps();
-    if ps.get() == 1 && !enabled() {
-        // Nothing to report, and a token is its page: the pages live on SWA become
-        // tombstones in one batch pass (what the loop below does, less its reports), with
-        // slice writes for a prefill's runs. Larger pages make short lists, for which
-        // the loop is cheaper than the pass's set-up.
+    let clean = || {
+        let pages = segments
+            .iter()
+            .flat_map(|seg| seg.tokens.iter().map(|t| t.0));
+        pages.fold(true, |ok, v| ok & (v != 0) & (t.swa_entry(v) > 0))
+    };
+    if ps.get() == 1 && (!enabled() || clean()) {
+        // Nothing to report (the checks are off, or every page is live on SWA and not
+        // the sink, which one branch-free pass tells), and a token is its page: the pages
+        // become tombstones in one batch pass (what the loop below does, less its
+        // reports), with slice writes for a prefill's runs. Larger pages make short
+        // lists, for which the loop is cheaper than the pass's set-up.
         let mut pages = take_scratch(t);
         pages.clear();
         for seg in segments {

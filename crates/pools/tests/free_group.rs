@@ -46,6 +46,26 @@ fn a_record_grown_after_checks_were_raised_finds_a_second_free() {
     }
 }
 
+/// A page listed twice in one segment free is a page freed twice in the group: counted
+/// once, among pages none of which was freed before (the record's fast path must not
+/// swallow it).
+#[test]
+fn a_page_listed_twice_in_one_segment_is_freed_twice_in_the_group() {
+    for layout in LAYOUTS {
+        let mut p = pool(layout, 1, 16);
+        let a = new_row(&mut p, 8);
+        let row: Vec<VirtualToken> = a[..4].iter().chain(&a[2..3]).copied().collect();
+        let (twice, r) = breaches(&mut p, &ONE_FREE_PER_GROUP, Level::Warn, |p| {
+            p.free_group_begin().unwrap();
+            let r = p.free_full_segment(Segment::of_row(&row, 0..5));
+            // Counted once: the pages noted before the repeat stay noted, once.
+            p.free_full_segment(Segment::of_row(&a, 4..8)).unwrap();
+            r
+        });
+        assert_eq!((twice, r.is_ok()), (1, true), "{layout:?}");
+    }
+}
+
 /// A segment whose later page is entered mid-page (a row that is not page-contiguous)
 /// breaks the segment's shape, at every page size above 1.
 #[test]
