@@ -11,7 +11,7 @@ use crate::invariants::{
     SEGMENT_SHAPE, SINK_RESERVED, WINDOW_RATCHET,
 };
 use crate::spec::Side;
-use unikv_invariants::{Scope, enabled};
+use unikv_invariants::{Invariant, Scope, enabled};
 use unikv_kernels::Translate;
 
 /// The page tables a layout exposes to the free family.
@@ -429,32 +429,38 @@ fn check_at_enqueue<T: PageTables + ?Sized>(t: &T, v: u32, kind: DeferredKind) {
         return;
     }
     let swa = t.swa_entry(v);
+    let Some((invariant, holds)) = swa_premise(t, kind) else {
+        return;
+    };
+    t.scope().expect(invariant, holds(swa), || match kind {
+        DeferredKind::PageReps => format!(
+            "two-sided segment free of virtual page {v}, whose SWA is not live ({swa}): the caller wants a FULL-only free"
+        ),
+        _ => format!("FULL-only free of virtual page {v}, whose SWA page is still bound"),
+    });
+}
+
+/// A premise on a page's SWA entry: the invariant a breach breaks, and whether an entry
+/// keeps it.
+type SwaRule = (&'static Invariant, fn(i32) -> bool);
+
+/// What a deferred free of `kind` requires of a page's SWA entry, and the invariant a
+/// breach breaks: live for a two-sided segment free (with an SWA side), released for a
+/// FULL-only free, nothing otherwise.
+fn swa_premise<T: PageTables + ?Sized>(t: &T, kind: DeferredKind) -> Option<SwaRule> {
     match kind {
-        DeferredKind::PageReps if t.has_swa() => {
-            t.scope().expect(&PEER_MAPPED, swa > 0, || {
-                format!(
-                    "two-sided segment free of virtual page {v}, whose SWA is not live ({swa}): the caller wants a FULL-only free"
-                )
-            });
-        }
+        DeferredKind::PageReps if t.has_swa() => Some((&PEER_MAPPED, |swa| swa > 0)),
         DeferredKind::FullOnlyTokens | DeferredKind::FullOnlyPageReps => {
-            t.scope().expect(&PEER_RELEASED, swa <= 0, || {
-                format!("FULL-only free of virtual page {v}, whose SWA page is still bound")
-            });
+            Some((&PEER_RELEASED, |swa| swa <= 0))
         }
-        DeferredKind::PageReps | DeferredKind::Tokens | DeferredKind::Slots => {}
+        DeferredKind::PageReps | DeferredKind::Tokens | DeferredKind::Slots => None,
     }
 }
 
 /// Whether [`check_at_enqueue`] passes for every one of `pages`, without a report: the
 /// same premises, folded without a branch per page.
 fn enqueue_clean<T: PageTables + ?Sized>(t: &T, pages: &[u32], kind: DeferredKind) -> bool {
-    // What the SWA entry must be: live, released, or anything.
-    let swa_ok: fn(i32) -> bool = match kind {
-        DeferredKind::PageReps if t.has_swa() => |swa| swa > 0,
-        DeferredKind::FullOnlyTokens | DeferredKind::FullOnlyPageReps => |swa| swa <= 0,
-        DeferredKind::PageReps | DeferredKind::Tokens | DeferredKind::Slots => |_| true,
-    };
+    let swa_ok: fn(i32) -> bool = swa_premise(t, kind).map_or(|_| true, |(_, holds)| holds);
     pages.iter().fold(true, |ok, &v| {
         ok & (v != 0) & t.full_live(v) & swa_ok(t.swa_entry(v))
     })

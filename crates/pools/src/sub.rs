@@ -617,7 +617,7 @@ impl SubAllocator {
                 let len = run.len;
                 let marked = unbound + cleared;
                 let (v, sv) = run.pages;
-                let v_lo = v.min(v.wrapping_add(sv.wrapping_mul(len as u32 - 1))) as usize;
+                let v_lo = lowest((v, sv), len) as usize;
                 let dirty = &mut new_dirty[marked..marked + len];
                 match run.entries {
                     Some(entries) => {
@@ -1015,7 +1015,7 @@ impl ReleaseRun {
     ) -> Option<ReleaseRun> {
         let [v, next, ..] = *pages else { return None };
         let sv = next.wrapping_sub(v);
-        if pages.len() < RUN || !is_unit(sv) {
+        if !is_unit(sv) {
             return None;
         }
         let first = *v2p.get(v as usize)?;
@@ -1036,8 +1036,7 @@ impl ReleaseRun {
         let entry_steps =
             entries.map(|(_, sp)| steps(if sv == 1 { sp } else { sp.wrapping_neg() }));
         let mut len = 0;
-        while len + RUN <= pages.len() {
-            let chunk: &[u32; RUN] = pages[len..len + RUN].try_into().ok()?;
+        while let Some(chunk) = pages[len..].first_chunk::<RUN>() {
             if !is_ramp(
                 chunk,
                 v.wrapping_add(sv.wrapping_mul(len as u32)),
@@ -1046,13 +1045,12 @@ impl ReleaseRun {
                 break;
             }
             let v_lo = chunk[0].min(chunk[RUN - 1]) as usize;
-            let Some(table) = v2p.get(v_lo..v_lo + RUN) else {
-                break;
-            };
-            let table: &[i32; RUN] = table.try_into().ok()?;
             if v_lo == 0 {
                 break;
             }
+            let Some(table) = v2p.get(v_lo..).and_then(<[i32]>::first_chunk::<RUN>) else {
+                break;
+            };
             if let Keep::LiveIn(peer) = keep {
                 let Some(peer) = peer.get(v_lo..v_lo + RUN) else {
                     break;
@@ -1113,13 +1111,12 @@ impl BindRun {
     /// `None` when not one [`RUN`] of ids and pages runs, or an id is bound.
     #[inline(always)]
     fn find(ids: &[u32], pages: Pages<'_>, max: usize, v2p: &[i32]) -> Option<BindRun> {
-        if max < RUN || ids.len() < RUN {
+        if max < RUN {
             return None;
         }
-        let (u, su) = stack_top_step(ids);
+        let (u, su) = stack_top_step(ids)?;
         let (q, sq) = match pages {
-            Pages::Stack(stack) if stack.len() >= RUN => stack_top_step(stack),
-            Pages::Stack(_) => return None,
+            Pages::Stack(stack) => stack_top_step(stack)?,
             Pages::Ramp(q, sq) => (q, sq),
         };
         if !(is_unit(su) && is_unit(sq)) {
@@ -1127,25 +1124,26 @@ impl BindRun {
         }
         let (id_steps, page_steps) = (steps(su.wrapping_neg()), steps(sq.wrapping_neg()));
         let (mut len, mut revived) = (0usize, 0u32);
-        while len + RUN <= max.min(ids.len()) {
+        while len + RUN <= max {
             // The next RUN binds' ids, as the stack lists them (reversed): the last is
             // bind `len`, the first bind `len + RUN - 1`.
             let back = (len + RUN - 1) as u32;
-            let chunk = stack_chunk(ids, len);
+            let Some(chunk) = stack_chunk(ids, len) else {
+                break;
+            };
             if !is_ramp(chunk, u.wrapping_add(su.wrapping_mul(back)), &id_steps) {
                 break;
             }
             if let Pages::Stack(stack) = pages {
-                if stack.len() < len + RUN {
+                let Some(chunk) = stack_chunk(stack, len) else {
                     break;
-                }
-                let chunk = stack_chunk(stack, len);
+                };
                 if !is_ramp(chunk, q.wrapping_add(sq.wrapping_mul(back)), &page_steps) {
                     break;
                 }
             }
             let v_lo = chunk[0].min(chunk[RUN - 1]) as usize;
-            let Some(entries) = v2p.get(v_lo..v_lo + RUN) else {
+            let Some(entries) = v2p.get(v_lo..).and_then(<[i32]>::first_chunk::<RUN>) else {
                 break;
             };
             // Unbound entries are 0 (free) or -1 (a tombstone): minus their sum counts
@@ -1168,10 +1166,8 @@ impl BindRun {
     #[inline(always)]
     fn write(&self, v2p: &mut [i32], p2v: &mut [u32], dirty: &mut [MaybeUninit<(u32, i32)>]) {
         let ((u, su), (q, sq)) = (self.ids, self.pages);
-        let last = (self.len - 1) as u32;
         let d = su.wrapping_mul(sq);
-        let v_lo = u.min(u.wrapping_add(su.wrapping_mul(last)));
-        let p_lo = q.min(q.wrapping_add(sq.wrapping_mul(last)));
+        let (v_lo, p_lo) = (lowest(self.ids, self.len), lowest(self.pages, self.len));
         let entry_lo = q.wrapping_add(d.wrapping_mul(v_lo.wrapping_sub(u)));
         let owner_lo = u.wrapping_add(d.wrapping_mul(p_lo.wrapping_sub(q)));
         let (v_lo, p_lo) = (v_lo as usize, p_lo as usize);
@@ -1195,19 +1191,24 @@ impl BindRun {
 
 /// The top entry of a stack (the next popped) and the step to the one below it.
 #[inline(always)]
-fn stack_top_step(stack: &[u32]) -> (u32, u32) {
+fn stack_top_step(stack: &[u32]) -> Option<(u32, u32)> {
     let [.., below, top] = stack else {
-        return (0, 0);
+        return None;
     };
-    (*top, below.wrapping_sub(*top))
+    Some((*top, below.wrapping_sub(*top)))
 }
 
 /// The [`RUN`] entries of `stack` below its top `skip`, as listed (the last popped
-/// first).
+/// first); `None` when fewer are left.
 #[inline(always)]
-fn stack_chunk(stack: &[u32], skip: usize) -> &[u32; RUN] {
-    let end = stack.len() - skip;
-    stack[end - RUN..end].try_into().unwrap_or(&[0; RUN])
+fn stack_chunk(stack: &[u32], skip: usize) -> Option<&[u32; RUN]> {
+    stack[..stack.len().checked_sub(skip)?].last_chunk()
+}
+
+/// The lowest of the `len` values `first + step·t` (`step` ±1, no wrap).
+#[inline(always)]
+fn lowest((first, step): (u32, u32), len: usize) -> u32 {
+    first.min(first.wrapping_add(step.wrapping_mul(len as u32 - 1)))
 }
 
 /// Whether `step` is 1 or -1 (wrapping).
