@@ -360,7 +360,9 @@ impl SubAllocator {
     /// `moves` (no destination is a source) and `plan` (cleared first) records the page
     /// pairs and the packed span for [`SubAllocator::commit_compaction`], which must run
     /// only after the device moved the bytes. With no holes the plan is empty.
-    /// O(holes log holes).
+    /// Survivors moving into consecutive holes are one copy (a page-size-1 row moves as
+    /// one span, not page by page). O(holes + packed span / 64) when the holes are dense
+    /// in it, O(holes log holes) at worst.
     pub(crate) fn plan_compaction(
         &self,
         edge: Edge,
@@ -390,7 +392,7 @@ impl SubAllocator {
                 .copied()
                 .filter(|&p| p >= packed_lo && p < packed_hi),
         );
-        plan.inner.sort_unstable();
+        sort_pages_in(&mut plan.inner, (packed_lo, packed_hi), &mut plan.bits);
         let mut dst_iter = plan.inner.iter().copied();
         for src in band {
             if self.owner(src) == 0 {
@@ -422,12 +424,22 @@ impl SubAllocator {
         moves: &mut Vec<SpanMove>,
         pairs: &mut Vec<(u32, u32)>,
     ) {
-        moves.push(SpanMove {
-            src: self.grid.offset(src),
-            dst: self.grid.offset(dst),
-            len: self.grid.envelope,
-        });
         pairs.push((src, dst));
+        let (src, dst, len) = (
+            self.grid.offset(src),
+            self.grid.offset(dst),
+            self.grid.envelope,
+        );
+        // Consecutive survivors into consecutive holes (a page-size-1 row) are one copy:
+        // the union of two disjoint moves whose sources and destinations both abut.
+        if let Some(last) = moves.last_mut()
+            && last.src + last.len == src
+            && last.dst + last.len == dst
+        {
+            last.len += len;
+            return;
+        }
+        moves.push(SpanMove { src, dst, len });
     }
 
     /// Rebinds the virtual page of each planned `(src, dst)` move to `dst` (the device
@@ -485,7 +497,7 @@ impl SubAllocator {
     /// records the pairs, `T` and the free pages left in it (the holes after the commit).
     /// Requires `b - a ≥ live + extra` and nothing live on any side in `[a, b)` but this
     /// span's pages (the composite's arithmetic); with less room it moves what fits.
-    /// O(holes log holes + the span's pages outside `T` + pages added): the span's pages
+    /// O(holes + |T| / 64 + the span's pages outside `T` + pages added): the span's pages
     /// inside `T` are not visited.
     pub(crate) fn plan_relay(
         &self,
@@ -512,7 +524,7 @@ impl SubAllocator {
         plan.holes
             .extend(self.holes.iter().copied().filter(|&p| p >= t0 && p < t1));
         plan.holes.extend((t0..t1.min(lo)).chain(t0.max(hi)..t1));
-        plan.holes.sort_unstable();
+        sort_pages_in(&mut plan.holes, (t0, t1), &mut plan.bits);
         // The live pages outside T (the span's parts below and above it), each into the
         // next free page.
         let mut used = 0;
@@ -877,6 +889,8 @@ pub(crate) struct CompactionPlan {
     pub(crate) span: Option<(u32, u32)>,
     /// Holes inside the packed span, sorted (scratch).
     inner: Vec<u32>,
+    /// A bitmap for sorting them (scratch, see `sort_pages_in`).
+    bits: Vec<u64>,
 }
 
 impl CompactionPlan {
@@ -892,6 +906,42 @@ impl CompactionPlan {
     }
 }
 
+/// Sorts `pages`, each inside `[lo, hi)`, ascending. Distinct pages dense in the range
+/// (a compaction's holes) are sorted through a bitmap of the range in `bits` (scratch):
+/// O(pages + range / 64) rather than O(pages log pages). Sparse or repeated pages take
+/// a comparison sort; the result is the same.
+fn sort_pages_in(pages: &mut [u32], (lo, hi): (u32, u32), bits: &mut Vec<u64>) {
+    let words = (hi - lo).div_ceil(64) as usize;
+    if words > 2 * pages.len() {
+        pages.sort_unstable();
+        return;
+    }
+    bits.clear();
+    bits.resize(words, 0);
+    let mut repeated = 0;
+    for &p in pages.iter() {
+        let at = p - lo;
+        let (word, bit) = (&mut bits[(at / 64) as usize], 1u64 << (at % 64));
+        repeated |= *word & bit;
+        *word |= bit;
+    }
+    if repeated != 0 {
+        pages.sort_unstable();
+        return;
+    }
+    let mut out = pages.iter_mut();
+    for (w, &word) in bits.iter().enumerate() {
+        let (base, mut word) = (lo + 64 * w as u32, word);
+        while word != 0 {
+            // Each set bit is one of the pages, so there is a slot for it.
+            if let Some(slot) = out.next() {
+                *slot = base + word.trailing_zeros();
+            }
+            word &= word - 1;
+        }
+    }
+}
+
 /// A float's relay planned by [`SubAllocator::plan_relay`] and not yet applied: the
 /// moved page → free page pairs, the span after the commit and the free pages left in it.
 #[derive(Debug, Default, Clone)]
@@ -902,6 +952,8 @@ pub(crate) struct RelayPlan {
     pub(crate) span: Option<(u32, u32)>,
     /// The span's free pages after the commit (its holes; the last is taken first).
     pub(crate) holes: Vec<u32>,
+    /// A bitmap for sorting them (scratch, see `sort_pages_in`).
+    bits: Vec<u64>,
 }
 
 impl RelayPlan {
@@ -1377,14 +1429,29 @@ mod tests {
         let moved = sub.compact(&mut moves);
         assert_eq!(moved, plan.pairs.len());
         sub.verify("sub").unwrap();
-        assert_eq!(moves.len(), moved);
         assert!(sub.holes.is_empty());
         assert_eq!(sub.span_pages(), n - freed.len() as u32);
-        let srcs: Vec<u64> = moves.iter().map(|m| m.src).collect();
+        // The moves are the planned pairs' envelopes, abutting ones merged into one copy.
+        let envelopes: Vec<(u64, u64)> = moves
+            .iter()
+            .flat_map(|m| (0..m.len / 8).map(move |k| (m.src + 8 * k, m.dst + 8 * k)))
+            .collect();
+        let pairs: Vec<(u64, u64)> = plan
+            .pairs
+            .iter()
+            .map(|&(s, d)| (s as u64 * 8, d as u64 * 8))
+            .collect();
+        assert_eq!(envelopes, pairs, "{grow:?}");
+        for w in moves.windows(2) {
+            let abut = w[0].src + w[0].len == w[1].src && w[0].dst + w[0].len == w[1].dst;
+            assert!(!abut, "{grow:?}: {w:?} are one copy");
+        }
         for m in &moves {
-            assert_eq!(m.len, 8);
+            assert!(m.len % 8 == 0 && m.len > 0);
             assert!(
-                !srcs.contains(&m.dst),
+                !envelopes
+                    .iter()
+                    .any(|&(src, _)| src >= m.dst && src < m.dst + m.len),
                 "{grow:?}: a destination is also a source"
             );
         }
@@ -1396,11 +1463,40 @@ mod tests {
             compact_case(grow, 10, &[1, 5, 10]);
             compact_case(grow, 10, &[9, 10]); // holes at the frontier: no move
             compact_case(grow, 10, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+            compact_case(grow, 12, &[2, 3, 4, 8]); // a run of survivors into a run of holes
+            compact_case(grow, 30, &[3, 9, 10, 11, 17, 25, 26, 29]);
             compact_case(grow, 1, &[]);
         }
         let mut sub = SubAllocator::new(grid(), Grow::Up, 64);
         let mut moves = Vec::new();
         assert_eq!(sub.compact(&mut moves), 0, "no holes, no moves");
+    }
+
+    proptest::proptest! {
+        /// Dense, sparse or repeated, pages come out as a comparison sort leaves them.
+        #[test]
+        fn pages_sort_as_a_comparison_sort_does(
+            lo in 0u32..1000,
+            width in 1u32..700,
+            picks in proptest::collection::vec(0u32..700, 0..400),
+            repeat in proptest::bool::ANY,
+        ) {
+            let mut pages: Vec<u32> = picks.iter().map(|&k| lo + k % width).collect();
+            if !repeat {
+                pages.sort_unstable();
+                pages.dedup();
+                // A fixed shuffle, so the input is not sorted already.
+                let n = pages.len();
+                for i in 0..n {
+                    pages.swap(i, (i * 7 + 3) % n);
+                }
+            }
+            let mut expected = pages.clone();
+            expected.sort_unstable();
+            let mut bits = vec![u64::MAX; 3]; // stale scratch is cleared
+            sort_pages_in(&mut pages, (lo, lo + width), &mut bits);
+            proptest::prop_assert_eq!(pages, expected);
+        }
     }
 
     /// The full scan names each kind of table corruption (and passes a sound table).
@@ -1947,8 +2043,16 @@ mod tests {
         assert_eq!(plan.pairs, vec![(5, 8)]);
         f.commit_relay(&plan);
         f.verify("float").unwrap();
-        assert_eq!(moves.len(), 4, "whole envelopes, appended");
-        assert!(moves.iter().all(|m| m.len == 8));
+        // Appended; the three consecutive pages relaid into consecutive pages are one copy.
+        let at = |p: u64| p * 8;
+        assert_eq!(
+            moves,
+            [(15, 5, 3), (5, 8, 1)].map(|(src, dst, pages)| SpanMove {
+                src: at(src),
+                dst: at(dst),
+                len: pages * 8
+            })
+        );
         for v in [1, 3, 4] {
             f.unbind(v, false);
         }
