@@ -32,7 +32,7 @@ use crate::{
     ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, TableScatter,
     Translate,
 };
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -159,9 +159,9 @@ struct State {
     largest: usize,
     /// Set while [`CudaDevice::capture`] records a graph.
     capturing: bool,
-    /// Reused host buffers: the packed list of an op, the indices a scatter has seen.
+    /// Reused host buffers: the packed list of an op, the entries a scatter has kept.
     pack: Vec<u8>,
-    seen: HashSet<u64>,
+    seen: LastWins,
 }
 
 #[derive(Debug, Default)]
@@ -318,7 +318,7 @@ impl CudaDevice {
                 largest: 0,
                 capturing: false,
                 pack: Vec::new(),
-                seen: HashSet::new(),
+                seen: LastWins::default(),
             }),
             log: Mutex::new(CallLog::default()),
         }
@@ -813,6 +813,79 @@ impl Drop for CudaDevice {
     }
 }
 
+/// The entries of a scatter that survive "the last pair for an index wins", found through
+/// one bitmap per distinct table of the call (no hashing). The bitmaps are all zero
+/// between calls: a call clears only the words it set, so it costs O(its entries), not
+/// O(its tables' lengths).
+#[derive(Debug, Default)]
+struct LastWins {
+    words: Vec<u64>,
+    /// Each scatter's first word in `words` (a table named twice shares its bitmap).
+    bases: Vec<usize>,
+}
+
+impl LastWins {
+    /// Makes room for one more table of `len` entries, at its allocation, so that any
+    /// call's distinct tables fit without growing on the op path.
+    fn room_for(&mut self, len: usize) {
+        self.words.resize(self.words.len() + len.div_ceil(64), 0);
+    }
+
+    /// Appends to `pack` the (slot, index, value) triple of every entry of `scatters`
+    /// that no later entry of the same table and index overrides, last first. `len`
+    /// gives a table's length; every index was checked inside it.
+    fn pack(
+        &mut self,
+        scatters: &[TableScatter<'_>],
+        len: impl Fn(TableId) -> usize,
+        pack: &mut Vec<u8>,
+    ) {
+        let LastWins { words, bases } = self;
+        bases.clear();
+        let mut total = 0;
+        for (slot, s) in scatters.iter().enumerate() {
+            let base = match scatters[..slot].iter().position(|e| e.table == s.table) {
+                Some(first) => bases[first],
+                None => {
+                    let base = total;
+                    total += len(s.table).div_ceil(64);
+                    base
+                }
+            };
+            bases.push(base);
+        }
+        // Not reached when `room_for` saw every table: the op path then allocates nothing.
+        if words.len() < total {
+            words.resize(total, 0);
+        }
+        pack.reserve(12 * scatters.iter().map(|s| s.entries.len()).sum::<usize>());
+        for (slot, s) in scatters.iter().enumerate().rev() {
+            let base = bases[slot];
+            for &(index, value) in s.entries.iter().rev() {
+                let (word, bit) = (&mut words[base + (index / 64) as usize], 1 << (index % 64));
+                if *word & bit == 0 {
+                    *word |= bit;
+                    let mut triple = [0; 12];
+                    for (out, w) in
+                        triple
+                            .chunks_exact_mut(4)
+                            .zip([slot as u32, index, value as u32])
+                    {
+                        out.copy_from_slice(&w.to_le_bytes());
+                    }
+                    pack.extend_from_slice(&triple);
+                }
+            }
+        }
+        // Every word this call set is zeroed (zero before the call: no other bit in it).
+        for (s, &base) in scatters.iter().zip(bases.iter()) {
+            for &(index, _) in s.entries {
+                words[base + (index / 64) as usize] = 0;
+            }
+        }
+    }
+}
+
 /// Appends `values` to `pack` as little-endian bytes (the GPU's byte order).
 fn pack_u64s(pack: &mut Vec<u8>, values: impl IntoIterator<Item = u64>) {
     for v in values {
@@ -882,6 +955,7 @@ impl Device for CudaDevice {
             let _ = self.issue("alloc_table", DriverCall::DeviceFree, |d| d.free(ptr));
             return Err(e);
         }
+        st.seen.room_for(len);
         Ok(TableId(st.tables.push(Alloc { ptr, len })))
     }
 
@@ -924,22 +998,13 @@ impl Device for CudaDevice {
             tables, pack, seen, ..
         } = &mut *st;
         pack.clear();
-        seen.clear();
         // The list: each table's address, then (slot, index, value) triples, keeping
         // only the last of each (table, index) so no two threads write one entry.
         for s in scatters {
             pack.extend_from_slice(&tables.get(s.table.0)?.ptr.to_le_bytes());
         }
         let k = scatters.len() as u64;
-        for (slot, s) in scatters.iter().enumerate().rev() {
-            for &(index, value) in s.entries.iter().rev() {
-                if seen.insert((u64::from(s.table.0) << 32) | u64::from(index)) {
-                    for word in [slot as u32, index, value as u32] {
-                        pack.extend_from_slice(&word.to_le_bytes());
-                    }
-                }
-            }
-        }
+        seen.pack(scatters, |t| tables.get(t.0).map_or(0, |a| a.len), pack);
         let n = (pack.len() as u64 - 8 * k) / 12;
         if n == 0 {
             return Ok(());
