@@ -424,7 +424,7 @@ impl Run {
 /// The device ops the sweep must reach in `layout` (only the one buffer compacts).
 fn kinds_expected(layout: Layout) -> &'static [&'static str] {
     match layout {
-        Layout::Unified => &["move_spans", "fill_spans", "scatter_tables"],
+        Layout::Unified => &["move_spans", "fill_spans", "copy_table_spans"],
         Layout::Static { .. } => &["fill_spans", "scatter_tables"],
     }
 }

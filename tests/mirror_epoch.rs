@@ -156,7 +156,12 @@ fn both_sides_translate_in_one_op_with_the_same_epoch_rule() {
         ledger.reset();
         fx.cache.translate_many(&rows).unwrap();
         let kinds: Vec<&str> = ledger.ops().iter().map(|r| r.op).collect();
-        assert_eq!(kinds, ["scatter_tables", "translate_many"], "{}", fx.label);
+        assert_eq!(
+            kinds,
+            ["copy_table_spans", "translate_many"],
+            "{}",
+            fx.label
+        );
         for (row, out) in rows.iter().zip(outs) {
             let host: Vec<i32> = req
                 .row()

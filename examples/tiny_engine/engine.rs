@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use unikv::kernels::{
     ByteSpan, BytesId, CpuDevice, Device, Error as DeviceError, SpanMove, SyncHazards, TableId,
-    TableScatter, Translate,
+    TableScatter, TableSpans, Translate,
 };
 use unikv::mamba::{MambaSpec, SlotLayout};
 use unikv::pools::Side;
@@ -553,6 +553,9 @@ impl Device for CountingDevice {
     }
     fn translate_many(&self, all: &[Translate]) -> Result<(), DeviceError> {
         self.inner.translate_many(all)
+    }
+    fn copy_table_spans(&self, copies: &[TableSpans<'_>]) -> Result<(), DeviceError> {
+        self.inner.copy_table_spans(copies)
     }
     fn sync_hazards(&self) -> SyncHazards {
         self.inner.sync_hazards()

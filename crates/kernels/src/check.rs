@@ -4,7 +4,7 @@
 //! Every check here uses only host-known values (handles, lengths, offsets), so a
 //! backend runs them all before issuing any work: an op that fails has changed nothing.
 
-use crate::{ByteSpan, BytesId, Error, SpanMove, TableId, TableScatter, Translate};
+use crate::{ByteSpan, BytesId, Error, SpanMove, TableId, TableScatter, TableSpans, Translate};
 
 /// `[start, start + len)` lies inside `[0, total)`; `kind`/`id` name the buffer.
 fn range(
@@ -100,6 +100,37 @@ pub(crate) fn scatters(
     scatters
         .iter()
         .try_for_each(|s| scatter(s.table, s.entries, len(s.table)?))
+}
+
+/// Every span of every copy lies inside its table, whose length `len` gives, and inside
+/// its host values. O(spans), nothing per entry: the common case, every span inside, is
+/// one branch-free pass per copy; only a refusal looks for the span to name.
+pub(crate) fn table_spans(
+    copies: &[TableSpans<'_>],
+    len: impl Fn(TableId) -> Result<usize, Error>,
+) -> Result<(), Error> {
+    const OP: &str = "copy_table_spans";
+    for c in copies {
+        let total = len(c.table)? as u64;
+        let bound = total.min(c.values.len() as u64);
+        let end = |&(start, n): &(u32, u32)| u64::from(start) + u64::from(n);
+        if c.spans.iter().map(end).fold(0, u64::max) <= bound {
+            continue;
+        }
+        for &(start, n) in c.spans {
+            let (start, n) = (u64::from(start), u64::from(n));
+            range(OP, "table", c.table.0, start, n, total)?;
+            range(
+                OP,
+                "host values",
+                c.table.0,
+                start,
+                n,
+                c.values.len() as u64,
+            )?;
+        }
+    }
+    Ok(())
 }
 
 /// Every translation's arguments (as [`translate`], with the table lengths `len` gives),

@@ -8,7 +8,7 @@ use crate::handles::Handles;
 use crate::sparse::Buffer;
 use crate::{
     ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, TableScatter,
-    Translate,
+    TableSpans, Translate,
 };
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -149,6 +149,23 @@ impl Device for CpuDevice {
             let t = st.table_mut(s.table)?;
             for &(i, v) in s.entries {
                 t[i as usize] = v; // in order, so the last pair for an index wins
+            }
+        }
+        Ok(())
+    }
+
+    fn copy_table_spans(&self, copies: &[TableSpans<'_>]) -> Result<(), Error> {
+        let mut st = self.state();
+        check::table_spans(copies, |t| Ok(st.table(t)?.len()))?;
+        for c in copies {
+            let t = st.table_mut(c.table)?;
+            for &(start, len) in c.spans {
+                let span = start as usize..(start + len) as usize;
+                // A decode page's span is one entry: no copy call for it.
+                match len {
+                    1 => t[span.start] = c.values[span.start],
+                    _ => t[span.clone()].copy_from_slice(&c.values[span]),
+                }
             }
         }
         Ok(())
@@ -326,6 +343,44 @@ mod tests {
             })
         ));
         assert_eq!(read(&dev, t), vec![0, 7, 8, 0]);
+    }
+
+    #[test]
+    fn span_copies_take_the_host_values_and_a_span_out_of_range_changes_nothing() {
+        let dev = CpuDevice::new();
+        let t = dev.alloc_table(12, -1).unwrap();
+        let host: Vec<i32> = (0..12).map(|i| 100 + i).collect();
+        let copy = |spans: &[(u32, u32)], values: &[i32]| {
+            dev.copy_table_spans(&[TableSpans {
+                table: t,
+                values,
+                spans,
+            }])
+        };
+        copy(&[(2, 4), (4, 3), (11, 1), (9, 1), (0, 0)], &host).unwrap();
+        let want = vec![-1, -1, 102, 103, 104, 105, 106, -1, -1, 109, -1, 111];
+        assert_eq!(read(&dev, t), want);
+        assert!(matches!(
+            copy(&[(0, 2), (10, 3)], &host),
+            Err(Error::OutOfBounds {
+                kind: "table",
+                start: 10,
+                end: 13,
+                len: 12,
+                ..
+            })
+        ));
+        assert!(matches!(
+            copy(&[(3, 3)], &host[..5]),
+            Err(Error::OutOfBounds {
+                kind: "host values",
+                start: 3,
+                end: 6,
+                len: 5,
+                ..
+            })
+        ));
+        assert_eq!(read(&dev, t), want, "a refused copy wrote nothing");
     }
 
     #[test]

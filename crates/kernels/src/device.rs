@@ -79,6 +79,20 @@ pub struct TableScatter<'a> {
     pub entries: &'a [(u32, i32)],
 }
 
+/// One table's spans of a [`Device::copy_table_spans`] call: for each `(start, len)` of
+/// `spans`, entries `start..start + len` of `table` become those of `values` (the host
+/// table the device one mirrors).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableSpans<'a> {
+    /// The table written.
+    pub table: TableId,
+    /// The host values, indexed as the table is.
+    pub values: &'a [i32],
+    /// `(start, len)` spans of entries to copy; they may overlap (they copy the same
+    /// values).
+    pub spans: &'a [(u32, u32)],
+}
+
 /// Device work with host-known output shapes, issued in stream order; nothing here
 /// waits for the device. Errors are for caller mistakes (bad handle, out of bounds) and
 /// for device failures; they are detected on the host before any work is issued, so an
@@ -124,6 +138,14 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     /// every table is checked before anything is written.
     #[track_caller]
     fn scatter_tables(&self, scatters: &[TableScatter<'_>]) -> Result<(), Error>;
+
+    /// Copies spans of host tables into device tables, several tables in one op: the
+    /// per-step mirror upload of a pool that keeps its tables on the host, sized by the
+    /// spans that changed (a page-size-1 prefill is one span, not one entry per token).
+    /// Staged like [`Device::upload_table`]. Every span of every table is checked inside
+    /// both the table and its values before anything is written.
+    #[track_caller]
+    fn copy_table_spans(&self, copies: &[TableSpans<'_>]) -> Result<(), Error>;
 
     /// `out[i] = src[indices[i]]` for `i < n`, or `0` when `indices[i]` is outside `src`
     /// (negative or too large; device data, so not an error). `out` must be a table

@@ -7,7 +7,7 @@
 
 use crate::{
     ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, TableScatter,
-    Translate,
+    TableSpans, Translate,
 };
 use std::panic::Location;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -39,6 +39,8 @@ pub enum DeviceOp {
     ScatterTables,
     /// [`Device::translate_many`].
     TranslateMany,
+    /// [`Device::copy_table_spans`].
+    CopyTableSpans,
 }
 
 impl DeviceOp {
@@ -57,6 +59,7 @@ impl DeviceOp {
             DeviceOp::Translate => "translate",
             DeviceOp::ScatterTables => "scatter_tables",
             DeviceOp::TranslateMany => "translate_many",
+            DeviceOp::CopyTableSpans => "copy_table_spans",
         }
     }
 }
@@ -294,6 +297,11 @@ impl<D: Device + ?Sized> Device for FaultInjector<D> {
     fn translate_many(&self, all: &[Translate]) -> Result<(), Error> {
         self.admit(DeviceOp::TranslateMany)?;
         self.inner.translate_many(all)
+    }
+
+    fn copy_table_spans(&self, copies: &[TableSpans<'_>]) -> Result<(), Error> {
+        self.admit(DeviceOp::CopyTableSpans)?;
+        self.inner.copy_table_spans(copies)
     }
 }
 

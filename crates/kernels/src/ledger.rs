@@ -21,7 +21,7 @@
 
 use crate::{
     ByteSpan, BytesId, CpuDevice, Device, Error, HostSync, Readback, SpanMove, SyncHazard,
-    SyncHazards, TableId, TableScatter, Translate,
+    SyncHazards, TableId, TableScatter, TableSpans, Translate,
 };
 use std::fmt;
 use std::panic::Location;
@@ -316,6 +316,12 @@ impl Device for SyncLedger {
 
     fn translate_many(&self, all: &[Translate]) -> Result<(), Error> {
         self.run("translate_many", None, false, |d| d.translate_many(all))
+    }
+
+    fn copy_table_spans(&self, copies: &[TableSpans<'_>]) -> Result<(), Error> {
+        self.run("copy_table_spans", None, false, |d| {
+            d.copy_table_spans(copies)
+        })
     }
 }
 

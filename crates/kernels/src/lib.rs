@@ -98,7 +98,8 @@ pub use cuda::{
     RawStream,
 };
 pub use device::{
-    ByteSpan, BytesId, Device, HostSync, Readback, SpanMove, TableId, TableScatter, Translate,
+    ByteSpan, BytesId, Device, HostSync, Readback, SpanMove, TableId, TableScatter, TableSpans,
+    Translate,
 };
 pub use driver::{DriverCall, Grid, Kernel, StreamKind, SyncHazard, SyncHazards};
 pub use error::Error;

@@ -4,7 +4,7 @@ use crate::check;
 use crate::handles::Handles;
 use crate::{
     ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, TableScatter,
-    Translate,
+    TableSpans, Translate,
 };
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -107,6 +107,10 @@ impl Device for NullDevice {
 
     fn scatter_tables(&self, scatters: &[TableScatter<'_>]) -> Result<(), Error> {
         check::scatters(scatters, |t| self.table_len(t))
+    }
+
+    fn copy_table_spans(&self, copies: &[TableSpans<'_>]) -> Result<(), Error> {
+        check::table_spans(copies, |t| self.table_len(t))
     }
 
     fn gather_table(
@@ -222,6 +226,27 @@ mod tests {
             Box::new(move |d| d.fill_spans(buf, &[ByteSpan { offset: 60, len: 8 }], 1)),
             Box::new(move |d| d.scatter_table(table, &[(7, 1)])),
             Box::new(move |d| d.scatter_table(table, &[(8, 1)])),
+            Box::new(move |d| {
+                d.copy_table_spans(&[TableSpans {
+                    table,
+                    values: &[0; 8],
+                    spans: &[(0, 2), (6, 2)],
+                }])
+            }),
+            Box::new(move |d| {
+                d.copy_table_spans(&[TableSpans {
+                    table,
+                    values: &[0; 16],
+                    spans: &[(6, 3)],
+                }])
+            }),
+            Box::new(move |d| {
+                d.copy_table_spans(&[TableSpans {
+                    table,
+                    values: &[0; 4],
+                    spans: &[(3, 2)],
+                }])
+            }),
             Box::new(move |d| d.upload_table(table, 4, &[1, 2, 3, 4, 5])),
             Box::new(move |d| d.free_table(TableId(9))),
         ];

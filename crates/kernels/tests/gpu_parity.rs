@@ -11,7 +11,7 @@
 use unikv_invariants::testing::page_sizes;
 use unikv_kernels::{
     ByteSpan, CpuDevice, CudaDevice, Device, Error, HostSync, Readback, SpanMove, TableId,
-    TableScatter, Translate,
+    TableScatter, TableSpans, Translate,
 };
 
 fn gpu_required() -> bool {
@@ -618,6 +618,59 @@ fn row(op: &str, ps: u64, bytes: u64, seconds: f64, peak: f64) {
         rate / 1e9,
         100.0 * rate / peak
     );
+}
+
+/// Span copies from host tables (the unified pool's mirror upload): overlapping spans
+/// and a table named twice copy the host values; a span past the table or past its host
+/// values is refused and changes nothing.
+#[test]
+fn table_span_copies_match_cpu() {
+    check_parity("copy_table_spans", |dev| {
+        let (a, b) = (dev.alloc_table(12, -1)?, dev.alloc_table(5, -1)?);
+        let host_a: Vec<i32> = (0..12).map(|i| 100 + i).collect();
+        let host_b = [7, 8, 9, 10, 11];
+        dev.copy_table_spans(&[
+            TableSpans {
+                table: a,
+                values: &host_a,
+                spans: &[(2, 4), (4, 3), (11, 1), (3, 1)],
+            },
+            TableSpans {
+                table: b,
+                values: &host_b,
+                spans: &[(1, 2)],
+            },
+            TableSpans {
+                table: a,
+                values: &host_a,
+                spans: &[(0, 0), (9, 1)],
+            },
+        ])?;
+        let refuse = |copies: &[TableSpans<'_>]| format!("{:?}", dev.copy_table_spans(copies));
+        let past_table = refuse(&[
+            TableSpans {
+                table: b,
+                values: &host_b,
+                spans: &[(0, 1)],
+            },
+            TableSpans {
+                table: a,
+                values: &host_a,
+                spans: &[(10, 3)],
+            },
+        ]);
+        let past_values = refuse(&[TableSpans {
+            table: a,
+            values: &host_b,
+            spans: &[(3, 3)],
+        }]);
+        Ok((
+            past_table,
+            past_values,
+            dev.read_table(&sync(), a, 0, 12)?,
+            dev.read_table(&sync(), b, 0, 5)?,
+        ))
+    });
 }
 
 /// The fused forms: several tables scattered in one op (a table named twice, indices

@@ -586,9 +586,11 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     /// Freezes compaction on every sub-pool until the gate drops.
     fn move_gate(&self) -> MoveGate;
 
-    /// The step boundary's mirror upload: one `scatter_table` per side with the dirty
-    /// translation entries (none when nothing changed). Transactional: the entries stay
-    /// dirty until both scatters were issued, so after a failure a retry uploads them.
+    /// The step boundary's mirror upload: one device op for every side with the dirty
+    /// translation entries (none when nothing changed): the unified pool copies the
+    /// changed spans of its host tables (`copy_table_spans`), the static pool scatters
+    /// the entries it derives (`scatter_tables`). Transactional: the entries stay dirty
+    /// until the op was issued, so after a failure a retry uploads them.
     fn upload_mirror(&mut self) -> Result<(), Error>;
 
     /// Whether the device mirror holds the host tables (no entry changed since the last

@@ -70,11 +70,11 @@ pub struct SubAllocator {
     /// The edge a float takes fresh pages at (the composite steers it before binding;
     /// an end always grows at its own frontier).
     float_edge: Edge,
-    /// Virtual pages whose `v2p` entry changed since the last mirror upload.
-    /// Mirror entries changed since the upload, `(virtual page, its v2p after the
-    /// change)` in change order: a page changed twice is here twice, and the upload's
-    /// scatter applies them in order, so the last wins.
-    dirty: Vec<(u32, i32)>,
+    /// The `v2p` entries changed since the last mirror upload, as `(first virtual page,
+    /// pages)` spans: the upload copies them from `v2p` as it is then, so a span is one
+    /// entry however many pages it covers (a page-size-1 row's run) and a page changed
+    /// twice needs no second entry. Spans may overlap.
+    dirty: Vec<(u32, u32)>,
 }
 
 impl SubAllocator {
@@ -188,10 +188,10 @@ impl SubAllocator {
         p >= self.lo && p < self.hi
     }
 
-    /// Records `v`'s mirror entry as it is now (after the change that calls it).
+    /// Records that `v`'s mirror entry changed.
     #[inline(always)]
     fn mark(&mut self, v: u32) {
-        self.dirty.push((v, self.v2p[v as usize]));
+        note_dirty(&mut self.dirty, v, 1);
     }
 
     /// Takes a physical page at the growth edge (a hole first, else the frontier advances
@@ -609,17 +609,21 @@ impl SubAllocator {
         let mut nothing = Vec::new();
         let record = released.is_some();
         let released = released.unwrap_or(&mut nothing);
-        let (hole_base, released_base, dirty_base) = (holes.len(), released.len(), dirty.len());
+        let (hole_base, released_base) = (holes.len(), released.len());
         // Written in place in the lists' spare room (not zero-filled first), lengths set
         // once at the end.
         holes.reserve(n);
-        dirty.reserve(n);
         if record {
             released.reserve(n);
         }
+        let (open, dirty_base) = DirtySpans::reopen(dirty, n);
+        let mut spans = DirtySpans {
+            slots: &mut dirty.spare_capacity_mut()[..n + 1],
+            written: 0,
+            open,
+        };
         let new_holes = &mut holes.spare_capacity_mut()[..n];
         let new_released = &mut released.spare_capacity_mut()[..if record { n } else { 0 }];
-        let new_dirty = &mut dirty.spare_capacity_mut()[..n];
         let v2p = &mut v2p[..];
         let (mut unbound, mut cleared) = (0usize, 0usize);
         let mut i = 0;
@@ -627,10 +631,9 @@ impl SubAllocator {
             if let Some(run) = ReleaseRun::find(&pages[i..], v2p, keep, clear_tombstones) {
                 // The same writes as the loop below, as slice fills and ramps.
                 let len = run.len;
-                let marked = unbound + cleared;
                 let (v, sv) = run.pages;
                 let v_lo = lowest((v, sv), len) as usize;
-                let dirty = &mut new_dirty[marked..marked + len];
+                spans.note(v_lo as u32, len as u32);
                 match run.entries {
                     Some(entries) => {
                         v2p[v_lo..v_lo + len].fill(to);
@@ -642,12 +645,10 @@ impl SubAllocator {
                                 slot.write(v);
                             }
                         }
-                        fill_ramps(dirty, (v, sv), (0, 1), |v, _| MaybeUninit::new((v, to)));
                         unbound += len;
                     }
                     None => {
                         v2p[v_lo..v_lo + len].fill(0);
-                        fill_ramps(dirty, (v, sv), (0, 1), |v, _| MaybeUninit::new((v, 0)));
                         cleared += len;
                     }
                 }
@@ -667,23 +668,24 @@ impl SubAllocator {
                     if record {
                         new_released[unbound].write(v);
                     }
-                    new_dirty[unbound + cleared].write((v, to));
+                    spans.note_one(v);
                     unbound += 1;
                 } else if p == -1 && clear_tombstones {
                     *entry = 0;
-                    new_dirty[unbound + cleared].write((v, 0));
+                    spans.note_one(v);
                     cleared += 1;
                 }
             }
             i = end;
         }
+        let spans = spans.close();
         // SAFETY: the loop wrote the first `unbound` entries of the hole and (when
-        // recording) id slices and the first `unbound + cleared` of the dirty slice (each
-        // page writes at the index its count has reached before the count moves on), and
-        // `unbound + cleared <= n`, the room reserved.
+        // recording) id slices (each page writes at the index its count has reached
+        // before the count moves on), and `unbound <= n`, the room reserved; `close`
+        // counts the dirty slots written.
         unsafe {
             holes.set_len(hole_base + unbound);
-            dirty.set_len(dirty_base + unbound + cleared);
+            dirty.set_len(dirty_base + spans);
         }
         if record {
             // SAFETY: as above.
@@ -745,9 +747,12 @@ impl SubAllocator {
                 fresh_first.wrapping_add(fresh_step.wrapping_mul((t - from_holes) as u32))
             }
         };
-        let dirty_base = dirty.len();
-        dirty.reserve(n);
-        let new_dirty = &mut dirty.spare_capacity_mut()[..n];
+        let (open, dirty_base) = DirtySpans::reopen(dirty, n);
+        let mut spans = DirtySpans {
+            slots: &mut dirty.spare_capacity_mut()[..n + 1],
+            written: 0,
+            open,
+        };
         let (v2p, p2v) = (&mut v2p[..], &mut p2v[..]);
         let mut revived = 0u32;
         let mut t = 0;
@@ -760,46 +765,54 @@ impl SubAllocator {
             };
             if let Some(run) = BindRun::find(&popped[..n - t], pages, seg_end - t, v2p) {
                 revived += run.revived;
-                run.write(v2p, p2v, &mut new_dirty[t..t + run.len]);
+                run.write(v2p, p2v);
+                spans.note(lowest(run.ids, run.len), run.len as u32);
                 t += run.len;
                 continue;
             }
             let end = (t + RUN).min(seg_end);
-            for (t, slot) in (t..end).zip(&mut new_dirty[t..end]) {
+            for t in t..end {
                 let (v, p) = (id(t), page(t));
                 debug_assert!(p != 0 && owner(v2p, p2v, p) == 0);
                 let entry = &mut v2p[v as usize];
                 revived += (*entry == -1) as u32;
                 *entry = p as i32;
                 p2v[p as usize] = v;
-                slot.write((v, p as i32));
+                spans.note_one(v);
             }
             t = end;
         }
-        // SAFETY: the loop wrote every one of the `n` spare slots (a run or the page by
-        // page loop writes slot `t` for each bind `t`), and `n` is the room reserved.
-        unsafe { dirty.set_len(dirty_base + n) };
+        let spans = spans.close();
+        // SAFETY: `close` counts the dirty slots written, from the list's length.
+        unsafe { dirty.set_len(dirty_base + spans) };
         holes.truncate(hole_split);
         *live += n as u32;
         *tombstones -= revived;
     }
 
-    /// The mirror entries changed since the last upload, `(virtual page, v2p)` in change
-    /// order (a page changed twice appears twice; the last is its value now). They stay
-    /// until [`SubAllocator::clear_dirty`] (after the upload succeeded), so a failed
-    /// upload is retried whole.
-    pub fn dirty_entries(&self) -> &[(u32, i32)] {
+    /// The mirror entries changed since the last upload, as `(first virtual page,
+    /// pages)` spans of `v2p` (they may overlap; the upload copies them from
+    /// [`SubAllocator::v2p_table`] as it is then). They stay until
+    /// [`SubAllocator::clear_dirty`] (after the upload succeeded), so a failed upload is
+    /// retried whole.
+    pub fn dirty_spans(&self) -> &[(u32, u32)] {
         &self.dirty
     }
 
-    /// Forgets the dirty entries (the mirror now holds them).
+    /// The whole `v2p` table, indexed by virtual page (what the mirror copies).
+    pub fn v2p_table(&self) -> &[i32] {
+        &self.v2p
+    }
+
+    /// Forgets the dirty spans (the mirror now holds them).
     pub fn clear_dirty(&mut self) {
         self.dirty.clear();
     }
 
-    /// Mirror entries waiting for the upload (changes since the last one).
+    /// Mirror entries waiting for the upload: the pages the dirty spans cover (a page in
+    /// two overlapping spans counts twice). O(spans).
     pub fn dirty_count(&self) -> usize {
-        self.dirty.len()
+        self.dirty.iter().map(|&(_, n)| n as usize).sum()
     }
 
     /// Whether any mirror entry is dirty.
@@ -903,6 +916,98 @@ impl CompactionPlan {
     /// The span after the commit, with no holes (`None`: nothing planned).
     pub(crate) fn view(&self) -> Option<SpanView<'static>> {
         self.span.map(|(lo, hi)| SpanView { holes: &[], lo, hi })
+    }
+}
+
+/// The span `(s, l)` grown by entries `start..start + len` when they lie in it or abut it
+/// on either side (consecutive pages, ascending or descending, are one span); `None` when
+/// they are apart. An empty span `(0, 0)` grows only by a span starting at 0.
+#[inline(always)]
+fn merge((s, l): (u32, u32), start: u32, len: u32) -> Option<(u32, u32)> {
+    if start >= s && start + len <= s + l {
+        Some((s, l)) // already in it (a page changed twice)
+    } else if start == s + l {
+        Some((s, l + len))
+    } else if start + len == s {
+        Some((start, l + len))
+    } else {
+        None
+    }
+}
+
+/// Notes entries `start..start + len` dirty in `dirty`, merged into the last span
+/// when they can be.
+#[inline(always)]
+fn note_dirty(dirty: &mut Vec<(u32, u32)>, start: u32, len: u32) {
+    match dirty.last_mut() {
+        Some(last) => match merge(*last, start, len) {
+            Some(grown) => *last = grown,
+            None => dirty.push((start, len)),
+        },
+        None => dirty.push((start, len)),
+    }
+}
+
+/// A batch pass's dirty spans, written in place into the list's spare room rather than
+/// by a `Vec::push` per page: the span being grown stays open (in registers) and is
+/// stored when a page does not merge into it. Notes merge as [`note_dirty`]'s do.
+struct DirtySpans<'a> {
+    /// The spare room: one slot per note, and one for the open span.
+    slots: &'a mut [MaybeUninit<(u32, u32)>],
+    /// Slots written.
+    written: usize,
+    /// The span being grown; `(0, 0)` when none.
+    open: (u32, u32),
+}
+
+impl DirtySpans<'_> {
+    /// Takes the list's last span back as the open one and reserves room for `notes`
+    /// notes; returns the list's length then, for [`DirtySpans::close`]'s count.
+    fn reopen(list: &mut Vec<(u32, u32)>, notes: usize) -> ((u32, u32), usize) {
+        let open = list.pop().unwrap_or((0, 0));
+        list.reserve(notes + 1);
+        (open, list.len())
+    }
+
+    /// Notes entries `start..start + len` dirty.
+    #[inline(always)]
+    fn note(&mut self, start: u32, len: u32) {
+        match merge(self.open, start, len) {
+            Some(grown) => self.open = grown,
+            None => {
+                if self.open.1 > 0 {
+                    self.slots[self.written].write(self.open);
+                    self.written += 1;
+                }
+                self.open = (start, len);
+            }
+        }
+    }
+
+    /// Notes entry `v` dirty, page by page: it grows the open span only when it comes
+    /// right after it (one predictable test for scattered pages; a page that merges no
+    /// other way starts a span of its own, which may overlap another).
+    #[inline(always)]
+    fn note_one(&mut self, v: u32) {
+        let (s, l) = self.open;
+        if l != 0 && v == s.wrapping_add(l) {
+            self.open.1 += 1;
+        } else {
+            if l != 0 {
+                self.slots[self.written].write(self.open);
+                self.written += 1;
+            }
+            self.open = (v, 1);
+        }
+    }
+
+    /// Stores the open span; returns how many slots (from the first) hold spans.
+    fn close(mut self) -> usize {
+        if self.open.1 > 0 {
+            self.slots[self.written].write(self.open);
+            self.written += 1;
+        }
+        self.written
     }
 }
 
@@ -1216,7 +1321,7 @@ impl BindRun {
 
     /// Writes the run's entries, owners and dirty entries (`dirty`: one slot per bind).
     #[inline(always)]
-    fn write(&self, v2p: &mut [i32], p2v: &mut [u32], dirty: &mut [MaybeUninit<(u32, i32)>]) {
+    fn write(&self, v2p: &mut [i32], p2v: &mut [u32]) {
         let ((u, su), (q, sq)) = (self.ids, self.pages);
         let d = su.wrapping_mul(sq);
         let (v_lo, p_lo) = (lowest(self.ids, self.len), lowest(self.pages, self.len));
@@ -1235,9 +1340,6 @@ impl BindRun {
             (0, 1),
             |v, _| v,
         );
-        fill_ramps(dirty, (u, su), (q, sq), |v, p| {
-            MaybeUninit::new((v, p as i32))
-        });
     }
 }
 
@@ -1581,12 +1683,67 @@ mod tests {
         sub.clear_tombstone(3);
         assert_eq!((sub.v2p[3], sub.tombstones()), (0, 0));
         assert_eq!(
-            sub.dirty_entries(),
-            [(3, 31), (3, -1), (3, 0)],
-            "every change in order, its value after it"
+            sub.dirty_spans(),
+            [(3, 1)],
+            "a page changed three times is one entry"
         );
-        sub.clear_dirty();
+        assert_eq!(sub.dirty_count(), 1);
+        let mut mirror = vec![0; 16];
+        mirror[3] = 7;
+        upload(&mut sub, &mut mirror);
+        assert_eq!(mirror[3], 0, "the upload copies the entry as it is now");
         assert!(!sub.has_dirty());
+        // Consecutive pages, either way, are one span; others are spans of their own.
+        for v in [5, 6, 4, 9, 6] {
+            sub.mark(v);
+        }
+        assert_eq!(sub.dirty_spans(), [(4, 3), (9, 1), (6, 1)]);
+        assert_eq!(sub.dirty_count(), 5);
+    }
+
+    /// A page-size-1 row (consecutive ids on consecutive pages) is one dirty span when it
+    /// is bound and one when it is released, however long it is.
+    #[test]
+    fn a_run_is_one_dirty_span() {
+        let big = Grid {
+            envelope: 8,
+            pages: 256,
+            min_page: 1,
+            stride: 4,
+        };
+        let mut sub = SubAllocator::new(big, Grow::Up, 256);
+        let row: Vec<u32> = (10..110).collect();
+        let popped: Vec<u32> = row.iter().rev().copied().collect();
+        sub.bind_popped(&popped);
+        assert_eq!(sub.dirty_spans(), [(10, 100)]);
+        let mut mirror = vec![0; 256];
+        upload(&mut sub, &mut mirror);
+        sub.release_each(&row, Keep::NotSink, Release::Free, None);
+        assert_eq!(sub.dirty_spans(), [(10, 100)]);
+        upload(&mut sub, &mut mirror);
+    }
+
+    /// The mirror upload: copies the dirty spans of `v2p` into `mirror` and forgets them.
+    /// Checks that the mirror then equals `v2p`: every changed entry was in a span.
+    fn upload(sub: &mut SubAllocator, mirror: &mut [i32]) {
+        for &(start, len) in sub.dirty_spans() {
+            let span = start as usize..(start + len) as usize;
+            mirror[span.clone()].copy_from_slice(&sub.v2p[span]);
+        }
+        sub.clear_dirty();
+        assert_eq!(
+            mirror,
+            &sub.v2p[..],
+            "an entry changed outside every dirty span"
+        );
+    }
+
+    /// The pages the dirty spans cover.
+    fn dirty_pages(sub: &SubAllocator) -> std::collections::BTreeSet<u32> {
+        sub.dirty_spans()
+            .iter()
+            .flat_map(|&(start, len)| start..start + len)
+            .collect()
     }
 
     /// Everything a batch form must leave exactly as the page-by-page calls do.
@@ -1594,7 +1751,7 @@ mod tests {
         (
             (sub.v2p.clone(), sub.p2v.clone(), sub.holes.clone()),
             (sub.lo, sub.hi, sub.live, sub.tombstones),
-            sub.dirty.clone(),
+            dirty_pages(sub),
         )
     }
 
@@ -1656,6 +1813,7 @@ mod tests {
                 SubAllocator::new(big, grow, IDS),
                 SubAllocator::new(big, grow, IDS),
             );
+            let mut mirrors = (vec![0; IDS as usize], vec![0; IDS as usize]);
             for round in 0..300 {
                 let free: Vec<u32> = (1..IDS).filter(|&v| batch.v2p[v as usize] <= 0).collect();
                 let room = (big.pages - big.min_page - batch.live) as usize;
@@ -1719,8 +1877,8 @@ mod tests {
                     let mut moves = Vec::new();
                     batch.compact(&mut moves);
                     single.compact(&mut moves);
-                    batch.clear_dirty();
-                    single.clear_dirty();
+                    upload(&mut batch, &mut mirrors.0);
+                    upload(&mut single, &mut mirrors.1);
                 }
             }
         }
@@ -1806,6 +1964,7 @@ mod tests {
                 SubAllocator::new(grid(), grow, 64),
                 SubAllocator::new(grid(), grow, 64),
             );
+            let mut mirrors = (vec![0; 64], vec![0; 64]);
             if grow == Grow::Float {
                 assert!(batch.place(12) && single.place(12));
             }
@@ -1859,9 +2018,8 @@ mod tests {
                 assert_eq!(state(&batch), state(&single), "{grow:?} round {round}");
                 batch.verify("batch").unwrap();
                 if round % 50 == 49 {
-                    assert_eq!(batch.dirty_entries(), single.dirty_entries());
-                    batch.clear_dirty();
-                    single.clear_dirty();
+                    upload(&mut batch, &mut mirrors.0);
+                    upload(&mut single, &mut mirrors.1);
                 }
             }
             assert!(

@@ -25,7 +25,7 @@ use crate::sub::{
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use unikv_invariants::{Scope, enabled};
-use unikv_kernels::{ByteSpan, BytesId, Device, SpanMove, TableId, TableScatter};
+use unikv_kernels::{ByteSpan, BytesId, Device, SpanMove, TableId, TableSpans};
 
 /// How to build a [`UnifiedSwa`]: FULL with SWA (gpt-oss, Gemma) or with Mamba state
 /// (Qwen3-Next, Nemotron-H).
@@ -1290,27 +1290,29 @@ impl KvAllocator for UnifiedSwa {
     }
 
     fn upload_mirror(&mut self) -> Result<(), Error> {
-        // One op for every side's changes in order (the last of a page's wins). The
-        // entries stay until it was issued, so a failed upload is retried whole
-        // (re-scattering an entry is idempotent).
-        let mut scatters = [TableScatter {
+        // One op for every side's changed spans, copied from the host tables as they are
+        // now. The spans stay until it was issued, so a failed upload is retried whole
+        // (copying a span again is idempotent).
+        let mut copies = [TableSpans {
             table: TableId(0),
-            entries: &[],
+            values: &[],
+            spans: &[],
         }; 3];
         let mut n = 0;
         for side in [Side::Full, Side::Swa, Side::Mamba] {
             if let (Some(sub), Some(table)) = (self.side(side), self.mirrors[ix(side)])
                 && sub.has_dirty()
             {
-                scatters[n] = TableScatter {
+                copies[n] = TableSpans {
                     table,
-                    entries: sub.dirty_entries(),
+                    values: sub.v2p_table(),
+                    spans: sub.dirty_spans(),
                 };
                 n += 1;
             }
         }
         if n > 0 {
-            self.device.scatter_tables(&scatters[..n])?;
+            self.device.copy_table_spans(&copies[..n])?;
         }
         self.full.clear_dirty();
         for sub in [&mut self.swa, &mut self.mamba].into_iter().flatten() {
