@@ -393,14 +393,7 @@ impl SubAllocator {
                 .filter(|&p| p >= packed_lo && p < packed_hi),
         );
         sort_pages_in(&mut plan.inner, (packed_lo, packed_hi), &mut plan.bits);
-        let mut dst_iter = plan.inner.iter().copied();
-        for src in band {
-            if self.owner(src) == 0 {
-                continue;
-            }
-            let Some(dst) = dst_iter.next() else { break };
-            self.plan_move((src, dst), moves, &mut plan.pairs);
-        }
+        self.pair_survivors(band, &plan.inner, moves, &mut plan.pairs);
         plan.span = Some((packed_lo, packed_hi));
     }
 
@@ -416,22 +409,60 @@ impl SubAllocator {
         self.holes.clear();
     }
 
-    /// Records the envelope copy of the page at `src` to the free page `dst` (in `moves`)
-    /// and the pair (in `pairs`), for a plan's commit to rebind.
-    fn plan_move(
+    /// Pairs each bound page of `sources`, in order, with the next page of `free` (sorted
+    /// ascending) until either runs out: appends the envelope copies to `moves` and the
+    /// pairs to `pairs`; returns how many free pages it used.
+    fn pair_survivors(
+        &self,
+        sources: std::ops::Range<u32>,
+        free: &[u32],
+        moves: &mut Vec<SpanMove>,
+        pairs: &mut Vec<(u32, u32)>,
+    ) -> usize {
+        let (mut left, mut src) = (free, sources.start);
+        let ascending = steps(1);
+        while src < sources.end && !left.is_empty() {
+            // [`RUN`] bound pages in a row into as many consecutive free pages (a
+            // page-size-1 row): the pairs the steps below make, found in one test each.
+            if let Some(dst) = left.first_chunk::<RUN>()
+                && sources.end - src >= RUN as u32
+                && is_ramp(dst, dst[0], &ascending)
+                && (src..src + RUN as u32).fold(true, |ok, p| ok & self.is_owned(p))
+            {
+                self.plan_moves((src, dst[0]), RUN as u32, moves, pairs);
+                (left, src) = (&left[RUN..], src + RUN as u32);
+                continue;
+            }
+            // Not a chunk: the next [`RUN`] sources page by page, before the next test.
+            let end = sources.end.min(src + RUN as u32);
+            while src < end && !left.is_empty() {
+                if self.owner(src) != 0 {
+                    self.plan_moves((src, left[0]), 1, moves, pairs);
+                    left = &left[1..];
+                }
+                src += 1;
+            }
+        }
+        free.len() - left.len()
+    }
+
+    /// Records the envelope copies of the `n` pages from `src` to the `n` free pages from
+    /// `dst` (in `moves`) and the pairs (in `pairs`), for a plan's commit to rebind.
+    fn plan_moves(
         &self,
         (src, dst): (u32, u32),
+        n: u32,
         moves: &mut Vec<SpanMove>,
         pairs: &mut Vec<(u32, u32)>,
     ) {
-        pairs.push((src, dst));
+        pairs.extend((0..n).map(|i| (src + i, dst + i)));
         let (src, dst, len) = (
             self.grid.offset(src),
             self.grid.offset(dst),
-            self.grid.envelope,
+            self.grid.envelope * u64::from(n),
         );
         // Consecutive survivors into consecutive holes (a page-size-1 row) are one copy:
-        // the union of two disjoint moves whose sources and destinations both abut.
+        // the union of disjoint moves whose sources and destinations both abut.
         if let Some(last) = moves.last_mut()
             && last.src + last.len == src
             && last.dst + last.len == dst
@@ -442,16 +473,68 @@ impl SubAllocator {
         moves.push(SpanMove { src, dst, len });
     }
 
+    /// Whether page `p` is bound, branch-free (`owner`'s test; `v2p[0]`, the sink's
+    /// entry, is read for a page with no owner).
+    #[inline(always)]
+    fn is_owned(&self, p: u32) -> bool {
+        let v = self.p2v[p as usize];
+        (v != 0) & (self.v2p[v as usize] == p as i32)
+    }
+
     /// Rebinds the virtual page of each planned `(src, dst)` move to `dst` (the device
     /// moved its bytes).
+    ///
+    /// [`RUN`] pairs from consecutive pages to consecutive pages whose virtual pages run
+    /// too (a page-size-1 row) are rebound with slice writes and one dirty span.
     fn rebind_moved(&mut self, pairs: &[(u32, u32)]) {
-        for &(src, dst) in pairs {
-            // `src` is left with a stale entry: `v2p[v]` no longer points to it.
-            let v = self.p2v[src as usize];
-            self.p2v[dst as usize] = v;
-            self.v2p[v as usize] = dst as i32;
-            self.mark(v);
+        let ascending = steps(1);
+        let mut i = 0;
+        while i < pairs.len() {
+            if let Some(chunk) = pairs[i..].first_chunk::<RUN>()
+                && let Some((v_lo, sv)) = self.rebind_run(chunk, &ascending)
+            {
+                let (s0, d0) = (chunk[0].0 as usize, chunk[0].1);
+                // No destination is a source: `p2v[s0..]` is still the survivors' owners.
+                self.p2v.copy_within(s0..s0 + RUN, d0 as usize);
+                // The entry of the run's lowest virtual page: its last pair's when they
+                // descend.
+                let first = if sv == 1 {
+                    (d0, 1)
+                } else {
+                    (d0 + RUN as u32 - 1, u32::MAX)
+                };
+                let v = v_lo as usize;
+                fill_ramps(&mut self.v2p[v..v + RUN], first, (0, 1), |p, _| p as i32);
+                note_dirty(&mut self.dirty, v_lo, RUN as u32);
+                i += RUN;
+                continue;
+            }
+            let end = (i + RUN).min(pairs.len());
+            for &(src, dst) in &pairs[i..end] {
+                // `src` is left with a stale entry: `v2p[v]` no longer points to it.
+                let v = self.p2v[src as usize];
+                self.p2v[dst as usize] = v;
+                self.v2p[v as usize] = dst as i32;
+                self.mark(v);
+            }
+            i = end;
         }
+    }
+
+    /// The lowest virtual page and the step (±1) of `chunk`'s owners when its pairs go
+    /// from consecutive pages to consecutive pages and the owners run too.
+    #[inline(always)]
+    fn rebind_run(&self, chunk: &[(u32, u32); RUN], ascending: &[u32; RUN]) -> Option<(u32, u32)> {
+        let (s0, d0) = chunk[0];
+        if !(is_ramp(&chunk.map(|(s, _)| s), s0, ascending)
+            & is_ramp(&chunk.map(|(_, d)| d), d0, ascending))
+        {
+            return None;
+        }
+        let owners = *self.p2v.get(s0 as usize..)?.first_chunk::<RUN>()?;
+        let sv = owners[1].wrapping_sub(owners[0]);
+        (is_unit(sv) && is_ramp(&owners, owners[0], &steps(sv)))
+            .then(|| (lowest((owners[0], sv), RUN), sv))
     }
 
     /// Appends the envelopes of the `n` pages the next binds would take, in the order
@@ -527,18 +610,10 @@ impl SubAllocator {
         sort_pages_in(&mut plan.holes, (t0, t1), &mut plan.bits);
         // The live pages outside T (the span's parts below and above it), each into the
         // next free page.
-        let mut used = 0;
-        for src in (lo..t0.min(hi)).chain(t1.max(lo)..hi) {
-            if self.owner(src) == 0 {
-                continue;
-            }
-            let Some(&dst) = plan.holes.get(used) else {
-                break;
-            };
-            used += 1;
-            self.plan_move((src, dst), moves, &mut plan.pairs);
-        }
-        plan.holes.drain(..used);
+        let below = self.pair_survivors(lo..t0.min(hi), &plan.holes, moves, &mut plan.pairs);
+        let above =
+            self.pair_survivors(t1.max(lo)..hi, &plan.holes[below..], moves, &mut plan.pairs);
+        plan.holes.drain(..below + above);
         plan.span = Some((t0, t1));
     }
 
@@ -1011,13 +1086,15 @@ impl DirtySpans<'_> {
     }
 }
 
-/// Sorts `pages`, each inside `[lo, hi)`, ascending. Distinct pages dense in the range
-/// (a compaction's holes) are sorted through a bitmap of the range in `bits` (scratch):
-/// O(pages + range / 64) rather than O(pages log pages). Sparse or repeated pages take
-/// a comparison sort; the result is the same.
+/// Sorts `pages`, each inside `[lo, hi)`, ascending. Distinct pages not too sparse in
+/// the range (a compaction's holes: range / 64 at most pages × log2 pages) are sorted
+/// through a bitmap of the range in `bits` (scratch): O(pages + range / 64) rather than
+/// O(pages log pages). Sparser or repeated pages take a comparison sort; the result is
+/// the same.
 fn sort_pages_in(pages: &mut [u32], (lo, hi): (u32, u32), bits: &mut Vec<u64>) {
     let words = (hi - lo).div_ceil(64) as usize;
-    if words > 2 * pages.len() {
+    let log = (usize::BITS - pages.len().leading_zeros()) as usize;
+    if words > pages.len() * log.max(2) {
         pages.sort_unstable();
         return;
     }
@@ -1494,7 +1571,16 @@ mod tests {
     /// Binds virtual pages 1..=n, frees those in `freed`, compacts; checks the moves are
     /// disjoint whole envelopes and the span is packed.
     fn compact_case(grow: Grow, n: u32, freed: &[u32]) {
-        let mut sub = SubAllocator::new(grid(), grow, 64);
+        // Rows longer than a batch pass's [`RUN`] need a bigger grid.
+        let g = if n > 30 {
+            Grid {
+                pages: 128,
+                ..grid()
+            }
+        } else {
+            grid()
+        };
+        let mut sub = SubAllocator::new(g, grow, 256);
         for v in 1..=n {
             let p = sub.take();
             sub.bind(v, p);
@@ -1503,12 +1589,31 @@ mod tests {
             sub.unbind(v, false);
         }
         sub.verify("sub").unwrap();
+        let mut mirror = sub.v2p.clone();
+        sub.clear_dirty();
         // Planning changes nothing; the envelopes predicted after the planned compaction
         // are the ones the binds take once it commits.
         let before = state(&sub);
         let (mut moves, mut plan) = (Vec::new(), CompactionPlan::default());
         sub.plan_compaction(Edge::Low, &mut moves, &mut plan);
         assert_eq!(state(&sub), before, "{grow:?}: planning changed the tables");
+        // The pairs: the band's survivors in page order, each into the next hole of the
+        // packed span, lowest first.
+        let h = sub.holes.len() as u32;
+        let (packed, band) = match sub.compaction_edge(Edge::Low) {
+            Edge::Low => (sub.lo..sub.hi - h, sub.hi - h..sub.hi),
+            Edge::High => (sub.lo + h..sub.hi, sub.lo..sub.lo + h),
+        };
+        let mut inner: Vec<u32> = sub
+            .holes
+            .iter()
+            .copied()
+            .filter(|p| packed.contains(p))
+            .collect();
+        inner.sort_unstable();
+        let survivors = band.filter(|&p| sub.owner(p) != 0);
+        let want: Vec<(u32, u32)> = survivors.zip(inner).collect();
+        assert_eq!(plan.pairs, want, "{grow:?}");
         let mut predicted = Vec::new();
         let room = (sub.grid.pages - sub.grid.min_page - sub.live).min(3) as usize;
         sub.handout_envelopes(
@@ -1522,7 +1627,7 @@ mod tests {
         let taken: Vec<ByteSpan> = (0..room)
             .map(|i| {
                 let p = committed.take();
-                committed.bind(60 - i as u32, p);
+                committed.bind(250 - i as u32, p);
                 committed.envelope(p)
             })
             .collect();
@@ -1531,6 +1636,7 @@ mod tests {
         let moved = sub.compact(&mut moves);
         assert_eq!(moved, plan.pairs.len());
         sub.verify("sub").unwrap();
+        upload(&mut sub, &mut mirror); // every rebound entry is dirty
         assert!(sub.holes.is_empty());
         assert_eq!(sub.span_pages(), n - freed.len() as u32);
         // The moves are the planned pairs' envelopes, abutting ones merged into one copy.
@@ -1568,6 +1674,17 @@ mod tests {
             compact_case(grow, 12, &[2, 3, 4, 8]); // a run of survivors into a run of holes
             compact_case(grow, 30, &[3, 9, 10, 11, 17, 25, 26, 29]);
             compact_case(grow, 1, &[]);
+            // Rows of more than [`RUN`] survivors and holes: whole chunks, a free page
+            // inside a chunk of the band, holes that do not run.
+            let row: Vec<u32> = (1..=20).collect();
+            compact_case(grow, 60, &row);
+            compact_case(grow, 60, &[&row[..18], &[50]].concat());
+            compact_case(grow, 60, &(1..=39).step_by(2).collect::<Vec<_>>());
+            compact_case(
+                grow,
+                100,
+                &[&(3..=40).collect::<Vec<_>>()[..], &[77, 95]].concat(),
+            );
         }
         let mut sub = SubAllocator::new(grid(), Grow::Up, 64);
         let mut moves = Vec::new();
