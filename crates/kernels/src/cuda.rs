@@ -752,6 +752,36 @@ impl CudaDevice {
         launched.and(finished)
     }
 
+    /// The one launch of a fused table write (`scatter_tables`, `copy_table_spans`),
+    /// whose every index was checked inside its table: the scatter kernel's list is each
+    /// table's address, then (slot, index, value) triples, each entry once (its last
+    /// write, as on the CPU), so no two threads write one entry.
+    fn write_entries<W: TableWrites>(
+        &self,
+        st: &mut State,
+        op: &'static str,
+        parts: &[W],
+    ) -> Result<(), Error> {
+        let State {
+            tables, pack, seen, ..
+        } = st;
+        pack.clear();
+        for part in parts {
+            pack.extend_from_slice(&tables.get(part.table().0)?.ptr.to_le_bytes());
+        }
+        let k = parts.len() as u64;
+        seen.pack(parts, |t| tables.get(t.0).map_or(0, |a| a.len), pack);
+        let n = (pack.len() as u64 - 8 * k) / 12;
+        if n == 0 {
+            return Ok(());
+        }
+        // Kernel `unikv_scatter_tables(const unsigned long long* list, unsigned long long
+        // k, unsigned long long n)`.
+        self.launch_with_list(st, op, Kernel::ScatterTables, per_item(n), |list| {
+            vec![Arg::U64(list), Arg::U64(k), Arg::U64(n)]
+        })
+    }
+
     fn launch(
         &self,
         op: &'static str,
@@ -1042,59 +1072,13 @@ impl Device for CudaDevice {
     fn scatter_tables(&self, scatters: &[TableScatter<'_>]) -> Result<(), Error> {
         let mut st = self.state();
         check::scatters(scatters, |t| Ok(st.tables.get(t.0)?.len))?;
-        let State {
-            tables, pack, seen, ..
-        } = &mut *st;
-        pack.clear();
-        // The list: each table's address, then (slot, index, value) triples, keeping
-        // only the last of each (table, index) so no two threads write one entry.
-        for s in scatters {
-            pack.extend_from_slice(&tables.get(s.table.0)?.ptr.to_le_bytes());
-        }
-        let k = scatters.len() as u64;
-        seen.pack(scatters, |t| tables.get(t.0).map_or(0, |a| a.len), pack);
-        let n = (pack.len() as u64 - 8 * k) / 12;
-        if n == 0 {
-            return Ok(());
-        }
-        // Kernel `unikv_scatter_tables(const unsigned long long* list, unsigned long long
-        // k, unsigned long long n)`: every index was checked inside its table above.
-        self.launch_with_list(
-            &mut st,
-            "scatter_tables",
-            Kernel::ScatterTables,
-            per_item(n),
-            |list| vec![Arg::U64(list), Arg::U64(k), Arg::U64(n)],
-        )
+        self.write_entries(&mut st, "scatter_tables", scatters)
     }
 
     fn copy_table_spans(&self, copies: &[TableSpans<'_>]) -> Result<(), Error> {
         let mut st = self.state();
         check::table_spans(copies, |t| Ok(st.tables.get(t.0)?.len))?;
-        let State {
-            tables, pack, seen, ..
-        } = &mut *st;
-        pack.clear();
-        // The scatter kernel's list: each table's address, then (slot, index, value)
-        // triples, each entry once (the last copy of it wins, as on the CPU).
-        for c in copies {
-            pack.extend_from_slice(&tables.get(c.table.0)?.ptr.to_le_bytes());
-        }
-        let k = copies.len() as u64;
-        seen.pack(copies, |t| tables.get(t.0).map_or(0, |a| a.len), pack);
-        let n = (pack.len() as u64 - 8 * k) / 12;
-        if n == 0 {
-            return Ok(());
-        }
-        // Kernel `unikv_scatter_tables` (as for `scatter_tables`): every span was checked
-        // inside its table above.
-        self.launch_with_list(
-            &mut st,
-            "copy_table_spans",
-            Kernel::ScatterTables,
-            per_item(n),
-            |list| vec![Arg::U64(list), Arg::U64(k), Arg::U64(n)],
-        )
+        self.write_entries(&mut st, "copy_table_spans", copies)
     }
 
     fn gather_table(
