@@ -72,8 +72,8 @@ pub struct SubAllocator {
     float_edge: Edge,
     /// The `v2p` entries changed since the last mirror upload, as `(first virtual page,
     /// pages)` spans: the upload copies them from `v2p` as it is then, so a span is one
-    /// entry however many pages it covers (a page-size-1 row's run) and a page changed
-    /// twice needs no second entry. Spans may overlap.
+    /// entry however many pages it covers (a page-size-1 row's run), and its order does
+    /// not matter. Spans may overlap (a page changed twice may be in two).
     dirty: Vec<(u32, u32)>,
 }
 
