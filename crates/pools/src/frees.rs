@@ -11,6 +11,7 @@ use crate::invariants::{
     SEGMENT_SHAPE, SINK_RESERVED, WINDOW_RATCHET,
 };
 use crate::spec::Side;
+use crate::sub::{RUN, is_ramp, steps};
 use unikv_invariants::{Invariant, Scope, enabled};
 use unikv_kernels::Translate;
 
@@ -47,6 +48,14 @@ pub(crate) trait PageTables {
                 self.release_swa(v, true);
             }
         }
+    }
+    /// Whether pages `v..v + n` (in range) are all live on FULL, none the sink, and each
+    /// SWA entry keeps `want` (when given): [`check_at_enqueue`]'s premises, with no
+    /// report. Page by page unless the layout reads its tables as slices.
+    fn run_clean(&self, v: u32, n: usize, want: Option<SwaWant>) -> bool {
+        (v..v + n as u32).fold(v != 0, |ok, p| {
+            ok & self.full_live(p) & want.is_none_or(|w| w.holds(self.swa_entry(p)))
+        })
     }
     /// Whether the layout has an SWA side. Without one (a FULL/Mamba layout) a
     /// two-sided free is a FULL free with no SWA premise, and SWA-only frees and
@@ -187,24 +196,28 @@ impl FreeGroup {
             self.epoch = 1;
         }
         let epoch = self.epoch;
-        let Some(&top) = pages.iter().max() else {
+        if pages.is_empty() {
             return;
-        };
+        }
+        // A fold of `max` vectorises, where `Iterator::max` does not.
+        let top = pages.iter().fold(0, |m, &v| m.max(v));
         if top as usize >= self.stamps.len() {
             self.stamps
                 .resize((top as usize + 1).next_power_of_two(), 0);
         }
         let stamps = &mut self.stamps[..];
-        if pages
-            .iter()
-            .fold(true, |ok, &v| ok & (stamps[v as usize] != epoch))
-        {
+        let mut fresh = true;
+        for_each_run(pages, |v, n| {
+            let run = &stamps[v as usize..v as usize + n];
+            fresh &= run.iter().fold(true, |ok, &s| ok & (s != epoch));
+        });
+        if fresh {
             let mut repeated = false;
-            for &v in pages {
-                let stamp = &mut stamps[v as usize];
-                repeated |= *stamp == epoch;
-                *stamp = epoch;
-            }
+            for_each_run(pages, |v, n| {
+                let run = &mut stamps[v as usize..v as usize + n];
+                repeated |= run.iter().fold(false, |seen, &s| seen | (s == epoch));
+                run.fill(epoch);
+            });
             if !repeated {
                 return;
             }
@@ -230,6 +243,30 @@ impl FreeGroup {
             self.stamps.fill(0);
             self.epoch = 1;
         }
+    }
+}
+
+/// Calls `f(v, n)` for the pages of `pages` in order: `n` = [`RUN`] for a chunk of pages
+/// that ascend by one from `v` (a page-size-1 row, whose table entries are then one
+/// slice), `n` = 1 for each other page (the next [`RUN`] go one by one after a chunk that
+/// does not run).
+#[inline(always)]
+fn for_each_run(pages: &[u32], mut f: impl FnMut(u32, usize)) {
+    let ascending = steps(1);
+    let mut i = 0;
+    while i < pages.len() {
+        if let Some(chunk) = pages[i..].first_chunk::<RUN>()
+            && is_ramp(chunk, chunk[0], &ascending)
+        {
+            f(chunk[0], RUN);
+            i += RUN;
+            continue;
+        }
+        let end = (i + RUN).min(pages.len());
+        for &v in &pages[i..end] {
+            f(v, 1);
+        }
+        i = end;
     }
 }
 
@@ -429,10 +466,10 @@ fn check_at_enqueue<T: PageTables + ?Sized>(t: &T, v: u32, kind: DeferredKind) {
         return;
     }
     let swa = t.swa_entry(v);
-    let Some((invariant, holds)) = swa_premise(t, kind) else {
+    let Some((invariant, want)) = swa_premise(t, kind) else {
         return;
     };
-    t.scope().expect(invariant, holds(swa), || match kind {
+    t.scope().expect(invariant, want.holds(swa), || match kind {
         DeferredKind::PageReps => format!(
             "two-sided segment free of virtual page {v}, whose SWA is not live ({swa}): the caller wants a FULL-only free"
         ),
@@ -442,28 +479,48 @@ fn check_at_enqueue<T: PageTables + ?Sized>(t: &T, v: u32, kind: DeferredKind) {
 
 /// A premise on a page's SWA entry: the invariant a breach breaks, and whether an entry
 /// keeps it.
-type SwaRule = (&'static Invariant, fn(i32) -> bool);
+type SwaRule = (&'static Invariant, SwaWant);
+
+/// What a premise wants of a page's SWA entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SwaWant {
+    /// Live (> 0).
+    Live,
+    /// Released (a tombstone or unbound, <= 0).
+    Released,
+}
+
+impl SwaWant {
+    /// Whether SWA entry `e` keeps the premise.
+    #[inline(always)]
+    pub(crate) fn holds(self, e: i32) -> bool {
+        match self {
+            SwaWant::Live => e > 0,
+            SwaWant::Released => e <= 0,
+        }
+    }
+}
 
 /// What a deferred free of `kind` requires of a page's SWA entry, and the invariant a
 /// breach breaks: live for a two-sided segment free (with an SWA side), released for a
 /// FULL-only free, nothing otherwise.
 fn swa_premise<T: PageTables + ?Sized>(t: &T, kind: DeferredKind) -> Option<SwaRule> {
     match kind {
-        DeferredKind::PageReps if t.has_swa() => Some((&PEER_MAPPED, |swa| swa > 0)),
+        DeferredKind::PageReps if t.has_swa() => Some((&PEER_MAPPED, SwaWant::Live)),
         DeferredKind::FullOnlyTokens | DeferredKind::FullOnlyPageReps => {
-            Some((&PEER_RELEASED, |swa| swa <= 0))
+            Some((&PEER_RELEASED, SwaWant::Released))
         }
         DeferredKind::PageReps | DeferredKind::Tokens | DeferredKind::Slots => None,
     }
 }
 
 /// Whether [`check_at_enqueue`] passes for every one of `pages`, without a report: the
-/// same premises, folded without a branch per page.
+/// same premises, folded without a branch per page (a row's runs of pages as slices).
 fn enqueue_clean<T: PageTables + ?Sized>(t: &T, pages: &[u32], kind: DeferredKind) -> bool {
-    let swa_ok: fn(i32) -> bool = swa_premise(t, kind).map_or(|_| true, |(_, holds)| holds);
-    pages.iter().fold(true, |ok, &v| {
-        ok & (v != 0) & t.full_live(v) & swa_ok(t.swa_entry(v))
-    })
+    let want = swa_premise(t, kind).map(|(_, want)| want);
+    let mut ok = true;
+    for_each_run(pages, |v, n| ok &= t.run_clean(v, n, want));
+    ok
 }
 
 fn sorted_pages(ps: PageSize, ids: &[VirtualToken], scratch: &mut Vec<u32>) {

@@ -1214,7 +1214,7 @@ pub(crate) const RUN: usize = 16;
 /// for -1 and zero for 1, `step * t = (t ^ m) - m`, since SSE2 has no lane-wise 32-bit
 /// multiply (and a select between two ramps costs more than this).
 #[inline(always)]
-fn steps(step: u32) -> [u32; RUN] {
+pub(crate) fn steps(step: u32) -> [u32; RUN] {
     let m = ((step as i32) >> 31) as u32;
     let mut out = [0; RUN];
     for (t, o) in out.iter_mut().enumerate() {
@@ -1460,7 +1460,7 @@ fn is_unit(step: u32) -> bool {
 
 /// Whether `chunk[t] == first + steps[t]` for every `t` (wrapping), branch-free.
 #[inline(always)]
-fn is_ramp(chunk: &[u32; RUN], first: u32, steps: &[u32; RUN]) -> bool {
+pub(crate) fn is_ramp(chunk: &[u32; RUN], first: u32, steps: &[u32; RUN]) -> bool {
     chunk
         .iter()
         .zip(steps)

@@ -996,6 +996,22 @@ impl PageTables for UnifiedSwa {
         self.full.v2p[v as usize] > 0
     }
     #[inline(always)]
+    fn run_clean(&self, v: u32, n: usize, want: Option<frees::SwaWant>) -> bool {
+        let pages = v as usize..v as usize + n;
+        let full = self.full.v2p[pages.clone()]
+            .iter()
+            .fold(true, |ok, &e| ok & (e > 0));
+        let swa = match (want, &self.swa) {
+            (None, _) => true,
+            (Some(want), Some(swa)) => swa.v2p[pages]
+                .iter()
+                .fold(true, |ok, &e| ok & want.holds(e)),
+            // No SWA side: every entry reads as unbound (0).
+            (Some(want), None) => want.holds(0),
+        };
+        (v != 0) & full & swa
+    }
+    #[inline(always)]
     fn swa_entry(&self, v: u32) -> i32 {
         self.swa.as_ref().map_or(0, |swa| swa.v2p[v as usize])
     }

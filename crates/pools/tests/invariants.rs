@@ -301,3 +301,116 @@ fn two_allocators_in_one_process_see_only_their_own_breaches() {
         });
     });
 }
+
+/// Pages in the long rows below: more than two of the batch passes' chunks of 16.
+const LONG: usize = 40;
+
+/// Frees `tokens` whole as one two-sided segment inside a free group.
+fn deferred_free_segment(pool: &mut Pool, tokens: &[VirtualToken]) {
+    pool.free_group_begin().unwrap();
+    pool.free_segment(Segment::of_row(tokens, 0..tokens.len()))
+        .unwrap();
+    pool.free_group_end().unwrap();
+}
+
+/// Inside a free group a segment's premises are checked at enqueue by one pass over
+/// runs of pages (a row's prefill) before any report: a breach in a long row is still
+/// reported page by page. A row freed twice is a double free on every page.
+#[test]
+fn a_deferred_free_of_a_freed_long_row_reports_each_page() {
+    reported_at_warn_and_strict(
+        &DOUBLE_FREE,
+        LONG as u64,
+        false,
+        |pool| {
+            let row = new_row(pool, LONG * pool.ps as usize);
+            pool.free_segment(Segment::of_row(&row, 0..row.len()))
+                .unwrap();
+            row
+        },
+        |pool, row| deferred_free_segment(pool, row),
+        |pool, _| assert_eq!(allocated(pool), (0, 0)),
+    );
+}
+
+/// The same through a deferred FULL-only free, whose SWA premise (released) the freed
+/// row keeps: only the FULL side's liveness tells.
+#[test]
+fn a_deferred_full_only_free_of_a_freed_long_row_reports_each_page() {
+    reported_at_warn_and_strict(
+        &DOUBLE_FREE,
+        LONG as u64,
+        false,
+        |pool| {
+            let row = new_row(pool, LONG * pool.ps as usize);
+            pool.free_segment(Segment::of_row(&row, 0..row.len()))
+                .unwrap();
+            row
+        },
+        |pool, row| {
+            pool.free_group_begin().unwrap();
+            pool.free_full_segment(Segment::of_row(row, 0..row.len()))
+                .unwrap();
+            pool.free_group_end().unwrap();
+        },
+        |pool, _| assert_eq!(allocated(pool), (0, 0)),
+    );
+}
+
+/// The sink page heading a long row's deferred free is reported once; the row is freed.
+#[test]
+fn a_deferred_free_headed_by_the_sink_reports_it_once() {
+    reported_at_warn_and_strict(
+        &SINK_RESERVED,
+        1,
+        false,
+        |pool| {
+            let ps = pool.ps as usize;
+            let mut tokens = vec![VirtualToken(0); ps];
+            tokens.extend(new_row(pool, LONG * ps));
+            tokens
+        },
+        |pool, tokens| deferred_free_segment(pool, tokens),
+        |pool, _| assert_eq!(allocated(pool), (0, 0)),
+    );
+}
+
+/// A deferred two-sided free of a long row whose window was released: every page's SWA
+/// is a tombstone.
+#[test]
+fn a_deferred_two_sided_free_of_a_released_window_reports_each_page() {
+    reported_at_warn_and_strict(
+        &PEER_MAPPED,
+        LONG as u64,
+        true,
+        |pool| {
+            let row = new_row(pool, LONG * pool.ps as usize);
+            pool.free_swa_segment(Segment::of_row(&row, 0..row.len()))
+                .unwrap();
+            row
+        },
+        |pool, row| deferred_free_segment(pool, row),
+        |pool, _| assert_eq!(allocated(pool), (0, 0)),
+    );
+}
+
+/// A long row freed twice in one group: every page of the second free is reported (the
+/// group's record of freed pages is kept a run of pages at a time), and each page is
+/// released once.
+#[test]
+fn a_long_row_freed_twice_in_one_group_reports_each_page() {
+    reported_at_warn_and_strict(
+        &ONE_FREE_PER_GROUP,
+        LONG as u64,
+        false,
+        |pool| new_row(pool, LONG * pool.ps as usize),
+        |pool, row| {
+            let whole = || Segment::of_row(row, 0..row.len());
+            pool.free_group_begin().unwrap();
+            pool.free_segment(whole()).unwrap();
+            pool.free_segment(whole()).unwrap();
+            pool.free_group_end().unwrap();
+        },
+        |pool, _| assert_eq!(allocated(pool), (0, 0)),
+    );
+}
