@@ -473,12 +473,10 @@ impl SubAllocator {
         moves.push(SpanMove { src, dst, len });
     }
 
-    /// Whether page `p` is bound, branch-free (`owner`'s test; `v2p[0]`, the sink's
-    /// entry, is read for a page with no owner).
+    /// Whether page `p` is bound (see [`is_bound`]).
     #[inline(always)]
     fn is_owned(&self, p: u32) -> bool {
-        let v = self.p2v[p as usize];
-        (v != 0) & (self.v2p[v as usize] == p as i32)
+        is_bound(&self.v2p, &self.p2v, p)
     }
 
     /// Rebinds the virtual page of each planned `(src, dst)` move to `dst` (the device
@@ -1288,12 +1286,20 @@ pub(crate) fn steps(step: u32) -> [u32; RUN] {
 /// The owner of page `p` in these tables, 0 when free (see [`SubAllocator::p2v`]).
 #[inline(always)]
 fn owner(v2p: &[i32], p2v: &[u32], p: u32) -> u32 {
-    let v = p2v[p as usize];
-    if v != 0 && v2p[v as usize] == p as i32 {
-        v
+    if is_bound(v2p, p2v, p) {
+        p2v[p as usize]
     } else {
         0
     }
+}
+
+/// Whether page `p` is bound in these tables: its `p2v` entry is a page whose `v2p`
+/// entry points back. Branch-free (`v2p[0]`, the sink's entry, is read for a page with
+/// no owner), so a batch pass can fold it over a chunk.
+#[inline(always)]
+fn is_bound(v2p: &[i32], p2v: &[u32], p: u32) -> bool {
+    let v = p2v[p as usize];
+    (v != 0) & (v2p[v as usize] == p as i32)
 }
 
 /// Pages a batch release clears with slice writes: consecutive virtual pages (either
