@@ -305,11 +305,27 @@ fn two_allocators_in_one_process_see_only_their_own_breaches() {
 /// Pages in the long rows below: more than two of the batch passes' chunks of 16.
 const LONG: usize = 40;
 
+/// A new row of [`LONG`] pages.
+fn long_row(pool: &mut Pool) -> Vec<VirtualToken> {
+    new_row(pool, LONG * pool.ps as usize)
+}
+
+/// A [`long_row`] freed at once, both sides.
+fn freed_long_row(pool: &mut Pool) -> Vec<VirtualToken> {
+    let row = long_row(pool);
+    pool.free_segment(whole(&row)).unwrap();
+    row
+}
+
+/// `tokens` whole, as one segment.
+fn whole(tokens: &[VirtualToken]) -> Segment<'_> {
+    Segment::of_row(tokens, 0..tokens.len())
+}
+
 /// Frees `tokens` whole as one two-sided segment inside a free group.
 fn deferred_free_segment(pool: &mut Pool, tokens: &[VirtualToken]) {
     pool.free_group_begin().unwrap();
-    pool.free_segment(Segment::of_row(tokens, 0..tokens.len()))
-        .unwrap();
+    pool.free_segment(whole(tokens)).unwrap();
     pool.free_group_end().unwrap();
 }
 
@@ -322,12 +338,7 @@ fn a_deferred_free_of_a_freed_long_row_reports_each_page() {
         &DOUBLE_FREE,
         LONG as u64,
         false,
-        |pool| {
-            let row = new_row(pool, LONG * pool.ps as usize);
-            pool.free_segment(Segment::of_row(&row, 0..row.len()))
-                .unwrap();
-            row
-        },
+        freed_long_row,
         |pool, row| deferred_free_segment(pool, row),
         |pool, _| assert_eq!(allocated(pool), (0, 0)),
     );
@@ -341,16 +352,10 @@ fn a_deferred_full_only_free_of_a_freed_long_row_reports_each_page() {
         &DOUBLE_FREE,
         LONG as u64,
         false,
-        |pool| {
-            let row = new_row(pool, LONG * pool.ps as usize);
-            pool.free_segment(Segment::of_row(&row, 0..row.len()))
-                .unwrap();
-            row
-        },
+        freed_long_row,
         |pool, row| {
             pool.free_group_begin().unwrap();
-            pool.free_full_segment(Segment::of_row(row, 0..row.len()))
-                .unwrap();
+            pool.free_full_segment(whole(row)).unwrap();
             pool.free_group_end().unwrap();
         },
         |pool, _| assert_eq!(allocated(pool), (0, 0)),
@@ -367,7 +372,7 @@ fn a_deferred_free_headed_by_the_sink_reports_it_once() {
         |pool| {
             let ps = pool.ps as usize;
             let mut tokens = vec![VirtualToken(0); ps];
-            tokens.extend(new_row(pool, LONG * ps));
+            tokens.extend(long_row(pool));
             tokens
         },
         |pool, tokens| deferred_free_segment(pool, tokens),
@@ -384,9 +389,8 @@ fn a_deferred_two_sided_free_of_a_released_window_reports_each_page() {
         LONG as u64,
         true,
         |pool| {
-            let row = new_row(pool, LONG * pool.ps as usize);
-            pool.free_swa_segment(Segment::of_row(&row, 0..row.len()))
-                .unwrap();
+            let row = long_row(pool);
+            pool.free_swa_segment(whole(&row)).unwrap();
             row
         },
         |pool, row| deferred_free_segment(pool, row),
@@ -403,12 +407,11 @@ fn a_long_row_freed_twice_in_one_group_reports_each_page() {
         &ONE_FREE_PER_GROUP,
         LONG as u64,
         false,
-        |pool| new_row(pool, LONG * pool.ps as usize),
+        long_row,
         |pool, row| {
-            let whole = || Segment::of_row(row, 0..row.len());
             pool.free_group_begin().unwrap();
-            pool.free_segment(whole()).unwrap();
-            pool.free_segment(whole()).unwrap();
+            pool.free_segment(whole(row)).unwrap();
+            pool.free_segment(whole(row)).unwrap();
             pool.free_group_end().unwrap();
         },
         |pool, _| assert_eq!(allocated(pool), (0, 0)),
