@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use unikv_invariants::Scope;
 use unikv_kernels::{CpuDevice, Device, TableId};
-use unikv_mamba::{CheckpointTrack, StatePolicy};
+use unikv_mamba::{CheckpointWrite, PlanMarks, StatePolicy};
 use unikv_pools::{
     DecodeRequest, ExtendRequest, FreeOp, KvAllocator, PageDemand, PrefixCaching,
     REFERENCE_MAMBA_FULL_MEMORY_RATIO, Reclaimable, Segment, Side, StaticSlots, StaticSwa,
@@ -19,8 +19,8 @@ use unikv_pools::{
     reference_slot_pool,
 };
 use unikv_radix::{
-    Action, Component, InsertRequest, MambaSlot, RadixTree, SwaSide, TokenId, TreeConfig,
-    VirtualToken as TreeToken,
+    Action, Component, InsertRequest, MambaSlot, RadixTree, StateCheckpoint, SwaSide, TokenId,
+    Tokens, TreeConfig, VirtualToken as TreeToken,
 };
 
 /// How the FULL KV, the SWA KV and the Mamba state slots share the memory budget.
@@ -101,6 +101,7 @@ pub struct HybridCacheBuilder {
     eviction_interval: Option<u32>,
     zero_on_handout: bool,
     checkpoint_interval: Option<u32>,
+    checkpoints_per_step: Option<u32>,
     wrap: Option<AllocatorWrapper>,
 }
 
@@ -119,6 +120,7 @@ impl std::fmt::Debug for HybridCacheBuilder {
             .field("eviction_interval", &self.eviction_interval)
             .field("zero_on_handout", &self.zero_on_handout)
             .field("checkpoint_interval", &self.checkpoint_interval)
+            .field("checkpoints_per_step", &self.checkpoints_per_step)
             .field("wrapped", &self.wrap.is_some())
             .finish()
     }
@@ -179,6 +181,16 @@ impl HybridCacheBuilder {
     /// positive multiple of the page size.
     pub fn checkpoint_interval(mut self, tokens: u32) -> Self {
         self.checkpoint_interval = Some(tokens);
+        self
+    }
+
+    /// For a model with recurrent layers: the most states one step of one request saves
+    /// (default [`unikv_mamba::DEFAULT_CHECKPOINTS_PER_STEP`] = 2, at most
+    /// [`unikv_mamba::MAX_CHECKPOINTS_PER_STEP`]); a request holds at most its running
+    /// slot and that many checkpoint slots. See [`unikv_mamba::StatePolicy::plan`] for
+    /// which positions are saved.
+    pub fn checkpoints_per_step(mut self, n: u32) -> Self {
+        self.checkpoints_per_step = Some(n);
         self
     }
 
@@ -258,10 +270,13 @@ impl HybridCacheBuilder {
             });
             let page = unikv_pools::PageSize::new(self.page_size)
                 .ok_or_else(|| Error::Config("page size must be at least 1 token".into()))?;
-            Some(
-                StatePolicy::checkpointed(interval, page)
-                    .map_err(|e| Error::Config(format!("model {}: {e}", m.name)))?,
-            )
+            let policy = StatePolicy::checkpointed(interval, page).and_then(|p| {
+                match self.checkpoints_per_step {
+                    Some(n) => p.with_checkpoints_per_step(n),
+                    None => Ok(p),
+                }
+            });
+            Some(policy.map_err(|e| Error::Config(format!("model {}: {e}", m.name)))?)
         } else {
             None
         };
@@ -362,6 +377,7 @@ impl HybridCacheBuilder {
             held_full_pages: 0,
             held_swa_pages: 0,
             hit_tokens: 0,
+            kv_hit_tokens: 0,
             admitted_prompt_tokens: 0,
             evictions: EvictionCounts::default(),
             has_swa,
@@ -372,6 +388,7 @@ impl HybridCacheBuilder {
             device: step_device,
             mirror_generation: 0,
             step_table: None,
+            plan: CheckpointPlan::default(),
         })
     }
 }
@@ -421,10 +438,12 @@ impl HybridCacheBuilder {
 ///
 /// # Models with recurrent state (Mamba, Gated DeltaNet)
 ///
-/// Each request holds state slots from admission to its end: the running state and, with
-/// the prefix cache, two checkpoints written on a grid
-/// ([`HybridCacheBuilder::checkpoint_interval`]). A match ends only at a cached state,
-/// which admission copies into the request's own running slot on the device.
+/// Each request holds its running state slot from admission to its end and, with the
+/// prefix cache, the checkpoints its steps save (at most
+/// [`HybridCacheBuilder::checkpoints_per_step`]; where: [`unikv_mamba::StatePolicy::plan`])
+/// until the tree takes them at [`HybridCache::cache_unfinished`] or
+/// [`HybridCache::cache_finished`]. A match ends only at a cached state, which admission
+/// copies into the request's own running slot on the device.
 ///
 /// ```
 /// use unikv::{HybridCache, Layout, ModelSpec, TokenId};
@@ -438,15 +457,16 @@ impl HybridCacheBuilder {
 /// let prompt: Vec<TokenId> = (0..600).map(TokenId).collect();
 /// let hit = cache.match_prefix(prompt.clone());
 /// let mut req = cache.admit(hit)?;
-/// assert_eq!(req.state_slots().len(), 3); // running + two checkpoints
+/// assert_eq!(req.state_slots().len(), 1); // the running state
 /// cache.alloc_extend(&mut req, 600)?;
-/// // The engine's kernel saves the state at 512 tokens into this slot.
-/// let write = req.checkpoint_write().expect("600 tokens cross the grid at 512");
-/// assert_eq!(write.at_len, 512);
-/// cache.cache_finished(req)?; // the checkpoint at 512 is cached, the other slots freed
+/// // The engine's kernel saves the state at the deepest grid point and at the prompt's
+/// // last whole page into these slots.
+/// let at: Vec<usize> = req.checkpoint_writes().iter().map(|w| w.at_len).collect();
+/// assert_eq!(at, [512, 576]);
+/// cache.cache_finished(req)?; // both states are cached, the running slot freed
 /// cache.step_boundary()?;
 /// let again = cache.match_prefix(prompt);
-/// assert_eq!(again.cached_tokens(), 512); // ends at the cached state
+/// assert_eq!(again.cached_tokens(), 576); // ends at the deepest cached state
 /// # Ok::<(), unikv::Error>(())
 /// ```
 ///
@@ -481,6 +501,7 @@ pub struct HybridCache {
     held_full_pages: usize,
     held_swa_pages: usize,
     hit_tokens: u64,
+    kv_hit_tokens: u64,
     admitted_prompt_tokens: u64,
     evictions: EvictionCounts,
     /// Whether the model has sliding-window layers (without, nothing is released by
@@ -501,6 +522,8 @@ pub struct HybridCache {
     mirror_generation: u64,
     /// The device table step metadata is uploaded to (reused, grown when short).
     step_table: Option<StepTable>,
+    /// The checkpoint plan of an allocation (reused across calls).
+    plan: CheckpointPlan,
 }
 
 impl HybridCache {
@@ -515,6 +538,7 @@ impl HybridCache {
             eviction_interval: None,
             zero_on_handout: false,
             checkpoint_interval: None,
+            checkpoints_per_step: None,
             wrap: None,
         }
     }
@@ -665,18 +689,28 @@ impl HybridCache {
         }
         // A match made before the tree changed is priced as admission would take it: matched
         // again (its hit may have been evicted since).
-        let cached = if hit.epoch == self.epoch {
-            hit.cached_tokens()
+        let again;
+        let result = if hit.epoch == self.epoch {
+            &hit.result
         } else {
-            self.match_in_tree(&hit.tokens).len.0
+            again = self.match_in_tree(&hit.tokens);
+            &again
         };
+        let cached = result.len.0;
         // A target past `usize::MAX` cannot fit (and must not wrap to a small one).
         let Some(target) = hit.tokens.len().checked_add(reserve_tokens) else {
             return false;
         };
+        // The running slot and the checkpoints a one-chunk prefill of the prompt and the
+        // reserved decode save (a decoding request rewrites its one checkpoint slot).
+        let slots = self.states.map_or(0, |policy| {
+            let mut at = Vec::new();
+            policy.plan(cached..target, Self::marks(&hit.tokens, result), &mut at);
+            1 + at.len()
+        });
         let pages = target.div_ceil(self.ps) - cached / self.ps;
         let demand = PageDemand {
-            mamba_slots: self.states.map_or(0, |p| p.slots_per_request() as usize),
+            mamba_slots: slots,
             ..self.kv_demand(pages)
         };
         if !self.could_ever_fit(demand) {
@@ -704,9 +738,9 @@ impl HybridCache {
     /// matched again first. No KV is allocated here; prefill with
     /// [`HybridCache::alloc_extend`].
     ///
-    /// A model with recurrent layers also gets its state slots here (a running state and,
-    /// with the prefix cache, two checkpoints; evicting unlocked prefixes if memory is
-    /// short), and the cached state its match ends at is copied into its running slot
+    /// A model with recurrent layers also gets its running state slot here (evicting
+    /// unlocked prefixes if memory is short; checkpoint slots come with the allocations
+    /// that save them), and the cached state its match ends at is copied into its running slot
     /// (one device copy of a host-known shape; a match of such a model only ends where a
     /// state is cached). On error nothing is locked or allocated
     /// ([`Error::OutOfMemory`] when the slots do not fit).
@@ -726,13 +760,14 @@ impl HybridCache {
             None
         };
         let state = match self.states {
-            Some(policy) => {
+            Some(_) => {
                 let matched = if cached > 0 {
                     self.tree.node(hit.result.node)?.mamba
                 } else {
                     None
                 };
-                match self.admit_state(policy, cached, matched) {
+                let marks = Self::marks(&hit.tokens, &hit.result);
+                match self.admit_state(marks, matched) {
                     Ok(state) => Some(state),
                     Err(e) => {
                         if let Some(lock) = lock {
@@ -748,6 +783,7 @@ impl HybridCache {
         self.next_request += 1;
         self.live_requests += 1;
         self.hit_tokens += cached as u64;
+        self.kv_hit_tokens += hit.result.full_hit.0 as u64;
         self.admitted_prompt_tokens += hit.tokens.len() as u64;
         let row = hit.result.values.iter().map(|v| PoolToken(v.0)).collect();
         Ok(Request {
@@ -760,44 +796,45 @@ impl HybridCache {
             lock,
             window_lock_released: false,
             cached_at_admission: cached,
+            kv_hit_at_admission: hit.result.full_hit.0,
             state,
         })
     }
 
-    /// Allocates a request's state slots (evicting if memory is short) and copies the
-    /// matched state into its running slot. On error nothing stays allocated.
+    /// What makes a position of a prompt matched as `result` worth a state.
+    fn marks(prompt: &[TokenId], result: &unikv_radix::MatchResult) -> PlanMarks {
+        PlanMarks {
+            branching: result.mamba_branching.map(|b| b.0),
+            prompt_len: prompt.len(),
+        }
+    }
+
+    /// Allocates a request's running slot (evicting if memory is short) and copies the
+    /// matched state into it. On error nothing stays allocated.
     fn admit_state(
         &mut self,
-        policy: StatePolicy,
-        cached: usize,
+        marks: PlanMarks,
         matched: Option<MambaSlot>,
     ) -> Result<RequestState, Error> {
-        let n = policy.slots_per_request() as usize;
-        self.make_room(PageDemand::slots(n))?;
-        let mut slots = Vec::with_capacity(n);
+        self.make_room(PageDemand::slots(1))?;
+        let mut slots = Vec::with_capacity(1);
         self.alloc
-            .alloc_slots(n, &mut slots)
+            .alloc_slots(1, &mut slots)
             .map_err(|e| self.out_of_memory(e))?;
         let running = slots[0];
         if let Some(MambaSlot(src)) = matched
             && let Err(e) = self.alloc.copy_slots(&[(VirtualSlot(src), running)])
         {
-            // Nothing was copied; the slots go back whole.
+            // Nothing was copied; the slot goes back.
             self.alloc.free_batch(&[FreeOp::Slots(&slots)]);
             return Err(e.into());
         }
-        // `n` is 3 exactly when the policy checkpoints, so the track's slots exist.
-        let track = match policy {
-            StatePolicy::NoPrefixCache => None,
-            StatePolicy::Checkpointed { .. } => {
-                CheckpointTrack::new(policy, [slots[1], slots[2]], cached).ok()
-            }
-        };
-        self.held_slots += n;
+        self.held_slots += 1;
         Ok(RequestState {
             running,
-            track,
-            pending: None,
+            held: Vec::new(),
+            pending: Vec::new(),
+            marks,
         })
     }
 
@@ -807,16 +844,95 @@ impl HybridCache {
         PageDemand::pages(pages, if self.has_swa { pages } else { 0 })
     }
 
-    /// Records the checkpoint a request's growth from `old_len` asks for.
-    fn advance_checkpoint(req: &mut Request, old_len: usize) {
-        let new_len = req.len();
-        if let Some(state) = &mut req.state {
-            // The track follows the row step by step, so it is never out of step with it.
-            state.pending = state
-                .track
-                .as_mut()
-                .and_then(|t| t.advance(old_len, new_len).ok().flatten());
+    /// Plans the checkpoints of `req` growing to `new_len` rows in this step into `plan`.
+    /// The new writes go first into the slots of checkpoints it holds from earlier steps,
+    /// oldest first (the tree never saw them, and a deeper state supersedes them), then
+    /// into fresh slots; a request holds at most [`StatePolicy::checkpoints_per_step`]
+    /// checkpoints, so when the bound is reached the plan keeps its deepest positions.
+    /// So a decoding request rewrites one checkpoint slot; an engine keeps each prefill
+    /// chunk's states by caching the request after the chunk.
+    fn plan_checkpoints(&self, req: &Request, new_len: usize, plan: &mut CheckpointPlan) {
+        let fresh_start = plan.fresh;
+        let (Some(policy), Some(state)) = (self.states, &req.state) else {
+            plan.requests.push(Planned {
+                fresh_start,
+                ..Planned::default()
+            });
+            return;
+        };
+        let first = plan.at.len();
+        policy.plan(req.len()..new_len, state.marks, &mut plan.at);
+        let cap = policy.checkpoints_per_step() as usize;
+        let planned = plan.at.len() - first;
+        let older = state
+            .held
+            .iter()
+            .take_while(|(_, step)| *step < self.step)
+            .count();
+        let keep = planned.min(cap.saturating_sub(state.held.len() - older));
+        let reuse = keep.min(older);
+        plan.at.drain(first..first + planned - keep);
+        plan.fresh += keep - reuse;
+        plan.requests.push(Planned {
+            start: first,
+            new: keep,
+            reuse,
+            fresh_start,
+        });
+    }
+
+    /// Allocates the fresh slots `plan` writes into (the caller made room for them).
+    fn alloc_checkpoint_slots(&mut self, plan: &mut CheckpointPlan) -> Result<(), Error> {
+        plan.slots.clear();
+        if plan.fresh == 0 {
+            return Ok(());
         }
+        self.alloc
+            .alloc_slots(plan.fresh, &mut plan.slots)
+            .map_err(|e| self.out_of_memory(e))
+    }
+
+    /// Makes room for `pages` new KV pages and `plan`'s checkpoint slots together, takes
+    /// the slots, then runs `alloc_kv`; when that fails the slots go back, so the
+    /// allocation changes nothing.
+    fn alloc_with_checkpoints(
+        &mut self,
+        pages: usize,
+        plan: &mut CheckpointPlan,
+        alloc_kv: impl FnOnce(&mut Self) -> Result<(), Error>,
+    ) -> Result<(), Error> {
+        self.make_room(PageDemand {
+            mamba_slots: plan.fresh,
+            ..self.kv_demand(pages)
+        })?;
+        self.alloc_checkpoint_slots(plan)?;
+        let result = alloc_kv(self);
+        if result.is_err() && !plan.slots.is_empty() {
+            self.alloc.free_batch(&[FreeOp::Slots(&plan.slots)]);
+        }
+        result
+    }
+
+    /// Records the checkpoints `plan` gave `req` (its `i`-th request), which the engine
+    /// writes in this step's forward: into the slots of the held checkpoints they
+    /// replace, then into fresh ones.
+    fn commit_checkpoints(&mut self, req: &mut Request, plan: &CheckpointPlan, i: usize) {
+        let Some(state) = &mut req.state else {
+            return;
+        };
+        state.pending.clear();
+        let p = plan.requests[i];
+        let reused: Vec<VirtualSlot> = state.held.drain(..p.reuse).map(|(w, _)| w.slot).collect();
+        let fresh = &plan.slots[p.fresh_start..p.fresh_start + p.new - p.reuse];
+        for (&at_len, &slot) in plan.at[p.start..p.start + p.new]
+            .iter()
+            .zip(reused.iter().chain(fresh))
+        {
+            let write = CheckpointWrite { slot, at_len };
+            state.held.push((write, self.step));
+            state.pending.push(write);
+        }
+        self.held_slots += fresh.len();
     }
 
     // ----- allocation ------------------------------------------------------------------
@@ -845,16 +961,24 @@ impl HybridCache {
             last_token: req.row.last().copied(),
         };
         let pages = extend.new_pages(self.alloc.page_size());
-        self.make_room(self.kv_demand(pages))?;
-        let before = self.held(req);
-        self.scratch.clear();
-        self.alloc
-            .alloc_extend(&[extend], &mut self.scratch)
-            .map_err(|e| self.out_of_memory(e))?;
-        req.row.extend_from_slice(&self.scratch);
-        self.account(before, self.held(req));
-        Self::advance_checkpoint(req, len);
-        Ok(())
+        let mut plan = std::mem::take(&mut self.plan);
+        plan.clear();
+        self.plan_checkpoints(req, len + tokens, &mut plan);
+        let result = self.alloc_with_checkpoints(pages, &mut plan, |cache| {
+            cache.scratch.clear();
+            cache
+                .alloc
+                .alloc_extend(&[extend], &mut cache.scratch)
+                .map_err(|e| cache.out_of_memory(e))
+        });
+        if result.is_ok() {
+            let before = self.held(req);
+            req.row.extend_from_slice(&self.scratch);
+            self.account(before, self.held(req));
+            self.commit_checkpoints(req, &plan, 0);
+        }
+        self.plan = plan;
+        result
     }
 
     /// Appends one generated token to each request of the batch and allocates its KV
@@ -915,24 +1039,31 @@ impl HybridCache {
             .iter()
             .map(|d| ExtendRequest::from(*d).new_pages(ps))
             .sum();
-        let result = self.make_room(self.kv_demand(pages)).and_then(|()| {
-            self.scratch.clear();
-            self.alloc
-                .alloc_decode(&requests, &mut self.scratch)
-                .map_err(|e| self.out_of_memory(e))
+        let mut plan = std::mem::take(&mut self.plan);
+        plan.clear();
+        for req in batch.iter() {
+            self.plan_checkpoints(req, req.len() + 1, &mut plan);
+        }
+        let result = self.alloc_with_checkpoints(pages, &mut plan, |cache| {
+            cache.scratch.clear();
+            cache
+                .alloc
+                .alloc_decode(&requests, &mut cache.scratch)
+                .map_err(|e| cache.out_of_memory(e))
         });
         self.decode_scratch = requests;
-        result?;
-        for (i, req) in batch.iter_mut().enumerate() {
-            let before = self.held(req);
-            req.row.push(self.scratch[i]);
-            req.tokens.push(next_tokens[i]);
-            let after = self.held(req);
-            self.account(before, after);
-            let grown_from = req.len() - 1;
-            Self::advance_checkpoint(req, grown_from);
+        if result.is_ok() {
+            for (i, req) in batch.iter_mut().enumerate() {
+                let before = self.held(req);
+                req.row.push(self.scratch[i]);
+                req.tokens.push(next_tokens[i]);
+                let after = self.held(req);
+                self.account(before, after);
+                self.commit_checkpoints(req, &plan, i);
+            }
         }
-        Ok(())
+        self.plan = plan;
+        result
     }
 
     /// Releases the SWA KV of `req`'s rows that left the window: once the cursor lags by at
@@ -990,11 +1121,19 @@ impl HybridCache {
 
     /// Caches what `req` computed so far and keeps it running: its whole pages enter the
     /// tree (duplicates of what the tree already had are freed), the tree's copy is locked
-    /// for it, and its row now reads the tree's values.
+    /// for it, and its row now reads the tree's values. With recurrent layers, the
+    /// checkpoints it saved so far enter the tree with them (a state the tree already
+    /// has is freed), so a request arriving while it still runs resumes from them; one
+    /// this step's forward writes ends matches from the next step on (after
+    /// [`HybridCache::step_boundary`]).
+    ///
+    /// Call it once the step's allocations are done (before or after the forward).
     pub fn cache_unfinished(&mut self, req: &mut Request) -> Result<(), Error> {
         self.check_owner(req)?;
         let before = self.held(req);
-        let outcome = self.insert(req, true)?;
+        let checkpoints = self.held_checkpoints(req);
+        let outcome = self.insert(req, true, &checkpoints)?;
+        self.handed_to_tree(req, checkpoints.len());
         let cached = outcome.cached_len.0;
         if let Some(old) = req.lock.take() {
             self.tree.unlock(old)?;
@@ -1013,14 +1152,30 @@ impl HybridCache {
 
     /// Finishes `req`: its whole pages enter the tree for future requests, duplicates and
     /// the partial last page are freed, and its lock is released. With recurrent layers,
-    /// its latest checkpoint (the state after the last checkpoint-grid position it
-    /// passed) enters the tree at that position, and its other state slots are freed.
+    /// every checkpoint it still holds enters the tree at its position, and so does its
+    /// running state when its rows end a page (the state a follow-up turn resumes from);
+    /// a state the tree already has, or cannot hold, is freed with its other slots.
     pub fn cache_finished(&mut self, req: Request) -> Result<(), Error> {
         self.check_owner(&req)?;
         let before = self.held(&req);
-        let outcome = self.insert(&req, false)?;
-        let cached = outcome.cached_len.0;
         let len = req.len();
+        let mut checkpoints = self.held_checkpoints(&req);
+        let mut running = req.state.as_ref().map(|s| s.running);
+        if let Some(slot) = running
+            && len > 0
+            && len.is_multiple_of(self.ps)
+            && checkpoints.last().is_none_or(|c| c.at.0 < len)
+        {
+            // The forward that wrote it may be this step's.
+            checkpoints.push(StateCheckpoint {
+                at: Tokens(len),
+                slot: MambaSlot(slot.0),
+                in_flight: true,
+            });
+            running = None;
+        }
+        let outcome = self.insert(&req, false, &checkpoints)?;
+        let cached = outcome.cached_len.0;
         self.alloc.free_batch(&[FreeOp::KvRow {
             row: &req.row,
             dead_lo: cached,
@@ -1028,15 +1183,12 @@ impl HybridCache {
             len,
         }]);
         if let Some(state) = &req.state {
-            let mut slots = state.slots();
-            let latest = state.track.as_ref().and_then(|t| t.latest());
-            if let Some((slot, at)) = latest.filter(|&(_, at)| at > 0 && at <= cached) {
-                // The tree adopts the slot, or hands it back in a `FreeMambaSlot`.
-                slots.retain(|&s| s != slot);
-                self.insert_state(&req.tokens[..at], outcome.node, slot)?;
+            // The tree took (or handed back through its actions) every checkpoint and,
+            // unless `running` is still set, the running slot.
+            if let Some(slot) = running {
+                self.alloc.free_batch(&[FreeOp::Slots(&[slot])]);
             }
-            self.alloc.free_batch(&[FreeOp::Slots(&slots)]);
-            self.held_slots -= state.slots().len();
+            self.held_slots -= 1 + state.held.len();
         }
         if let Some(lock) = req.lock {
             self.tree.unlock(lock)?;
@@ -1046,22 +1198,29 @@ impl HybridCache {
         Ok(())
     }
 
-    /// Attaches `slot`, the state after `key`, to the tree at `key`'s end. `key` is a
-    /// prefix of the path to `node`, which the tree already holds, so no KV is freed.
-    fn insert_state(
-        &mut self,
-        key: &[TokenId],
-        node: unikv_radix::NodeId,
-        slot: VirtualSlot,
-    ) -> Result<(), Error> {
-        let values = self.tree.prefix_values(node)?;
-        let insert = InsertRequest::new(key, &values[..key.len()])
-            .prev_prefix_len(key.len())
-            .mamba(MambaSlot(slot.0));
-        let outcome = self.tree.insert(insert)?;
-        self.epoch += 1;
-        self.apply(&outcome.actions);
-        Ok(())
+    /// The checkpoints `req` holds, as the tree takes them: one whose forward is this
+    /// step's is in flight.
+    fn held_checkpoints(&self, req: &Request) -> Vec<StateCheckpoint> {
+        req.state.as_ref().map_or_else(Vec::new, |state| {
+            state
+                .held
+                .iter()
+                .map(|&(w, step)| StateCheckpoint {
+                    at: Tokens(w.at_len),
+                    slot: MambaSlot(w.slot.0),
+                    in_flight: step == self.step,
+                })
+                .collect()
+        })
+    }
+
+    /// The tree took `req`'s `n` held checkpoints (adopting each slot or handing it back
+    /// through the actions it returned).
+    fn handed_to_tree(&mut self, req: &mut Request, n: usize) {
+        if let Some(state) = &mut req.state {
+            state.held.clear();
+            self.held_slots -= n;
+        }
     }
 
     /// Releases `req` without caching (abort, or retraction under memory pressure): its
@@ -1092,12 +1251,20 @@ impl HybridCache {
         Ok(req.tokens)
     }
 
-    fn insert(&mut self, req: &Request, lock: bool) -> Result<unikv_radix::InsertOutcome, Error> {
+    /// Inserts `req`'s whole pages with `checkpoints` (held states at their positions)
+    /// and applies the actions.
+    fn insert(
+        &mut self,
+        req: &Request,
+        lock: bool,
+        checkpoints: &[StateCheckpoint],
+    ) -> Result<unikv_radix::InsertOutcome, Error> {
         let key_len = req.len() / self.ps * self.ps;
         let values: Vec<TreeToken> = req.row[..key_len].iter().map(|v| TreeToken(v.0)).collect();
         let mut insert = InsertRequest::new(&req.tokens[..key_len], &values)
             .prev_prefix_len(req.protected)
-            .window_cursor(req.cursor.max(req.protected));
+            .window_cursor(req.cursor.max(req.protected))
+            .checkpoints(checkpoints);
         if lock {
             insert = insert.locked();
         }
@@ -1254,7 +1421,8 @@ impl HybridCache {
                 let (actions, _) = self
                     .tree
                     .evict_until(Component::Full, |r| r.full.0 / ps >= floor);
-                if demand.mamba_slots > 0 {
+                // Only a shared buffer gives FULL bytes to slots.
+                if demand.mamba_slots > 0 && self.layout == Layout::Unified {
                     self.evictions.donor_nodes += actions
                         .iter()
                         .filter(|a| matches!(a, Action::EvictNode { .. }))
@@ -1360,6 +1528,8 @@ impl HybridCache {
         } else {
             self.alloc.free_group_begin()
         };
+        // The step's forward is ordered before anything a later match issues.
+        self.tree.publish_states();
         let sane = if self.step.is_multiple_of(TREE_SANITY_INTERVAL) {
             self.tree.sanity_check_at_strict()
         } else {
@@ -1491,10 +1661,46 @@ impl HybridCache {
             ),
             live_requests: self.live_requests,
             hit_tokens: self.hit_tokens,
+            kv_hit_tokens: self.kv_hit_tokens,
             admitted_prompt_tokens: self.admitted_prompt_tokens,
             evictions: self.evictions,
         }
     }
+}
+
+/// The checkpoints one allocation plans, request by request (reused across calls).
+#[derive(Debug, Default)]
+struct CheckpointPlan {
+    /// Positions to save, request after request, ascending within a request.
+    at: Vec<usize>,
+    /// Per request of the allocation, in order.
+    requests: Vec<Planned>,
+    /// Fresh slots the plan needs (positions not written into a reused slot).
+    fresh: usize,
+    /// The fresh slots, request after request.
+    slots: Vec<VirtualSlot>,
+}
+
+impl CheckpointPlan {
+    fn clear(&mut self) {
+        self.at.clear();
+        self.requests.clear();
+        self.fresh = 0;
+        self.slots.clear();
+    }
+}
+
+/// One request's part of a [`CheckpointPlan`].
+#[derive(Clone, Copy, Debug, Default)]
+struct Planned {
+    /// Its first position in `at`.
+    start: usize,
+    /// Positions planned.
+    new: usize,
+    /// Held checkpoints (its oldest) whose slots the first positions are written into.
+    reuse: usize,
+    /// Its first fresh slot in `slots`.
+    fresh_start: usize,
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! A request's state, held by the engine: a value that the cache's finishing methods
 //! consume, so it cannot be used after release.
 
-use unikv_mamba::{CheckpointTrack, CheckpointWrite};
+use unikv_mamba::{CheckpointWrite, PlanMarks};
 use unikv_pools::{VirtualSlot, VirtualToken as PoolToken};
 use unikv_radix::{LockHandle, MatchResult, TokenId};
 
@@ -16,9 +16,25 @@ pub struct PrefixMatch {
 }
 
 impl PrefixMatch {
-    /// Tokens of the prompt whose KV the cache already holds (whole pages).
+    /// Tokens of the prompt the request reuses from the cache (whole pages): KV whose
+    /// last window of SWA is live and, for a model with recurrent layers, at whose end a
+    /// state is cached (the request resumes from it).
     pub fn cached_tokens(&self) -> usize {
         self.result.len.0
+    }
+
+    /// Tokens of the prompt whose FULL KV the cache holds (whole pages), at least
+    /// [`PrefixMatch::cached_tokens`]. What lies beyond the cached tokens is recomputed
+    /// ([`PrefixMatch::recomputed_tokens`]): the match could not end there (no state,
+    /// or too little live SWA behind it).
+    pub fn kv_hit_tokens(&self) -> usize {
+        self.result.full_hit.0
+    }
+
+    /// Tokens whose KV the cache holds but the request recomputes:
+    /// [`PrefixMatch::kv_hit_tokens`] − [`PrefixMatch::cached_tokens`].
+    pub fn recomputed_tokens(&self) -> usize {
+        self.result.full_hit.0 - self.result.len.0
     }
 
     /// The prompt's length.
@@ -53,6 +69,7 @@ pub struct Request {
     pub(crate) lock: Option<LockHandle>,
     pub(crate) window_lock_released: bool,
     pub(crate) cached_at_admission: usize,
+    pub(crate) kv_hit_at_admission: usize,
     /// Its recurrent state slots (a model with Mamba/GDN layers).
     pub(crate) state: Option<RequestState>,
 }
@@ -62,19 +79,21 @@ pub struct Request {
 pub(crate) struct RequestState {
     /// The running state: the recurrent kernels read and update it every step.
     pub(crate) running: VirtualSlot,
-    /// With the prefix cache: the two checkpoint slots and which holds the latest.
-    pub(crate) track: Option<CheckpointTrack>,
-    /// The checkpoint the last allocation asks the engine to write in this step.
-    pub(crate) pending: Option<CheckpointWrite>,
+    /// Checkpoints written (or being written) that the prefix tree has not taken yet, in
+    /// ascending position, each with the step whose forward writes it.
+    pub(crate) held: Vec<(CheckpointWrite, u64)>,
+    /// The checkpoints the last allocation asks the engine to write in this step's
+    /// forward (still listed after the tree takes their slots).
+    pub(crate) pending: Vec<CheckpointWrite>,
+    /// What makes a position worth saving for this request.
+    pub(crate) marks: PlanMarks,
 }
 
 impl RequestState {
     /// Every slot it owns.
     pub(crate) fn slots(&self) -> Vec<VirtualSlot> {
         let mut slots = vec![self.running];
-        if let Some(track) = &self.track {
-            slots.extend(track.slots());
-        }
+        slots.extend(self.held.iter().map(|(w, _)| w.slot));
         slots
     }
 }
@@ -125,6 +144,12 @@ impl Request {
         self.cached_at_admission
     }
 
+    /// Tokens whose FULL KV the prefix cache held when it was admitted (at least
+    /// [`Request::cached_at_admission`]; the difference was recomputed).
+    pub fn kv_hit_at_admission(&self) -> usize {
+        self.kv_hit_at_admission
+    }
+
     /// Its running recurrent state slot (`None` for a model without recurrent layers):
     /// the slot the recurrent kernels read and update. At admission it holds a copy of
     /// the cached state its prefix ended at; without one (no hit) its bytes are whatever
@@ -134,15 +159,17 @@ impl Request {
         self.state.as_ref().map(|s| s.running)
     }
 
-    /// The checkpoint the engine writes in this step's forward: after the last
-    /// allocation the row crossed the checkpoint grid, and the state after
-    /// `at_len` tokens goes into `slot` (never the slot holding the latest completed
-    /// checkpoint). `None` when no grid point was crossed, or without the prefix cache.
-    pub fn checkpoint_write(&self) -> Option<CheckpointWrite> {
-        self.state.as_ref().and_then(|s| s.pending)
+    /// The checkpoints the engine writes in this step's forward, in ascending position:
+    /// the state after `at_len` tokens goes into `slot`, a slot nothing else writes in
+    /// that forward. Planned by the last allocation
+    /// ([`unikv_mamba::StatePolicy::plan`]: the request's branching point, its prompt's
+    /// end, grid points); empty when it planned none, or without the prefix cache.
+    pub fn checkpoint_writes(&self) -> &[CheckpointWrite] {
+        self.state.as_ref().map_or(&[], |s| &s.pending)
     }
 
-    /// Every state slot it owns (running first, then its checkpoints).
+    /// Every state slot it owns (running first, then the checkpoints the prefix tree has
+    /// not taken yet).
     pub fn state_slots(&self) -> Vec<VirtualSlot> {
         self.state
             .as_ref()

@@ -59,8 +59,13 @@ pub struct CacheStats {
     pub mamba: SideStats,
     /// Requests admitted and not yet finished or released.
     pub live_requests: usize,
-    /// Prompt tokens served from the prefix cache at admission.
+    /// Prompt tokens served from the prefix cache at admission (for a model with
+    /// recurrent layers: resumed from a cached state).
     pub hit_tokens: u64,
+    /// Prompt tokens whose FULL KV the prefix cache held at admission, at least
+    /// `hit_tokens`: the difference was recomputed (no state, or too little live SWA,
+    /// where the KV hit ended).
+    pub kv_hit_tokens: u64,
     /// Prompt tokens admitted.
     pub admitted_prompt_tokens: u64,
     /// Evictions by kind.

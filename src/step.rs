@@ -28,6 +28,7 @@ pub struct StepMetadata {
     /// The cache and mirror generation it was built at; `None` before a successful build.
     built: Option<(u64, u64)>,
     requests: Vec<RequestMeta>,
+    checkpoints: Vec<StepCheckpoint>,
     image: Vec<i32>,
     layout: DeviceLayout,
     table: Option<TableId>,
@@ -55,8 +56,9 @@ impl StepMetadata {
 /// | `write_full` | `Σ new` | FULL kernel ids of the new tokens (`out_cache_loc`) |
 /// | `write_swa` | `Σ new` | SWA kernel ids of the new tokens |
 /// | `state_slots` | `B` | physical running state slot (0 without recurrent state) |
-/// | `checkpoint_slots` | `B` | physical slot of the checkpoint to save (0: none) |
-/// | `checkpoint_at` | `B` | the row length whose state is saved there (0: none) |
+/// | `checkpoint_starts` | `B + 1` | prefix sums of the checkpoints each request saves |
+/// | `checkpoint_slots` | `Σ checkpoints` | physical slot each checkpoint is saved to |
+/// | `checkpoint_at` | `Σ checkpoints` | the row length whose state is saved there |
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeviceLayout {
     /// Requests in the batch.
@@ -79,6 +81,8 @@ pub struct DeviceLayout {
     pub write_swa: usize,
     /// Offset of `state_slots`.
     pub state_slots: usize,
+    /// Offset of `checkpoint_starts`.
+    pub checkpoint_starts: usize,
     /// Offset of `checkpoint_slots`.
     pub checkpoint_slots: usize,
     /// Offset of `checkpoint_at`.
@@ -99,10 +103,10 @@ struct RequestMeta {
     write_full: Range<usize>,
     write_swa: Range<usize>,
     state_slot: Option<u32>,
-    checkpoint: Option<StepCheckpoint>,
+    checkpoints: Range<usize>,
 }
 
-/// The checkpoint a request's recurrent kernel saves in this step: the state after
+/// A checkpoint a request's recurrent kernel saves in this step: the state after
 /// `at_len` rows goes into physical slot `slot`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepCheckpoint {
@@ -177,8 +181,9 @@ pub struct RequestStep<'a> {
     pub write_swa: &'a [i32],
     /// The physical running state slot (`None` without recurrent layers).
     pub state_slot: Option<u32>,
-    /// The checkpoint this step saves, if the rows crossed the checkpoint grid.
-    pub checkpoint: Option<StepCheckpoint>,
+    /// The checkpoints this step saves, in ascending position (see
+    /// [`Request::checkpoint_writes`]).
+    pub checkpoints: &'a [StepCheckpoint],
 }
 
 impl RequestStep<'_> {
@@ -220,7 +225,7 @@ impl<'a> StepView<'a> {
             write_full: &img[m.write_full.clone()],
             write_swa: &img[m.write_swa.clone()],
             state_slot: m.state_slot,
-            checkpoint: m.checkpoint,
+            checkpoints: &self.meta.checkpoints[m.checkpoints.clone()],
         }
     }
 
@@ -311,6 +316,7 @@ impl HybridCache {
     ) -> Result<(), Error> {
         meta.built = None;
         meta.requests.clear();
+        meta.checkpoints.clear();
         meta.image.clear();
         for &(req, new_tokens) in batch {
             self.check_request(req)?;
@@ -323,8 +329,10 @@ impl HybridCache {
                     ),
                 });
             }
-            if let Some(w) = req.checkpoint_write()
-                && w.at_len <= req.len() - new_tokens
+            if let Some(w) = req
+                .checkpoint_writes()
+                .iter()
+                .find(|w| w.at_len <= req.len() - new_tokens || w.at_len > req.len())
             {
                 return Err(Error::BadRequest {
                     request: req.id(),
@@ -352,6 +360,7 @@ impl HybridCache {
             0
         };
         let swa_new = if has_swa { new } else { 0 };
+        let saves: usize = batch.iter().map(|(r, _)| r.checkpoint_writes().len()).sum();
         let mut l = DeviceLayout {
             batch: b,
             ..DeviceLayout::default()
@@ -371,8 +380,9 @@ impl HybridCache {
         l.write_full = section(new);
         l.write_swa = section(swa_new);
         l.state_slots = section(b);
-        l.checkpoint_slots = section(b);
-        l.checkpoint_at = section(b);
+        l.checkpoint_starts = section(b + 1);
+        l.checkpoint_slots = section(saves);
+        l.checkpoint_at = section(saves);
         l.len = at;
         to_i32(u64::MAX, "step table length", l.len)?;
         meta.image.resize(l.len, 0);
@@ -408,15 +418,21 @@ impl HybridCache {
             };
             img[l.swa_first + i] = first as i32;
             let state_slot = req.state_slot().and_then(|v| alloc.physical_slot(v));
-            let checkpoint = req.checkpoint_write().and_then(|c| {
-                alloc.physical_slot(c.slot).map(|slot| StepCheckpoint {
+            img[l.state_slots + i] = state_slot.unwrap_or(0) as i32;
+            img[l.checkpoint_starts + i] = meta.checkpoints.len() as i32;
+            let first_save = meta.checkpoints.len();
+            for c in req.checkpoint_writes() {
+                // A held slot is always bound; the sink stands in should one not be.
+                let slot = alloc.physical_slot(c.slot).unwrap_or(0);
+                let k = meta.checkpoints.len();
+                img[l.checkpoint_slots + k] = slot as i32;
+                img[l.checkpoint_at + k] = c.at_len as i32;
+                meta.checkpoints.push(StepCheckpoint {
                     slot,
                     at_len: c.at_len,
-                })
-            });
-            img[l.state_slots + i] = state_slot.unwrap_or(0) as i32;
-            img[l.checkpoint_slots + i] = checkpoint.map_or(0, |c| c.slot as i32);
-            img[l.checkpoint_at + i] = checkpoint.map_or(0, |c| c.at_len as i32);
+                });
+            }
+            let checkpoints = first_save..meta.checkpoints.len();
             meta.requests.push(RequestMeta {
                 request: req.id(),
                 len,
@@ -427,7 +443,7 @@ impl HybridCache {
                 write_full,
                 write_swa,
                 state_slot,
-                checkpoint,
+                checkpoints,
             });
             q += n;
             f += len;
@@ -436,6 +452,7 @@ impl HybridCache {
         img[l.query_starts + b] = q as i32;
         img[l.full_starts + b] = f as i32;
         img[l.swa_starts + b] = s as i32;
+        img[l.checkpoint_starts + b] = meta.checkpoints.len() as i32;
         self.invariant_scope()
             .expect(&WINDOW_LIVE, sink_rows == 0, || {
                 format!("{sink_rows} SWA rows inside a window of this step were released")

@@ -122,14 +122,14 @@ impl Driver {
     }
 
     /// The simulated recurrent kernel of one forward: the running state after the row,
-    /// and the checkpoint the cache asked for.
+    /// and the checkpoints the cache asked for.
     fn forward(&self, i: usize) {
         let req = &self.running[i];
         let slot = req
             .state_slot()
             .expect("a recurrent model's request has a state");
         self.write(slot, state_of(&req.tokens()[..req.len()]));
-        if let Some(w) = req.checkpoint_write() {
+        for w in req.checkpoint_writes() {
             assert!(w.at_len <= req.len() && w.at_len > 0, "{}", self.label);
             self.write(w.slot, state_of(&req.tokens()[..w.at_len]));
         }

@@ -955,7 +955,7 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
                     load_states(bytes, &geo, layout, slot, &mut states);
                 }
                 let tokens = &req.tokens()[m.first_query()..m.len];
-                let mut checkpoint = None;
+                let mut saved: Vec<(u32, States)> = Vec::new();
                 let mut kv = BufferKv {
                     bytes: &mut *bytes,
                     geo,
@@ -968,15 +968,15 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
                     tokens,
                     m.first_query(),
                     |len, s| {
-                        if m.checkpoint.is_some_and(|c| c.at_len == len) {
-                            checkpoint = Some(s.clone());
+                        for c in m.checkpoints.iter().filter(|c| c.at_len == len) {
+                            saved.push((c.slot, s.clone()));
                         }
                     },
                 );
                 if let (Some(slot), Some(layout)) = (m.state_slot, &slot_layout) {
                     store_states(bytes, &geo, layout, slot, &states);
-                    if let (Some(c), Some(s)) = (m.checkpoint, &checkpoint) {
-                        store_states(bytes, &geo, layout, c.slot, s);
+                    for (slot, s) in &saved {
+                        store_states(bytes, &geo, layout, *slot, s);
                     }
                 }
                 logits.push(l);

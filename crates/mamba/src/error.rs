@@ -1,7 +1,7 @@
 //! The crate's one error type. A function that returns one changed nothing.
 
 /// Why a state geometry or a checkpoint policy refused its input. Every variant carries the
-/// numbers that were refused; a tracker that returns one is unchanged.
+/// numbers that were refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Error {
     /// A slot needs at least one recurrent layer with some state to hold.
@@ -43,30 +43,15 @@ pub enum Error {
         /// The page size in tokens.
         page_size: u32,
     },
-    /// A checkpoint tracker was asked for under a policy that keeps no checkpoints.
-    #[error("the policy keeps no checkpoints (no prefix cache): nothing to track")]
+    /// A per-step checkpoint bound was asked of a policy that keeps no checkpoints.
+    #[error("the policy keeps no checkpoints (no prefix cache)")]
     NotCheckpointed,
-    /// A tracker was advanced from a length it is not at (a missed or repeated step).
-    #[error("checkpoint track is at {at} tokens, advanced from {old_len}")]
-    OutOfStep {
-        /// The length the tracker holds.
-        at: usize,
-        /// The length the caller advanced from.
-        old_len: usize,
-    },
-    /// A tracker was advanced to a shorter row; a row only grows (a retracted or
-    /// truncated request starts a new track).
-    #[error("checkpoint track cannot shrink from {old_len} to {new_len} tokens")]
-    Shrink {
-        /// The length advanced from.
-        old_len: usize,
-        /// The shorter length asked for.
-        new_len: usize,
-    },
-    /// The two checkpoint slots of a tracker are the same slot (ping-pong needs two).
-    #[error("checkpoint slots must differ (both are slot {slot})")]
-    SameSlots {
-        /// The slot given twice.
-        slot: u32,
+    /// A bound on the states one step may save outside `1..=max`.
+    #[error("checkpoints per step must be between 1 and {max}, not {per_step}")]
+    BadCheckpointsPerStep {
+        /// The bound asked for.
+        per_step: u32,
+        /// The largest bound allowed.
+        max: u32,
     },
 }

@@ -6,12 +6,12 @@
 //! The slot allocator (`SubAllocator`, `VirtualIds`, page size 1 on its own grid) and the
 //! composites that place slots in the shared buffer live in `unikv-pools`; this crate
 //! hands them a [`unikv_pools::SlotPoolSpec`] ([`MambaSpec::slot_pool_spec`]) and speaks
-//! of slots as [`unikv_pools::VirtualSlot`]s. It allocates nothing and touches no device;
-//! its one mutable type is the per-request [`CheckpointTrack`], which the caller owns.
+//! of slots as [`unikv_pools::VirtualSlot`]s. It allocates nothing, touches no device and
+//! holds no mutable state: a request's checkpoints are the caller's.
 //!
 //! - [`RecurrentState`]: the per-layer state shape (the facade's `ModelSpec.recurrent`).
 //! - [`MambaSpec`] → [`SlotLayout`]: the byte ranges inside one slot envelope.
-//! - [`StatePolicy`], [`CheckpointTrack`]: the checkpoint grid and the ping-pong writes.
+//! - [`StatePolicy`], [`PlanMarks`]: the checkpoint grid and the positions a step saves.
 //!
 //! # Invariants this crate keeps
 //! - A [`SlotLayout`]'s ranges are disjoint and in slot order (every layer's conv state,
@@ -21,11 +21,12 @@
 //!   fit in 64 bits is [`Error::LayoutOverflow`], never a wrapped size.
 //! - A checkpoint interval is a positive multiple of the page size
 //!   ([`CheckpointInterval::new`]), so every checkpoint ends on a page boundary.
-//! - A checkpointed request holds [`BS1_SLOTS`] = 3 slots (the running state and two
-//!   checkpoints), the pools' batch-size-1 floor constant itself.
-//! - A [`CheckpointTrack`]'s latest checkpoint is the largest grid point crossed since it
-//!   started (or was last taken), and a write it emits never goes to the slot holding the
-//!   latest checkpoint. A tracker that returns an error is unchanged.
+//! - A checkpointed request holds at most [`StatePolicy::slots_per_request`] slots, by
+//!   default [`BS1_SLOTS`] = 3 (the running state and two checkpoints), the pools'
+//!   batch-size-1 floor constant itself.
+//! - A plan ([`StatePolicy::plan`]) names each position once, in ascending order, each a
+//!   page boundary inside the step's new rows, at most
+//!   [`StatePolicy::checkpoints_per_step`] of them.
 
 mod error;
 mod layout;
@@ -35,7 +36,7 @@ mod state;
 pub use error::Error;
 pub use layout::{MambaSpec, SLOT_ALIGN, SlotLayout, SlotPart};
 pub use policy::{
-    BS1_SLOTS, CheckpointInterval, CheckpointTrack, CheckpointWrite, DEFAULT_CHECKPOINT_INTERVAL,
-    StatePolicy,
+    BS1_SLOTS, CheckpointInterval, CheckpointWrite, DEFAULT_CHECKPOINT_INTERVAL,
+    DEFAULT_CHECKPOINTS_PER_STEP, MAX_CHECKPOINTS_PER_STEP, PlanMarks, StatePolicy,
 };
 pub use state::RecurrentState;

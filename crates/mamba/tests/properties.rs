@@ -1,132 +1,65 @@
 //! Property tests against small reference models:
 //!
-//! - the checkpoint tracker over random step sequences (with hand-overs of the latest
-//!   checkpoint to the tree) against a model that lists every grid point each step
-//!   crossed: the latest checkpoint is always the largest grid point crossed since the
-//!   start (or the last hand-over), the slot a step writes never holds the latest
-//!   checkpoint, and every other misuse leaves the tracker unchanged;
+//! - the checkpoint plan over random steps against a brute-force model that lists every
+//!   candidate position in order of worth (branching point, prompt end, grid points from
+//!   the deepest) and keeps the first distinct ones inside the step;
 //! - the grid queries against brute force over every length;
 //! - the slot layout over random geometries: ranges disjoint, in slot order, 8-aligned,
 //!   inside an entry size that is a positive multiple of 8 and no more than 7 bytes of
 //!   padding per range above the packed size.
 
 use proptest::prelude::*;
-use unikv_mamba::{
-    CheckpointTrack, Error, MambaSpec, RecurrentState, SLOT_ALIGN, SlotPart, StatePolicy,
-};
-use unikv_pools::{PageSize, VirtualSlot};
-
-#[derive(Clone, Debug)]
-enum Op {
-    /// Grow the request by this many tokens in one step.
-    Step(usize),
-    /// Hand the latest checkpoint to the tree and put a fresh slot in its place.
-    Take,
-    /// A step from a stale length (must be refused, changing nothing).
-    Stale,
-}
-
-fn op() -> impl Strategy<Value = Op> {
-    prop_oneof![
-        // Decode steps (1 token), small and large prefill chunks.
-        6 => prop_oneof![Just(1usize), 0usize..8, 0usize..100, 0usize..1000].prop_map(Op::Step),
-        1 => Just(Op::Take),
-        1 => Just(Op::Stale),
-    ]
-}
+use unikv_mamba::{Error, MambaSpec, PlanMarks, RecurrentState, SLOT_ALIGN, SlotPart, StatePolicy};
+use unikv_pools::PageSize;
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
     #[test]
-    fn the_tracker_keeps_the_largest_crossed_grid_point_and_never_overwrites_it(
+    fn a_plan_keeps_the_worthiest_distinct_page_boundaries_inside_the_step(
         page_shift in 0u32..5,
         pages_per_interval in 1u32..5,
-        start in 0usize..300,
-        ops in prop::collection::vec(op(), 1..60),
+        per_step in 1u32..5,
+        old_len in 0usize..2000,
+        grow in prop_oneof![Just(1usize), 0usize..8, 0usize..600],
+        branching in proptest::option::of(0usize..2600),
+        prompt_len in 0usize..2600,
     ) {
-        let ps = PageSize::new(1 << page_shift).unwrap();
-        let interval = (1u32 << page_shift) * pages_per_interval;
-        let policy = StatePolicy::checkpointed(interval, ps).unwrap();
-        let mut track = CheckpointTrack::new(policy, [VirtualSlot(1), VirtualSlot(2)], start)
+        let ps = 1usize << page_shift;
+        let interval = ps * pages_per_interval as usize;
+        let policy = StatePolicy::checkpointed(interval as u32, PageSize::new(ps as u32).unwrap())
+            .unwrap()
+            .with_checkpoints_per_step(per_step)
             .unwrap();
-        let mut next_fresh = 3u32;
-        // The model: the request's length, and the grid points crossed since the start or
-        // the last hand-over, each a positive multiple of the interval.
-        let mut len = start;
-        let mut crossed: Vec<usize> = Vec::new();
-        for op in ops {
-            match op {
-                Op::Step(grow) => {
-                    let before = track.latest();
-                    let new_len = len + grow;
-                    let points: Vec<usize> = (len + 1..=new_len)
-                        .filter(|p| p % interval as usize == 0)
-                        .collect();
-                    let write = track.advance(len, new_len).unwrap();
-                    match (points.last(), write) {
-                        (None, None) => {}
-                        (Some(&last), Some(w)) => {
-                            prop_assert_eq!(w.at_len, last);
-                            prop_assert!(track.slots().contains(&w.slot));
-                            if let Some((held, _)) = before {
-                                prop_assert_ne!(w.slot, held, "the write hit the latest checkpoint");
-                            }
-                            prop_assert_eq!(track.latest(), Some((w.slot, w.at_len)));
-                        }
-                        (p, w) => prop_assert!(false, "crossed {:?} but wrote {:?}", p, w),
-                    }
-                    crossed.extend(points);
-                    len = new_len;
-                }
-                Op::Take => {
-                    let fresh = VirtualSlot(next_fresh);
-                    next_fresh += 1;
-                    let before = track.clone();
-                    let taken = track.take_latest(fresh).unwrap();
-                    prop_assert_eq!(taken, before.latest());
-                    if let Some((slot, _)) = taken {
-                        prop_assert!(!track.slots().contains(&slot));
-                        prop_assert!(track.slots().contains(&fresh));
-                        crossed.clear();
-                    } else {
-                        prop_assert_eq!(&track, &before);
-                    }
-                }
-                Op::Stale => {
-                    let before = track.clone();
-                    prop_assert_eq!(
-                        track.advance(len + 1, len + 2),
-                        Err(Error::OutOfStep { at: len, old_len: len + 1 })
-                    );
-                    if len > 0 {
-                        prop_assert_eq!(
-                            track.advance(len, len - 1),
-                            Err(Error::Shrink { old_len: len, new_len: len - 1 })
-                        );
-                    }
-                    prop_assert_eq!(&track, &before);
-                }
+        let new_len = old_len + grow;
+        let marks = PlanMarks { branching, prompt_len };
+        let mut got = Vec::new();
+        policy.plan(old_len..new_len, marks, &mut got);
+
+        // The model: candidates in order of worth, page-floored, kept when inside the
+        // step and not seen before, up to the bound; then sorted.
+        let mut candidates: Vec<usize> = branching.into_iter().chain([prompt_len]).collect();
+        candidates.extend((1..=new_len / interval).rev().map(|k| k * interval));
+        let mut want: Vec<usize> = Vec::new();
+        for c in candidates {
+            let c = c / ps * ps;
+            if c > old_len && c <= new_len && !want.contains(&c) && want.len() < per_step as usize {
+                want.push(c);
             }
-            prop_assert_eq!(track.request_len(), len);
-            prop_assert_ne!(track.slots()[0], track.slots()[1]);
-            prop_assert_eq!(track.latest().map(|(_, at)| at), crossed.iter().copied().max());
         }
+        want.sort_unstable();
+        prop_assert_eq!(&got, &want);
+        prop_assert!(got.iter().all(|p| p % ps == 0 && *p > 0));
     }
 
     #[test]
     fn grid_queries_match_brute_force(
         interval in 1u32..50,
         full_hit in 0usize..400,
-        matched in 0usize..400,
     ) {
         let policy = StatePolicy::checkpointed(interval, PageSize::new(1).unwrap()).unwrap();
         let at_or_below = (1..=full_hit).rev().find(|p| p % interval as usize == 0);
         prop_assert_eq!(policy.checkpoint_at_or_below(full_hit), at_or_below);
-        prop_assert_eq!(
-            policy.branching_len(full_hit, matched),
-            at_or_below.filter(|&b| b > matched)
-        );
     }
 
     #[test]

@@ -56,6 +56,18 @@ pub enum RadixError {
     /// A Mamba state was given to a tree without the Mamba component.
     #[error("a Mamba slot was given to a tree without the Mamba component")]
     MambaDisabled,
+    /// An insert's checkpoints are not strictly ascending page boundaries inside its key.
+    #[error(
+        "checkpoint at {at} tokens: checkpoints must ascend, end a page of {page_size} tokens and lie in (0, {key_len}]"
+    )]
+    BadCheckpoint {
+        /// The refused position.
+        at: usize,
+        /// The key's length.
+        key_len: usize,
+        /// The tree's page size.
+        page_size: u32,
+    },
     /// [`crate::RadixTree::sanity_check`] found recorded state that a recomputation from
     /// the tree contradicts.
     #[error("radix tree sanity check failed: {0}")]

@@ -4,8 +4,7 @@
 //!   its parent may become an evictable leaf in turn.
 //! - SWA: the LRU unlocked live node is evicted whole when it is an unlocked leaf,
 //!   otherwise tombstoned (`TombstoneSwa`, its unlocked Mamba state cascades).
-//! - MAMBA: the LRU unlocked state is freed (`EvictMambaState`); when it sits on an
-//!   unlocked leaf the leaf goes whole (a leaf without a state can never end a match).
+//! - MAMBA: the LRU unlocked state is freed (`EvictMambaState`); the KV under it stays.
 
 use crate::action::SwaSide;
 use crate::tree::Ix;
@@ -24,21 +23,17 @@ impl RadixTree {
             Component::Swa => {
                 let &(_, ix) = self.swa_lru.first()?;
                 let n = &self.nodes[ix as usize];
-                if n.children.is_empty() && n.full_lock == 0 {
+                if n.children.is_empty() && n.full_lock == 0 && !n.mamba_in_flight {
                     self.evict_leaf(ix, &mut actions);
                 } else {
                     self.tombstone(ix, &mut actions);
                 }
             }
             Component::Mamba => {
+                // Only the state: the KV under it stays a FULL hit that a later request
+                // branching there saves a state for (and FULL's own LRU evicts it).
                 let &(_, ix) = self.mamba_lru.first()?;
-                let n = &self.nodes[ix as usize];
-                if n.children.is_empty() && n.full_lock == 0 {
-                    // A leaf without its state can never end a match: evict it whole.
-                    self.evict_leaf(ix, &mut actions);
-                } else {
-                    self.evict_mamba(ix, &mut actions);
-                }
+                self.evict_mamba(ix, &mut actions);
             }
         }
         Some(actions)
@@ -88,14 +83,17 @@ impl RadixTree {
             n.value.clone()
         });
         actions.push(Action::TombstoneSwa { node: id, tokens });
-        if self.nodes[ix as usize].mamba.is_some() && self.nodes[ix as usize].mamba_lock == 0 {
+        if self.nodes[ix as usize].mamba.is_some() && self.state_unpinned(ix) {
             self.evict_mamba(ix, actions);
         }
     }
 
     pub(crate) fn evict_mamba(&mut self, ix: Ix, actions: &mut Vec<Action>) {
         let id = self.id(ix);
-        if let Some(slot) = self.with_node(ix, |n| n.mamba.take()) {
+        if let Some(slot) = self.with_node(ix, |n| {
+            n.mamba_in_flight = false;
+            n.mamba.take()
+        }) {
             actions.push(Action::EvictMambaState { node: id, slot });
         }
     }

@@ -15,13 +15,20 @@
 //! cursor and live nodes above it, the live leaf capped at one page-aligned window. Tokens
 //! that would only form an all-tombstone leaf are not cached: they stay the caller's.
 //!
-//! With a Mamba path cap, an insert that attaches a state then frees the least recently
-//! used unlocked states above it until its path holds no more than the cap.
+//! Recurrent states attach at the key's end ([`InsertRequest::mamba`]) or at positions
+//! inside it ([`InsertRequest::checkpoints`]: the node there is split so that one ends at
+//! each); a state lands only on a node that has none and live SWA, otherwise its slot is
+//! handed back (`FreeMambaSlot`). With a Mamba path cap, an insert that attaches states
+//! then frees the least recently used unlocked states on its path, never one it just
+//! attached, until the path holds no more than the cap.
 
 use crate::error::RadixError;
 use crate::matching::common_pages;
 use crate::tree::{Ix, Node, ROOT};
-use crate::{Action, LockHandle, MambaSlot, NodeId, RadixTree, TokenId, Tokens, VirtualToken};
+use crate::{
+    Action, LockHandle, MambaSlot, NodeId, RadixTree, StateCheckpoint, TokenId, Tokens,
+    VirtualToken,
+};
 
 /// What a request hands to [`RadixTree::insert`].
 #[derive(Clone, Copy, Debug)]
@@ -38,6 +45,9 @@ pub struct InsertRequest<'a> {
     pub window_cursor: Tokens,
     /// The Mamba state at the end of `key`, if the model has Mamba layers.
     pub mamba: Option<MambaSlot>,
+    /// Mamba states at positions inside `key` (strictly ascending page boundaries in
+    /// `(0, key.len()]`); each lands where the tree ends up caching that position.
+    pub checkpoints: &'a [StateCheckpoint],
     /// Lock the inserted node and return the handle (an unfinished request that keeps
     /// decoding on top of what it just cached). The caller releases the request's previous
     /// lock afterwards, and replaces its row's `[0, cached_len)` with
@@ -54,6 +64,7 @@ impl<'a> InsertRequest<'a> {
             prev_prefix_len: Tokens::ZERO,
             window_cursor: Tokens::ZERO,
             mamba: None,
+            checkpoints: &[],
             lock: false,
         }
     }
@@ -73,6 +84,12 @@ impl<'a> InsertRequest<'a> {
     /// Sets the Mamba state at the end of the key.
     pub fn mamba(mut self, slot: MambaSlot) -> Self {
         self.mamba = Some(slot);
+        self
+    }
+
+    /// Sets the Mamba states inside the key.
+    pub fn checkpoints(mut self, checkpoints: &'a [StateCheckpoint]) -> Self {
+        self.checkpoints = checkpoints;
         self
     }
 
@@ -140,15 +157,16 @@ impl RadixTree {
         }
         let cached_len = pos;
 
-        let mut attached = false;
+        let mut attached: Vec<Ix> = Vec::new();
         if let Some(slot) = req.mamba {
             if x != ROOT && cached_len == len && self.nodes[x as usize].mamba.is_none() {
                 self.with_node(x, |n| n.mamba = Some(slot));
-                attached = true;
+                attached.push(x);
             } else {
                 actions.push(Action::FreeMambaSlot { slot });
             }
         }
+        self.attach_checkpoints(x, cached_len, req.checkpoints, &mut attached, &mut actions);
 
         let t = self.tick();
         let mut y = x;
@@ -160,8 +178,11 @@ impl RadixTree {
         if x != ROOT {
             self.with_node(x, |n| n.mamba_tick = t);
         }
-        if attached {
-            self.evict_excess_path_states(x, &mut actions);
+        for &a in &attached {
+            self.with_node(a, |n| n.mamba_tick = t);
+        }
+        if !attached.is_empty() {
+            self.evict_excess_path_states(x, &attached, &mut actions);
         }
 
         let lock = if req.lock {
@@ -177,23 +198,70 @@ impl RadixTree {
         })
     }
 
+    /// Attaches `checkpoints` (ascending, validated) at their positions on the path from
+    /// the root to `x`, which ends at `end`: the node holding a position is split so that
+    /// one ends there. A position past `end` (not cached), on a node that already holds a
+    /// state or on a tombstone (a state there could never end a match) hands its slot
+    /// back. Attached nodes are pushed to `attached`.
+    fn attach_checkpoints(
+        &mut self,
+        x: Ix,
+        end: usize,
+        checkpoints: &[StateCheckpoint],
+        attached: &mut Vec<Ix>,
+        actions: &mut Vec<Action>,
+    ) {
+        // Deepest first, walking up once: `y` spans `(end - len(y), end]`.
+        let (mut y, mut end) = (x, end);
+        for c in checkpoints.iter().rev() {
+            let at = c.at.0;
+            while y != ROOT && end - self.nodes[y as usize].len() >= at {
+                end -= self.nodes[y as usize].len();
+                y = self.nodes[y as usize].parent;
+            }
+            if y == ROOT || at > end {
+                actions.push(Action::FreeMambaSlot { slot: c.slot });
+                continue;
+            }
+            if at < end {
+                let start = end - self.nodes[y as usize].len();
+                y = self.split(y, at - start);
+                end = at;
+            }
+            let n = &self.nodes[y as usize];
+            if n.mamba.is_some() || (self.swa_enabled() && !n.swa_live) {
+                actions.push(Action::FreeMambaSlot { slot: c.slot });
+                continue;
+            }
+            self.with_node(y, |n| {
+                n.mamba = Some(c.slot);
+                n.mamba_in_flight = c.in_flight;
+            });
+            if c.in_flight {
+                self.in_flight.push(y);
+            }
+            attached.push(y);
+        }
+    }
+
     /// Enforces [`crate::TreeConfig::mamba_path_cap`] on the path from the root to `x`,
-    /// whose state was just attached: while the path holds more states than the cap, frees
-    /// the least recently used unlocked state above `x` (`EvictMambaState`). Every such
-    /// state sits on an ancestor of `x`, an internal node, so only the state goes. Locked
-    /// states and `x`'s own are never taken: the cap is best-effort over unlocked states.
-    fn evict_excess_path_states(&mut self, x: Ix, actions: &mut Vec<Action>) {
+    /// where states were just attached (`attached`): while the path holds more states than
+    /// the cap, frees the least recently used unlocked state on it that was not just
+    /// attached (`EvictMambaState`). Every such state sits on an ancestor of `x` or on
+    /// `x`, and only the state goes. Locked states are never taken: the cap is best-effort
+    /// over unlocked states.
+    fn evict_excess_path_states(&mut self, x: Ix, attached: &[Ix], actions: &mut Vec<Action>) {
         let Some(cap) = self.config.mamba_path_cap else {
             return;
         };
-        let mut held = 1; // x's own state
+        let mut held = 0;
         let mut candidates: Vec<(u64, Ix)> = Vec::new();
-        let mut y = self.nodes[x as usize].parent;
+        let mut y = x;
         while y != ROOT {
             let n = &self.nodes[y as usize];
             if n.mamba.is_some() {
                 held += 1;
-                if n.mamba_lock == 0 {
+                if self.state_unpinned(y) && !attached.contains(&y) {
                     candidates.push((n.mamba_tick, y));
                 }
             }
@@ -235,8 +303,20 @@ impl RadixTree {
         if self.swa_enabled() {
             aligned("window cursor", req.window_cursor.0)?;
         }
-        if req.mamba.is_some() && !self.config.mamba {
+        if (req.mamba.is_some() || !req.checkpoints.is_empty()) && !self.config.mamba {
             return Err(RadixError::MambaDisabled);
+        }
+        let mut previous = 0;
+        for c in req.checkpoints {
+            let at = c.at.0;
+            if at <= previous || at > req.key.len() || !at.is_multiple_of(ps) {
+                return Err(RadixError::BadCheckpoint {
+                    at,
+                    key_len: req.key.len(),
+                    page_size,
+                });
+            }
+            previous = at;
         }
         let ppl = req.prev_prefix_len.0;
         if ppl > req.key.len() {

@@ -4,7 +4,7 @@
 //! boundary when the match ends inside it). A node is a valid end when every component
 //! accepts it: SWA needs a whole window of live SWA right behind the end unless the path
 //! from the root is live all the way (a tombstone resets the running length to zero and is
-//! never an end); Mamba needs a state on the node. The FULL hit beyond the last valid end
+//! never an end); Mamba needs a state on the node whose write is published. The FULL hit beyond the last valid end
 //! is reported as a branching length, and with Mamba also aligned down to the checkpoint
 //! grid (where a checkpointed state would extend future matches).
 
@@ -96,7 +96,7 @@ impl RadixTree {
                     valid = false;
                 }
             }
-            if self.config.mamba && n.mamba.is_none() {
+            if self.config.mamba && !self.holds_ready_state(ix) {
                 valid = false;
             }
             if valid {

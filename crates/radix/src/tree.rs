@@ -62,6 +62,10 @@ pub(crate) struct Node {
     pub(crate) swa_lock: u32,
     pub(crate) mamba_lock: u32,
     pub(crate) mamba: Option<MambaSlot>,
+    /// The state's writing forward is in flight: it ends no match and is pinned like a
+    /// locked one (its slot must not be recycled into the same forward) until
+    /// [`RadixTree::publish_states`].
+    pub(crate) mamba_in_flight: bool,
     pub(crate) full_tick: u64,
     pub(crate) swa_tick: u64,
     pub(crate) mamba_tick: u64,
@@ -120,6 +124,9 @@ pub struct RadixTree {
     pub(crate) full_lru: BTreeSet<(u64, Ix)>,
     pub(crate) swa_lru: BTreeSet<(u64, Ix)>,
     pub(crate) mamba_lru: BTreeSet<(u64, Ix)>,
+    /// Nodes given a state whose writing forward is in flight (see
+    /// [`Node::mamba_in_flight`]), cleared by [`RadixTree::publish_states`].
+    pub(crate) in_flight: Vec<Ix>,
     pub(crate) clock: u64,
     pub(crate) locks: HashMap<u64, LockRecord>,
     pub(crate) next_lock: u64,
@@ -203,6 +210,7 @@ impl RadixTree {
             full_lru: BTreeSet::new(),
             swa_lru: BTreeSet::new(),
             mamba_lru: BTreeSet::new(),
+            in_flight: Vec::new(),
             clock: 0,
             locks: HashMap::new(),
             next_lock: 1,
@@ -230,6 +238,30 @@ impl RadixTree {
     /// The root's id (matched length 0).
     pub fn root(&self) -> NodeId {
         self.id(ROOT)
+    }
+
+    /// Makes every state inserted as in flight ([`crate::StateCheckpoint::in_flight`])
+    /// able to end a match: call it once the forward that wrote them is ordered before
+    /// anything a later match issues (at the step boundary).
+    pub fn publish_states(&mut self) {
+        for ix in std::mem::take(&mut self.in_flight) {
+            if self.nodes[ix as usize].mamba_in_flight {
+                self.with_node(ix, |n| n.mamba_in_flight = false);
+            }
+        }
+    }
+
+    /// Whether `ix` holds a state that can end a match (one whose write has been
+    /// published).
+    pub(crate) fn holds_ready_state(&self, ix: Ix) -> bool {
+        let n = &self.nodes[ix as usize];
+        n.mamba.is_some() && !n.mamba_in_flight
+    }
+
+    /// Whether `ix`'s state may be evicted: it is neither locked nor in flight.
+    pub(crate) fn state_unpinned(&self, ix: Ix) -> bool {
+        let n = &self.nodes[ix as usize];
+        n.mamba_lock == 0 && !n.mamba_in_flight
     }
 
     /// Exact evictable and protected sizes of every component.
@@ -378,7 +410,8 @@ impl RadixTree {
         }
         let len = n.len();
         let mut c = [0; 6];
-        if n.full_lock == 0 {
+        // A leaf pinned by an in-flight state cannot be evicted before it is published.
+        if n.full_lock == 0 && !n.mamba_in_flight {
             c[0] = len;
         } else {
             c[1] = len;
@@ -391,7 +424,7 @@ impl RadixTree {
             }
         }
         if n.mamba.is_some() {
-            if n.mamba_lock == 0 {
+            if n.mamba_lock == 0 && !n.mamba_in_flight {
                 c[4] = 1;
             } else {
                 c[5] = 1;
@@ -407,9 +440,9 @@ impl RadixTree {
             return (false, false, false);
         }
         (
-            n.children.is_empty() && n.full_lock == 0,
+            n.children.is_empty() && n.full_lock == 0 && !n.mamba_in_flight,
             self.swa_enabled() && n.swa_live && n.swa_lock == 0,
-            n.mamba.is_some() && n.mamba_lock == 0,
+            n.mamba.is_some() && n.mamba_lock == 0 && !n.mamba_in_flight,
         )
     }
 

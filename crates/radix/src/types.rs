@@ -118,6 +118,22 @@ impl fmt::Display for Slots {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct MambaSlot(pub u32);
 
+/// A recurrent state to attach inside an insert's key ([`crate::InsertRequest::checkpoints`]):
+/// `slot` holds the state after the key's first `at` tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StateCheckpoint {
+    /// The position whose state `slot` holds: a positive multiple of the page size, at
+    /// most the key's length.
+    pub at: Tokens,
+    /// The slot holding the state.
+    pub slot: MambaSlot,
+    /// Whether the forward that writes the state is still in flight (it was planned in
+    /// the current step). Such a state ends no match until
+    /// [`crate::RadixTree::publish_states`]: a request admitted in the same step would
+    /// copy it before it is written.
+    pub in_flight: bool,
+}
+
 /// A node of the tree. Carries a generation so that an id kept past its node's eviction
 /// is recognised as stale instead of naming whatever node reuses the arena entry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

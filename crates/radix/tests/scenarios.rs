@@ -9,8 +9,8 @@ mod common;
 use common::{Sim, tokens};
 use unikv_invariants::testing::page_sizes;
 use unikv_radix::{
-    Action, Component, InsertRequest, MambaSlot, RadixError, RadixTree, SwaSide, TokenId, Tokens,
-    TreeConfig, VirtualToken,
+    Action, Component, InsertRequest, MambaSlot, RadixError, RadixTree, StateCheckpoint, SwaSide,
+    TokenId, Tokens, TreeConfig, VirtualToken,
 };
 
 /// Page symbols `0, 1, .., n-1`: a key of `n` distinct pages.
@@ -354,8 +354,8 @@ fn scenario_23_a_page_larger_than_the_window_never_leaves_an_all_tombstone_leaf(
 }
 
 /// Mamba: only nodes with a state end a match; a duplicate state is freed; states are
-/// evicted least recently used first (with their leaf when they sit on an unlocked leaf,
-/// alone on an internal node).
+/// evicted least recently used first, alone: the KV under a state stays (a FULL hit a
+/// later request can save a branching state on).
 #[test]
 fn mamba_states_end_matches_and_are_evicted_lru() {
     for ps in page_sizes() {
@@ -379,15 +379,15 @@ fn mamba_states_end_matches_and_are_evicted_lru() {
         assert_eq!(actions, vec![Action::FreeMambaSlot { slot }]);
         sim.check();
         // LRU: `long`'s state was used before `short`'s; it sits on an unlocked leaf,
-        // which goes whole (a leaf without a state could never end a match).
+        // whose KV stays: `long` still hits it on FULL and branches there.
         let long_node = node_ending(&sim, &long);
         let evicted = sim.evict(Component::Mamba, 1);
         assert!(matches!(
             &evicted[..],
-            [Action::EvictNode { node, .. }, Action::EvictMambaState { node: n2, .. }]
-                if *node == long_node && *n2 == long_node
+            [Action::EvictMambaState { node, .. }] if *node == long_node
         ));
-        assert_eq!(sim.probe(&long).len, Tokens(2 * p));
+        let m = sim.probe(&long);
+        assert_eq!((m.len, m.full_hit), (Tokens(2 * p), Tokens(4 * p)));
         assert_eq!(sim.tree.sizes().mamba_evictable.get(), 1);
         // Once a longer request extends it, `short`'s state is internal: only it goes.
         let e = sim.start(long.clone());
@@ -1053,4 +1053,77 @@ fn the_swa_refresh_reaches_one_window_and_a_page_up_the_path() {
         3,
         "two chain nodes are older than the later leaf: {order:?}"
     );
+}
+
+/// States at positions inside an insert's key: the node there is split so one ends at
+/// each position; a state written by the step in flight ends no match (and cannot be
+/// evicted) until `publish_states`; the per-path cap evicts the oldest states first and
+/// never one the insert just attached; checkpoints that do not ascend inside the key
+/// are refused with the tree unchanged.
+#[test]
+fn checkpoints_inside_a_key_land_at_their_positions_and_honour_the_path_cap() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let cap = std::num::NonZeroUsize::new(2).unwrap();
+        let mut tree = RadixTree::new(
+            TreeConfig::full_only(ps)
+                .with_mamba()
+                .with_mamba_path_cap(cap),
+        )
+        .unwrap();
+        let key: Vec<TokenId> = (0..4 * p as u32).map(TokenId).collect();
+        let value: Vec<VirtualToken> = (1..=4 * p as u32).map(VirtualToken).collect();
+        let at = |pages: usize, slot: u32, in_flight: bool| StateCheckpoint {
+            at: Tokens(pages * p),
+            slot: MambaSlot(slot),
+            in_flight,
+        };
+        // Misordered or misplaced checkpoints change nothing.
+        for bad in [
+            vec![at(2, 1, false), at(1, 2, false)],
+            vec![at(0, 1, false)],
+            vec![at(5, 1, false)],
+        ] {
+            let refused = tree.insert(InsertRequest::new(&key, &value).checkpoints(&bad));
+            assert!(
+                matches!(refused, Err(RadixError::BadCheckpoint { .. })),
+                "ps {ps}: {refused:?}"
+            );
+            assert_eq!(tree.node_count(), 1, "ps {ps}");
+        }
+        let first = [at(1, 1, false), at(2, 2, false)];
+        let out = tree
+            .insert(InsertRequest::new(&key, &value).checkpoints(&first))
+            .unwrap();
+        assert!(out.actions.is_empty(), "ps {ps}: {:?}", out.actions);
+        assert_eq!(tree.match_prefix(&key[..3 * p]).len, Tokens(2 * p));
+        assert_eq!(tree.match_prefix(&key[..2 * p - 1]).len, Tokens(p));
+        // Two more, in flight: the path holds four, the cap two; the two oldest go.
+        let second = [at(3, 3, true), at(4, 4, true)];
+        let out = tree
+            .insert(
+                InsertRequest::new(&key, &value)
+                    .prev_prefix_len(4 * p)
+                    .checkpoints(&second),
+            )
+            .unwrap();
+        let mut evicted: Vec<u32> = out
+            .actions
+            .iter()
+            .map(|a| match a {
+                Action::EvictMambaState { slot, .. } => slot.0,
+                other => panic!("ps {ps}: {other:?}"),
+            })
+            .collect();
+        evicted.sort_unstable();
+        assert_eq!(evicted, [1, 2], "ps {ps}: the oldest states go");
+        // In flight: no match ends there, and no eviction takes them.
+        assert_eq!(tree.match_prefix(&key).len, Tokens(0), "ps {ps}");
+        assert!(tree.evict_one(Component::Mamba).is_none(), "ps {ps}");
+        assert!(tree.evict_one(Component::Full).is_none(), "ps {ps}");
+        tree.publish_states();
+        assert_eq!(tree.match_prefix(&key).len, Tokens(4 * p), "ps {ps}");
+        assert_eq!(tree.sizes().mamba_evictable.get(), 2);
+        tree.sanity_check().unwrap();
+    }
 }

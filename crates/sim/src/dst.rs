@@ -783,7 +783,7 @@ impl Sim {
     }
 
     /// The engine's forward over `running[i]`'s new tokens `[old, len)`: stamps their KV
-    /// on every side it has, the running state, and the checkpoint the cache asks for.
+    /// on every side it has, the running state, and the checkpoints the cache asks for.
     fn forward(&mut self, i: usize, old: usize) -> Result<(), Failure> {
         let r = &self.running[i];
         let hashes = prefix_hashes(&r.req.tokens()[..r.req.len()]);
@@ -801,7 +801,7 @@ impl Sim {
         if let Some(slot) = r.req.state_slot() {
             let len = r.req.len();
             spans.push((self.slot_span(slot)?, state_stamp(hash_at(&hashes, len))));
-            if let Some(w) = r.req.checkpoint_write() {
+            for w in r.req.checkpoint_writes() {
                 spans.push((
                     self.slot_span(w.slot)?,
                     state_stamp(hash_at(&hashes, w.at_len)),

@@ -524,11 +524,11 @@ fn the_mamba_hybrids_replay_on_both_layouts_with_their_mamba_rows() {
         for run in runs {
             let peak = &run["peak_bytes_by_subpool"];
             let mamba = &run["mamba"];
-            // Three slots a running request, within the layout's capacity (the static
-            // pool of 1 GiB holds 6: two requests at once).
+            // At least a running slot a running request (checkpoints come and go),
+            // within the layout's capacity (the static pool of 1 GiB holds 6).
             let peak_slots = mamba["peak_slots"].as_u64().unwrap();
             assert!(
-                peak_slots >= 3 * run["peak_admitted"].as_u64().unwrap()
+                peak_slots >= run["peak_admitted"].as_u64().unwrap()
                     && peak_slots <= mamba["slots_total"].as_u64().unwrap(),
                 "{run}"
             );
