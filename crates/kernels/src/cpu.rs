@@ -60,6 +60,13 @@ impl CpuDevice {
         Ok(kernel(st.bytes_mut(buf)?.dense_mut()?))
     }
 
+    /// Buffers and tables allocated and not yet freed: what the device's users still hold
+    /// on it (a leak check for tests; it walks every handle ever issued).
+    pub fn live_allocations(&self) -> usize {
+        let st = self.state();
+        st.bytes.live() + st.tables.live()
+    }
+
     fn state(&self) -> MutexGuard<'_, State> {
         // Poisoning cannot leave the state half-written: every op validates all its
         // arguments before it writes, and the writes themselves do not panic. So a
@@ -302,10 +309,13 @@ mod tests {
         let dev = CpuDevice::new();
         let b = dev.alloc_bytes(5, 0xAB).unwrap();
         let t = dev.alloc_table(3, -1).unwrap();
+        assert_eq!(dev.live_allocations(), 2);
         assert_eq!(bytes(&dev, b), vec![0xAB; 5]);
         assert_eq!(read(&dev, t), vec![-1; 3]);
         dev.free_bytes(b).unwrap();
+        assert_eq!(dev.live_allocations(), 1);
         dev.free_table(t).unwrap();
+        assert_eq!(dev.live_allocations(), 0);
         assert!(matches!(
             dev.free_bytes(b),
             Err(Error::UnknownHandle { kind: "bytes", .. })

@@ -66,6 +66,11 @@ impl<T> Handles<T> {
         Ok(())
     }
 
+    /// Items stored and not yet released (a walk over every handle ever issued).
+    pub(crate) fn live(&self) -> usize {
+        self.items.iter().filter(|item| item.is_some()).count()
+    }
+
     /// Takes every live item out (tear-down).
     pub(crate) fn drain(&mut self) -> impl Iterator<Item = T> + '_ {
         self.items.drain(..).flatten()

@@ -82,6 +82,10 @@
 //!   the ends as a transaction of its own, which stays when the relay fails (every page
 //!   keeps its virtual id and its bytes). Sizes are overflow-safe:
 //!   a huge demand is out of capacity with a saturated, never wrapped, count.
+//! - **A refused build leaves the device as it found it.** Each allocator allocates its
+//!   buffer and mirror tables through one guard that frees them when it drops, so a
+//!   constructor that fails at any allocation frees the ones before it, and a dropped
+//!   allocator frees the rest through the same code.
 //! - **Mirror epochs.** [`KvAllocator::translate`] refuses while the device mirror is
 //!   behind the host tables ([`KvAllocator::mirror_current`]); upload first.
 //! - **An infallible free path.** [`KvAllocator::free_batch`] runs each [`FreeOp`]
@@ -104,6 +108,7 @@ mod frees;
 mod hooked;
 mod ids;
 pub mod invariants;
+mod memory;
 mod spec;
 mod static_paged;
 mod sub;

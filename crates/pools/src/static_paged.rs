@@ -15,6 +15,7 @@ use crate::error::Error;
 use crate::frees::{self, FreeGroup, PageTables};
 use crate::ids::{PageSize, VirtualPage, VirtualSlot, VirtualToken};
 use crate::invariants::{CONSERVATION, ROOM_CHECK};
+use crate::memory::DeviceMemory;
 use crate::spec::{
     BS1_STATE_SLOTS, Grid, Side, SlotPoolSpec, SubPoolSpec, bs1_floor, check_bs1_floor, sink_floor,
     window_pages,
@@ -157,6 +158,8 @@ struct Pools {
 #[derive(Debug)]
 pub struct StaticSwa {
     device: Arc<dyn Device>,
+    /// Held for its drop: frees `buffer` and the mirror tables with the allocator.
+    _memory: DeviceMemory,
     buffer: BytesId,
     ps: PageSize,
     full_grid: Grid,
@@ -327,18 +330,20 @@ impl StaticSwa {
             )));
         }
         let slot_ids = if slot_spec.is_some() { slots + 1 } else { 0 };
-        let buffer = device.alloc_bytes(total, 0)?;
-        let full_mirror = device.alloc_table(virtual_pages as usize, 0)?;
+        let mut memory = DeviceMemory::new(device.clone());
+        let buffer = memory.alloc_bytes(total, 0)?;
+        let full_mirror = memory.alloc_table(virtual_pages as usize, 0)?;
         let swa_mirror = match swa_spec {
-            Some(_) => Some(device.alloc_table(virtual_pages as usize, 0)?),
+            Some(_) => Some(memory.alloc_table(virtual_pages as usize, 0)?),
             None => None,
         };
         let slot_mirror = match slot_spec {
-            Some(_) => Some(device.alloc_table(slot_ids as usize, 0)?),
+            Some(_) => Some(memory.alloc_table(slot_ids as usize, 0)?),
             None => None,
         };
         Ok(StaticSwa {
             device,
+            _memory: memory,
             buffer,
             ps,
             full_grid,
@@ -1220,19 +1225,6 @@ impl StaticSwa {
             return Err(format!("dirty slot s{s} is not flagged"));
         }
         Ok(())
-    }
-}
-
-impl Drop for StaticSwa {
-    fn drop(&mut self) {
-        // Tear-down; a failure here has nobody to report to.
-        let _ = self.device.free_bytes(self.buffer);
-        for t in [Some(self.full_mirror), self.swa_mirror, self.slot_mirror]
-            .into_iter()
-            .flatten()
-        {
-            let _ = self.device.free_table(t);
-        }
     }
 }
 

@@ -15,6 +15,7 @@ use crate::error::Error;
 use crate::frees::{self, FreeGroup, PageTables};
 use crate::ids::{PageSize, VirtualPage, VirtualSlot, VirtualToken};
 use crate::invariants::{CONSERVATION, ROOM_CHECK};
+use crate::memory::DeviceMemory;
 use crate::spec::{
     BS1_STATE_SLOTS, Grid, Grow, Side, SlotPoolSpec, SubPoolSpec, bs1_floor, check_bs1_floor,
     sink_floor, window_pages,
@@ -104,6 +105,8 @@ enum Source {
 #[derive(Debug)]
 pub struct UnifiedSwa {
     device: Arc<dyn Device>,
+    /// Held for its drop: frees `buffer` and `mirrors` with the allocator.
+    _memory: DeviceMemory,
     buffer: BytesId,
     ps: PageSize,
     total_bytes: u64,
@@ -198,9 +201,10 @@ impl UnifiedSwa {
             )));
         }
         let virtual_slots = slot_grid.map_or(0, |g| g.pages - g.min_page + 1);
-        let buffer = device.alloc_bytes(total, 0)?;
+        let mut memory = DeviceMemory::new(device.clone());
+        let buffer = memory.alloc_bytes(total, 0)?;
         let mut mirrors = [None; 3];
-        mirrors[ix(Side::Full)] = Some(device.alloc_table(virtual_pages as usize, 0)?);
+        mirrors[ix(Side::Full)] = Some(memory.alloc_table(virtual_pages as usize, 0)?);
         // With the slots at the low end, SWA floats between them and FULL.
         let swa_grow = if slot_grid.is_some() {
             Grow::Float
@@ -209,20 +213,21 @@ impl UnifiedSwa {
         };
         let swa = match swa_grid {
             Some(grid) => {
-                mirrors[ix(Side::Swa)] = Some(device.alloc_table(virtual_pages as usize, 0)?);
+                mirrors[ix(Side::Swa)] = Some(memory.alloc_table(virtual_pages as usize, 0)?);
                 Some(SubAllocator::new(grid, swa_grow, virtual_pages))
             }
             None => None,
         };
         let mamba = match slot_grid {
             Some(grid) => {
-                mirrors[ix(Side::Mamba)] = Some(device.alloc_table(virtual_slots as usize, 0)?);
+                mirrors[ix(Side::Mamba)] = Some(memory.alloc_table(virtual_slots as usize, 0)?);
                 Some(SubAllocator::new(grid, Grow::Up, virtual_slots))
             }
             None => None,
         };
         Ok(UnifiedSwa {
             device,
+            _memory: memory,
             buffer,
             ps,
             total_bytes: total,
@@ -1483,16 +1488,6 @@ impl KvAllocator for UnifiedSwa {
             }
         }
         Ok(())
-    }
-}
-
-impl Drop for UnifiedSwa {
-    fn drop(&mut self) {
-        // Tear-down; a failure here has nobody to report to.
-        let _ = self.device.free_bytes(self.buffer);
-        for t in self.mirrors.into_iter().flatten() {
-            let _ = self.device.free_table(t);
-        }
     }
 }
 
