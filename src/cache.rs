@@ -1668,6 +1668,17 @@ impl HybridCache {
     }
 }
 
+impl Drop for HybridCache {
+    /// Frees the step table (the allocator frees its own memory when it drops next), so a
+    /// dropped cache leaves the device as it found it.
+    fn drop(&mut self) {
+        if let Some(table) = self.step_table.take() {
+            // Nothing to report to: a failed free of a table no one reads only leaks it.
+            let _ = self.device.free_table(table.id);
+        }
+    }
+}
+
 /// The checkpoints one allocation plans, request by request (reused across calls).
 #[derive(Debug, Default)]
 struct CheckpointPlan {

@@ -136,3 +136,28 @@ fn a_build_refused_after_its_allocator_exists_frees_the_allocator() {
         }
     }
 }
+
+/// A dropped cache frees its step table too: after a step's metadata was built and
+/// uploaded, the device holds nothing once the cache is gone.
+#[test]
+fn a_dropped_cache_frees_its_step_table() {
+    for ps in page_sizes() {
+        let cpu = Arc::new(CpuDevice::new());
+        let mut cache = HybridCache::builder()
+            .model(TINY_TRI)
+            .page_size(ps)
+            .memory_bytes(BUDGET)
+            .device(cpu.clone())
+            .build()
+            .unwrap();
+        let hit = cache.match_prefix((0..40).map(unikv::TokenId).collect());
+        let mut req = cache.admit(hit).unwrap();
+        cache.alloc_extend(&mut req, 40).unwrap();
+        let mut meta = unikv::StepMetadata::new();
+        cache.build_step_metadata(&mut meta, &[(&req, 40)]).unwrap();
+        assert!(cache.step_view(&meta).unwrap().device_table().is_some());
+        cache.release(req).unwrap();
+        drop(cache);
+        assert_eq!(cpu.live_allocations(), 0, "ps {ps}");
+    }
+}
