@@ -30,13 +30,19 @@ fn prompt(branch: u32, suffix: usize) -> Vec<TokenId> {
     p
 }
 
-/// Admits `p`, prefills it in one chunk and caches it unfinished (the scheduler's order:
-/// every chunk is cached at once).
-fn start(c: &mut HybridCache, p: Vec<TokenId>) -> Request {
+/// Admits `p` and prefills it in one chunk.
+fn prefill(c: &mut HybridCache, p: Vec<TokenId>) -> Request {
     let hit = c.match_prefix(p);
     let mut req = c.admit(hit).unwrap();
     let n = req.remaining_prefill();
     c.alloc_extend(&mut req, n).unwrap();
+    req
+}
+
+/// [`prefill`], then caches it unfinished (the scheduler's order: every chunk is cached at
+/// once).
+fn start(c: &mut HybridCache, p: Vec<TokenId>) -> Request {
+    let mut req = prefill(c, p);
     c.cache_unfinished(&mut req).unwrap();
     req
 }
@@ -131,11 +137,9 @@ fn the_third_request_sharing_a_branch_hits_all_of_it() {
             hit.cached_tokens() < SHARED,
             "{label}: no state at the branch"
         );
-        let b = c.admit(hit).unwrap();
+        drop(hit);
+        let mut b = prefill(c, prompt(1, suffix));
         assert_eq!(b.kv_hit_at_admission(), SHARED);
-        let mut b = b;
-        let n = b.remaining_prefill();
-        c.alloc_extend(&mut b, n).unwrap();
         assert!(
             b.checkpoint_writes().iter().any(|w| w.at_len == SHARED),
             "{label}: the branching point is saved: {:?}",
@@ -171,14 +175,11 @@ fn evicting_kv_drops_the_states_on_it() {
 }
 
 /// An abort between a checkpoint's planning (its slot written by the step's forward) and
-/// its insert returns every slot; so does a retraction after a hand-over.
+/// its insert returns every slot.
 #[test]
 fn an_abort_between_a_checkpoint_write_and_its_insert_leaks_no_slot() {
     each(|c, label, _| {
-        let hit = c.match_prefix(prompt(0, 100));
-        let mut a = c.admit(hit).unwrap();
-        let n = a.remaining_prefill();
-        c.alloc_extend(&mut a, n).unwrap();
+        let a = prefill(c, prompt(0, 100));
         assert_eq!(a.checkpoint_writes().len(), 2, "{label}");
         assert_eq!(a.state_slots().len(), 3, "{label}");
         c.release(a).unwrap();

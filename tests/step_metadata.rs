@@ -233,3 +233,64 @@ fn bad_batches_are_refused_and_leave_the_metadata_unreadable() {
     fx.step();
     fx.teardown(vec![req]);
 }
+
+/// A recurrent model's checkpoint writes are a prefix-summed section of the device table:
+/// `checkpoint_starts` (B + 1 entries), then each write's physical slot and position in
+/// batch order, as [`Request::checkpoint_writes`] lists them and the view reads them.
+#[test]
+fn checkpoint_writes_are_a_prefix_summed_section_of_the_step_table() {
+    for layout in LAYOUTS {
+        for ps in page_sizes() {
+            let cpu = Arc::new(CpuDevice::new());
+            let mut cache = HybridCache::builder()
+                .model(TINY_TRI)
+                .page_size(ps)
+                .memory_bytes(1 << 20)
+                .layout(layout)
+                .checkpoint_interval(64.max(ps))
+                .device(cpu.clone())
+                .build()
+                .unwrap();
+            let label = format!("{} ps {ps}", layout.as_str());
+            let admit = |cache: &mut HybridCache, base: u32, n: u32| {
+                let hit = cache.match_prefix((base..base + n).map(TokenId).collect());
+                cache.admit(hit).unwrap()
+            };
+            // One request saving nothing this step, one saving two states.
+            let mut quiet = admit(&mut cache, 0, 8);
+            cache.alloc_extend(&mut quiet, 4).unwrap();
+            let mut saving = admit(&mut cache, 100_000, 300);
+            cache.alloc_extend(&mut saving, 300).unwrap();
+            assert!(quiet.checkpoint_writes().is_empty(), "{label}");
+            assert_eq!(saving.checkpoint_writes().len(), 2, "{label}");
+            let mut meta = StepMetadata::new();
+            let batch = [(&quiet, 4), (&saving, 300)];
+            cache.build_step_metadata(&mut meta, &batch).unwrap();
+            let view = cache.step_view(&meta).unwrap();
+            let l = view.device_layout();
+            let image = view.host_image();
+            assert_eq!(
+                &image[l.checkpoint_starts..l.checkpoint_starts + 3],
+                &[0, 0, 2],
+                "{label}"
+            );
+            let alloc = cache.allocator();
+            for (k, w) in saving.checkpoint_writes().iter().enumerate() {
+                let slot = alloc.physical_slot(w.slot).unwrap();
+                assert_eq!(image[l.checkpoint_slots + k], slot as i32, "{label}");
+                assert_eq!(image[l.checkpoint_at + k], w.at_len as i32, "{label}");
+                assert_eq!(view.request(1).checkpoints[k].slot, slot, "{label}");
+                assert_eq!(view.request(1).checkpoints[k].at_len, w.at_len, "{label}");
+            }
+            assert!(view.request(0).checkpoints.is_empty(), "{label}");
+            assert_eq!(l.len, l.checkpoint_at + 2, "{label}");
+            let sync = HostSync::acquire("test: reading the step table back");
+            let device = cpu
+                .read_table(&sync, view.device_table().unwrap(), 0, l.len)
+                .unwrap();
+            assert_eq!(device, image, "{label}");
+            cache.release(quiet).unwrap();
+            cache.release(saving).unwrap();
+        }
+    }
+}

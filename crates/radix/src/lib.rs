@@ -38,12 +38,14 @@
 //!   unlocked leaf removes it whole, evicting any other node tombstones it
 //!   ([`Action::TombstoneSwa`]).
 //! - **MAMBA**: an optional state slot per node (the state at the node's end, attached
-//!   by the insert that ends there and kept by the lower part when a node splits); a lock
-//!   on the locked node only; an LRU set of unlocked states. Evicting a state on an
-//!   unlocked leaf removes the leaf whole (it could never end a match again); on any other
-//!   node it frees the state alone. Optionally a cap on the states of one root-to-node
-//!   path (applied by the insert that attaches a state), and a checkpoint grid that
-//!   [`MatchResult::mamba_branching`] is aligned to.
+//!   by the insert that ends there or, as one of its [`InsertRequest::checkpoints`], by an
+//!   insert passing there, which splits the node; kept by the lower part when a node
+//!   splits); a lock on the locked node only; an LRU set of unlocked states. Evicting a
+//!   state frees the state alone: the KV under it stays a FULL hit. A state whose writing
+//!   forward is in flight ([`StateCheckpoint::in_flight`]) ends no match and is pinned
+//!   like a locked one until [`RadixTree::publish_states`]. Optionally a cap on the states
+//!   of one root-to-node path (applied by the insert that attaches states), and a
+//!   checkpoint grid that [`MatchResult::mamba_branching`] is aligned to.
 //!
 //! Main entry points: [`RadixTree::match_prefix`], [`RadixTree::insert`] (with
 //! [`InsertRequest`]), [`RadixTree::lock`] / [`RadixTree::release_window`] /
@@ -62,13 +64,13 @@
 //! - Breaches of these invariants are recorded in the tree's invariant scope
 //!   ([`RadixTree::invariant_scope`]; its own until a cache hands it the cache's).
 //! - A match ends only where a whole window of live SWA precedes it (from the root none
-//!   is needed) and, with Mamba, only on a node with a state.
+//!   is needed) and, with Mamba, only on a node with a published state.
 //! - Mamba path cap ([`TreeConfig::mamba_path_cap`]): when an insert attaches a state and
 //!   the path from the root to that node then holds more states than the cap, the insert
 //!   evicts the least recently used unlocked states on that path (each an
-//!   [`Action::EvictMambaState`] in its actions, in the order applied; they sit on internal
-//!   nodes, so only the state goes) until the path is within the cap. Best-effort over
-//!   unlocked states: the state just attached and locked states are never evicted for it,
+//!   [`Action::EvictMambaState`] in its actions, in the order applied; only the state
+//!   goes) until the path is within the cap. Best-effort over unpinned states: the states
+//!   just attached, locked ones and ones in flight are never evicted for it,
 //!   so a path stays above the cap exactly when every other state on it is locked. Checked
 //!   at the insert's commit only: a descendant's path that gains the state, or a path whose
 //!   excess states are unlocked later, is brought within the cap by its next attach.
