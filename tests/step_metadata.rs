@@ -259,12 +259,15 @@ fn checkpoint_writes_are_a_prefix_summed_section_of_the_step_table() {
             // One request saving nothing this step, one saving two states.
             let mut quiet = admit(&mut cache, 0, 8);
             cache.alloc_extend(&mut quiet, 4).unwrap();
-            let mut saving = admit(&mut cache, 100_000, 300);
-            cache.alloc_extend(&mut saving, 300).unwrap();
+            // Two and a half grid intervals: a grid point and the prompt's last page.
+            let g = 64.max(ps);
+            let n = 2 * g + g / 2;
+            let mut saving = admit(&mut cache, 100_000, n);
+            cache.alloc_extend(&mut saving, n as usize).unwrap();
             assert!(quiet.checkpoint_writes().is_empty(), "{label}");
             assert_eq!(saving.checkpoint_writes().len(), 2, "{label}");
             let mut meta = StepMetadata::new();
-            let batch = [(&quiet, 4), (&saving, 300)];
+            let batch = [(&quiet, 4), (&saving, n as usize)];
             cache.build_step_metadata(&mut meta, &batch).unwrap();
             let view = cache.step_view(&meta).unwrap();
             let l = view.device_layout();
