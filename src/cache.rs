@@ -1140,8 +1140,9 @@ impl HybridCache {
         }
         req.lock = outcome.lock;
         req.window_lock_released = false;
-        let values = self.tree.prefix_values(outcome.node)?;
-        for (slot, v) in req.row[..cached].iter_mut().zip(&values) {
+        // Rows before `protected` already read the tree's values.
+        let values = self.tree.values_from(outcome.node, Tokens(req.protected))?;
+        for (slot, v) in req.row[req.protected..cached].iter_mut().zip(&values) {
             *slot = PoolToken(v.0);
         }
         req.protected = cached;
@@ -1260,11 +1261,20 @@ impl HybridCache {
         checkpoints: &[StateCheckpoint],
     ) -> Result<unikv_radix::InsertOutcome, Error> {
         let key_len = req.len() / self.ps * self.ps;
-        let values: Vec<TreeToken> = req.row[..key_len].iter().map(|v| TreeToken(v.0)).collect();
-        let mut insert = InsertRequest::new(&req.tokens[..key_len], &values)
-            .prev_prefix_len(req.protected)
-            .window_cursor(req.cursor.max(req.protected))
-            .checkpoints(checkpoints);
+        // A request holding a lock inserts only what follows its locked node (where its
+        // tree-owned prefix ends), so a chunk costs its own tokens, not the whole row.
+        let from = if req.lock.is_some() { req.protected } else { 0 };
+        let values: Vec<TreeToken> = req.row[from..key_len]
+            .iter()
+            .map(|v| TreeToken(v.0))
+            .collect();
+        let key = &req.tokens[from..key_len];
+        let mut insert = match req.lock {
+            Some(held) => InsertRequest::after(held, from, key, &values),
+            None => InsertRequest::new(key, &values).prev_prefix_len(req.protected),
+        }
+        .window_cursor(req.cursor.max(req.protected))
+        .checkpoints(checkpoints);
         if lock {
             insert = insert.locked();
         }

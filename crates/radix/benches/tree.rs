@@ -1,5 +1,6 @@
 //! Benchmarks of the tree's hot operations (divan): `match_prefix` of a 100K-token prompt,
-//! insert of 8K tokens (fresh, and as a duplicate split at a cursor), and evicting 1K
+//! insert of 8K tokens (fresh, and as a duplicate split at a cursor), a running request's
+//! next 512 tokens after 100K (from the root and from its locked node), evicting 1K
 //! leaves. Page sizes 1 and 256, window 128 (gpt-oss-20b's).
 //!
 //! Run with `cargo bench -p unikv-radix`.
@@ -92,6 +93,39 @@ fn insert_8k_duplicate(bencher: Bencher, ps: u32) {
                 t.insert(InsertRequest::new(&k, &v).window_cursor(4_096))
                     .unwrap(),
             )
+        });
+}
+
+/// A running request that holds a lock at the end of its 100K cached tokens (a path of
+/// 25 nodes) caches its next page-aligned 512 tokens: from the root, claiming the prefix
+/// (`prev_prefix_len`), and from the locked node (`InsertRequest::after`).
+#[divan::bench(args = [("root", 1), ("root", 256), ("after", 1), ("after", 256)])]
+fn insert_512_more_after_100k(bencher: Bencher, (walk, ps): (&str, u32)) {
+    let (len, more) = (102_400, 512);
+    let k = key(len + more, 1);
+    let v = row(len + more, 1_000);
+    bencher
+        .with_inputs(|| {
+            let mut t = tree(ps);
+            let mut lock = None;
+            for step in 1..=25 {
+                let (prev, end) = ((step - 1) * len / 25, step * len / 25);
+                let out = t
+                    .insert(InsertRequest::new(&k[..end], &v[..end]).prev_prefix_len(prev))
+                    .unwrap();
+                if step == 25 {
+                    lock = Some(t.lock(out.node).unwrap());
+                }
+            }
+            (t, lock.unwrap())
+        })
+        .bench_local_values(|(mut t, lock)| {
+            let insert = match walk {
+                "root" => InsertRequest::new(&k, &v).prev_prefix_len(len),
+                _ => InsertRequest::after(lock, len, &k[len..], &v[len..]),
+            };
+            black_box(t.insert(insert.window_cursor(len)).unwrap());
+            t
         });
 }
 

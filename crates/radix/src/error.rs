@@ -47,6 +47,15 @@ pub enum RadixError {
         /// What the tree holds for that key.
         cached: usize,
     },
+    /// A suffix insert ([`crate::InsertRequest::after`]) says its key starts somewhere
+    /// other than the end of the node its lock holds.
+    #[error("a suffix insert starts at {at}, but its locked node ends at {node_end}")]
+    SuffixStartMismatch {
+        /// Where the insert says its key starts.
+        at: usize,
+        /// Where the locked node ends.
+        node_end: usize,
+    },
     /// An insert's value differs from the tree's inside the prefix it claims the tree owns.
     #[error("insert value differs from the tree's at position {position} of its cached prefix")]
     PrefixValueMismatch {

@@ -15,6 +15,10 @@
 //! cursor and live nodes above it, the live leaf capped at one page-aligned window. Tokens
 //! that would only form an all-tombstone leaf are not cached: they stay the caller's.
 //!
+//! A request that already holds a lock on the path it extends inserts only its new suffix
+//! ([`InsertRequest::after`], SGLang's `insert_suffix_from_node`): the walk starts at the
+//! locked node instead of the root, so a chunk costs its own tokens, not the whole row.
+//!
 //! Recurrent states attach at the key's end ([`InsertRequest::mamba`]) or at positions
 //! inside it ([`InsertRequest::checkpoints`]: the node there is split so that one ends at
 //! each); a state lands only on a node that has none and live SWA, otherwise its slot is
@@ -30,23 +34,45 @@ use crate::{
     VirtualToken,
 };
 
+/// Where an insert's key starts, and which rows before its new part the tree owns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyStart {
+    /// The key is the whole sequence from position 0; rows `[0, tree_owned)` are the
+    /// tree's own values (the request matched or cached them before).
+    Root {
+        /// The tree-owned prefix (SGLang's `prev_prefix_len`).
+        tree_owned: Tokens,
+    },
+    /// The key continues the path that ends at the node `lock` holds: its first token
+    /// sits at `at`, that node's end, and every row before it is the tree's own. The walk
+    /// starts at that node (SGLang's `insert_suffix_from_node`).
+    After {
+        /// The caller's lock on the node its key continues.
+        lock: LockHandle,
+        /// The position of the key's first token: the locked node's end (checked).
+        at: Tokens,
+    },
+}
+
 /// What a request hands to [`RadixTree::insert`].
 #[derive(Clone, Copy, Debug)]
 pub struct InsertRequest<'a> {
-    /// The request's tokens (length a multiple of the page size; the caller keeps the
-    /// partial last page).
+    /// The request's tokens from [`InsertRequest::start`] on (the key ends on a page
+    /// boundary; the caller keeps the partial last page).
     pub key: &'a [TokenId],
     /// The request's row: one virtual token per key token.
     pub value: &'a [VirtualToken],
-    /// Rows `[0, prev_prefix_len)` are the tree's own values (the request matched them).
-    pub prev_prefix_len: Tokens,
-    /// The window cursor: SWA of rows below it is already released. Page-aligned, at least
-    /// `prev_prefix_len`. Ignored without SWA.
+    /// Where `key` starts.
+    pub start: KeyStart,
+    /// The window cursor, as a position in the whole sequence: SWA of rows below it is
+    /// already released. Page-aligned, at least the tree-owned prefix. Ignored without
+    /// SWA.
     pub window_cursor: Tokens,
     /// The Mamba state at the end of `key`, if the model has Mamba layers.
     pub mamba: Option<MambaSlot>,
-    /// Mamba states at positions inside `key` (strictly ascending page boundaries in
-    /// `(0, key.len()]`); each lands where the tree ends up caching that position.
+    /// Mamba states at positions of the whole sequence (strictly ascending page
+    /// boundaries in `(0, end of key]`, also before the key's start); each lands where
+    /// the tree ends up caching that position.
     pub checkpoints: &'a [StateCheckpoint],
     /// Lock the inserted node and return the handle (an unfinished request that keeps
     /// decoding on top of what it just cached). The caller releases the request's previous
@@ -61,7 +87,9 @@ impl<'a> InsertRequest<'a> {
         InsertRequest {
             key,
             value,
-            prev_prefix_len: Tokens::ZERO,
+            start: KeyStart::Root {
+                tree_owned: Tokens::ZERO,
+            },
             window_cursor: Tokens::ZERO,
             mamba: None,
             checkpoints: &[],
@@ -69,9 +97,28 @@ impl<'a> InsertRequest<'a> {
         }
     }
 
-    /// Sets the tree-owned prefix length.
+    /// The new suffix of a request holding `lock`: `key` and `value` are its tokens from
+    /// position `at`, the end of the locked node, on ([`KeyStart::After`]).
+    pub fn after(
+        lock: LockHandle,
+        at: usize,
+        key: &'a [TokenId],
+        value: &'a [VirtualToken],
+    ) -> Self {
+        InsertRequest {
+            start: KeyStart::After {
+                lock,
+                at: Tokens(at),
+            },
+            ..InsertRequest::new(key, value)
+        }
+    }
+
+    /// Sets the tree-owned prefix length of a key that starts at the root.
     pub fn prev_prefix_len(mut self, len: usize) -> Self {
-        self.prev_prefix_len = Tokens(len);
+        self.start = KeyStart::Root {
+            tree_owned: Tokens(len),
+        };
         self
     }
 
@@ -121,35 +168,34 @@ impl RadixTree {
     /// page-aligned, a claimed tree-owned prefix the tree does not hold or whose values
     /// differ, a Mamba slot for a tree without Mamba.
     pub fn insert(&mut self, req: InsertRequest<'_>) -> Result<InsertOutcome, RadixError> {
-        self.validate_insert(&req)?;
+        let (row, start) = self.validate_insert(&req)?;
         let ps = self.ps();
-        let len = req.key.len();
-        let ppl = req.prev_prefix_len.0;
+        let len = row.end();
         let cursor = if self.swa_enabled() {
-            req.window_cursor.0.max(ppl).min(len)
+            req.window_cursor.0.max(row.tree_owned).min(len)
         } else {
             0
         };
         let mut actions = Vec::new();
-        let mut pos = 0;
-        let mut x = ROOT;
+        let mut pos = row.base;
+        let mut x = start;
         while pos < len {
-            let Some(&child) = self.nodes[x as usize].children.get(&req.key[pos..pos + ps]) else {
+            let Some(&child) = self.nodes[x as usize].children.get(row.page(pos, ps)) else {
                 break;
             };
-            let c = common_pages(&self.nodes[child as usize].key, &req.key[pos..], ps);
+            let c = common_pages(&self.nodes[child as usize].key, row.key_from(pos), ps);
             let child = if c < self.nodes[child as usize].len() {
                 self.split(child, c)
             } else {
                 child
             };
             let end = pos + c;
-            let child = self.overlap(child, pos, end, ppl, cursor, req.value, &mut actions);
+            let child = self.overlap(child, pos, end, row.tree_owned, cursor, &row, &mut actions);
             x = child;
             pos = end;
         }
         if pos < len {
-            let last = self.add_new(x, pos, len, cursor, req.key, req.value);
+            let last = self.add_new(x, pos, len, cursor, &row);
             if last != x {
                 x = last;
                 pos = len;
@@ -278,7 +324,9 @@ impl RadixTree {
         }
     }
 
-    fn validate_insert(&self, req: &InsertRequest<'_>) -> Result<(), RadixError> {
+    /// Checks `req` and resolves where its walk starts: the row with absolute positions,
+    /// and the node ending at the row's first position.
+    fn validate_insert<'r>(&self, req: &InsertRequest<'r>) -> Result<(Row<'r>, Ix), RadixError> {
         let ps = self.ps();
         let page_size = self.config.page_size;
         if req.key.len() != req.value.len() {
@@ -287,6 +335,30 @@ impl RadixTree {
                 value: req.value.len(),
             });
         }
+        let (base, tree_owned, start) = match req.start {
+            KeyStart::Root { tree_owned } => (0, tree_owned.0, ROOT),
+            KeyStart::After { lock, at } => {
+                let ix = self
+                    .locks
+                    .get(&lock.0)
+                    .ok_or(RadixError::UnknownLock(lock))?
+                    .node;
+                let end = self.start_of(ix) + self.nodes[ix as usize].len();
+                if at.0 != end {
+                    return Err(RadixError::SuffixStartMismatch {
+                        at: at.0,
+                        node_end: end,
+                    });
+                }
+                (end, end, ix)
+            }
+        };
+        let row = Row {
+            base,
+            tree_owned,
+            key: req.key,
+            value: req.value,
+        };
         let aligned = |what, len: usize| {
             if len.is_multiple_of(ps) {
                 Ok(())
@@ -299,7 +371,7 @@ impl RadixTree {
             }
         };
         aligned("key length", req.key.len())?;
-        aligned("prev_prefix_len", req.prev_prefix_len.0)?;
+        aligned("prev_prefix_len", tree_owned)?;
         if self.swa_enabled() {
             aligned("window cursor", req.window_cursor.0)?;
         }
@@ -309,16 +381,19 @@ impl RadixTree {
         let mut previous = 0;
         for c in req.checkpoints {
             let at = c.at.0;
-            if at <= previous || at > req.key.len() || !at.is_multiple_of(ps) {
+            if at <= previous || at > row.end() || !at.is_multiple_of(ps) {
                 return Err(RadixError::BadCheckpoint {
                     at,
-                    key_len: req.key.len(),
+                    key_len: row.end(),
                     page_size,
                 });
             }
             previous = at;
         }
-        let ppl = req.prev_prefix_len.0;
+        if base > 0 {
+            return Ok((row, start)); // the lock's path is the tree's own
+        }
+        let ppl = tree_owned;
         if ppl > req.key.len() {
             return Err(RadixError::PrefixNotInTree {
                 claimed: ppl,
@@ -350,7 +425,7 @@ impl RadixTree {
                 cached: pos,
             });
         }
-        Ok(())
+        Ok((row, start))
     }
 
     /// Handles the incoming slice `[s, e)` over the existing node `ix`, which covers
@@ -363,7 +438,7 @@ impl RadixTree {
         e: usize,
         ppl: usize,
         cursor: usize,
-        value: &[VirtualToken],
+        row: &Row<'_>,
         actions: &mut Vec<Action>,
     ) -> Ix {
         let dup_lo = s.max(ppl);
@@ -372,20 +447,20 @@ impl RadixTree {
         }
         let swa_live = !self.swa_enabled() || self.nodes[ix as usize].swa_live;
         if swa_live {
-            push_split_free(actions, value, dup_lo, e, cursor);
+            push_split_free(actions, row, dup_lo, e, cursor);
             return ix;
         }
         // Tombstone.
         let live_lo = dup_lo.max(cursor);
         if live_lo >= e {
-            push_full_only(actions, &value[dup_lo..e]);
+            push_full_only(actions, row.values(dup_lo, e));
             return ix;
         }
-        push_full_only(actions, &value[dup_lo..live_lo]);
+        push_full_only(actions, row.values(dup_lo, live_lo));
         if live_lo > s {
             self.split(ix, live_lo - s);
         }
-        let incoming = value[live_lo..e].to_vec();
+        let incoming = row.values(live_lo, e).to_vec();
         let node = self.id(ix);
         if self.nodes[ix as usize].full_lock == 0 {
             let old = self.with_node(ix, |n| {
@@ -414,22 +489,14 @@ impl RadixTree {
     /// Adds the new tokens `[pos, len)` under `parent`: a tombstone node below the cursor,
     /// live nodes above it with the leaf capped at one page-aligned window. Returns the new
     /// last node, or `parent` when nothing was added (everything below the cursor).
-    fn add_new(
-        &mut self,
-        parent: Ix,
-        pos: usize,
-        len: usize,
-        cursor: usize,
-        key: &[TokenId],
-        value: &[VirtualToken],
-    ) -> Ix {
+    fn add_new(&mut self, parent: Ix, pos: usize, len: usize, cursor: usize, row: &Row<'_>) -> Ix {
         let c = cursor.max(pos);
         if c >= len {
             return parent; // would be an all-tombstone leaf: not cached
         }
         let make = |lo: usize, hi: usize, live: bool| Node {
-            key: key[lo..hi].to_vec(),
-            value: value[lo..hi].to_vec(),
+            key: row.keys(lo, hi).to_vec(),
+            value: row.values(lo, hi).to_vec(),
             swa_live: live,
             ..Node::default()
         };
@@ -448,22 +515,51 @@ impl RadixTree {
     }
 }
 
-/// Frees the duplicate `value[lo..hi]`: FULL-only below `cursor`, two-sided above.
-fn push_split_free(
-    actions: &mut Vec<Action>,
-    value: &[VirtualToken],
-    lo: usize,
-    hi: usize,
-    cursor: usize,
-) {
+/// An insert's key and value, addressed by positions of the whole sequence: they hold
+/// positions `[base, base + len)`.
+struct Row<'a> {
+    /// The position of `key[0]`.
+    base: usize,
+    /// Rows below this position are the tree's own values.
+    tree_owned: usize,
+    key: &'a [TokenId],
+    value: &'a [VirtualToken],
+}
+
+impl<'a> Row<'a> {
+    /// The position after the last key token.
+    fn end(&self) -> usize {
+        self.base + self.key.len()
+    }
+
+    fn key_from(&self, pos: usize) -> &'a [TokenId] {
+        &self.key[pos - self.base..]
+    }
+
+    fn page(&self, pos: usize, ps: usize) -> &'a [TokenId] {
+        self.keys(pos, pos + ps)
+    }
+
+    fn keys(&self, lo: usize, hi: usize) -> &'a [TokenId] {
+        &self.key[lo - self.base..hi - self.base]
+    }
+
+    fn values(&self, lo: usize, hi: usize) -> &'a [VirtualToken] {
+        &self.value[lo - self.base..hi - self.base]
+    }
+}
+
+/// Frees the duplicate rows `[lo, hi)`: FULL-only below `cursor`, two-sided above.
+fn push_split_free(actions: &mut Vec<Action>, row: &Row<'_>, lo: usize, hi: usize, cursor: usize) {
     let mid = cursor.clamp(lo, hi);
-    push_full_only(actions, &value[lo..mid]);
+    push_full_only(actions, row.values(lo, mid));
     if mid < hi {
+        let tail = row.values(mid, hi);
         if let Some(Action::FreeDeviceKv { tokens }) = actions.last_mut() {
-            tokens.extend_from_slice(&value[mid..hi]);
+            tokens.extend_from_slice(tail);
         } else {
             actions.push(Action::FreeDeviceKv {
-                tokens: value[mid..hi].to_vec(),
+                tokens: tail.to_vec(),
             });
         }
     }

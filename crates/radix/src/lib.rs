@@ -48,7 +48,7 @@
 //!   checkpoint grid that [`MatchResult::mamba_branching`] is aligned to.
 //!
 //! Main entry points: [`RadixTree::match_prefix`], [`RadixTree::insert`] (with
-//! [`InsertRequest`]), [`RadixTree::lock`] / [`RadixTree::release_window`] /
+//! [`InsertRequest`]; [`InsertRequest::after`] continues from a locked node), [`RadixTree::lock`] / [`RadixTree::release_window`] /
 //! [`RadixTree::unlock`], [`RadixTree::evict_one`] / [`RadixTree::evict_until`],
 //! [`RadixTree::sizes`], [`RadixTree::sanity_check`] and [`RadixTree::dump`].
 //!
@@ -96,7 +96,7 @@ mod types;
 
 pub use action::{Action, Released, SwaSide};
 pub use error::RadixError;
-pub use insert::{InsertOutcome, InsertRequest};
+pub use insert::{InsertOutcome, InsertRequest, KeyStart};
 pub use invariants::{ALL as INVARIANTS, FULL_LOCKS_COVER_SWA_LOCKS, LOCK_UNDERFLOW, SANITY};
 pub use matching::MatchResult;
 pub use tree::{NodeView, RadixTree, Sizes};

@@ -318,6 +318,28 @@ impl RadixTree {
         Ok(self.path_values(ix))
     }
 
+    /// The values of positions `[from, end of id)` on the path to `id` (none when `from`
+    /// is at or past its end): what changed in the row of a request that inserted the
+    /// suffix after `from` ([`crate::InsertRequest::after`]), without copying the rest.
+    pub fn values_from(&self, id: NodeId, from: Tokens) -> Result<Vec<VirtualToken>, RadixError> {
+        let ix = self.resolve(id)?;
+        let mut end = self.start_of(ix) + self.nodes[ix as usize].len();
+        let mut path = Vec::new();
+        let mut x = ix;
+        while x != ROOT && end > from.0 {
+            let n = &self.nodes[x as usize];
+            let start = end - n.len();
+            path.push((x, from.0.saturating_sub(start)));
+            end = start;
+            x = n.parent;
+        }
+        let mut values = Vec::new();
+        for &(p, skip) in path.iter().rev() {
+            values.extend_from_slice(&self.nodes[p as usize].value[skip..]);
+        }
+        Ok(values)
+    }
+
     pub(crate) fn path_values(&self, ix: Ix) -> Vec<VirtualToken> {
         let mut path = Vec::new();
         let mut x = ix;

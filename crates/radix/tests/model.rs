@@ -14,7 +14,7 @@
 
 mod common;
 
-use common::{Sim, cases_from, tokens};
+use common::{Sim, Walk, cases_from, tokens};
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
 use std::num::NonZeroUsize;
@@ -107,10 +107,30 @@ fn config() -> impl Strategy<Value = TreeConfig> {
         })
 }
 
+/// Runs `ops` twice in lockstep, once with requests inserting from the root and once
+/// from their locked node: both must leave the same tree after every op.
 fn run(config: TreeConfig, ops: &[Op]) -> Sim {
-    let mut sim = Sim::new(config);
-    let p = sim.ps;
+    let mut from_root = Sim::with_walk(config, Walk::FromRoot);
+    let mut from_lock = Sim::with_walk(config, Walk::FromLock);
     for op in ops {
+        apply(&mut from_root, op);
+        apply(&mut from_lock, op);
+        assert_eq!(
+            from_root.tree.dump(),
+            from_lock.tree.dump(),
+            "a suffix insert from the locked node left another tree than one from the root after {op:?}"
+        );
+    }
+    for sim in [&mut from_root, &mut from_lock] {
+        sim.drain();
+        sim.check();
+    }
+    from_lock
+}
+
+fn apply(sim: &mut Sim, op: &Op) {
+    let p = sim.ps;
+    {
         let n = sim.reqs.len();
         match op {
             Op::Start(k) | Op::StartFresh(k) if n >= MAX_REQS => {
@@ -149,9 +169,6 @@ fn run(config: TreeConfig, ops: &[Op]) -> Sim {
         }
         sim.check();
     }
-    sim.drain();
-    sim.check();
-    sim
 }
 
 proptest! {

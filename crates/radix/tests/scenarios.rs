@@ -545,6 +545,53 @@ fn a_tree_without_swa_frees_duplicates_and_evicts_leaves() {
     }
 }
 
+/// A request holding a lock inserts only its new suffix: the tree walks from the locked
+/// node, and `values_from` hands back only the rows past the old prefix, across nodes.
+#[test]
+fn a_suffix_insert_continues_from_the_locked_node() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let mut tree = RadixTree::new(TreeConfig::swa(ps, p)).unwrap();
+        let key = tokens(&pages(6), p);
+        let row: Vec<VirtualToken> = (100..100 + 6 * p as u32).map(VirtualToken).collect();
+        let first = tree
+            .insert(InsertRequest::new(&key[..2 * p], &row[..2 * p]).locked())
+            .unwrap();
+        let lock = first.lock.unwrap();
+        // Another request splits the locked path after one page: the lock's node keeps its
+        // end.
+        let mut other = key[..p].to_vec();
+        other.extend(tokens(&[7], p));
+        let other_row: Vec<VirtualToken> = (900..900 + 2 * p as u32).map(VirtualToken).collect();
+        tree.insert(InsertRequest::new(&other, &other_row).prev_prefix_len(0))
+            .unwrap();
+        let out = tree
+            .insert(InsertRequest::after(lock, 2 * p, &key[2 * p..], &row[2 * p..]).locked())
+            .unwrap();
+        assert_eq!(out.cached_len.get(), 6 * p);
+        assert_eq!(tree.match_prefix(&key).len.get(), 6 * p);
+        assert_eq!(
+            tree.values_from(out.node, Tokens(2 * p)).unwrap(),
+            row[2 * p..].to_vec()
+        );
+        assert_eq!(
+            tree.values_from(out.node, Tokens(p + 1)).unwrap(),
+            row[p + 1..].to_vec(),
+            "ps {ps}: from inside a node"
+        );
+        assert_eq!(
+            tree.values_from(out.node, Tokens::ZERO).unwrap(),
+            tree.prefix_values(out.node).unwrap()
+        );
+        assert!(
+            tree.values_from(out.node, Tokens(6 * p))
+                .unwrap()
+                .is_empty()
+        );
+        tree.sanity_check().unwrap();
+    }
+}
+
 /// Bad input is a typed error and leaves the tree exactly as it was.
 #[test]
 fn bad_input_is_a_typed_error_and_changes_nothing() {
@@ -594,12 +641,26 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
             InsertRequest::new(&key, &row).mamba(MambaSlot(1)),
             RadixError::MambaDisabled,
         ),
+        (
+            // A suffix must start where its locked node ends (16), not inside it.
+            InsertRequest::after(lock, 12, &key[12..], &row[12..]),
+            RadixError::SuffixStartMismatch {
+                at: 12,
+                node_end: 16,
+            },
+        ),
     ];
     for (request, error) in cases {
         assert_eq!(tree.insert(request), Err(error));
         assert_eq!(tree.dump(), before);
     }
     tree.unlock(lock).unwrap();
+    let unlocked = tree.dump();
+    assert_eq!(
+        tree.insert(InsertRequest::after(lock, 16, &[], &[])),
+        Err(RadixError::UnknownLock(lock))
+    );
+    assert_eq!(tree.dump(), unlocked);
     assert_eq!(tree.unlock(lock), Err(RadixError::UnknownLock(lock)));
     assert_eq!(
         tree.release_window(lock),

@@ -215,9 +215,20 @@ pub struct Req {
     pub mamba: Option<MambaSlot>,
 }
 
+/// How a request holding a lock inserts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Walk {
+    /// Its whole key from the root, claiming the tree-owned prefix.
+    FromRoot,
+    /// Only what follows its locked node ([`InsertRequest::after`]), as the facade does.
+    FromLock,
+}
+
 /// A tree, a ledger and the requests in flight.
 pub struct Sim {
     pub tree: RadixTree,
+    /// How requests holding a lock insert.
+    pub walk: Walk,
     pub ledger: Ledger,
     pub ps: usize,
     pub reqs: Vec<Req>,
@@ -233,9 +244,14 @@ pub struct Sim {
 
 impl Sim {
     pub fn new(config: TreeConfig) -> Self {
+        Self::with_walk(config, Walk::FromRoot)
+    }
+
+    pub fn with_walk(config: TreeConfig, walk: Walk) -> Self {
         let ps = config.page_size as usize;
         Sim {
             tree: RadixTree::new(config).unwrap(),
+            walk,
             ledger: Ledger::new(ps),
             ps,
             reqs: Vec::new(),
@@ -379,9 +395,14 @@ impl Sim {
         mamba: Option<MambaSlot>,
     ) -> (usize, Vec<Action>) {
         let req = &self.reqs[r];
-        let mut ins = InsertRequest::new(&req.key, &req.row)
-            .prev_prefix_len(req.ppl)
-            .window_cursor(req.cursor);
+        let from_lock = req.lock.filter(|_| self.walk == Walk::FromLock);
+        let mut ins = match from_lock {
+            Some(held) => {
+                InsertRequest::after(held, req.ppl, &req.key[req.ppl..], &req.row[req.ppl..])
+            }
+            None => InsertRequest::new(&req.key, &req.row).prev_prefix_len(req.ppl),
+        }
+        .window_cursor(req.cursor);
         ins.mamba = mamba;
         ins.lock = lock;
         let hit_before = self.tree.full_hit_len(&req.key).get();
