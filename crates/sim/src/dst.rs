@@ -8,7 +8,8 @@
 //! [`Scenario::from_seed`] picks a layout, a model (every named spec, its KV rows and
 //! recurrent state scaled down so a buffer near the batch-size-1 floor is small; half the
 //! time another window), a page size (1 to 64, often larger than the window or not
-//! dividing it), a budget from the batch-size-1 floor to a few times it, and a fault rate.
+//! dividing it), a budget from the batch-size-1 floor to a few times it, a fault rate and,
+//! for a recurrent model, how many states a request may save in one step (1 to 4).
 //! The engine ([`run`]) then steps: arrivals sharing prefixes of a few prompt families,
 //! admission priced by `can_admit` and matched against the prefix cache, aborts at every
 //! point of a lifecycle (a dropped match, a release after admission, mid-prefill,
@@ -48,6 +49,7 @@ use unikv::invariants::{Level, scoped_level};
 use unikv::kernels::{
     ByteSpan, CpuDevice, Device, Error as DeviceError, FaultInjector, HostSync, Readback, TableId,
 };
+use unikv::mamba::MAX_CHECKPOINTS_PER_STEP;
 use unikv::pools::{Call, Hooked, Hooks, KvAllocator, Side, VirtualSlot, VirtualToken};
 use unikv::radix::RadixTree;
 use unikv::{Error, HybridCache, KvRows, Layout, ModelSpec, RecurrentState, Request, TokenId};
@@ -69,6 +71,9 @@ pub struct Scenario {
     pub steps: usize,
     /// Device faults per thousand device ops.
     pub faults_per_mille: u64,
+    /// Recurrent states a request may save in one step (1 to the most the cache allows),
+    /// so seeds drive single- and multi-checkpoint steps.
+    pub checkpoints_per_step: u32,
 }
 
 /// The named models with their KV rows and recurrent state scaled down (head dims / 32,
@@ -132,6 +137,8 @@ impl Scenario {
             memory_bytes,
             steps: rng.in_range(20, 80) as usize,
             faults_per_mille: [0, 5, 20, 60][rng.below(4) as usize],
+            // From the seed, not the stream, so every earlier draw stays what it was.
+            checkpoints_per_step: 1 + (seed / 3 % u64::from(MAX_CHECKPOINTS_PER_STEP)) as u32,
         }
     }
 }
@@ -179,6 +186,10 @@ pub struct Outcome {
     pub allocator_faults: usize,
     /// Token and state stamps read back and checked.
     pub stamps_checked: u64,
+    /// Recurrent-state checkpoints the cache asked the engine to save.
+    pub checkpoint_writes: u64,
+    /// Forwards that saved more than one checkpoint of one request.
+    pub multi_checkpoint_forwards: u64,
 }
 
 /// A seed that broke a check.
@@ -368,8 +379,9 @@ impl Sim {
             .wrap_allocator(move |inner| Box::new(Hooked::new(inner, AllocFaultHooks(hooks))));
         if sc.model.has_recurrent_state() {
             let ps = sc.page_size;
-            builder =
-                builder.checkpoint_interval(ps * (1 + (sc.seed % 3) as u32) * 8u32.div_ceil(ps));
+            builder = builder
+                .checkpoint_interval(ps * (1 + (sc.seed % 3) as u32) * 8u32.div_ceil(ps))
+                .checkpoints_per_step(sc.checkpoints_per_step);
         }
         let cache = builder.build().map_err(|e| Failure {
             seed: sc.seed,
@@ -801,7 +813,10 @@ impl Sim {
         if let Some(slot) = r.req.state_slot() {
             let len = r.req.len();
             spans.push((self.slot_span(slot)?, state_stamp(hash_at(&hashes, len))));
-            for w in r.req.checkpoint_writes() {
+            let writes = r.req.checkpoint_writes();
+            self.out.checkpoint_writes += writes.len() as u64;
+            self.out.multi_checkpoint_forwards += u64::from(writes.len() > 1);
+            for w in writes {
                 spans.push((
                     self.slot_span(w.slot)?,
                     state_stamp(hash_at(&hashes, w.at_len)),
@@ -1078,6 +1093,8 @@ pub fn run_many(
         total.faults += o.faults;
         total.allocator_faults += o.allocator_faults;
         total.stamps_checked += o.stamps_checked;
+        total.checkpoint_writes += o.checkpoint_writes;
+        total.multi_checkpoint_forwards += o.multi_checkpoint_forwards;
         progress(seed, &o);
     }
     Ok(total)
@@ -1107,7 +1124,7 @@ pub fn run_command(
         Ok(total) => {
             writeln!(
                 out,
-                "sim: seeds {}..{} clean in {secs:.1} s: {} steps, {} requests admitted, {} finished, {} released, {} prompt tokens hit, {} faults injected ({} in allocator calls), {} stamps checked",
+                "sim: seeds {}..{} clean in {secs:.1} s: {} steps, {} requests admitted, {} finished, {} released, {} prompt tokens hit, {} faults injected ({} in allocator calls), {} stamps checked, {} checkpoints saved ({} forwards saved several)",
                 args.first,
                 args.first.saturating_add(args.seeds),
                 total.steps,
@@ -1117,7 +1134,9 @@ pub fn run_command(
                 total.hit_tokens,
                 total.faults,
                 total.allocator_faults,
-                total.stamps_checked
+                total.stamps_checked,
+                total.checkpoint_writes,
+                total.multi_checkpoint_forwards
             )
             .and_then(|()| writeln!(out, "sim: {} passed, 0 failed", args.seeds))
             .map_err(crate::SimError::Output)?;
@@ -1151,6 +1170,30 @@ mod tests {
         assert!(total.allocator_faults > 0, "{total:?}");
         assert!(total.hit_tokens > 0, "{total:?}");
         assert!(total.stamps_checked > 1000, "{total:?}");
+    }
+
+    /// Recurrent seeds save checkpoints, several in one forward too, under every
+    /// per-step bound.
+    #[test]
+    fn recurrent_seeds_save_several_checkpoints_a_step() {
+        let mut bounds = std::collections::BTreeSet::new();
+        let mut total = Outcome::default();
+        for seed in 0..48 {
+            let sc = Scenario::from_seed(seed);
+            if !sc.model.has_recurrent_state() {
+                continue;
+            }
+            bounds.insert(sc.checkpoints_per_step);
+            let o = run(seed).unwrap_or_else(|f| panic!("{f}"));
+            total.checkpoint_writes += o.checkpoint_writes;
+            total.multi_checkpoint_forwards += o.multi_checkpoint_forwards;
+        }
+        assert_eq!(
+            bounds.len(),
+            MAX_CHECKPOINTS_PER_STEP as usize,
+            "{bounds:?}"
+        );
+        assert!(total.multi_checkpoint_forwards > 0, "{total:?}");
     }
 
     #[test]
