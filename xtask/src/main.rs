@@ -8,6 +8,8 @@
 //!   test matrix, the loom models and a CI-sized run of the simulator.
 //! - `cargo xtask gpu` — the one script to run on a GPU machine: driver and NVRTC
 //!   versions, NVRTC compile check, CPU-vs-CUDA parity tests. Says so when there is no GPU.
+//! - `cargo xtask gpu-bundle [DIR]` — the same checks for a GPU machine without Rust: the
+//!   test binaries built here, libnvrtc and a `run.sh`, in DIR (default `.gpu`).
 //! - `cargo xtask sim [--seeds N] [--seed S] [--first S]` — the deterministic simulator
 //!   with injected faults (`unikv sim`, release build): N seeds from S, or one seed.
 //! - `cargo xtask mutants [ARGS]` — mutation testing with cargo-mutants (installed if
@@ -33,6 +35,7 @@ fn main() -> ExitCode {
         Some("test") => tasks::test(&args[1..]),
         Some("ci") => tasks::ci(),
         Some("gpu") => tasks::gpu(),
+        Some("gpu-bundle") => tasks::gpu_bundle(&args[1..]),
         Some("bench") => tasks::bench(&args[1..]),
         Some("bench-scale") => tasks::bench_scale(&args[1..]),
         Some("sim") => tasks::sim(&args[1..]),
@@ -64,6 +67,8 @@ tasks:
                    the deterministic simulator with faults: N seeds (default 10000) from
                    S (default 0), or the one seed S; a failure prints its seed
   gpu              GPU checks (driver, NVRTC, CPU-vs-CUDA parity); skips loudly without a GPU
+  gpu-bundle [DIR] the GPU checks built here for a GPU machine without Rust: test
+                   binaries, libnvrtc and run.sh in DIR (default .gpu); run bash DIR/run.sh
   mutants [ARGS]   cargo-mutants over pools, radix and the facade (installs it if missing;
                    ARGS go to cargo mutants, e.g. --shard 0/8 or -f FILE); not in CI
   bench [ARGS]     cargo bench for the workspace

@@ -36,6 +36,22 @@ pub fn install() -> Result<PathBuf, String> {
     })
 }
 
+/// The files of `dir` a program loading NVRTC needs: `libnvrtc.so.*` and its builtins
+/// (not the `.alt` variants).
+pub fn runtime_libs(dir: &Path) -> Result<Vec<String>, String> {
+    let mut libs: Vec<String> = std::fs::read_dir(dir)
+        .map_err(|e| format!("reading {}: {e}", dir.display()))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("libnvrtc") && n.contains(".so") && !n.contains(".alt."))
+        .collect();
+    libs.sort();
+    if libs.is_empty() {
+        return Err(format!("no libnvrtc under {}", dir.display()));
+    }
+    Ok(libs)
+}
+
 /// `LD_LIBRARY_PATH` with `dir` in front.
 pub fn library_path_with(dir: &Path) -> String {
     match std::env::var("LD_LIBRARY_PATH") {

@@ -282,6 +282,89 @@ fn loom() -> Result<(), String> {
     Ok(())
 }
 
+/// The GPU checks: (suite, package, test target), each built with the `cuda` feature.
+const GPU_SUITES: [(&str, &str, &str); 3] = [
+    ("nvrtc", "unikv-kernels", "nvrtc"),
+    ("kernels", "unikv-kernels", "gpu_parity"),
+    ("facade", "unikv", "no_sync"),
+];
+
+/// The script `cargo xtask gpu-bundle` writes beside the test binaries: it unpacks
+/// NVRTC, runs each suite one test at a time with the GPU required, prints every verdict
+/// and the bandwidth table, and fails when a suite did.
+const GPU_RUN_SH: &str = r#"#!/usr/bin/env bash
+# Written by `cargo xtask gpu-bundle`: the GPU checks of `cargo xtask gpu` for a machine
+# with an NVIDIA GPU and no Rust toolchain. Run from anywhere: bash <bundle>/run.sh
+set -u
+here="$(cd "$(dirname "$0")" && pwd)"
+nv="$(mktemp -d)"
+tar xJf "$here/nvrtc.tar.xz" -C "$nv" && ln -sf libnvrtc.so.12 "$nv/libnvrtc.so"
+export LD_LIBRARY_PATH="$nv:/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}"
+export UNIKV_REQUIRE_GPU=1 UNIKV_REQUIRE_NVRTC=1 RUST_BACKTRACE=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+failed=0
+for suite in SUITES; do
+  log="${OUT:-$nv}/$suite.log"
+  timeout 300 "$here/$suite" --test-threads=1 --nocapture >"$log" 2>&1
+  rc=$?
+  echo "== $suite (exit $rc, log $log)"
+  # A test that prints puts its verdict on a later line: show those lines too.
+  grep -E '^test |^(ok|FAILED)$|^test result|^BANDWIDTH|panicked' "$log"
+  [ "$rc" -eq 0 ] || failed=1
+done
+if [ "$failed" -ne 0 ]; then echo "gpu: a suite failed"; exit 1; fi
+echo "gpu: all suites passed"
+"#;
+
+/// `cargo xtask gpu-bundle [DIR]`: builds the GPU checks' test binaries here (the
+/// `cuda` feature; cudarc loads the driver at run time), packs libnvrtc beside them and
+/// writes `run.sh`, into DIR (default `.gpu`, ignored by git), so that a GPU machine
+/// without a Rust toolchain runs `bash DIR/run.sh`. The binaries need that machine's
+/// architecture and a glibc no older than this one's.
+pub fn gpu_bundle(args: &[String]) -> Result<(), String> {
+    let dir = root().join(args.first().map_or(".gpu", String::as_str));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let mut names = Vec::new();
+    for (_, package, test) in GPU_SUITES {
+        let json = Cmd::cargo(&["test", "--no-run", "--message-format=json"])
+            .args(["-p", package, "--features", "cuda", "--test", test])
+            .output()?;
+        let executable = json
+            .lines()
+            .filter(|l| {
+                l.contains("\"compiler-artifact\"") && l.contains(&format!("\"name\":\"{test}\""))
+            })
+            .find_map(|l| {
+                let (_, rest) = l.split_once("\"executable\":\"")?;
+                rest.split_once('"').map(|(path, _)| path.to_string())
+            })
+            .ok_or_else(|| format!("cargo built no executable for the test {test}"))?;
+        let to = dir.join(test);
+        std::fs::copy(&executable, &to)
+            .map_err(|e| format!("copying {executable} to {}: {e}", to.display()))?;
+        // Debug info would take the bundle past what a remote run carries (tens of MB).
+        Cmd::new("strip", &[to.to_string_lossy().as_ref()]).run()?;
+        names.push(test);
+    }
+    let lib_dir = nvrtc::install()?;
+    let libs = nvrtc::runtime_libs(&lib_dir)?;
+    Cmd::new(
+        "tar",
+        &["cJf", &dir.join("nvrtc.tar.xz").to_string_lossy(), "-C"],
+    )
+    .args([lib_dir.to_string_lossy().as_ref()])
+    .args(&libs)
+    .run()?;
+    let script = GPU_RUN_SH.replace("SUITES", &names.join(" "));
+    std::fs::write(dir.join("run.sh"), script).map_err(|e| format!("writing run.sh: {e}"))?;
+    println!(
+        "gpu-bundle: {} ready: on the GPU machine run `bash {}/run.sh`",
+        dir.display(),
+        dir.display()
+    );
+    Ok(())
+}
+
 /// `cargo xtask gpu`: the one script for a GPU machine. Without a GPU it prints one
 /// line and succeeds (fails under `UNIKV_REQUIRE_GPU=1`): the same checks run on the CUDA
 /// backend's emulated driver in `cargo xtask test`. With one, it runs, on the GPU and
@@ -313,39 +396,11 @@ pub fn gpu() -> Result<(), String> {
     };
     let lib_dir = nvrtc::install()?;
     let library_path = nvrtc::library_path_with(&lib_dir);
-    let suites: [(&str, &[&str]); 3] = [
-        (
-            "nvrtc",
-            &[
-                "-p",
-                "unikv-kernels",
-                "--features",
-                "cuda",
-                "--test",
-                "nvrtc",
-            ],
-        ),
-        (
-            "kernels",
-            &[
-                "-p",
-                "unikv-kernels",
-                "--features",
-                "cuda",
-                "--test",
-                "gpu_parity",
-            ],
-        ),
-        (
-            "facade",
-            &["-p", "unikv", "--features", "cuda", "--test", "no_sync"],
-        ),
-    ];
     let mut rows: Vec<(String, &str)> = Vec::new();
     let mut bandwidth: Vec<String> = Vec::new();
-    for (suite, args) in suites {
+    for (suite, package, test) in GPU_SUITES {
         let (ok, output) = Cmd::cargo(&["nextest", "run", "--profile", "ci", "--no-capture"])
-            .args(args)
+            .args(["-p", package, "--features", "cuda", "--test", test])
             .env("LD_LIBRARY_PATH", library_path.as_str())
             .env("UNIKV_REQUIRE_GPU", "1")
             .env("UNIKV_REQUIRE_NVRTC", "1")
