@@ -894,17 +894,30 @@ impl HybridCache {
 
     /// Makes room for `pages` new KV pages and `plan`'s checkpoint slots together, takes
     /// the slots, then runs `alloc_kv`; when that fails the slots go back, so the
-    /// allocation changes nothing.
+    /// allocation changes nothing. With [`Checkpoints::BestEffort`], when memory cannot
+    /// hold the KV and the fresh slots together (after evicting what the tree can give),
+    /// the step saves only into the slots the requests already hold, priced on the KV
+    /// alone.
     fn alloc_with_checkpoints(
         &mut self,
         pages: usize,
         plan: &mut CheckpointPlan,
+        checkpoints: Checkpoints,
         alloc_kv: impl FnOnce(&mut Self) -> Result<(), Error>,
     ) -> Result<(), Error> {
-        self.make_room(PageDemand {
+        let kv = self.kv_demand(pages);
+        match self.make_room(PageDemand {
             mamba_slots: plan.fresh,
-            ..self.kv_demand(pages)
-        })?;
+            ..kv
+        }) {
+            Err(Error::OutOfMemory { .. })
+                if plan.fresh > 0 && checkpoints == Checkpoints::BestEffort =>
+            {
+                plan.drop_fresh();
+                self.make_room(kv)?;
+            }
+            other => other?,
+        }
         self.alloc_checkpoint_slots(plan)?;
         let result = alloc_kv(self);
         if result.is_err() && !plan.slots.is_empty() {
@@ -964,13 +977,14 @@ impl HybridCache {
         let mut plan = std::mem::take(&mut self.plan);
         plan.clear();
         self.plan_checkpoints(req, len + tokens, &mut plan);
-        let result = self.alloc_with_checkpoints(pages, &mut plan, |cache| {
-            cache.scratch.clear();
-            cache
-                .alloc
-                .alloc_extend(&[extend], &mut cache.scratch)
-                .map_err(|e| cache.out_of_memory(e))
-        });
+        let result =
+            self.alloc_with_checkpoints(pages, &mut plan, Checkpoints::Required, |cache| {
+                cache.scratch.clear();
+                cache
+                    .alloc
+                    .alloc_extend(&[extend], &mut cache.scratch)
+                    .map_err(|e| cache.out_of_memory(e))
+            });
         if result.is_ok() {
             let before = self.held(req);
             req.row.extend_from_slice(&self.scratch);
@@ -983,7 +997,10 @@ impl HybridCache {
 
     /// Appends one generated token to each request of the batch and allocates its KV
     /// (one allocator call for the batch; most steps need no new page). SWA that left the
-    /// window is released first. On error every request is as it was (see [`Error`]).
+    /// window is released first. With recurrent layers, a request that reaches a
+    /// checkpoint-grid position saves its state there when a slot fits beside the KV
+    /// (best effort: a decode never fails for a checkpoint). On error every request is as
+    /// it was (see [`Error`]).
     pub fn alloc_decode(
         &mut self,
         batch: &mut [&mut Request],
@@ -1044,13 +1061,14 @@ impl HybridCache {
         for req in batch.iter() {
             self.plan_checkpoints(req, req.len() + 1, &mut plan);
         }
-        let result = self.alloc_with_checkpoints(pages, &mut plan, |cache| {
-            cache.scratch.clear();
-            cache
-                .alloc
-                .alloc_decode(&requests, &mut cache.scratch)
-                .map_err(|e| cache.out_of_memory(e))
-        });
+        let result =
+            self.alloc_with_checkpoints(pages, &mut plan, Checkpoints::BestEffort, |cache| {
+                cache.scratch.clear();
+                cache
+                    .alloc
+                    .alloc_decode(&requests, &mut cache.scratch)
+                    .map_err(|e| cache.out_of_memory(e))
+            });
         self.decode_scratch = requests;
         if result.is_ok() {
             for (i, req) in batch.iter_mut().enumerate() {
@@ -1709,6 +1727,32 @@ impl CheckpointPlan {
         self.fresh = 0;
         self.slots.clear();
     }
+
+    /// Drops every position that needs a fresh slot: each request keeps its deepest
+    /// positions, as many as it reuses held slots for.
+    fn drop_fresh(&mut self) {
+        let all = std::mem::take(&mut self.at);
+        for p in &mut self.requests {
+            let kept = &all[p.start + p.new - p.reuse..p.start + p.new];
+            p.start = self.at.len();
+            self.at.extend_from_slice(kept);
+            p.new = p.reuse;
+            p.fresh_start = 0;
+        }
+        self.fresh = 0;
+    }
+}
+
+/// Whether an allocation may go without the fresh slots its checkpoints need.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Checkpoints {
+    /// A prefill chunk's states (the branching point, the prompt's end, grid points)
+    /// are what later requests resume from, and `can_admit` priced them: without room
+    /// for them the allocation fails like one short of KV.
+    Required,
+    /// A decoding request's states serve only its own follow-up turn: they are worth
+    /// future hits, never a retraction now, so without room they are not saved.
+    BestEffort,
 }
 
 /// One request's part of a [`CheckpointPlan`].

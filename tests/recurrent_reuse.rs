@@ -213,3 +213,71 @@ fn a_decoding_request_rewrites_one_checkpoint_slot() {
         c.step_boundary().unwrap();
     });
 }
+
+/// A decoding request's checkpoint is best effort: with no slot to save it in (the slot
+/// pool full of running requests, no cached state to evict) the decode still succeeds
+/// and saves nothing, where a prefill chunk's checkpoints, which later prompts resume
+/// from and `can_admit` priced, fail the allocation like missing KV. (The static layout:
+/// its slot pool fills up independently of the KV.)
+#[test]
+fn a_decode_checkpoint_never_costs_the_decode_its_memory() {
+    let layout = LAYOUTS[1];
+    assert!(matches!(layout, Layout::Static { .. }));
+    for model in [TINY_MAMBA, TINY_TRI] {
+        for ps in page_sizes() {
+            let label = format!("{} ps {ps}", model.name);
+            let mut c = cache(model, layout, ps);
+            let c = &mut c;
+            let grid = 256usize.div_ceil(ps as usize) * ps as usize;
+            let mut a = start(c, prompt(0, 100));
+            c.step_boundary().unwrap();
+            let next_grid = (a.len() / grid + 1) * grid;
+            let to_go = (next_grid - 1 - a.len()) as u32;
+            decode(c, &mut a, to_go);
+            c.evict_all().unwrap();
+            let hit = c.match_prefix(prompt(1, 2 * grid));
+            let mut b = c.admit(hit).unwrap();
+            let mut fillers = Vec::new();
+            for i in 0.. {
+                let hit = c.match_prefix(vec![TokenId(9_000_000 + i)]);
+                match c.admit(hit) {
+                    Ok(r) => fillers.push(r),
+                    Err(unikv::Error::OutOfMemory { .. }) => break,
+                    Err(e) => panic!("{label}: {e}"),
+                }
+            }
+            assert_eq!(c.stats().mamba.available_pages, 0, "{label}: no slot left");
+
+            c.alloc_decode(&mut [&mut a], &[TokenId(8_000_000)])
+                .unwrap_or_else(|e| panic!("{label}: the decode failed for its checkpoint: {e}"));
+            assert_eq!(a.len(), next_grid, "{label}");
+            assert!(a.checkpoint_writes().is_empty(), "{label}: nothing saved");
+            assert_eq!(a.state_slots().len(), 1, "{label}");
+
+            let before = b.len();
+            let n = b.remaining_prefill();
+            assert!(
+                matches!(
+                    c.alloc_extend(&mut b, n),
+                    Err(unikv::Error::OutOfMemory { .. })
+                ),
+                "{label}: a prefill's checkpoints are required"
+            );
+            assert_eq!(
+                b.len(),
+                before,
+                "{label}: the failed extend changed nothing"
+            );
+
+            for r in fillers.into_iter().chain([b]) {
+                c.release(r).unwrap();
+            }
+            c.cache_finished(a).unwrap();
+            c.step_boundary().unwrap();
+            c.evict_all().unwrap();
+            c.step_boundary().unwrap();
+            let s = c.stats();
+            assert_eq!(s.mamba.available_pages, s.mamba.total_pages, "{label}");
+        }
+    }
+}
