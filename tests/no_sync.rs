@@ -435,6 +435,8 @@ fn a_mamba_hybrid_step_issues_no_host_sync() {
             cache.alloc_extend(&mut req, 60 - cached).unwrap();
             let at: Vec<usize> = req.checkpoint_writes().iter().map(|w| w.at_len).collect();
             assert_eq!(at, [48, 60], "{label}: 60 tokens cross 48");
+            // Its states enter the tree while it runs (a suffix insert from its lock).
+            cache.cache_unfinished(&mut req).unwrap();
             cache
                 .alloc_decode(&mut [&mut req, &mut running], &[TokenId(1), TokenId(2)])
                 .unwrap();
