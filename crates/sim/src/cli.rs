@@ -804,12 +804,19 @@ REPORT ROWS (a column per layout, then unified/static):
   peak admitted             most requests running at once
   retractions               requests sent back to the queue when memory ran short
   prefix hit rate           admitted prompt tokens served from the prefix cache
+  KV hit tokens             admitted prompt tokens whose FULL/SWA KV was cached
+  recurrent hit tokens      of those, tokens resumed from a cached recurrent state
+                            (models with state; the same as the hit rate's tokens)
+  recomputed tokens         KV hit minus tokens served: cached KV computed again
+                            (no state, or too little live SWA, where the hit ended)
   evictions (KIND)          tokens evicted from the prefix cache under pressure: full
                             (whole nodes), swa (window tombstones)
   evictions (mamba states)  cached recurrent states evicted (models with state)
   evictions (donor nodes)   prefix nodes evicted so their FULL bytes hold state slots
   peak bytes (SIDE)         most bytes in use on a sub-pool: full, swa, mamba
   peak state slots          most state slots in use at once
+  peak checkpoint slots     most of them held as checkpoints (cached in the tree, or
+                            saved by a request and not yet taken): all but running ones
   state slot capacity       state slots the layout can hold (static: its fixed pool)
   steps                     scheduler steps to finish the workload
   host syncs per step       device waits on the scheduling path (must be 0)

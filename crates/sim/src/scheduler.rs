@@ -449,7 +449,14 @@ impl<'a> Simulation<'a> {
             }
             let req = self.cache.admit(hit)?;
             self.stats.prompt_tokens += req.tokens().len() as u64;
-            self.stats.prefix_hit_tokens += req.cached_at_admission() as u64;
+            let (reused, kv_hit) = (req.cached_at_admission(), req.kv_hit_at_admission());
+            self.stats.prefix_hit_tokens += reused as u64;
+            self.stats.kv_hit_tokens += kv_hit as u64;
+            self.stats.recomputed_tokens += kv_hit.saturating_sub(reused) as u64;
+            if let Some(mamba) = &mut self.stats.mamba {
+                // A model with recurrent state resumes only where a state is cached.
+                mamba.recurrent_hit_tokens += reused as u64;
+            }
             self.running.push(Running {
                 spec: w.spec,
                 req,
@@ -625,6 +632,10 @@ impl<'a> Simulation<'a> {
         if let Some(mamba) = &mut self.stats.mamba {
             let in_use = (stats.mamba.total_pages - stats.mamba.available_pages) as u64;
             mamba.peak_slots = mamba.peak_slots.max(in_use);
+            // Every live request holds one running slot; every other slot in use is a
+            // checkpoint (held by its request until the tree takes it, or cached there).
+            let checkpoints = in_use.saturating_sub(stats.live_requests as u64);
+            mamba.peak_checkpoint_slots = mamba.peak_checkpoint_slots.max(checkpoints);
         }
         self.samples.record(step, || {
             bytes.iter().map(|(n, b)| (n.to_string(), *b)).collect()
@@ -865,6 +876,10 @@ mod tests {
     fn a_shared_prefix_is_a_hit_once_it_is_cached() {
         let stats = smoke(Layout::Unified, 1, 1 << 30).unwrap();
         assert!(stats.prefix_hit_tokens > 0, "{stats:?}");
+        // gpt-oss resumes wherever its KV hit ends (its window is live there).
+        assert_eq!(stats.kv_hit_tokens, stats.prefix_hit_tokens);
+        assert_eq!(stats.recomputed_tokens, 0);
+        assert!(stats.mamba.is_none());
     }
 
     #[test]
