@@ -766,7 +766,7 @@ USAGE:
   unikv replay [OPTIONS]
 
 OPTIONS:
-  --workload NAME[,NAME]  a preset to run; repeatable; `all` = the four defaults,
+  --workload NAME[,NAME]  a preset to run; repeatable; `all` = the five defaults,
                           and mamba-starvation too for a model with recurrent state
                           [default: all, or none when --trace is given]
   --trace FILE            also run the requests of a JSON Lines trace (format below)
@@ -776,7 +776,7 @@ OPTIONS:
   --page-size N[,N]       tokens per page; repeatable [default: 1,256]
   --memory SIZE           the KV budget: 24GiB, 512MiB, 1.5GB, 4096 (bytes)
                           [default: {memory}, which puts the static split under
-                          pressure on three of the four presets]
+                          pressure on three of the four seed PR presets]
   --layout L              static, unified or both [default: both]
   --seed N                seed of the workloads and the scheduler [default: {seed}]
   --invariants LEVEL      off|warn|strict (or 0|1|2) [default: strict]
@@ -913,7 +913,7 @@ mod tests {
         assert_eq!(r.memory_bytes, 16 << 30);
         assert_eq!(r.invariant_level, Level::Strict);
         assert!(!r.json && r.timing && r.svg_dir.is_none() && r.trace.is_none());
-        assert_eq!(r.runs(), 16);
+        assert_eq!(r.runs(), 20);
     }
 
     #[test]
@@ -1020,7 +1020,7 @@ mod tests {
         assert_eq!(r.runs(), 4 * 3);
 
         let r = replay(&["--workload", "all", "--workload", "smoke"]).unwrap();
-        assert_eq!(r.workloads.len(), 5);
+        assert_eq!(r.workloads.len(), 6);
         let r = replay(&["--page-size", " 4 , 1", "--page-size=4"]).unwrap();
         assert_eq!(
             r.page_sizes,
@@ -1097,7 +1097,7 @@ mod tests {
     fn record_ops_needs_exactly_one_run() {
         let err = replay(&["--record-ops", "ops.jsonl"]).unwrap_err();
         assert!(
-            matches!(err, SimError::RecordOpsNeedsOneRun { runs: 16 }),
+            matches!(err, SimError::RecordOpsNeedsOneRun { runs: 20 }),
             "{err:?}"
         );
         let r = replay(&[
