@@ -766,7 +766,7 @@ USAGE:
   unikv replay [OPTIONS]
 
 OPTIONS:
-  --workload NAME[,NAME]  a preset to run; repeatable; `all` = the four defaults,
+  --workload NAME[,NAME]  a preset to run; repeatable; `all` = the five defaults,
                           and mamba-starvation too for a model with recurrent state
                           [default: all, or none when --trace is given]
   --trace FILE            also run the requests of a JSON Lines trace (format below)
@@ -776,7 +776,7 @@ OPTIONS:
   --page-size N[,N]       tokens per page; repeatable [default: 1,256]
   --memory SIZE           the KV budget: 24GiB, 512MiB, 1.5GB, 4096 (bytes)
                           [default: {memory}, which puts the static split under
-                          pressure on three of the four presets]
+                          pressure on three of the four seed PR presets]
   --layout L              static, unified or both [default: both]
   --seed N                seed of the workloads and the scheduler [default: {seed}]
   --invariants LEVEL      off|warn|strict (or 0|1|2) [default: strict]
@@ -804,12 +804,19 @@ REPORT ROWS (a column per layout, then unified/static):
   peak admitted             most requests running at once
   retractions               requests sent back to the queue when memory ran short
   prefix hit rate           admitted prompt tokens served from the prefix cache
+  KV hit tokens             admitted prompt tokens whose FULL/SWA KV was cached
+  recurrent hit tokens      of those, tokens resumed from a cached recurrent state
+                            (models with state; the same as the hit rate's tokens)
+  recomputed tokens         KV hit minus tokens served: cached KV computed again
+                            (no state, or too little live SWA, where the hit ended)
   evictions (KIND)          tokens evicted from the prefix cache under pressure: full
                             (whole nodes), swa (window tombstones)
   evictions (mamba states)  cached recurrent states evicted (models with state)
   evictions (donor nodes)   prefix nodes evicted so their FULL bytes hold state slots
   peak bytes (SIDE)         most bytes in use on a sub-pool: full, swa, mamba
   peak state slots          most state slots in use at once
+  peak checkpoint slots     most of them held as checkpoints (cached in the tree, or
+                            saved by a request and not yet taken): all but running ones
   state slot capacity       state slots the layout can hold (static: its fixed pool)
   steps                     scheduler steps to finish the workload
   host syncs per step       device waits on the scheduling path (must be 0)
@@ -906,7 +913,7 @@ mod tests {
         assert_eq!(r.memory_bytes, 16 << 30);
         assert_eq!(r.invariant_level, Level::Strict);
         assert!(!r.json && r.timing && r.svg_dir.is_none() && r.trace.is_none());
-        assert_eq!(r.runs(), 16);
+        assert_eq!(r.runs(), 20);
     }
 
     #[test]
@@ -1013,7 +1020,7 @@ mod tests {
         assert_eq!(r.runs(), 4 * 3);
 
         let r = replay(&["--workload", "all", "--workload", "smoke"]).unwrap();
-        assert_eq!(r.workloads.len(), 5);
+        assert_eq!(r.workloads.len(), 6);
         let r = replay(&["--page-size", " 4 , 1", "--page-size=4"]).unwrap();
         assert_eq!(
             r.page_sizes,
@@ -1090,7 +1097,7 @@ mod tests {
     fn record_ops_needs_exactly_one_run() {
         let err = replay(&["--record-ops", "ops.jsonl"]).unwrap_err();
         assert!(
-            matches!(err, SimError::RecordOpsNeedsOneRun { runs: 16 }),
+            matches!(err, SimError::RecordOpsNeedsOneRun { runs: 20 }),
             "{err:?}"
         );
         let r = replay(&[

@@ -7,9 +7,13 @@
 //! ratio unified / static (`—` where static is 0 or a layout is missing), then one
 //! verdict line for all runs.
 //!
-//! A model with recurrent state adds its Mamba rows (peak bytes of the slots, the slots in
-//! use at the peak and the capacity they had, cached states evicted, FULL nodes evicted as
-//! donors for slots); the table of any other model has none.
+//! Every run shows how much of the prompts the prefix cache served: the hit rate (tokens
+//! reused), the KV hit (tokens whose FULL/SWA KV was cached) and the tokens recomputed
+//! (the difference). A model with recurrent state adds its Mamba rows (the recurrent hit:
+//! tokens resumed from a cached state; peak bytes of the slots, the slots in use at the
+//! peak, the most of them held as checkpoints, and the capacity they had; cached states
+//! evicted, FULL nodes evicted as donors for slots); the table of any other model has
+//! none.
 //!
 //! # The JSON object (`--json`, schema `unikv.replay.v3`)
 //! ```text
@@ -30,15 +34,21 @@
 //!     "peak_admitted": u64,         most requests holding KV at once
 //!     "retractions": u64,           requests sent back to the queue for memory
 //!     "prompt_tokens": u64,         prompt tokens matched against the tree, all admissions
-//!     "prefix_hit_tokens": u64,     of those, tokens found in the tree
+//!     "prefix_hit_tokens": u64,     of those, tokens found in the tree and reused (a
+//!                                   model with recurrent state: resumed from a state)
 //!     "prefix_hit_rate": f64 | null,  hit / prompt tokens (null when no prompt token)
+//!     "kv_hit_tokens": u64,         prompt tokens whose FULL/SWA KV the tree held
+//!     "recomputed_tokens": u64,     kv_hit_tokens - prefix_hit_tokens: cached KV whose
+//!                                   tokens were computed again (no state, or too little
+//!                                   live SWA, where the KV hit ended)
 //!     "evictions_by_kind": { kind: u64 },      tokens evicted from the tree under memory
 //!                                   pressure, by kind: full, and swa for a model with SWA
 //!     "peak_bytes_by_subpool": { name: u64 },  largest bytes held by each sub-pool: full,
 //!                                   swa (a model with SWA), mamba (one with recurrent state)
 //!     "mamba": { "slot_bytes", "slots_total", "peak_slots", "state_evictions",
-//!                "donor_nodes" } | null,       state slots (see MambaStats); null for a
-//!                                   model without recurrent state
+//!                "donor_nodes", "recurrent_hit_tokens", "peak_checkpoint_slots" } | null,
+//!                                   state slots and state reuse (see MambaStats); null
+//!                                   for a model without recurrent state
 //!     "steps": u64,
 //!     "pages_handled": u64,         pages and state slots the allocator bound or released
 //!     "host_syncs": u64, "host_syncs_per_step": f64,
@@ -95,6 +105,14 @@ pub struct MambaStats {
     pub state_evictions: u64,
     /// Whole FULL nodes evicted to make room for state slots (FULL as the byte donor).
     pub donor_nodes: u64,
+    /// Prompt tokens whose recurrent state was reused: each admission resumed from a
+    /// cached state after this many tokens and computed only the rest (equal to
+    /// [`RunStats::prefix_hit_tokens`], since such a model's match ends only at a state).
+    pub recurrent_hit_tokens: u64,
+    /// The most slots held as checkpoints at once, at a step boundary: every slot in use
+    /// but the live requests' running ones (states cached in the tree, and those a
+    /// request saved that the tree has not taken yet).
+    pub peak_checkpoint_slots: u64,
 }
 
 /// What one run (a workload × a layout × a page size) did.
@@ -119,8 +137,16 @@ pub struct RunStats {
     /// Prompt tokens looked up in the prefix tree, summed over admissions (a re-admitted
     /// request counts again).
     pub prompt_tokens: u64,
-    /// Of `prompt_tokens`, those matched in the tree.
+    /// Of `prompt_tokens`, those matched in the tree: reused, not computed again (for a
+    /// model with recurrent state, resumed from a cached state).
     pub prefix_hit_tokens: u64,
+    /// Of `prompt_tokens`, those whose FULL (and SWA) KV the tree held at admission, at
+    /// least `prefix_hit_tokens`: the match may end before the KV does (no cached state
+    /// there, or too little live SWA behind it).
+    pub kv_hit_tokens: u64,
+    /// `kv_hit_tokens − prefix_hit_tokens`: tokens whose KV was cached but were computed
+    /// again, summed over admissions.
+    pub recomputed_tokens: u64,
     /// Tokens evicted from the tree under memory pressure (not the clearing after the
     /// last request), by kind: `full` (whole nodes) and `swa` (tombstoned SWA).
     pub evictions_by_kind: BTreeMap<String, u64>,
@@ -448,11 +474,6 @@ impl Report {
             Some(rate) => Cell::Text(format!("{:.1} %", rate * 100.0), Some(rate)),
             None => Cell::Text("—".into(), None),
         });
-        for kind in union_keys(runs, |r| &r.evictions_by_kind) {
-            table.row(&format!("evictions ({kind})"), runs, |r| {
-                count(r.evictions_by_kind.get(&kind).copied().unwrap_or(0))
-            });
-        }
         let recurrent = runs.iter().any(|r| r.mamba.is_some());
         // A model with recurrent state: a Mamba cell of each run ("—" for a run without).
         let mamba = |field: fn(&MambaStats) -> u64| {
@@ -461,6 +482,20 @@ impl Report {
                 None => Cell::Text("—".into(), None),
             }
         };
+        table.row("KV hit tokens", runs, |r| count(r.kv_hit_tokens));
+        if recurrent {
+            table.row(
+                "recurrent hit tokens",
+                runs,
+                mamba(|m| m.recurrent_hit_tokens),
+            );
+        }
+        table.row("recomputed tokens", runs, |r| count(r.recomputed_tokens));
+        for kind in union_keys(runs, |r| &r.evictions_by_kind) {
+            table.row(&format!("evictions ({kind})"), runs, |r| {
+                count(r.evictions_by_kind.get(&kind).copied().unwrap_or(0))
+            });
+        }
         if recurrent {
             table.row(
                 "evictions (mamba states)",
@@ -477,6 +512,11 @@ impl Report {
         }
         if recurrent {
             table.row("peak state slots", runs, mamba(|m| m.peak_slots));
+            table.row(
+                "peak checkpoint slots",
+                runs,
+                mamba(|m| m.peak_checkpoint_slots),
+            );
             table.row("state slot capacity", runs, mamba(|m| m.slots_total));
         }
         table.row("steps", runs, |r| count(r.steps));
@@ -585,6 +625,8 @@ impl Report {
                         prompt_tokens: r.prompt_tokens,
                         prefix_hit_tokens: r.prefix_hit_tokens,
                         prefix_hit_rate: r.prefix_hit_rate(),
+                        kv_hit_tokens: r.kv_hit_tokens,
+                        recomputed_tokens: r.recomputed_tokens,
                         evictions_by_kind: &r.evictions_by_kind,
                         peak_bytes_by_subpool: &r.peak_bytes_by_subpool,
                         mamba: r.mamba,
@@ -662,6 +704,8 @@ struct JsonRun<'a> {
     prompt_tokens: u64,
     prefix_hit_tokens: u64,
     prefix_hit_rate: Option<f64>,
+    kv_hit_tokens: u64,
+    recomputed_tokens: u64,
     evictions_by_kind: &'a BTreeMap<String, u64>,
     peak_bytes_by_subpool: &'a BTreeMap<String, u64>,
     mamba: Option<MambaStats>,
@@ -811,6 +855,8 @@ pub(crate) mod tests {
             retractions: 37,
             prompt_tokens: 968_448,
             prefix_hit_tokens: 786_432,
+            kv_hit_tokens: 790_528,
+            recomputed_tokens: 4_096,
             evictions_by_kind: map(&[("full", 65_536), ("swa", 24_576)]),
             peak_bytes_by_subpool: map(&[("full", 9_543_548_928), ("swa", 1_887_436_800)]),
             steps: 5_980,
@@ -838,6 +884,7 @@ pub(crate) mod tests {
             retractions: 0,
             prompt_tokens: 811_008,
             prefix_hit_tokens: 786_432,
+            kv_hit_tokens: 786_432,
             evictions_by_kind: map(&[("swa", 24_576)]),
             peak_bytes_by_subpool: map(&[("full", 10_368_319_488), ("swa", 1_811_939_328)]),
             steps: 2_180,
@@ -890,6 +937,8 @@ pub(crate) mod tests {
             layout: Layout::Static,
             prompt_tokens: 713_216,
             prefix_hit_tokens: 114_688,
+            kv_hit_tokens: 147_456,
+            recomputed_tokens: 32_768,
             evictions_by_kind: map(&[("full", 152_107)]),
             peak_bytes_by_subpool: map(&[("full", 8_987_000_832), ("mamba", 105 * slot_bytes)]),
             mamba: Some(MambaStats {
@@ -898,6 +947,8 @@ pub(crate) mod tests {
                 peak_slots: 105,
                 state_evictions: 116,
                 donor_nodes: 0,
+                recurrent_hit_tokens: 114_688,
+                peak_checkpoint_slots: 80,
             }),
             ..base.clone()
         };
@@ -905,6 +956,8 @@ pub(crate) mod tests {
             layout: Layout::Unified,
             prompt_tokens: 713_216,
             prefix_hit_tokens: 204_800,
+            kv_hit_tokens: 212_992,
+            recomputed_tokens: 8_192,
             evictions_by_kind: map(&[("full", 291_881)]),
             peak_bytes_by_subpool: map(&[("full", 7_473_233_920), ("mamba", 150 * slot_bytes)]),
             mamba: Some(MambaStats {
@@ -913,6 +966,8 @@ pub(crate) mod tests {
                 peak_slots: 150,
                 state_evictions: 71,
                 donor_nodes: 138,
+                recurrent_hit_tokens: 204_800,
+                peak_checkpoint_slots: 125,
             }),
             ..base
         };
@@ -931,14 +986,21 @@ pub(crate) mod tests {
         let table = sample_mamba_report().render_table();
         insta::assert_snapshot!(table);
         for row in [
+            "recurrent hit tokens",
             "evictions (mamba states)",
             "evictions (donor nodes)",
             "peak bytes (mamba)",
             "peak state slots",
+            "peak checkpoint slots",
             "state slot capacity",
         ] {
             assert!(table.contains(row), "{row}");
             assert!(!sample_report().render_table().contains(row), "{row}");
+        }
+        // Every model shows its KV hit and what it recomputed.
+        for row in ["KV hit tokens", "recomputed tokens"] {
+            assert!(table.contains(row), "{row}");
+            assert!(sample_report().render_table().contains(row), "{row}");
         }
         assert!(!table.contains("(swa)"), "{table}");
         let json = sample_mamba_report().to_json().unwrap();
@@ -952,6 +1014,10 @@ pub(crate) mod tests {
         assert_eq!(unified["slots_total"], 221);
         assert_eq!(unified["state_evictions"], 71);
         assert_eq!(unified["slot_bytes"], 77_266_944);
+        assert_eq!(unified["recurrent_hit_tokens"], 204_800);
+        assert_eq!(unified["peak_checkpoint_slots"], 125);
+        assert_eq!(value["runs"][1]["kv_hit_tokens"], 212_992);
+        assert_eq!(value["runs"][1]["recomputed_tokens"], 8_192);
         // A model without recurrent state says so with null.
         let plain: serde_json::Value =
             serde_json::from_str(&sample_report().to_json().unwrap()).unwrap();

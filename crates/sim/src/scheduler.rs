@@ -15,6 +15,11 @@
 //! - Out of memory, the most recently admitted request is retracted (its KV released, its
 //!   tokens back at the front of the queue) and the allocation retried; a request that
 //!   cannot fit alone is [`SimError::BudgetTooSmall`].
+//! - Requests arrive at their `arrival_step`, or, with an `after`, at the first step after
+//!   that request finished (a chat's next turn); arrivals join the back of the queue.
+//!   Output tokens are the workload's where it fixes them (`RequestSpec::output`), else
+//!   drawn from the seed and the request's id; either way the token fed back at each
+//!   decode is the one sampled last.
 //! - Finished requests enter the prefix cache (`cache_finished`); then `step_boundary`
 //!   flushes, checks conservation and polls the invariants. When every request is done
 //!   the prefix cache is cleared and every page must be free again (leaks).
@@ -252,7 +257,16 @@ struct Simulation<'a> {
     waiting: VecDeque<Waiting>,
     running: Vec<Running>,
     next_arrival: usize,
+    /// The requests that arrive at a fixed step (no [`RequestSpec::after`]), in arrival
+    /// order.
+    ///
+    /// [`RequestSpec::after`]: crate::workload::RequestSpec::after
     arrivals: Vec<usize>,
+    /// For each request, the requests its finish releases (their `after`).
+    dependents: Vec<Vec<usize>>,
+    /// Requests released by a finish, waiting for their step (the next one, or their
+    /// `arrival_step` if later), in the order they were released.
+    released: Vec<usize>,
     stats: RunStats,
     samples: SampleRecorder,
     tokens_done: u64,
@@ -302,7 +316,15 @@ impl<'a> Simulation<'a> {
             }
             other => SimError::Cache(other),
         })?;
-        let mut arrivals: Vec<usize> = (0..workload.requests.len()).collect();
+        let mut arrivals: Vec<usize> = Vec::with_capacity(workload.requests.len());
+        let mut dependents = vec![Vec::new(); workload.requests.len()];
+        for (i, r) in workload.requests.iter().enumerate() {
+            match r.after {
+                // `validate` makes it an earlier request; any other is treated as absent.
+                Some(after) if (after as usize) < i => dependents[after as usize].push(i),
+                _ => arrivals.push(i),
+            }
+        }
         arrivals.sort_by_key(|&i| (workload.requests[i].arrival_step, i));
         let mut stats = RunStats::new(workload, config);
         if config.model.has_recurrent_state() {
@@ -322,6 +344,8 @@ impl<'a> Simulation<'a> {
             running: Vec::new(),
             next_arrival: 0,
             arrivals,
+            dependents,
+            released: Vec::new(),
             stats,
             samples: SampleRecorder::new(config.max_samples),
             tokens_done: 0,
@@ -365,31 +389,49 @@ impl<'a> Simulation<'a> {
                 tokens_done: self.tokens_done,
                 requests_completed: self.stats.requests_completed,
             });
-            if !moved && self.next_arrival == self.arrivals.len() {
+            if !moved && self.next_arrival == self.arrivals.len() && self.released.is_empty() {
                 return Err(self.stalled(step, "no request could make progress".into()));
             }
         }
         self.finish(step)
     }
 
-    /// Queues the requests that arrive at `step`.
+    /// Queues the requests that arrive at `step`: those of a fixed step in arrival order,
+    /// then those an earlier step's finishes released, in the order they were released.
     fn arrive(&mut self, step: u64) {
         while let Some(&i) = self.arrivals.get(self.next_arrival) {
             if self.workload.requests[i].arrival_step > step {
                 break;
             }
-            let tokens = self.workload.requests[i]
-                .prompt
-                .iter()
-                .map(|&t| TokenId(t))
-                .collect();
-            self.waiting.push_back(Waiting {
-                spec: i,
-                tokens,
-                sampled: 0,
-            });
+            self.queue(i);
             self.next_arrival += 1;
         }
+        if self.released.is_empty() {
+            return;
+        }
+        let mut released = std::mem::take(&mut self.released);
+        released.retain(|&i| {
+            let due = self.workload.requests[i].arrival_step <= step;
+            if due {
+                self.queue(i);
+            }
+            !due
+        });
+        self.released = released;
+    }
+
+    /// Puts request `i` of the workload at the back of the queue.
+    fn queue(&mut self, i: usize) {
+        let tokens = self.workload.requests[i]
+            .prompt
+            .iter()
+            .map(|&t| TokenId(t))
+            .collect();
+        self.waiting.push_back(Waiting {
+            spec: i,
+            tokens,
+            sampled: 0,
+        });
     }
 
     /// One scheduler step, in the reference engine's order: the step's prefill budget
@@ -449,7 +491,14 @@ impl<'a> Simulation<'a> {
             }
             let req = self.cache.admit(hit)?;
             self.stats.prompt_tokens += req.tokens().len() as u64;
-            self.stats.prefix_hit_tokens += req.cached_at_admission() as u64;
+            let (reused, kv_hit) = (req.cached_at_admission(), req.kv_hit_at_admission());
+            self.stats.prefix_hit_tokens += reused as u64;
+            self.stats.kv_hit_tokens += kv_hit as u64;
+            self.stats.recomputed_tokens += kv_hit.saturating_sub(reused) as u64;
+            if let Some(mamba) = &mut self.stats.mamba {
+                // A model with recurrent state resumes only where a state is cached.
+                mamba.recurrent_hit_tokens += reused as u64;
+            }
             self.running.push(Running {
                 spec: w.spec,
                 req,
@@ -518,11 +567,13 @@ impl<'a> Simulation<'a> {
                 .iter()
                 .map(|&i| {
                     let r = &self.running[i];
-                    generated_token(
-                        self.config.seed,
-                        self.workload.requests[r.spec].id,
-                        r.sampled,
-                    )
+                    let spec = &self.workload.requests[r.spec];
+                    // The token fed back is the last one sampled, the `sampled`-th.
+                    let index = (r.sampled as usize).saturating_sub(1);
+                    match spec.output.as_ref().and_then(|output| output.get(index)) {
+                        Some(&token) => TokenId(token),
+                        None => generated_token(self.config.seed, spec.id, r.sampled),
+                    }
                 })
                 .collect();
             let mut in_batch = vec![false; self.running.len()];
@@ -584,6 +635,7 @@ impl<'a> Simulation<'a> {
                 let r = self.running.remove(i);
                 self.cache.cache_finished(r.req)?;
                 self.stats.requests_completed += 1;
+                self.released.extend_from_slice(&self.dependents[r.spec]);
                 finished = true;
             } else {
                 i += 1;
@@ -625,6 +677,10 @@ impl<'a> Simulation<'a> {
         if let Some(mamba) = &mut self.stats.mamba {
             let in_use = (stats.mamba.total_pages - stats.mamba.available_pages) as u64;
             mamba.peak_slots = mamba.peak_slots.max(in_use);
+            // Every live request holds one running slot; every other slot in use is a
+            // checkpoint (held by its request until the tree takes it, or cached there).
+            let checkpoints = in_use.saturating_sub(stats.live_requests as u64);
+            mamba.peak_checkpoint_slots = mamba.peak_checkpoint_slots.max(checkpoints);
         }
         self.samples.record(step, || {
             bytes.iter().map(|(n, b)| (n.to_string(), *b)).collect()
@@ -865,6 +921,10 @@ mod tests {
     fn a_shared_prefix_is_a_hit_once_it_is_cached() {
         let stats = smoke(Layout::Unified, 1, 1 << 30).unwrap();
         assert!(stats.prefix_hit_tokens > 0, "{stats:?}");
+        // gpt-oss resumes wherever its KV hit ends (its window is live there).
+        assert_eq!(stats.kv_hit_tokens, stats.prefix_hit_tokens);
+        assert_eq!(stats.recomputed_tokens, 0);
+        assert!(stats.mamba.is_none());
     }
 
     #[test]
@@ -922,6 +982,92 @@ mod tests {
         .unwrap();
         assert!(other.violations(&unikv::pools::invariants::DOUBLE_FREE) > 0);
         assert_eq!(stats.invariant_violations, 0);
+    }
+
+    /// Two clients, each with a one-turn and a three-turn conversation: prompts of 40
+    /// new tokens (after the history), 24 output tokens a turn.
+    fn small_chat() -> Workload {
+        let shape = crate::workload::ChatShape {
+            clients: 2,
+            turns: &[1, 3],
+            user_tokens: 40,
+            output_tokens: 24,
+        };
+        shape.build("chat", crate::workload::TokenSource::new(5, "chat"))
+    }
+
+    fn chat_run(model: ModelSpec, page_size: u32) -> RunStats {
+        let mut config = RunConfig::new(model, Layout::Unified, page_size, 16 << 30);
+        config.backend = Backend::None;
+        run(&small_chat(), &config, &|_| {}).unwrap()
+    }
+
+    /// A turn arrives the step after the one before it finished: each of a client's four
+    /// turns takes 24 steps (a prefill that samples the first token, 23 decodes), one
+    /// after another.
+    #[test]
+    fn a_next_turn_arrives_once_the_last_one_finished() {
+        let stats = chat_run(ModelSpec::GPT_OSS_20B, 1);
+        assert_eq!(stats.requests_completed, 8);
+        assert_eq!(stats.peak_admitted, 2);
+        assert_eq!(stats.steps, 4 * 24);
+    }
+
+    /// The scheduler generates exactly the outputs the workload fixed, so a next turn's
+    /// prompt finds the whole last turn cached: its prompt and the 23 output tokens fed
+    /// back (the 24th was sampled last and has no KV). The three-turn conversations' turns
+    /// 2 and 3 (prompts of 104 and 168 tokens, after 40 and 104) hit 63 and 127 tokens,
+    /// for each of the two clients; at page size 1 every hit ends where a state is cached
+    /// (the running state enters the tree with its finished request), so nothing is
+    /// recomputed.
+    #[test]
+    fn a_next_turn_reuses_the_whole_last_turn_at_page_size_1() {
+        for model in [ModelSpec::GPT_OSS_20B, ModelSpec::QWEN3_NEXT_80B_A3B] {
+            let stats = chat_run(model, 1);
+            let hit = 2 * (63 + 127);
+            assert_eq!(stats.prompt_tokens, 2 * (40 + 40 + 104 + 168), "{model}");
+            assert_eq!(
+                (
+                    stats.kv_hit_tokens,
+                    stats.prefix_hit_tokens,
+                    stats.recomputed_tokens
+                ),
+                (hit, hit, 0),
+                "{model}"
+            );
+            match stats.mamba {
+                Some(m) => {
+                    assert_eq!(m.recurrent_hit_tokens, hit);
+                    assert!(m.peak_checkpoint_slots > 0 && m.peak_checkpoint_slots < m.peak_slots);
+                }
+                None => assert!(!model.has_recurrent_state()),
+            }
+        }
+    }
+
+    /// At page size 16 the KV hit ends on the last whole page (48 and 112 tokens) while
+    /// the deepest state a recurrent model cached is its last prompt's end (32 and 96: a
+    /// finished request's running state is cached only when its rows end a page, and no
+    /// grid point lies below 256), so it recomputes 16 tokens a turn; the report says so.
+    #[test]
+    fn the_report_counts_what_a_recurrent_model_recomputes() {
+        let stats = chat_run(ModelSpec::QWEN3_NEXT_80B_A3B, 16);
+        let mamba = stats.mamba.unwrap();
+        assert_eq!(stats.kv_hit_tokens, 2 * (48 + 112));
+        assert_eq!(mamba.recurrent_hit_tokens, 2 * (32 + 96));
+        assert_eq!(stats.prefix_hit_tokens, mamba.recurrent_hit_tokens);
+        assert_eq!(stats.recomputed_tokens, 2 * (16 + 16));
+        // A model without recurrent state resumes where its KV hit ends.
+        let plain = chat_run(ModelSpec::GPT_OSS_20B, 16);
+        assert_eq!(
+            (
+                plain.kv_hit_tokens,
+                plain.prefix_hit_tokens,
+                plain.recomputed_tokens
+            ),
+            (2 * (48 + 112), 2 * (48 + 112), 0)
+        );
+        assert!(plain.mamba.is_none());
     }
 
     /// At page size 1 every token allocated is a page bound, so the count is at least the

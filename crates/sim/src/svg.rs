@@ -1,7 +1,9 @@
 //! `--svg DIR`: one plot per run of each sub-pool's bytes over steps (`full`, `swa`,
-//! `mamba`, their total and the budget), drawn with plotters' SVG backend. A run of a model
-//! with recurrent state also carries one line of its state slots: the peak in use, the
-//! capacity, cached states and FULL donor nodes evicted for them ([`mamba_line`]).
+//! `mamba`, their total and the budget), drawn with plotters' SVG backend. Every plot
+//! carries one line of what the prefix cache served ([`reuse_line`]: hit rate, KV hit,
+//! recurrent hit, tokens recomputed, checkpoint slots at peak); a run of a model with
+//! recurrent state also one line of its state slots: the peak in use, the capacity,
+//! cached states and FULL donor nodes evicted for them ([`mamba_line`]).
 //!
 //! Text: plotters is built without its font features (`ttf`, `ab_glyph`), so it sizes
 //! labels with its built-in estimate and writes them as SVG `<text>` elements that the
@@ -161,13 +163,37 @@ fn draw(run: &RunStats, model: &str, path: &Path) -> Result<(), String> {
         .border_style(BLACK.mix(0.4))
         .draw()
         .map_err(|e| e.to_string())?;
+    // Upper left, inside the plot area (the legend is upper right).
+    root.draw(&Text::new(reuse_line(run), (100, 56), ("sans-serif", 15)))
+        .map_err(|e| e.to_string())?;
     if let Some(line) = mamba_line(run) {
-        // Upper left, inside the plot area (the legend is upper right).
-        root.draw(&Text::new(line, (100, 56), ("sans-serif", 15)))
+        root.draw(&Text::new(line, (100, 76), ("sans-serif", 15)))
             .map_err(|e| e.to_string())?;
     }
     root.present().map_err(|e| e.to_string())?;
     Ok(())
+}
+
+/// The line every plot carries: what the prefix cache served the run's prompts — the
+/// hit rate, the KV hit, for a model with recurrent state the recurrent hit, the tokens
+/// recomputed, and for such a model the most slots held as checkpoints.
+pub fn reuse_line(run: &RunStats) -> String {
+    use crate::report::group_digits;
+    let rate = match run.prefix_hit_rate() {
+        Some(rate) => format!("{:.1} %", rate * 100.0),
+        None => "—".to_string(),
+    };
+    let kv = group_digits(run.kv_hit_tokens);
+    let recomputed = group_digits(run.recomputed_tokens);
+    match &run.mamba {
+        Some(m) => format!(
+            "prefix hit {rate}: KV hit {kv}, recurrent hit {}, recomputed {recomputed} tokens; \
+             peak {} checkpoint slots",
+            group_digits(m.recurrent_hit_tokens),
+            m.peak_checkpoint_slots
+        ),
+        None => format!("prefix hit {rate}: KV hit {kv}, recomputed {recomputed} tokens"),
+    }
 }
 
 /// The line a plot of a run with recurrent state carries: its state slots and what was
@@ -219,6 +245,8 @@ mod tests {
             for label in ["full", "swa", "total", "budget", "step", "GiB"] {
                 assert!(svg.contains(label), "{label} in {}", path.display());
             }
+            // Every run's plot says what the prefix cache served.
+            assert!(svg.contains("prefix hit "), "{}", path.display());
             // full, swa, total, budget and the legend's sample strokes.
             assert!(svg.matches("<polyline").count() >= 4);
         }
@@ -244,10 +272,17 @@ mod tests {
         let line = "mamba: peak 150 of 221 state slots (10.79 GiB), 71 states evicted, 138 FULL \
                     donor nodes evicted";
         assert_eq!(mamba_line(&report.runs[1]).as_deref(), Some(line));
-        for label in ["full", "mamba", "total", "budget", line] {
+        let reuse = "prefix hit 28.7 %: KV hit 212,992, recurrent hit 204,800, recomputed 8,192 \
+                     tokens; peak 125 checkpoint slots";
+        assert_eq!(reuse_line(&report.runs[1]), reuse);
+        for label in ["full", "mamba", "total", "budget", line, reuse] {
             assert!(svg.contains(label), "{label}");
         }
         assert_eq!(mamba_line(&sample_report().runs[0]), None);
+        assert_eq!(
+            reuse_line(&sample_report().runs[0]),
+            "prefix hit 81.2 %: KV hit 790,528, recomputed 4,096 tokens"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -217,6 +217,8 @@ fn parse_lines(
             arrival_step: parsed.arrival_step,
             prompt,
             output_len: parsed.output_len,
+            after: None,
+            output: None,
         });
     }
     if requests.is_empty() {

@@ -13,7 +13,14 @@
 //!   than [`VOCAB_SIZE`] segments would reuse a lead token.)
 //! - Every preset has every request arrive at step 0, as `bench_serving` does with an
 //!   unlimited request rate: the client-side cap is the workload's `concurrency`, like
-//!   `--max-concurrency`.
+//!   `--max-concurrency`. The one exception is `multi-turn`, whose clients each send a
+//!   conversation's next turn (or their next conversation) the step after the last
+//!   answer is complete ([`RequestSpec::after`]), as a chat user does.
+//! - Output tokens: the scheduler draws a request's output from the run's seed and the
+//!   request's id, except where the workload fixes them ([`RequestSpec::output`]):
+//!   `multi-turn` does, so that turn `t + 1`'s prompt holds exactly the tokens turn `t`
+//!   generated (all of them; the tree holds the KV of all but the last, which was
+//!   sampled and never fed back).
 //! - Random lengths: `bench_serving --dataset-name random` draws each length uniformly in
 //!   `[max(1, ⌊len × ratio⌋), len]` with `--random-range-ratio`. The presets use ratio
 //!   **1.0**, i.e. the nominal lengths exactly ([`RANDOM_RANGE_RATIO`]): the shapes are
@@ -28,8 +35,21 @@
 //! | `long-outputs` | 100 | 512 | 4,096 | 128 | the PR's long-output load test |
 //! | `random-2048-512` | 200 | 2,048 | 512 | 64 | the PR's `bench_serving` random 2048/512 |
 //! | `random-8192-64` | 100 | 8,192 | 64 | 64 | the PR's `bench_serving` random 8192/64 |
+//! | `multi-turn` | 512 turns of 256 conversations (1–5 turns, mean 2.0) | 278 new + the history | 858 | 32 clients | LMSYS-Chat-1M's means × 4 (see below) |
 //! | `smoke` | 8 | 96–300 | 8–160 | 4 | none: a small mix for fast tests |
 //! | `mamba-starvation` | sized to the budget | 4,096 (+ 256) | 16 / 64 | sized | #34441's shape (recurrent models only) |
+//!
+//! `multi-turn` takes its shape from LMSYS-Chat-1M (Zheng et al., *LMSYS-Chat-1M: A
+//! Large-Scale Real-World LLM Conversation Dataset*, arXiv 2309.11998, Table 1: one
+//! million conversations with 25 models, 2.0 turns per conversation, 69.5 tokens per user
+//! prompt and 214.5 per response, on average). It keeps the mean turn count (a geometric
+//! spread, [`CHAT_TURNS`]) and the prompt : response ratio, and scales the lengths by
+//! [`CHAT_LENGTH_SCALE`] = 4 (278 and 858 tokens) so that a turn spans several 256-token
+//! pages and the prefix cache, not page rounding, decides its hit rate. Chat has no shared
+//! system prompt there, so conversations share nothing; what a turn reuses is its own
+//! conversation's history. Its concurrency is its [`CHAT_CLIENTS`] = 32 closed-loop
+//! clients (the dataset has no arrival times): 256 conversations, 512 requests, about
+//! 1.1 M tokens (`shared-prefix` has 1.2 M).
 //!
 //! `mamba-starvation` is the one preset sized by its run: its history overfills the
 //! budget whatever `--memory` is, so it is built from the model and the budget
@@ -58,6 +78,17 @@ pub struct RequestSpec {
     pub prompt: Vec<u32>,
     /// Tokens to generate (at least 1).
     pub output_len: u32,
+    /// The request whose finish releases this one, if any: it then arrives at the first
+    /// step after that request finished (and not before `arrival_step`), as a chat
+    /// client sends a conversation's next turn once the answer to the last one is
+    /// complete. Always an earlier request (a smaller id); `None` for every preset but
+    /// `multi-turn`.
+    pub after: Option<u32>,
+    /// The tokens it generates, when the workload fixes them (`output_len` of them, in
+    /// order): a conversation's next turn repeats this turn's output in its prompt, so the
+    /// scheduler must generate exactly these. `None`: the scheduler draws them from the
+    /// run's seed and the request's id.
+    pub output: Option<Vec<u32>>,
 }
 
 impl RequestSpec {
@@ -86,20 +117,27 @@ pub struct Workload {
 
 impl Workload {
     /// `k` tenants of this workload side by side: every request `k` times in a row
-    /// (tenant `c`'s token ids shifted by `c × VOCAB_SIZE`, so tenants share no prefix
-    /// and each keeps the sharing it had), `k` times the concurrency. `k = 1` (or 0) is
-    /// the workload itself.
+    /// (tenant `c`'s token ids, prompt and fixed output, shifted by `c × VOCAB_SIZE`, so
+    /// tenants share no prefix and each keeps the sharing it had; a request released by
+    /// another's finish is released by the same tenant's copy of it), `k` times the
+    /// concurrency. `k = 1` (or 0) is the workload itself.
     pub fn tenants(&self, k: u32) -> Workload {
         let k = k.max(1);
         let mut requests = Vec::with_capacity(self.requests.len() * k as usize);
         for r in &self.requests {
             for c in 0..k {
                 let shift = c.saturating_mul(VOCAB_SIZE);
+                let shifted = |tokens: &[u32]| -> Vec<u32> {
+                    tokens.iter().map(|&t| t.saturating_add(shift)).collect()
+                };
                 requests.push(RequestSpec {
                     id: requests.len() as u32,
                     arrival_step: r.arrival_step,
-                    prompt: r.prompt.iter().map(|&t| t.saturating_add(shift)).collect(),
+                    prompt: shifted(&r.prompt),
                     output_len: r.output_len,
+                    // Request `a` of tenant `c` is request `a × k + c` here.
+                    after: r.after.map(|a| a.saturating_mul(k).saturating_add(c)),
+                    output: r.output.as_deref().map(shifted),
                 });
             }
         }
@@ -135,8 +173,9 @@ impl Workload {
     }
 
     /// Checks what the scheduler relies on: at least one request, a positive
-    /// concurrency, ids equal to positions, arrivals in order, non-empty prompts and
-    /// positive output lengths.
+    /// concurrency, ids equal to positions, arrivals in order, non-empty prompts,
+    /// positive output lengths, fixed outputs of exactly `output_len` tokens, and every
+    /// `after` naming an earlier request.
     pub fn validate(&self) -> Result<(), SimError> {
         let bad = |reason: String| SimError::BadWorkload {
             name: self.name.clone(),
@@ -167,6 +206,22 @@ impl Workload {
             if r.output_len == 0 {
                 return Err(bad(format!("request {i} has output length 0")));
             }
+            if let Some(output) = &r.output
+                && output.len() != r.output_len as usize
+            {
+                return Err(bad(format!(
+                    "request {i} fixes {} output tokens but generates {}",
+                    output.len(),
+                    r.output_len
+                )));
+            }
+            if let Some(after) = r.after
+                && after as usize >= i
+            {
+                return Err(bad(format!(
+                    "request {i} waits for request {after}, which is not an earlier one"
+                )));
+            }
         }
         Ok(())
     }
@@ -196,6 +251,14 @@ impl TokenSource {
     /// The random number generator behind the tokens (for lengths).
     pub(crate) fn rng(&mut self) -> &mut SplitMix64 {
         &mut self.rng
+    }
+
+    /// `len` tokens drawn uniformly (no lead token): text that continues something, such
+    /// as a model's output.
+    pub(crate) fn uniform(&mut self, len: u64) -> Vec<u32> {
+        (0..len)
+            .map(|_| self.rng.below(u64::from(VOCAB_SIZE)) as u32)
+            .collect()
     }
 
     /// A fresh segment of `len` tokens: a lead token no earlier segment started with,
@@ -243,6 +306,17 @@ pub enum Preset {
     /// 100 random prompts of 8,192 tokens, 64 output tokens, concurrency 64. Source: the
     /// seed PR's `bench_serving` random dataset, 8192/64 shape.
     Random8192x64,
+    /// Chat conversations shaped like LMSYS-Chat-1M's (arXiv 2309.11998, Table 1: 2.0
+    /// turns per conversation, 69.5 tokens per user prompt, 214.5 per response), lengths
+    /// × [`CHAT_LENGTH_SCALE`]: [`CHAT_CLIENTS`] clients each hold the
+    /// [`CHAT_TURNS`].len() conversations of [`CHAT_TURNS`] (1, 1, 1, 1, 2, 2, 3 and 5
+    /// turns: mean 2.0) one after another, in a seeded order. A conversation's first
+    /// turn is [`CHAT_USER_TOKENS`] new tokens; turn `t + 1`'s prompt is turn `t`'s
+    /// prompt, the [`CHAT_OUTPUT_TOKENS`] tokens turn `t` generated and
+    /// [`CHAT_USER_TOKENS`] new ones. A client sends its next turn the step after its
+    /// last one finished ([`RequestSpec::after`]), so at most [`CHAT_CLIENTS`] requests
+    /// are in the system. No two conversations share a token prefix. 512 requests.
+    MultiTurn,
     /// Eight requests with short lengths: five share a 160-token prefix (longer than
     /// gpt-oss's 128-token window), three are random; staggered arrivals, concurrency 4,
     /// outputs from 8 to 160 tokens. For fast tests and the report snapshot.
@@ -335,22 +409,25 @@ impl StarvationPlan {
 
 impl Preset {
     /// Every preset.
-    pub const ALL: [Preset; 6] = [
+    pub const ALL: [Preset; 7] = [
         Preset::SharedPrefix,
         Preset::LongOutputs,
         Preset::Random2048x512,
         Preset::Random8192x64,
+        Preset::MultiTurn,
         Preset::Smoke,
         Preset::MambaStarvation,
     ];
 
-    /// The four presets of DESIGN.md §9, which `unikv replay` runs for every model when
-    /// no `--workload` is given (not `smoke`; see [`Preset::defaults_for`]).
-    pub const DEFAULTS: [Preset; 4] = [
+    /// The four presets of DESIGN.md §9 and `multi-turn`, which `unikv replay` runs for
+    /// every model when no `--workload` is given (not `smoke`; see
+    /// [`Preset::defaults_for`]).
+    pub const DEFAULTS: [Preset; 5] = [
         Preset::SharedPrefix,
         Preset::LongOutputs,
         Preset::Random2048x512,
         Preset::Random8192x64,
+        Preset::MultiTurn,
     ];
 
     /// What `--workload all` (and no `--workload`) runs for `model`: [`Preset::DEFAULTS`],
@@ -375,6 +452,7 @@ impl Preset {
             Preset::LongOutputs => "long-outputs",
             Preset::Random2048x512 => "random-2048-512",
             Preset::Random8192x64 => "random-8192-64",
+            Preset::MultiTurn => "multi-turn",
             Preset::Smoke => "smoke",
             Preset::MambaStarvation => "mamba-starvation",
         }
@@ -399,6 +477,10 @@ impl Preset {
             }
             Preset::Random8192x64 => {
                 "100 x 8,192 in / 64 out, concurrency 64 (seed PR bench_serving, random)"
+            }
+            Preset::MultiTurn => {
+                "256 chats (1-5 turns, mean 2.0) x (history + 278) in / 858 out, next turn \
+                 when the last finished, 32 clients (LMSYS-Chat-1M x 4)"
             }
             Preset::Smoke => {
                 "8 short requests, 5 sharing a 160-token prefix, concurrency 4 (tests)"
@@ -439,6 +521,8 @@ impl Preset {
                 arrival_step,
                 prompt,
                 output_len,
+                after: None,
+                output: None,
             });
         };
         let concurrency = match self {
@@ -470,6 +554,7 @@ impl Preset {
                 }
                 64
             }
+            Preset::MultiTurn => return ChatShape::MULTI_TURN.build(self.name(), tokens),
             Preset::Smoke => {
                 let prefix = tokens.segment(160);
                 let shared = |tokens: &mut TokenSource| {
@@ -512,6 +597,121 @@ impl Preset {
         Workload {
             name: self.name().to_string(),
             concurrency,
+            requests,
+        }
+    }
+}
+
+/// Clients of `multi-turn`: at most this many of its requests are in the system at
+/// once (each client waits for its answer before it sends again).
+pub const CHAT_CLIENTS: u32 = 32;
+
+/// The turn counts of the conversations each `multi-turn` client holds, in the order of a
+/// geometric distribution of mean 2 (LMSYS-Chat-1M's 2.0 turns per conversation; the
+/// paper publishes the mean only): half the conversations end after one turn, a quarter
+/// after two, an eighth after three, and the tail of four or more turns, an eighth, is at
+/// its own mean, five. Mean exactly 2.0; 16 turns per client.
+pub const CHAT_TURNS: [u32; 8] = [1, 1, 1, 1, 2, 2, 3, 5];
+
+/// How much longer `multi-turn`'s prompts and responses are than LMSYS-Chat-1M's means:
+/// at × 1 a turn (69.5 + 214.5 tokens) is about one 256-token page, so at page size 256
+/// a history rounds down to a page or none and the preset would measure rounding, not
+/// reuse; × 4 puts about four and a half pages in each turn and keeps the dataset's
+/// prompt : response ratio (1 : 3.1).
+pub const CHAT_LENGTH_SCALE: u64 = 4;
+
+/// New tokens of each `multi-turn` user prompt: LMSYS-Chat-1M's mean of 69.5 tokens ×
+/// [`CHAT_LENGTH_SCALE`].
+pub const CHAT_USER_TOKENS: u64 = 278;
+
+/// Output tokens of each `multi-turn` turn: LMSYS-Chat-1M's mean response of 214.5 tokens
+/// × [`CHAT_LENGTH_SCALE`].
+pub const CHAT_OUTPUT_TOKENS: u32 = 858;
+
+// The lengths are the dataset's means (69.5, 214.5 tokens) times the scale.
+const _: () = assert!(CHAT_USER_TOKENS * 2 == 139 * CHAT_LENGTH_SCALE);
+const _: () = assert!(CHAT_OUTPUT_TOKENS as u64 * 2 == 429 * CHAT_LENGTH_SCALE);
+
+/// The shape of a chat workload: `multi-turn`'s is [`ChatShape::MULTI_TURN`]; tests build
+/// smaller ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ChatShape {
+    /// Closed-loop clients (the workload's concurrency).
+    pub(crate) clients: u32,
+    /// The turn counts of the conversations every client holds, one after another (each
+    /// client in its own seeded order).
+    pub(crate) turns: &'static [u32],
+    /// New tokens of each user prompt.
+    pub(crate) user_tokens: u64,
+    /// Output tokens of each turn.
+    pub(crate) output_tokens: u32,
+}
+
+impl ChatShape {
+    /// `multi-turn`'s shape (see [`Preset::MultiTurn`]).
+    pub(crate) const MULTI_TURN: ChatShape = ChatShape {
+        clients: CHAT_CLIENTS,
+        turns: &CHAT_TURNS,
+        user_tokens: CHAT_USER_TOKENS,
+        output_tokens: CHAT_OUTPUT_TOKENS,
+    };
+
+    /// Requests each client sends: the sum of the turn counts.
+    pub(crate) fn turns_per_client(&self) -> u32 {
+        self.turns.iter().sum()
+    }
+
+    /// The workload `name` of this shape, its tokens drawn from `tokens`. Requests are
+    /// numbered turn position first: the `n`-th turn a client sends is request
+    /// `n × clients + client`, and each but a client's first waits for the one before it
+    /// ([`RequestSpec::after`]). A conversation's turn `t + 1` has for prompt turn `t`'s
+    /// prompt, its whole output and `user_tokens` new tokens (the first turn: those
+    /// alone). Every output is fixed ([`RequestSpec::output`]), so the next turn's prompt
+    /// holds exactly what the scheduler generated.
+    pub(crate) fn build(&self, name: &str, mut tokens: TokenSource) -> Workload {
+        let clients = self.clients as usize;
+        // Each client's turns in the order it sends them: (prompt, output).
+        let mut chains: Vec<Vec<(Vec<u32>, Vec<u32>)>> = Vec::with_capacity(clients);
+        for _ in 0..clients {
+            let mut turns = self.turns.to_vec();
+            // Fisher-Yates with the workload's generator: each client its own order.
+            for i in (1..turns.len()).rev() {
+                let j = tokens.rng().below(i as u64 + 1) as usize;
+                turns.swap(i, j);
+            }
+            let mut chain = Vec::new();
+            for conversation_turns in turns {
+                let mut history = Vec::new();
+                for _ in 0..conversation_turns {
+                    let mut prompt = history;
+                    prompt.extend(tokens.segment(self.user_tokens));
+                    let output = tokens.uniform(u64::from(self.output_tokens));
+                    history = prompt.clone();
+                    history.extend_from_slice(&output);
+                    chain.push((prompt, output));
+                }
+            }
+            chains.push(chain);
+        }
+        let per_client = self.turns_per_client() as usize;
+        let mut requests = Vec::with_capacity(clients * per_client);
+        for n in 0..per_client {
+            for chain in &mut chains {
+                let (prompt, output) = std::mem::take(&mut chain[n]);
+                let id = requests.len() as u32;
+                requests.push(RequestSpec {
+                    id,
+                    arrival_step: 0,
+                    prompt,
+                    output_len: self.output_tokens,
+                    after: id.checked_sub(self.clients),
+                    output: Some(output),
+                });
+            }
+        }
+        Workload {
+            name: name.to_string(),
+            concurrency: self.clients,
             requests,
         }
     }
@@ -585,6 +785,95 @@ mod tests {
         check(Preset::LongOutputs, 100, 512, 4_096, 128);
         check(Preset::Random2048x512, 200, 2_048, 512, 64);
         check(Preset::Random8192x64, 100, 8_192, 64, 64);
+    }
+
+    /// `multi-turn` as its documentation says: 32 clients, each with the eight
+    /// conversations of `CHAT_TURNS` (mean 2.0 turns), 278 new tokens a turn, 858 fixed
+    /// output tokens, each client's turns chained by `after`.
+    #[test]
+    fn multi_turn_has_its_documented_shape() {
+        let w = Preset::MultiTurn.build(0);
+        w.validate().unwrap();
+        assert_eq!(w.name, "multi-turn");
+        assert_eq!((w.requests.len(), w.concurrency), (512, 32));
+        // A mean of 2.0 turns per conversation.
+        assert_eq!(CHAT_TURNS.iter().sum::<u32>(), 2 * CHAT_TURNS.len() as u32);
+        let mut first_turns = 0;
+        let mut turns_by_client = vec![Vec::new(); 32];
+        for r in &w.requests {
+            assert_eq!(r.arrival_step, 0);
+            assert_eq!(r.output_len, 858);
+            assert_eq!(r.output.as_ref().map(Vec::len), Some(858));
+            assert_eq!(r.after, r.id.checked_sub(32), "request {}", r.id);
+            assert!(
+                r.prompt
+                    .iter()
+                    .chain(r.output.iter().flatten())
+                    .all(|&t| t < VOCAB_SIZE)
+            );
+            // A turn's prompt is 278 new tokens after whole earlier turns of 1,136.
+            let earlier = r.prompt.len() - 278;
+            assert_eq!(earlier % (278 + 858), 0, "request {}", r.id);
+            let turn = earlier / (278 + 858) + 1;
+            if turn == 1 {
+                first_turns += 1;
+                turns_by_client[r.id as usize % 32].push(0);
+            }
+            *turns_by_client[r.id as usize % 32].last_mut().unwrap() += 1;
+        }
+        assert_eq!(first_turns, 256, "256 conversations");
+        for (client, turns) in turns_by_client.iter_mut().enumerate() {
+            turns.sort_unstable();
+            assert_eq!(turns[..], [1, 1, 1, 1, 2, 2, 3, 5], "client {client}");
+        }
+        // Clients send their conversations in different orders.
+        let order = |c: usize| -> Vec<usize> {
+            (0..16)
+                .map(|n| w.requests[n * 32 + c].prompt.len())
+                .collect()
+        };
+        assert!((1..32).any(|c| order(c) != order(0)));
+    }
+
+    /// Turn `t + 1` of a conversation is turn `t`'s prompt, all of turn `t`'s output and
+    /// fresh text; a new conversation shares no prefix with anything before it.
+    #[test]
+    fn a_next_turn_starts_with_the_last_turns_prompt_and_output() {
+        for tenants in [1, 3] {
+            let w = Preset::MultiTurn.build(2).tenants(tenants);
+            w.validate().unwrap();
+            let mut leads = Vec::new();
+            let mut follow_ups = 0;
+            for r in &w.requests {
+                let Some(after) = r.after else {
+                    leads.push(r.prompt[0]);
+                    continue;
+                };
+                let previous = &w.requests[after as usize];
+                // The same client (and tenant): `clients × tenants` requests apart.
+                assert_eq!(r.id - after, 32 * tenants);
+                let history = [&previous.prompt[..], previous.output.as_ref().unwrap()].concat();
+                if r.prompt.len() == 278 {
+                    leads.push(r.prompt[0]);
+                    assert_eq!(common_prefix(&r.prompt, &history), 0);
+                } else {
+                    follow_ups += 1;
+                    assert_eq!(r.prompt.len(), history.len() + 278);
+                    assert_eq!(r.prompt[..history.len()], history[..]);
+                    assert_ne!(r.prompt[history.len()], history[0]);
+                }
+            }
+            assert_eq!(follow_ups, 256 * tenants as usize);
+            let conversations = leads.len();
+            leads.sort_unstable();
+            leads.dedup();
+            assert_eq!(
+                leads.len(),
+                conversations,
+                "no two conversations share a prefix"
+            );
+            assert_eq!(conversations, 256 * tenants as usize);
+        }
     }
 
     #[test]
@@ -703,6 +992,14 @@ mod tests {
         let mut w = Preset::Smoke.build(0);
         w.requests.swap(1, 2);
         assert!(w.validate().is_err());
+        let mut w = Preset::MultiTurn.build(0);
+        w.requests[40].after = Some(40);
+        let err = w.validate().unwrap_err().to_string();
+        assert!(err.contains("request 40 waits for request 40"), "{err}");
+        let mut w = Preset::MultiTurn.build(0);
+        w.requests[7].output.as_mut().unwrap().pop();
+        let err = w.validate().unwrap_err().to_string();
+        assert!(err.contains("request 7 fixes 857 output tokens"), "{err}");
         let w = Workload {
             name: "empty".into(),
             concurrency: 1,
