@@ -971,6 +971,9 @@ pub struct RunStats {
     pub kv_hit_tokens: u64,
     /// Resumed states compared with a contiguous recompute of their prefix.
     pub resumes_checked: u64,
+    /// Requests retracted after resuming from a state but before their first step read
+    /// it (nothing to check; they are admitted again).
+    pub resumes_retracted: u64,
     /// The first resumed state that differed from the recompute.
     pub state_mismatch: Option<String>,
     /// Window releases (a request's cursor moved up).
@@ -1552,6 +1555,7 @@ fn retract(
         }
     }
     stats.retractions += 1;
+    stats.resumes_retracted += u64::from(r.resumed_at.is_some());
     queue.push_front(r.job);
     cache.release(r.req)?;
     Ok(())
@@ -1646,8 +1650,9 @@ pub fn compare_runs(a: &[Job], b: &[Job]) -> Result<usize, String> {
 /// workload (reuse off, say) whose outputs equal `reference`: the same jobs with the same
 /// prompts and bit-identical outputs, equal to the reference; every state a request
 /// resumed from equal, bit for bit, to a contiguous recompute of its prefix; and reuse
-/// happened exactly when it is on (states resumed, fewer prompt tokens prefilled than
-/// admitted), so the check cannot pass vacuously. Returns the jobs compared.
+/// happened exactly when it is on (on: states resumed, fewer prompt tokens prefilled
+/// than admitted; off: not one token hit), so the check cannot pass vacuously. Returns
+/// the jobs compared.
 pub fn check_reuse(
     cfg: &RunConfig,
     jobs: &[Job],
@@ -1663,10 +1668,10 @@ pub fn check_reuse(
             if stats.prefix_hits == 0 {
                 return Err("reuse on, but no request hit the prefix cache".into());
             }
-            if cfg.model.is_recurrent() && resumed != stats.prefix_hits {
+            if cfg.model.is_recurrent() && resumed + stats.resumes_retracted != stats.prefix_hits {
                 return Err(format!(
-                    "{} hits but {resumed} resumed states checked",
-                    stats.prefix_hits
+                    "{} hits but {resumed} resumed states checked ({} retracted first)",
+                    stats.prefix_hits, stats.resumes_retracted
                 ));
             }
             if stats.prefill_tokens >= stats.prompt_tokens {
@@ -1677,10 +1682,12 @@ pub fn check_reuse(
             }
         }
         Reuse::Off => {
-            if stats.prefix_hits > 0 || stats.prefill_tokens != stats.prompt_tokens {
+            // (A request retracted mid-prefill is admitted again, so its prompt counts
+            // twice while only part of it was prefilled the first time.)
+            if stats.prefix_hits > 0 || stats.kv_hit_tokens > 0 {
                 return Err(format!(
-                    "reuse off, but {} hits and {} of {} prompt tokens prefilled",
-                    stats.prefix_hits, stats.prefill_tokens, stats.prompt_tokens
+                    "reuse off, but {} hits ({} tokens of KV)",
+                    stats.prefix_hits, stats.kv_hit_tokens
                 ));
             }
         }
