@@ -1,18 +1,24 @@
 //! A tiny hybrid decoder served two ways, to prove that unikv loses nothing: an engine
 //! that keeps all its K/V and recurrent state in unikv's buffer (writing new K/V at the
 //! step metadata's write locations, attending through its kernel ids, keeping the state
-//! in the request's slot), and a reference that runs each request alone with plain
-//! contiguous K/V. Both share one forward (plain `f32` loops in a fixed order), so a
-//! correct cache makes their outputs bit-identical.
+//! in the request's slot and writing every checkpoint the step metadata lists), and a
+//! reference that runs each request alone with plain contiguous K/V. Both share one
+//! forward (plain `f32` loops in a fixed order), so a correct cache makes their outputs
+//! bit-identical. Three models ([`Model`]): FULL + SWA, FULL + Mamba and the tri-pool.
 //!
-//! The serving run is randomized and deterministic: shared system prompts, follow-up
-//! turns (prefix hits), chunked prefill, decode batches, window releases, eviction and
-//! lazy compaction under a small budget, retraction and re-admission, aborts, and
-//! `cache_unfinished`. Plain loops instead of a tensor crate: the model is a few hundred
+//! Workloads ([`Workload`]): the mixed one is randomized and deterministic (shared
+//! system prompts, follow-up turns, chunked prefill, decode batches, window releases,
+//! eviction and lazy compaction under a small budget, retraction and re-admission,
+//! aborts, `cache_unfinished`); the scripted ones (a shared-prefix batch, a multi-turn
+//! conversation) exercise recurrent-state reuse and run with reuse on and off
+//! ([`Reuse`]). Whenever a request resumes from a cached state, its first step compares
+//! that state, bit for bit, with a contiguous recompute of its prefix
+//! ([`RunStats::resumed_states`]). [`Fault`] breaks the engine on purpose, to show the
+//! checks catch it. Plain loops instead of a tensor crate: the model is a few hundred
 //! weights, and CI compiles and runs it on 2 cores many times over.
 //!
 //! Used by `examples/tiny_engine/main.rs` and, through `#[path]`, by
-//! `tests/tiny_engine.rs`.
+//! `tests/tiny_engine.rs` and `tests/tiny_engine_reuse.rs`.
 
 #![allow(dead_code)] // the test and the example use different parts
 
@@ -61,13 +67,58 @@ pub enum LayerKind {
     Recurrent(u32),
 }
 
-/// The layer stack: FULL, SWA, (recurrent), SWA, FULL.
-pub fn layers(recurrent: bool) -> Vec<LayerKind> {
-    use LayerKind::*;
-    if recurrent {
-        vec![Full(0), Swa(0), Recurrent(0), Swa(1), Full(1)]
-    } else {
-        vec![Full(0), Swa(0), Swa(1), Full(1)]
+/// Which tiny hybrid the engine serves: FULL attention and what it is mixed with, and so
+/// which of unikv's pools share the buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Model {
+    /// FULL and SWA attention (gpt-oss's shape): FULL, SWA, SWA, FULL.
+    Swa,
+    /// FULL attention and recurrent layers, no SWA (Nemotron-H's and Qwen3-Next's
+    /// shape): FULL, recurrent, recurrent, FULL.
+    Mamba,
+    /// All three kinds (the tri-pool): FULL, SWA, recurrent, SWA, FULL.
+    TriPool,
+}
+
+impl Model {
+    /// Every model, attention-only first.
+    pub const ALL: [Model; 3] = [Model::Swa, Model::Mamba, Model::TriPool];
+
+    /// The models with recurrent state (whose prefix reuse resumes from a cached state).
+    pub const RECURRENT: [Model; 2] = [Model::Mamba, Model::TriPool];
+
+    /// A short label for tables.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Model::Swa => "full+swa",
+            Model::Mamba => "full+mamba",
+            Model::TriPool => "full+swa+rec",
+        }
+    }
+
+    /// Whether it has recurrent layers.
+    pub const fn is_recurrent(self) -> bool {
+        !matches!(self, Model::Swa)
+    }
+
+    /// The layer stack.
+    pub fn layers(self) -> Vec<LayerKind> {
+        use LayerKind::*;
+        match self {
+            Model::Swa => vec![Full(0), Swa(0), Swa(1), Full(1)],
+            Model::Mamba => vec![Full(0), Recurrent(0), Recurrent(1), Full(1)],
+            Model::TriPool => vec![Full(0), Swa(0), Recurrent(0), Swa(1), Full(1)],
+        }
+    }
+
+    /// The cache's view of the model: `f32` rows of `HEADS × HD`, the [`RECURRENT`]
+    /// state per recurrent layer, the window [`WINDOW`].
+    pub fn spec(self) -> ModelSpec {
+        match self {
+            Model::Swa => FULL_SWA,
+            Model::Mamba => FULL_MAMBA,
+            Model::TriPool => FULL_SWA_MAMBA,
+        }
     }
 }
 
@@ -83,27 +134,36 @@ pub const RECURRENT: RecurrentState = RecurrentState {
     state_dtype_bytes: 4,
 };
 
-/// The cache's view of the model: `f32` rows of `HEADS × HD`.
-pub fn model_spec(recurrent: bool) -> ModelSpec {
-    ModelSpec {
-        name: if recurrent {
-            "tiny-engine-tri"
-        } else {
-            "tiny-engine"
-        },
-        full_layers: 2,
-        swa_layers: 2,
-        mamba_layers: u32::from(recurrent),
-        full: KvRows::new(HEADS as u32, HD as u32, 4),
-        swa: KvRows::new(HEADS as u32, HD as u32, 4),
-        recurrent: if recurrent {
-            RECURRENT
-        } else {
-            RecurrentState::NONE
-        },
-        window: WINDOW as u32,
-    }
-}
+/// [`Model::Swa`]'s spec: two FULL and two SWA layers.
+const FULL_SWA: ModelSpec = ModelSpec {
+    name: "tiny-engine",
+    full_layers: 2,
+    swa_layers: 2,
+    mamba_layers: 0,
+    full: KvRows::new(HEADS as u32, HD as u32, 4),
+    swa: KvRows::new(HEADS as u32, HD as u32, 4),
+    recurrent: RecurrentState::NONE,
+    window: WINDOW as u32,
+};
+
+/// [`Model::Mamba`]'s spec: two FULL and two recurrent layers, no SWA.
+const FULL_MAMBA: ModelSpec = ModelSpec {
+    name: "tiny-engine-mamba",
+    swa_layers: 0,
+    mamba_layers: 2,
+    swa: KvRows::NONE,
+    recurrent: RECURRENT,
+    window: 0,
+    ..FULL_SWA
+};
+
+/// [`Model::TriPool`]'s spec: [`FULL_SWA`] and one recurrent layer.
+const FULL_SWA_MAMBA: ModelSpec = ModelSpec {
+    name: "tiny-engine-tri",
+    mamba_layers: 1,
+    recurrent: RECURRENT,
+    ..FULL_SWA
+};
 
 /// A small deterministic generator (xorshift64*).
 #[derive(Clone, Debug)]
@@ -153,6 +213,7 @@ pub struct Mat {
 }
 
 impl Mat {
+    /// Weights uniform in `±1/√cols`.
     fn random(rng: &mut Rng, rows: usize, cols: usize) -> Mat {
         let a = 1.0 / (cols as f32).sqrt();
         Mat {
@@ -204,9 +265,9 @@ pub struct Weights {
 
 impl Weights {
     /// Weights drawn from `seed`.
-    pub fn random(seed: u64, recurrent: bool) -> Weights {
+    pub fn random(seed: u64, model: Model) -> Weights {
         let mut rng = Rng::new(seed);
-        let kinds = layers(recurrent);
+        let kinds = model.layers();
         let layers = kinds
             .iter()
             .map(|k| match k {
@@ -259,6 +320,7 @@ pub fn zero_states(w: &Weights) -> States {
         .collect()
 }
 
+/// `out = x / rms(x)` (no gain).
 fn rms_norm(x: &[f32], out: &mut [f32]) {
     let mut ss = 0.0f32;
     for v in x {
@@ -321,44 +383,41 @@ pub fn forward(
                         _ => 0,
                     };
                     // One read of each key position's rows; scores per head, then the
-                    // softmax-weighted sum of the values, both in position order.
+                    // softmax-weighted sum of the values, both in position order. Index
+                    // loops rather than iterator chains: the tests run this in debug
+                    // builds, where each adaptor call costs more than the arithmetic.
                     scores.clear();
                     values.clear();
                     for j in lo..=pos {
                         store.read(*kind, j, &mut kj, &mut vj);
                         for head in 0..HEADS {
-                            let r = head * HD..(head + 1) * HD;
                             let mut s = 0.0f32;
-                            for (a, b) in q[r.clone()].iter().zip(&kj[r]) {
-                                s += a * b;
+                            for d in head * HD..(head + 1) * HD {
+                                s += q[d] * kj[d];
                             }
                             scores.push(s * scale);
                         }
                         values.extend_from_slice(&vj);
                     }
+                    let keys = pos + 1 - lo;
                     for head in 0..HEADS {
-                        let r = head * HD..(head + 1) * HD;
                         let mut max = f32::NEG_INFINITY;
-                        for s in scores.iter().skip(head).step_by(HEADS) {
-                            max = max.max(*s);
+                        for j in 0..keys {
+                            max = max.max(scores[j * HEADS + head]);
                         }
                         let mut denom = 0.0f32;
-                        let out = &mut att[r.clone()];
-                        out.fill(0.0);
-                        for (s, vj) in scores
-                            .iter()
-                            .skip(head)
-                            .step_by(HEADS)
-                            .zip(values.chunks_exact(KV))
-                        {
-                            let e = (*s - max).exp();
+                        let r = head * HD..(head + 1) * HD;
+                        att[r.clone()].fill(0.0);
+                        for j in 0..keys {
+                            let e = (scores[j * HEADS + head] - max).exp();
                             denom += e;
-                            for (o, vv) in out.iter_mut().zip(&vj[r.clone()]) {
-                                *o += e * vv;
+                            let vj = &values[j * KV..(j + 1) * KV];
+                            for d in r.clone() {
+                                att[d] += e * vj[d];
                             }
                         }
-                        for o in out.iter_mut() {
-                            *o /= denom;
+                        for d in r {
+                            att[d] /= denom;
                         }
                     }
                     wo.apply(&att, &mut delta);
@@ -427,6 +486,7 @@ struct ContiguousKv {
 }
 
 impl ContiguousKv {
+    /// The vector of an attention layer: FULL layers first, then SWA.
     fn slot(layer: LayerKind) -> usize {
         match layer {
             LayerKind::Full(i) => i as usize,
@@ -484,6 +544,27 @@ pub fn reference(w: &Weights, prompt: &[TokenId], max_new: usize) -> Output {
     }
 }
 
+/// The recurrent states a contiguous forward of `prefix` from the initial state reaches:
+/// what a request resuming after `prefix` must start from. Layers above the last
+/// recurrent one cannot change a state, so the forward stops there (half the attention
+/// of a debug-build test).
+pub fn reference_state(w: &Weights, prefix: &[TokenId]) -> States {
+    let below = w
+        .kinds
+        .iter()
+        .rposition(|k| matches!(k, LayerKind::Recurrent(_)))
+        .map_or(0, |last| last + 1);
+    let w = Weights {
+        kinds: w.kinds[..below].to_vec(),
+        layers: w.layers[..below].to_vec(),
+        ..w.clone()
+    };
+    let mut kv = ContiguousKv::default();
+    let mut states = zero_states(&w);
+    forward(&w, &mut kv, &mut states, prefix, 0, |_, _| {});
+    states
+}
+
 // ----- the unikv engine -------------------------------------------------------------------
 
 /// A device around a [`CpuDevice`] that counts the spans every `move_spans` moves
@@ -495,6 +576,7 @@ pub struct CountingDevice {
 }
 
 impl CountingDevice {
+    /// Spans moved so far.
     fn moved(&self) -> u64 {
         self.spans_moved.load(Ordering::Relaxed)
     }
@@ -570,13 +652,15 @@ struct BufferKv<'a> {
     step: RequestStep<'a>,
 }
 
+/// Reads `out.len()` little-endian `f32`s at byte `offset`.
 fn read_f32s(bytes: &[u8], offset: u64, out: &mut [f32]) {
     let b = &bytes[offset as usize..offset as usize + 4 * out.len()];
-    for (o, c) in out.iter_mut().zip(b.chunks_exact(4)) {
-        *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    for i in 0..out.len() {
+        out[i] = f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]);
     }
 }
 
+/// Writes `values` as little-endian `f32`s at byte `offset`.
 fn write_f32s(bytes: &mut [u8], offset: u64, values: &[f32]) {
     let b = &mut bytes[offset as usize..offset as usize + 4 * values.len()];
     for (c, v) in b.chunks_exact_mut(4).zip(values) {
@@ -585,6 +669,7 @@ fn write_f32s(bytes: &mut [u8], offset: u64, values: &[f32]) {
 }
 
 impl BufferKv<'_> {
+    /// The pool side and layer index of an attention layer.
     fn side(layer: LayerKind) -> (Side, u32) {
         match layer {
             LayerKind::Full(i) => (Side::Full, i),
@@ -593,6 +678,7 @@ impl BufferKv<'_> {
         }
     }
 
+    /// The kernel id of row `pos` on `side` (SWA rows only inside the step's window).
     fn id(&self, side: Side, pos: usize) -> i32 {
         match side {
             Side::Full => self.step.full[pos],
@@ -626,6 +712,7 @@ impl KvStore for BufferKv<'_> {
     }
 }
 
+/// Reads every recurrent layer's conv and temporal state from physical slot `slot`.
 fn load_states(
     bytes: &[u8],
     geo: &KvGeometry,
@@ -645,6 +732,7 @@ fn load_states(
     }
 }
 
+/// Writes every recurrent layer's conv and temporal state into physical slot `slot`.
 fn store_states(
     bytes: &mut [u8],
     geo: &KvGeometry,
@@ -667,14 +755,132 @@ fn store_states(
 /// One request of the workload.
 #[derive(Clone, Debug)]
 pub struct Job {
-    /// Prompt tokens.
+    /// Prompt tokens (a follow-up turn's are set when it arrives).
     pub prompt: Vec<TokenId>,
     /// Tokens to generate.
     pub max_new: usize,
+    /// When it enters the queue.
+    pub arrival: Arrival,
     /// What it generated (all of it, or up to its abort).
     pub output: Output,
-    /// Whether it was aborted.
+    /// Whether it was aborted (a follow-up of an aborted turn never arrives and counts as
+    /// aborted, with nothing generated).
     pub aborted: bool,
+    /// Tokens reused from the prefix cache at its last admission (for a recurrent model,
+    /// where the state it resumed from ends).
+    pub reused: usize,
+}
+
+impl Job {
+    /// A job not yet run.
+    fn new(prompt: Vec<TokenId>, max_new: usize, arrival: Arrival) -> Job {
+        Job {
+            prompt,
+            max_new,
+            arrival,
+            output: Output::default(),
+            aborted: false,
+            reused: 0,
+        }
+    }
+
+    /// Whether it generated all its tokens.
+    pub fn finished(&self) -> bool {
+        !self.aborted && self.output.tokens.len() == self.max_new
+    }
+}
+
+/// When a job enters the admission queue.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Arrival {
+    /// At the start of the run.
+    Start,
+    /// Once job `of` has generated `tokens` tokens: it arrives while `of` still decodes
+    /// when `tokens` is below `of`'s `max_new`.
+    Decoded {
+        /// The job it waits for.
+        of: usize,
+        /// Tokens that job has generated.
+        tokens: usize,
+    },
+    /// Once job `of` finished: the next turn of its conversation, whose prompt is `of`'s
+    /// prompt, then its output, then `text`.
+    FollowUp {
+        /// The previous turn.
+        of: usize,
+        /// The new user text.
+        text: Vec<TokenId>,
+    },
+}
+
+/// Whether the engine reuses cached prefixes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reuse {
+    /// Every prefill chunk and every finished request enters the prefix cache, and
+    /// admission resumes from the deepest cached state (FULL/SWA KV with it).
+    On,
+    /// Nothing enters the prefix cache (requests are released, never cached), so no
+    /// admission hits and every token is computed from scratch.
+    Off,
+}
+
+impl Reuse {
+    /// `on` or `off`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Reuse::On => "on",
+            Reuse::Off => "off",
+        }
+    }
+}
+
+/// What the engine serves.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Workload {
+    /// Randomized: a few system prompts with a unique question each, follow-up turns
+    /// drawn at random, aborts, and a budget small enough for eviction, compaction and
+    /// retraction.
+    Mixed {
+        /// Requests arriving (follow-up turns come on top).
+        requests: usize,
+        /// Most tokens a request generates.
+        max_new: usize,
+        /// The chance per step that a running request is aborted.
+        abort_chance: f64,
+    },
+    /// Five requests sharing a prefix of one and a half checkpoint grids (plus a few
+    /// tokens, so it ends off every page and grid point), then diverging: two arrive
+    /// together (neither hits), the others while an earlier one still decodes; the fourth
+    /// extends the third's prompt, so it resumes from a state the third saved.
+    SharedPrefix,
+    /// Two conversations of three turns sharing a system prompt: each next turn's prompt
+    /// is the previous turn's prompt, its output and new text; the second conversation
+    /// starts while the first one's first turn decodes.
+    MultiTurn,
+}
+
+impl Workload {
+    /// A short label for tables.
+    pub const fn as_str(&self) -> &'static str {
+        match self {
+            Workload::Mixed { .. } => "mixed",
+            Workload::SharedPrefix => "shared-prefix",
+            Workload::MultiTurn => "multi-turn",
+        }
+    }
+}
+
+/// A deliberate engine bug, so a test can show that the checks catch a wrong reuse.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// No bug.
+    None,
+    /// Flips one bit of the state a request resumes from (in its slot, before the first
+    /// step reads it): a wrong state copy.
+    FlipResumedState,
+    /// Never writes the checkpoints the step metadata lists: the cache then holds stale
+    /// slot bytes where it believes a state is.
+    SkipCheckpointWrites,
 }
 
 /// The shape of a serving run.
@@ -686,20 +892,57 @@ pub struct RunConfig {
     pub page_size: u32,
     /// Static or unified.
     pub layout: Layout,
-    /// With the recurrent layer (the tri-pool) or FULL + SWA only.
-    pub recurrent: bool,
-    /// Requests arriving (follow-up turns come on top).
-    pub requests: usize,
+    /// The model served.
+    pub model: Model,
+    /// What is served.
+    pub workload: Workload,
+    /// Whether cached prefixes are reused.
+    pub reuse: Reuse,
     /// Room for this many tokens of FULL and SWA KV (the budget).
     pub budget_tokens: u64,
     /// Most requests running at once.
     pub max_running: usize,
     /// Most prefill tokens per step.
     pub prefill_budget: usize,
-    /// Most tokens a request generates.
-    pub max_new: usize,
-    /// The chance per step that a running request is aborted.
-    pub abort_chance: f64,
+    /// A deliberate bug ([`Fault::None`] for a real run).
+    pub fault: Fault,
+}
+
+impl RunConfig {
+    /// A run of a scripted reuse workload ([`Workload::SharedPrefix`] or
+    /// [`Workload::MultiTurn`]) at page size `page_size`: room for every request's KV
+    /// and states at once, so nothing a later request could hit is evicted; prefill in
+    /// chunks of up to two grid intervals.
+    pub fn scripted(
+        page_size: u32,
+        layout: Layout,
+        model: Model,
+        workload: Workload,
+        reuse: Reuse,
+    ) -> RunConfig {
+        let grid = checkpoint_grid(page_size) as usize;
+        RunConfig {
+            seed: 11,
+            page_size,
+            layout,
+            model,
+            workload,
+            reuse,
+            budget_tokens: 32 * grid as u64,
+            max_running: 4,
+            prefill_budget: 2 * grid,
+            fault: Fault::None,
+        }
+    }
+}
+
+/// The checkpoint grid the engine asks for at page size `ps`: two pages, at least 16
+/// tokens, at most 256 tokens and at least a page. At page sizes 1 and 16 a grid point
+/// is not on every page, so a prompt's last whole page and its branching point are
+/// states of their own; at 256 the grid is the page, which keeps the prompts (and the
+/// debug-build test) short.
+pub fn checkpoint_grid(ps: u32) -> u32 {
+    (2 * ps).clamp(16, 256).max(ps)
 }
 
 /// What a serving run went through.
@@ -709,14 +952,30 @@ pub struct RunStats {
     pub steps: u64,
     /// Tokens the forwards computed (recomputation after a retraction included).
     pub computed_tokens: u64,
-    /// Wall time of the forwards and the cache calls.
+    /// Prompt tokens of every admission (a re-admitted request's generated tokens
+    /// count as prompt).
+    pub prompt_tokens: u64,
+    /// Prompt tokens the prefill chunks computed: the prompt tokens less the reused ones
+    /// (and what a retraction threw away).
+    pub prefill_tokens: u64,
+    /// Wall time of the forwards and the cache calls (not of the resumed-state checks).
     pub elapsed: Duration,
     /// Page envelopes moved by compaction.
     pub compaction_moves: u64,
-    /// Admissions with a prefix hit.
+    /// Admissions with a prefix hit (for a recurrent model: a resumed state).
     pub prefix_hits: u64,
-    /// Tokens served from the prefix cache.
+    /// Tokens reused from the prefix cache (`Request::cached_at_admission`).
     pub hit_tokens: u64,
+    /// Tokens whose FULL KV the cache held at admission (`Request::kv_hit_at_admission`);
+    /// beyond `hit_tokens` they were recomputed, for want of a state there.
+    pub kv_hit_tokens: u64,
+    /// Resumed states compared with a contiguous recompute of their prefix.
+    pub resumes_checked: u64,
+    /// Requests retracted after resuming from a state but before their first step read
+    /// it (nothing to check; they are admitted again).
+    pub resumes_retracted: u64,
+    /// The first resumed state that differed from the recompute.
+    pub state_mismatch: Option<String>,
     /// Window releases (a request's cursor moved up).
     pub window_releases: u64,
     /// Nodes evicted from the prefix cache.
@@ -729,39 +988,161 @@ pub struct RunStats {
     pub cached_unfinished: u64,
 }
 
+impl RunStats {
+    /// The number of resumed states checked, or the first that differed, bit for bit,
+    /// from the state a contiguous recompute of its prefix reaches.
+    pub fn resumed_states(&self) -> Result<u64, String> {
+        match &self.state_mismatch {
+            Some(diff) => Err(diff.clone()),
+            None => Ok(self.resumes_checked),
+        }
+    }
+}
+
+/// A job admitted to the cache, with its request.
 struct Running {
     job: usize,
     req: Request,
     /// The next token to append (sampled, not yet computed).
     pending: Option<TokenId>,
+    /// It prefilled a chunk this step (cached unfinished after the step, with reuse on).
+    chunked: bool,
+    /// Resumed from a cached state after this many tokens, not yet checked: its first
+    /// step compares the state it reads with a recompute.
+    resumed_at: Option<usize>,
 }
 
-/// The prefix-sharing workload: a few system prompts, a unique question each, some
-/// follow-up turns. Lengths scale with the page size so that hits (which end on whole
-/// pages and, with the recurrent layer, on checkpoints) and window releases happen at
-/// every page size.
+/// `n` random tokens.
+fn random_tokens(rng: &mut Rng, n: usize) -> Vec<TokenId> {
+    (0..n).map(|_| TokenId(rng.below(VOCAB) as u32)).collect()
+}
+
+/// The jobs of `cfg`'s workload.
 fn workload(cfg: &RunConfig, rng: &mut Rng) -> Vec<Job> {
-    let unit = (cfg.page_size as usize).max(16);
+    let grid = checkpoint_grid(cfg.page_size) as usize;
+    match cfg.workload {
+        Workload::Mixed {
+            requests, max_new, ..
+        } => mixed(cfg.page_size, requests, max_new, rng),
+        Workload::SharedPrefix => shared_prefix(grid, rng),
+        Workload::MultiTurn => multi_turn(grid, rng),
+    }
+}
+
+/// The tokens a scripted job generates: half a grid interval, at most 16.
+fn scripted_max_new(grid: usize) -> usize {
+    (grid / 2).min(16)
+}
+
+/// [`Workload::SharedPrefix`] for checkpoint grid `grid`.
+fn shared_prefix(grid: usize, rng: &mut Rng) -> Vec<Job> {
+    let shared = random_tokens(rng, grid + grid / 2 + 3);
+    let max_new = scripted_max_new(grid);
+    let own = |rng: &mut Rng| {
+        let n = rng.range(grid / 4, grid / 2);
+        random_tokens(rng, n)
+    };
+    let branch = [shared.clone(), own(rng)].concat();
+    vec![
+        Job::new([&shared[..], &own(rng)].concat(), max_new, Arrival::Start),
+        Job::new([&shared[..], &own(rng)].concat(), max_new, Arrival::Start),
+        Job::new(
+            branch.clone(),
+            max_new,
+            Arrival::Decoded { of: 0, tokens: 1 },
+        ),
+        Job::new(
+            [branch, own(rng)].concat(),
+            max_new,
+            Arrival::Decoded { of: 2, tokens: 1 },
+        ),
+        Job::new(
+            [&shared[..], &own(rng)].concat(),
+            max_new,
+            Arrival::Decoded {
+                of: 0,
+                tokens: max_new / 2,
+            },
+        ),
+    ]
+}
+
+/// [`Workload::MultiTurn`] for checkpoint grid `grid`: job `2t + c` is turn `t` of
+/// conversation `c`.
+fn multi_turn(grid: usize, rng: &mut Rng) -> Vec<Job> {
+    /// Conversations.
+    const CONVERSATIONS: usize = 2;
+    /// Turns of each.
+    const TURNS: usize = 3;
+    let system = random_tokens(rng, grid + 5);
+    let max_new = scripted_max_new(grid);
+    let mut jobs = Vec::new();
+    for turn in 0..TURNS {
+        for c in 0..CONVERSATIONS {
+            let own = rng.range(grid / 4, grid / 2);
+            let text = random_tokens(rng, own);
+            let job = if turn == 0 {
+                let arrival = if c == 0 {
+                    Arrival::Start
+                } else {
+                    Arrival::Decoded { of: 0, tokens: 1 }
+                };
+                Job::new([system.clone(), text].concat(), max_new, arrival)
+            } else {
+                let of = (turn - 1) * CONVERSATIONS + c;
+                Job::new(Vec::new(), max_new, Arrival::FollowUp { of, text })
+            };
+            jobs.push(job);
+        }
+    }
+    jobs
+}
+
+/// The randomized workload ([`Workload::Mixed`]): a few system prompts, a unique
+/// question each; follow-up turns come while serving. Lengths scale with the page size
+/// so that hits (which end on whole pages and, with the recurrent layer, on checkpoints)
+/// and window releases happen at every page size.
+fn mixed(page_size: u32, requests: usize, max_new: usize, rng: &mut Rng) -> Vec<Job> {
+    let unit = (page_size as usize).max(16);
     let systems: Vec<Vec<TokenId>> = (0..3)
-        .map(|_| {
-            (0..unit + unit / 4)
-                .map(|_| TokenId(rng.below(VOCAB) as u32))
-                .collect()
-        })
+        .map(|_| random_tokens(rng, unit + unit / 4))
         .collect();
-    (0..cfg.requests)
+    (0..requests)
         .map(|_| {
             let mut prompt = systems[rng.below(systems.len())].clone();
             let q = rng.range(1, unit / 2);
-            prompt.extend((0..q).map(|_| TokenId(rng.below(VOCAB) as u32)));
-            Job {
-                prompt,
-                max_new: rng.range(1, cfg.max_new),
-                output: Output::default(),
-                aborted: false,
-            }
+            prompt.extend(random_tokens(rng, q));
+            Job::new(prompt, rng.range(1, max_new), Arrival::Start)
         })
         .collect()
+}
+
+/// Moves every waiting job whose arrival came to the back of the queue, in job order.
+/// A follow-up turn gets its prompt here; one of an aborted turn is aborted.
+fn arrive(jobs: &mut [Job], waiting: &mut Vec<usize>, queue: &mut VecDeque<usize>) {
+    waiting.retain(|&j| {
+        let arrived = match &jobs[j].arrival {
+            Arrival::Start => true,
+            Arrival::Decoded { of, tokens } => {
+                jobs[*of].output.tokens.len() >= *tokens || jobs[*of].aborted
+            }
+            Arrival::FollowUp { of, .. } => jobs[*of].finished() || jobs[*of].aborted,
+        };
+        if !arrived {
+            return true;
+        }
+        if let Arrival::FollowUp { of, text } = &jobs[j].arrival {
+            let before = &jobs[*of];
+            if before.aborted {
+                jobs[j].aborted = true;
+                return false;
+            }
+            let prompt = [&before.prompt[..], &before.output.tokens, text].concat();
+            jobs[j].prompt = prompt;
+        }
+        queue.push_back(j);
+        false
+    });
 }
 
 /// The budget in bytes for `tokens` tokens of FULL and SWA KV, state slots on top.
@@ -780,12 +1161,35 @@ fn memory_bytes(cfg: &RunConfig, spec: &ModelSpec) -> u64 {
     }
 }
 
+/// Compares a resumed state with the state a contiguous recompute of `prefix` reaches,
+/// bit for bit.
+fn check_resumed_state(w: &Weights, prefix: &[TokenId], resumed: &States) -> Result<(), String> {
+    let want = reference_state(w, prefix);
+    let bits = |s: &States| {
+        s.iter()
+            .flatten()
+            .map(|x| x.to_bits())
+            .collect::<Vec<u32>>()
+    };
+    let (got, want) = (bits(resumed), bits(&want));
+    match got.iter().zip(&want).position(|(a, b)| a != b) {
+        None => Ok(()),
+        Some(i) => Err(format!(
+            "the state resumed after {} tokens differs from the recompute at float {i}: \
+             {:#010x} vs {:#010x}",
+            prefix.len(),
+            got[i],
+            want[i]
+        )),
+    }
+}
+
 /// Serves the workload through unikv. Returns every job (with follow-ups) as it ran and
 /// the run's counts.
 pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
     let mut rng = Rng::new(cfg.seed);
-    let weights = Weights::random(cfg.seed ^ 0x5eed, cfg.recurrent);
-    let spec = model_spec(cfg.recurrent);
+    let weights = Weights::random(cfg.seed ^ 0x5eed, cfg.model);
+    let spec = cfg.model.spec();
     let cpu = Arc::new(CpuDevice::new());
     let device = Arc::new(CountingDevice {
         inner: cpu.clone(),
@@ -798,8 +1202,8 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
         .memory_bytes(memory_bytes(cfg, &spec))
         .layout(cfg.layout)
         .device(device.clone());
-    if cfg.recurrent {
-        builder = builder.checkpoint_interval(cfg.page_size.max(16));
+    if cfg.model.is_recurrent() {
+        builder = builder.checkpoint_interval(checkpoint_grid(cfg.page_size));
     }
     let mut cache = builder.build()?;
     let slot_layout = MambaSpec::new(spec.mamba_layers, spec.recurrent)
@@ -809,16 +1213,29 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
     let buffer = cache.allocator().buffer();
 
     let mut jobs = workload(cfg, &mut rng);
-    let mut queue: VecDeque<usize> = (0..jobs.len()).collect();
+    let mut waiting: Vec<usize> = (0..jobs.len()).collect();
+    let mut queue: VecDeque<usize> = VecDeque::new();
     let mut running: Vec<Running> = Vec::new();
     let mut stats = RunStats::default();
     let mut meta = StepMetadata::new();
     let mut state_copies = 0u64;
     let unit = ps.max(16);
     let max_conversation = (cfg.budget_tokens as usize / 3).max(unit);
+    let (max_new, abort_chance) = match cfg.workload {
+        Workload::Mixed {
+            max_new,
+            abort_chance,
+            ..
+        } => (max_new, abort_chance),
+        _ => (0, 0.0),
+    };
+    let mixed = matches!(cfg.workload, Workload::Mixed { .. });
     let started = Instant::now();
+    // Time spent recomputing resumed states to check them (not serving).
+    let mut verifying = Duration::ZERO;
 
-    while !queue.is_empty() || !running.is_empty() {
+    while !(queue.is_empty() && running.is_empty() && waiting.is_empty()) {
+        arrive(&mut jobs, &mut waiting, &mut queue);
         // Admission.
         while running.len() < cfg.max_running {
             let Some(&j) = queue.front() else { break };
@@ -826,7 +1243,7 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
             let mut prompt = job.prompt.clone();
             prompt.extend_from_slice(&job.output.tokens);
             let hit: PrefixMatch = cache.match_prefix(prompt);
-            if rng.chance(0.03) && job.output.tokens.is_empty() {
+            if mixed && rng.chance(0.03) && job.output.tokens.is_empty() {
                 // Abort before admission: dropping the match undoes nothing.
                 drop(hit);
                 queue.pop_front();
@@ -843,10 +1260,21 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
                 Err(e) => return Err(e),
             };
             queue.pop_front();
-            if req.cached_at_admission() > 0 {
+            let cached = req.cached_at_admission();
+            jobs[j].reused = cached;
+            if cfg.reuse == Reuse::Off {
+                assert_eq!(
+                    req.kv_hit_at_admission(),
+                    0,
+                    "with reuse off nothing is cached, so nothing is hit"
+                );
+            }
+            stats.prompt_tokens += req.tokens().len() as u64;
+            stats.kv_hit_tokens += req.kv_hit_at_admission() as u64;
+            if cached > 0 {
                 stats.prefix_hits += 1;
-                stats.hit_tokens += req.cached_at_admission() as u64;
-                if cfg.recurrent {
+                stats.hit_tokens += cached as u64;
+                if cfg.model.is_recurrent() {
                     state_copies += 1;
                 }
             }
@@ -854,10 +1282,17 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
                 job: j,
                 req,
                 pending: None,
+                chunked: false,
+                resumed_at: (cached > 0 && cfg.model.is_recurrent()).then_some(cached),
             });
         }
         if running.is_empty() {
-            panic!("the budget cannot admit request {:?}", queue.front());
+            assert!(
+                queue.is_empty(),
+                "the budget cannot admit request {:?}",
+                queue.front()
+            );
+            panic!("jobs {waiting:?} wait for jobs that will never run");
         }
 
         // Allocation: prefill chunks under the step's token budget, then one decode batch.
@@ -877,6 +1312,8 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
             match cache.alloc_extend(&mut r.req, n) {
                 Ok(()) => {
                     stats.window_releases += u64::from(r.req.window_cursor() > cursor);
+                    stats.prefill_tokens += n as u64;
+                    r.chunked = true;
                     budget -= n;
                     step.push((i, n));
                     i += 1;
@@ -943,6 +1380,7 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
         let mut logits: Vec<Vec<f32>> = Vec::with_capacity(step.len());
         cpu.run_kernel(buffer, |bytes| {
             for (k, &(i, _)) in step.iter().enumerate() {
+                let resumed_at = running[i].resumed_at.take();
                 let req = &running[i].req;
                 let m = view.request(k);
                 let mut states = zero_states(&weights);
@@ -952,7 +1390,31 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
                 if let (Some(slot), Some(layout), true) =
                     (m.state_slot, &slot_layout, m.first_query() > 0)
                 {
+                    if resumed_at.is_some() && cfg.fault == Fault::FlipResumedState {
+                        let at = geo.slot_offset(slot) + layout.temporal(0).unwrap().start;
+                        bytes[at as usize] ^= 1;
+                    }
                     load_states(bytes, &geo, layout, slot, &mut states);
+                }
+                // The first step after a resume reads the cached state: it must be the
+                // one a full recompute of the prefix reaches.
+                if let Some(at) = resumed_at {
+                    stats.resumes_checked += 1;
+                    let checking = Instant::now();
+                    let checked = if m.first_query() == at {
+                        check_resumed_state(&weights, &req.tokens()[..at], &states)
+                    } else {
+                        Err(format!(
+                            "resumed after {at} tokens, but its first step starts at {}",
+                            m.first_query()
+                        ))
+                    };
+                    verifying += checking.elapsed();
+                    if let Err(diff) = checked
+                        && stats.state_mismatch.is_none()
+                    {
+                        stats.state_mismatch = Some(format!("request {}: {diff}", req.id()));
+                    }
                 }
                 let tokens = &req.tokens()[m.first_query()..m.len];
                 let mut saved: Vec<(u32, States)> = Vec::new();
@@ -961,6 +1423,9 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
                     geo,
                     step: m,
                 };
+                // Every checkpoint the step metadata lists for this request (a list: the
+                // branching point, the prompt's last whole page, grid points) gets the
+                // state after its row length.
                 let l = forward(
                     &weights,
                     &mut kv,
@@ -973,10 +1438,17 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
                         }
                     },
                 );
+                assert_eq!(
+                    saved.len(),
+                    m.checkpoints.len(),
+                    "every listed checkpoint lies inside the step's new tokens"
+                );
                 if let (Some(slot), Some(layout)) = (m.state_slot, &slot_layout) {
                     store_states(bytes, &geo, layout, slot, &states);
-                    for (slot, s) in &saved {
-                        store_states(bytes, &geo, layout, *slot, s);
+                    if cfg.fault != Fault::SkipCheckpointWrites {
+                        for (slot, s) in &saved {
+                            store_states(bytes, &geo, layout, *slot, s);
+                        }
                     }
                 }
                 logits.push(l);
@@ -1008,38 +1480,54 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
             let mut prompt = job.prompt.clone();
             prompt.extend_from_slice(&job.output.tokens);
             // A follow-up turn on the whole conversation: a prefix hit on its pages.
-            if rng.chance(0.5) && prompt.len() + unit < max_conversation {
-                prompt
-                    .extend((0..rng.range(1, unit / 2)).map(|_| TokenId(rng.below(VOCAB) as u32)));
-                jobs.push(Job {
-                    prompt,
-                    max_new: rng.range(1, cfg.max_new),
-                    output: Output::default(),
-                    aborted: false,
-                });
+            if mixed && rng.chance(0.5) && prompt.len() + unit < max_conversation {
+                let question = rng.range(1, unit / 2);
+                prompt.extend(random_tokens(&mut rng, question));
+                jobs.push(Job::new(prompt, rng.range(1, max_new), Arrival::Start));
                 queue.push_back(jobs.len() - 1);
             }
-            cache.cache_finished(r.req)?;
+            match cfg.reuse {
+                Reuse::On => cache.cache_finished(r.req)?,
+                Reuse::Off => drop(cache.release(r.req)?),
+            }
         }
-        if !running.is_empty() && rng.chance(cfg.abort_chance) {
+        if mixed && !running.is_empty() && rng.chance(abort_chance) {
             let i = rng.below(running.len());
             let r = running.remove(i);
             jobs[r.job].aborted = true;
             stats.aborts += 1;
             cache.release(r.req)?;
         }
-        if !running.is_empty() && rng.chance(0.05) {
-            let i = rng.below(running.len());
-            if running[i].req.remaining_prefill() == 0 {
-                cache.cache_unfinished(&mut running[i].req)?;
+        if cfg.reuse == Reuse::On && !mixed {
+            // The scripted workloads cache every prefill chunk with the states it saved
+            // (a request holds at most `checkpoints_per_step` of them), as SGLang's
+            // chunked prefill does, so a request arriving while this one still runs
+            // resumes from them.
+            for r in running.iter_mut().filter(|r| r.chunked) {
+                cache.cache_unfinished(&mut r.req)?;
                 stats.cached_unfinished += 1;
             }
+        }
+        if cfg.reuse == Reuse::On && mixed {
+            // The mixed workload caches a decoding request now and then (so a request
+            // keeps checkpoints across steps, the cache reuses their slots, and the
+            // windows of uncached prompts are released).
+            if !running.is_empty() && rng.chance(0.05) {
+                let i = rng.below(running.len());
+                if running[i].req.remaining_prefill() == 0 {
+                    cache.cache_unfinished(&mut running[i].req)?;
+                    stats.cached_unfinished += 1;
+                }
+            }
+        }
+        for r in &mut running {
+            r.chunked = false;
         }
         cache.step_boundary()?;
         stats.steps += 1;
     }
-    stats.elapsed = started.elapsed();
-    stats.compaction_moves = device.moved() - state_copies;
+    stats.elapsed = started.elapsed() - verifying;
+    stats.compaction_moves = device.moved().saturating_sub(state_copies);
     let ev = cache.stats().evictions;
     stats.evictions = ev.full_nodes + ev.swa_tombstones + ev.mamba_states;
     Ok((jobs, stats))
@@ -1067,19 +1555,24 @@ fn retract(
         }
     }
     stats.retractions += 1;
+    stats.resumes_retracted += u64::from(r.resumed_at.is_some());
     queue.push_front(r.job);
     cache.release(r.req)?;
     Ok(())
 }
 
-/// The reference outputs of every job, and their tokens per second.
+/// The reference outputs of every job, and their tokens per second. A job that never
+/// arrived (a follow-up of an aborted turn) has an empty output.
 pub fn reference_outputs(cfg: &RunConfig, jobs: &[Job]) -> (Vec<Output>, Duration, u64) {
-    let weights = Weights::random(cfg.seed ^ 0x5eed, cfg.recurrent);
+    let weights = Weights::random(cfg.seed ^ 0x5eed, cfg.model);
     let started = Instant::now();
     let mut tokens = 0u64;
     let outputs = jobs
         .iter()
         .map(|j| {
+            if j.prompt.is_empty() {
+                return Output::default();
+            }
             tokens += (j.prompt.len() + j.max_new - 1) as u64;
             reference(&weights, &j.prompt, j.max_new)
         })
@@ -1110,7 +1603,6 @@ pub fn compare(jobs: &[Job], reference: &[Output]) -> Result<usize, String> {
                 want.tokens
             ));
         }
-        let bits = |l: &[f32]| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         if bits(&got.logits) != bits(&want.logits) {
             return Err(format!(
                 "request {i}: final logits differ: {:?} vs the reference {:?}",
@@ -1121,4 +1613,89 @@ pub fn compare(jobs: &[Job], reference: &[Output]) -> Result<usize, String> {
         compared += 1;
     }
     Ok(compared)
+}
+
+/// Compares two runs of one workload (reuse on and off, two layouts): the same jobs with
+/// the same prompts, each aborted in both or in neither, with identical generated tokens
+/// and final logits, bit for bit. Returns the jobs compared or the first difference.
+pub fn compare_runs(a: &[Job], b: &[Job]) -> Result<usize, String> {
+    if a.len() != b.len() {
+        return Err(format!("{} jobs against {}", a.len(), b.len()));
+    }
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        if x.prompt != y.prompt {
+            return Err(format!(
+                "job {i}: prompts of {} and {} tokens differ",
+                x.prompt.len(),
+                y.prompt.len()
+            ));
+        }
+        if x.aborted != y.aborted {
+            return Err(format!("job {i}: aborted in one run only"));
+        }
+        if x.output.tokens != y.output.tokens {
+            return Err(format!(
+                "job {i}: generated {:?} against {:?}",
+                x.output.tokens, y.output.tokens
+            ));
+        }
+        if bits(&x.output.logits) != bits(&y.output.logits) {
+            return Err(format!("job {i}: final logits differ"));
+        }
+    }
+    Ok(a.len())
+}
+
+/// Checks one run of a scripted reuse workload against `baseline`, a run of the same
+/// workload (reuse off, say) whose outputs equal `reference`: the same jobs with the same
+/// prompts and bit-identical outputs, equal to the reference; every state a request
+/// resumed from equal, bit for bit, to a contiguous recompute of its prefix; and reuse
+/// happened exactly when it is on (on: states resumed, fewer prompt tokens prefilled
+/// than admitted; off: not one token hit), so the check cannot pass vacuously. Returns
+/// the jobs compared.
+pub fn check_reuse(
+    cfg: &RunConfig,
+    jobs: &[Job],
+    stats: &RunStats,
+    baseline: &[Job],
+    reference: &[Output],
+) -> Result<usize, String> {
+    let resumed = stats.resumed_states()?;
+    compare_runs(baseline, jobs)?;
+    let compared = compare(jobs, reference)?;
+    match cfg.reuse {
+        Reuse::On => {
+            if stats.prefix_hits == 0 {
+                return Err("reuse on, but no request hit the prefix cache".into());
+            }
+            if cfg.model.is_recurrent() && resumed + stats.resumes_retracted != stats.prefix_hits {
+                return Err(format!(
+                    "{} hits but {resumed} resumed states checked ({} retracted first)",
+                    stats.prefix_hits, stats.resumes_retracted
+                ));
+            }
+            if stats.prefill_tokens >= stats.prompt_tokens {
+                return Err(format!(
+                    "reuse on, but {} of {} prompt tokens were prefilled",
+                    stats.prefill_tokens, stats.prompt_tokens
+                ));
+            }
+        }
+        Reuse::Off => {
+            // (A request retracted mid-prefill is admitted again, so its prompt counts
+            // twice while only part of it was prefilled the first time.)
+            if stats.prefix_hits > 0 || stats.kv_hit_tokens > 0 {
+                return Err(format!(
+                    "reuse off, but {} hits ({} tokens of KV)",
+                    stats.prefix_hits, stats.kv_hit_tokens
+                ));
+            }
+        }
+    }
+    Ok(compared)
+}
+
+/// The bit patterns of `l`.
+fn bits(l: &[f32]) -> Vec<u32> {
+    l.iter().map(|x| x.to_bits()).collect()
 }

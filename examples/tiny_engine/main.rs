@@ -1,17 +1,37 @@
-//! `cargo run --release --example tiny_engine`: a tiny hybrid decoder (FULL and SWA
-//! attention layers, a recurrent layer) served through unikv with every K/V row and
-//! state in unikv's buffer, against a reference with contiguous K/V. For page sizes 1,
-//! 16 and 256, static and unified, with and without the recurrent layer, it prints both
-//! implementations' tokens/s, what the serving run went through (compaction moves,
-//! prefix hits, window releases, evictions, retractions, aborts) and whether every
-//! request's generated tokens and final logits are identical. Exit status 1 when any
-//! output differs.
+//! `cargo run --release --example tiny_engine`: a tiny hybrid decoder served through unikv
+//! with every K/V row and recurrent state in unikv's buffer, against a reference with
+//! contiguous K/V. For page sizes 1, 16 and 256, static and unified:
+//!
+//! - the mixed workload (shared system prompts, random follow-ups, aborts, a small budget)
+//!   on FULL + SWA, FULL + Mamba and the tri-pool, with reuse on;
+//! - the shared-prefix batch and the multi-turn conversation on FULL + Mamba and the
+//!   tri-pool, with reuse off and on: each run against the first (reuse off, static) and
+//!   the reference, and every resumed state against a contiguous recompute of its prefix.
+//!
+//! Each row gives both implementations' tokens/s, the states (or prefixes) resumed and
+//! the prompt tokens they reused, and what the run went through (compaction moves,
+//! window releases, evictions, retractions, aborts). It ends with `outputs identical:
+//! yes` when every request's generated tokens and final logits are identical and every
+//! resumed state equals its recompute; exit status 1 otherwise.
 
 mod engine;
 
-use engine::{RunConfig, compare, reference_outputs, serve};
+use engine::{
+    Fault, Job, Model, Reuse, RunConfig, RunStats, Workload, check_reuse, compare,
+    reference_outputs, serve,
+};
+use std::time::Duration;
 use unikv::Layout;
 
+/// Both layouts (the static one with as many SWA tokens as FULL ones).
+const LAYOUTS: [Layout; 2] = [
+    Layout::Static {
+        swa_full_tokens_ratio: 1.0,
+    },
+    Layout::Unified,
+];
+
+/// Runs every cell, prints its row, and the verdict.
 fn main() {
     if let Err(e) = unikv::init() {
         eprintln!("tiny_engine: {e}");
@@ -20,57 +40,45 @@ fn main() {
     let mut all_identical = true;
     for ps in [1u32, 16, 256] {
         println!("page size {ps}");
-        for recurrent in [false, true] {
-            for layout in [
-                Layout::Static {
-                    swa_full_tokens_ratio: 1.0,
-                },
-                Layout::Unified,
-            ] {
+        for model in Model::ALL {
+            for layout in LAYOUTS {
+                let unit = ps.max(16);
                 let cfg = RunConfig {
                     seed: 7,
                     page_size: ps,
                     layout,
-                    recurrent,
-                    requests: 48,
-                    budget_tokens: 12 * u64::from(ps.max(16)) + 64,
+                    model,
+                    workload: Workload::Mixed {
+                        requests: 48,
+                        max_new: unit as usize,
+                        abort_chance: 0.02,
+                    },
+                    reuse: Reuse::On,
+                    budget_tokens: 12 * u64::from(unit) + 64,
                     max_running: 8,
-                    prefill_budget: 4 * ps.max(16) as usize,
-                    max_new: ps.max(16) as usize,
-                    abort_chance: 0.02,
+                    prefill_budget: 4 * unit as usize,
+                    fault: Fault::None,
                 };
-                let (jobs, stats) = match serve(&cfg) {
-                    Ok(run) => run,
-                    Err(e) => {
-                        eprintln!("tiny_engine: page size {ps} {}: {e}", layout.as_str());
-                        std::process::exit(1);
-                    }
-                };
+                let (jobs, stats) = serve_or_exit(&cfg);
                 let (want, ref_time, ref_tokens) = reference_outputs(&cfg, &jobs);
-                let verdict = compare(&jobs, &want);
-                let model = if recurrent {
-                    "full+swa+rec"
-                } else {
-                    "full+swa"
-                };
-                println!(
-                    "  {model:<12} {:<7} unikv {:>9.0} tok/s  reference {:>9.0} tok/s  \
-                     compaction moves {:>4}  prefix hits {:>3}  window releases {:>4}  \
-                     evictions {:>3}  retractions {:>3}  aborts {:>2}  requests {:>3}",
-                    layout.as_str(),
-                    stats.computed_tokens as f64 / stats.elapsed.as_secs_f64(),
-                    ref_tokens as f64 / ref_time.as_secs_f64(),
-                    stats.compaction_moves,
-                    stats.prefix_hits,
-                    stats.window_releases,
-                    stats.evictions,
-                    stats.retractions,
-                    stats.aborts,
-                    jobs.len(),
-                );
-                if let Err(diff) = verdict {
-                    println!("    DIFFERS: {diff}");
-                    all_identical = false;
+                let verdict = compare(&jobs, &want).and_then(|n| stats.resumed_states().map(|_| n));
+                print_row(&cfg, &jobs, &stats, ref_time, ref_tokens);
+                all_identical &= report(verdict);
+            }
+        }
+        for workload in [Workload::SharedPrefix, Workload::MultiTurn] {
+            for model in Model::RECURRENT {
+                let mut baseline: Option<Vec<Job>> = None;
+                for layout in LAYOUTS {
+                    for reuse in [Reuse::Off, Reuse::On] {
+                        let cfg = RunConfig::scripted(ps, layout, model, workload, reuse);
+                        let (jobs, stats) = serve_or_exit(&cfg);
+                        let (want, ref_time, ref_tokens) = reference_outputs(&cfg, &jobs);
+                        let base = baseline.get_or_insert_with(|| jobs.clone());
+                        let verdict = check_reuse(&cfg, &jobs, &stats, base, &want);
+                        print_row(&cfg, &jobs, &stats, ref_time, ref_tokens);
+                        all_identical &= report(verdict);
+                    }
                 }
             }
         }
@@ -81,5 +89,56 @@ fn main() {
     );
     if !all_identical {
         std::process::exit(1);
+    }
+}
+
+/// Serves `cfg`, or exits with status 1 when the cache refuses.
+fn serve_or_exit(cfg: &RunConfig) -> (Vec<Job>, RunStats) {
+    serve(cfg).unwrap_or_else(|e| {
+        eprintln!(
+            "tiny_engine: page size {} {} {} {}: {e}",
+            cfg.page_size,
+            cfg.layout.as_str(),
+            cfg.model.as_str(),
+            cfg.workload.as_str()
+        );
+        std::process::exit(1);
+    })
+}
+
+/// One row of the table.
+fn print_row(cfg: &RunConfig, jobs: &[Job], stats: &RunStats, ref_time: Duration, ref_tokens: u64) {
+    println!(
+        "  {:<12} {:<7} {:<13} reuse {:<3}  unikv {:>8.0} tok/s  reference {:>8.0} tok/s  \
+         hits {:>3}  reused {:>5} of {:>5} prompt tokens (KV hit {:>5})  \
+         compaction moves {:>4}  window releases {:>4}  evictions {:>3}  retractions {:>3}  \
+         aborts {:>2}  requests {:>3}",
+        cfg.model.as_str(),
+        cfg.layout.as_str(),
+        cfg.workload.as_str(),
+        cfg.reuse.as_str(),
+        stats.computed_tokens as f64 / stats.elapsed.as_secs_f64(),
+        ref_tokens as f64 / ref_time.as_secs_f64(),
+        stats.prefix_hits,
+        stats.hit_tokens,
+        stats.prompt_tokens,
+        stats.kv_hit_tokens,
+        stats.compaction_moves,
+        stats.window_releases,
+        stats.evictions,
+        stats.retractions,
+        stats.aborts,
+        jobs.len(),
+    );
+}
+
+/// Prints a difference under its row; whether there was none.
+fn report(verdict: Result<usize, String>) -> bool {
+    match verdict {
+        Ok(_) => true,
+        Err(diff) => {
+            println!("    DIFFERS: {diff}");
+            false
+        }
     }
 }
