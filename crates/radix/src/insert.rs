@@ -27,6 +27,7 @@
 //! attached, until the path holds no more than the cap.
 
 use crate::error::RadixError;
+use crate::lock::State;
 use crate::matching::common_pages;
 use crate::tree::{Ix, Node, ROOT};
 use crate::{
@@ -75,7 +76,8 @@ pub struct InsertRequest<'a> {
     /// the tree ends up caching that position.
     pub checkpoints: &'a [StateCheckpoint],
     /// Lock the inserted node and return the handle (an unfinished request that keeps
-    /// decoding on top of what it just cached). The caller releases the request's previous
+    /// decoding on top of what it just cached). The lock keeps its path's KV, not the
+    /// Mamba state at the node: the request runs on its own state slot. The caller releases the request's previous
     /// lock afterwards, and replaces its row's `[0, cached_len)` with
     /// [`RadixTree::prefix_values`] of the returned node.
     pub lock: bool,
@@ -232,7 +234,7 @@ impl RadixTree {
         }
 
         let lock = if req.lock {
-            Some(self.lock_ix(x))
+            Some(self.lock_ix(x, State::Unpinned))
         } else {
             None
         };

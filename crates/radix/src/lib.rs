@@ -40,7 +40,9 @@
 //! - **MAMBA**: an optional state slot per node (the state at the node's end, attached
 //!   by the insert that ends there or, as one of its [`InsertRequest::checkpoints`], by an
 //!   insert passing there, which splits the node; kept by the lower part when a node
-//!   splits); a lock on the locked node only; an LRU set of unlocked states. Evicting a
+//!   splits); pinned by a lock taken with [`RadixTree::lock`] (an admission, which copies
+//!   it) at the locked node only, never by an insert's lock (its request runs on its own
+//!   state); an LRU set of unlocked states. Evicting a
 //!   state frees the state alone: the KV under it stays a FULL hit. A state whose writing
 //!   forward is in flight ([`StateCheckpoint::in_flight`]) ends no match and is pinned
 //!   like a locked one until [`RadixTree::publish_states`]. Optionally a cap on the states

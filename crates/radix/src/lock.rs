@@ -1,4 +1,7 @@
-//! Locks: FULL on the whole path to the root, SWA on one window upward, Mamba on the node.
+//! Locks: FULL on the whole path to the root, SWA on one window upward, and the Mamba
+//! state at the node for a lock that reads it ([`RadixTree::lock`], a request being
+//! admitted); an insert's lock, held by a request that runs on its own state, leaves the
+//! state an ordinary cache entry.
 //!
 //! A lock is recorded in the tree under a never-reused handle. The window part remembers
 //! the start position of the highest node it covers (its boundary): node splits copy lock
@@ -11,6 +14,16 @@ use crate::invariants::{FULL_LOCKS_COVER_SWA_LOCKS, LOCK_UNDERFLOW};
 use crate::tree::{Ix, LockRecord, ROOT};
 use crate::{LockHandle, NodeId, RadixTree};
 
+/// What a lock does to the Mamba state at its node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum State {
+    /// Pinned: the lock's holder copies it (an admission).
+    Pinned,
+    /// Left evictable: the holder runs on its own state slot, so the cached one serves
+    /// only later requests, like any other cache entry.
+    Unpinned,
+}
+
 impl RadixTree {
     /// Locks `node` for a request that uses the prefix ending there: FULL on every node up
     /// to the root, SWA on the live nodes covering one window upward from the node (fewer
@@ -18,10 +31,10 @@ impl RadixTree {
     /// Locked parts are protected: no eviction touches them.
     pub fn lock(&mut self, node: NodeId) -> Result<LockHandle, RadixError> {
         let ix = self.resolve(node)?;
-        Ok(self.lock_ix(ix))
+        Ok(self.lock_ix(ix, State::Pinned))
     }
 
-    pub(crate) fn lock_ix(&mut self, ix: Ix) -> LockHandle {
+    pub(crate) fn lock_ix(&mut self, ix: Ix, state: State) -> LockHandle {
         let mut x = ix;
         while x != ROOT {
             self.with_node(x, |n| n.full_lock += 1);
@@ -54,7 +67,7 @@ impl RadixTree {
                 }
             }
         }
-        let mamba = self.nodes[ix as usize].mamba.is_some();
+        let mamba = state == State::Pinned && self.nodes[ix as usize].mamba.is_some();
         if mamba {
             self.with_node(ix, |n| n.mamba_lock += 1);
         }

@@ -828,6 +828,52 @@ fn the_mamba_path_cap_never_evicts_a_locked_state() {
     }
 }
 
+/// An admission's lock pins the state it copies; an unfinished insert's lock keeps the
+/// path's KV but leaves the state at its node evictable (the request runs on its own
+/// slot), and evicting it keeps the KV and the lock.
+#[test]
+fn an_unfinished_inserts_lock_leaves_its_state_evictable() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let mut tree = RadixTree::new(TreeConfig::swa(ps, p).with_mamba()).unwrap();
+        let key = tokens(&pages(2), p);
+        let row: Vec<VirtualToken> = (100..100 + 2 * p as u32).map(VirtualToken).collect();
+        let out = tree
+            .insert(InsertRequest::new(&key, &row).mamba(MambaSlot(5)).locked())
+            .unwrap();
+        let node = tree.node(out.node).unwrap();
+        assert_eq!(
+            (node.mamba, node.mamba_lock),
+            (Some(MambaSlot(5)), 0),
+            "ps {ps}"
+        );
+        assert_eq!(tree.sizes().mamba_evictable.get(), 1, "ps {ps}");
+        let admission = tree.lock(out.node).unwrap();
+        assert_eq!(tree.sizes().mamba_protected.get(), 1, "ps {ps}");
+        assert!(
+            tree.evict_one(Component::Mamba).is_none(),
+            "ps {ps}: pinned"
+        );
+        tree.unlock(admission).unwrap();
+        let actions = tree.evict_one(Component::Mamba).unwrap();
+        assert_eq!(
+            actions,
+            vec![Action::EvictMambaState {
+                node: out.node,
+                slot: MambaSlot(5)
+            }],
+            "ps {ps}"
+        );
+        assert_eq!(
+            tree.match_prefix(&key).full_hit.get(),
+            2 * p,
+            "ps {ps}: KV stays"
+        );
+        tree.unlock(out.lock.unwrap()).unwrap();
+        tree.sanity_check().unwrap();
+    }
+}
+
 /// Without a cap the same sequence keeps every state (the cap is what evicts).
 #[test]
 fn without_a_path_cap_an_insert_evicts_no_state() {
