@@ -5,8 +5,9 @@
 //! # Policy (modelled on the reference engine's scheduler)
 //! - Each step has a prefill budget of `chunk_tokens`. It first continues the requests
 //!   still prefilling, then admits waiting requests in arrival order while the
-//!   concurrency cap, the budget and memory allow (`can_admit`, reserving the prompt and
-//!   up to 128 output tokens). Each admission matches the prompt against the prefix cache
+//!   concurrency cap, the budget and memory allow (`can_admit`, reserving the prompt, its
+//!   output and the running requests' expected decode, [`DecodeEstimate`]). Each
+//!   admission matches the prompt against the prefix cache
 //!   at that moment, and every prefill chunk is cached at once (`cache_unfinished`), so a
 //!   prefix prefilled earlier in the same step is already a hit.
 //! - Every request that was decoding when the step began decodes one token
@@ -221,10 +222,53 @@ pub fn run(
     Simulation::new(workload, config)?.run(progress)
 }
 
-/// Decode-token reserve charged at admission, on top of the prompt: the request's whole
-/// remaining output, capped here (the reference engine reserves a decaying fraction of
-/// `max_new_tokens`; a fixed cap keeps admission deterministic and simple).
-const ADMISSION_DECODE_RESERVE: usize = 128;
+/// What admission reserves for decoding, as the reference engine's scheduler does
+/// (SGLang's `new_token_ratio`: `NewTokenRatioTracker` and `retract_decode`): a new
+/// request reserves its whole remaining output, each running request the expected share
+/// of its own (`ratio` × remaining, both clipped at [`DecodeEstimate::CLIP`]). The ratio
+/// starts at 0.7, decays over 600 decode steps without a retraction to 0.7 × 0.14, and a
+/// retraction resets it to what the remaining batch has decoded so far (plus 20 steps
+/// each) over what it may decode. Deterministic: no clock or randomness.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct DecodeEstimate {
+    ratio: f64,
+}
+
+impl DecodeEstimate {
+    const INIT: f64 = 0.7;
+    const MIN: f64 = Self::INIT * 0.14;
+    const DECAY: f64 = (Self::INIT - Self::MIN) / 600.0;
+    /// Longest output an estimate counts.
+    const CLIP: usize = 4096;
+    /// Steps of decode a retraction's new estimate grants each remaining request.
+    const RETRACT_DECODE_STEPS: u64 = 20;
+
+    fn new() -> Self {
+        DecodeEstimate { ratio: Self::INIT }
+    }
+
+    /// Tokens a request with `left` output tokens to go reserves at its admission.
+    fn admitting(left: usize) -> usize {
+        left.min(Self::CLIP)
+    }
+
+    /// Tokens a running request with `left` output tokens to go keeps reserved.
+    fn running(&self, left: usize) -> usize {
+        (left.min(Self::CLIP) as f64 * self.ratio).ceil() as usize
+    }
+
+    /// A decode step went by without a retraction.
+    fn decay(&mut self) {
+        self.ratio = (self.ratio - Self::DECAY).max(Self::MIN);
+    }
+
+    /// After a retraction: the remaining batch has decoded `decoded` of at most `max_new`
+    /// tokens over `requests` requests.
+    fn retracted(&mut self, decoded: u64, max_new: u64, requests: usize) {
+        let expected = decoded + Self::RETRACT_DECODE_STEPS * requests as u64;
+        self.ratio = (expected as f64 / (max_new + 1) as f64).min(1.0);
+    }
+}
 
 /// Vocabulary that generated tokens are drawn from (disjoint from nothing: generated
 /// tokens only need to be deterministic, and shared outputs are not a goal).
@@ -273,6 +317,8 @@ struct Simulation<'a> {
     record_status: Option<crate::ops::RecordStatus>,
     /// Pages the allocator bound or released so far ([`PagesHandled`]).
     pages_handled: Arc<AtomicU64>,
+    /// The decode admission reserves for.
+    estimate: DecodeEstimate,
 }
 
 impl<'a> Simulation<'a> {
@@ -351,6 +397,7 @@ impl<'a> Simulation<'a> {
             tokens_done: 0,
             record_status,
             pages_handled,
+            estimate: DecodeEstimate::new(),
         })
     }
 
@@ -470,7 +517,7 @@ impl<'a> Simulation<'a> {
             let spec = &self.workload.requests[w.spec];
             let output_left = (spec.output_len - w.sampled.min(spec.output_len)) as usize;
             let hit = self.cache.match_prefix(w.tokens);
-            let reserve = output_left.min(ADMISSION_DECODE_RESERVE);
+            let reserve = DecodeEstimate::admitting(output_left) + self.running_reserve();
             if !self.cache.can_admit(&hit, reserve) {
                 if self.running.is_empty() {
                     // Nothing else holds memory: clear the prefix cache and try once more,
@@ -555,6 +602,7 @@ impl<'a> Simulation<'a> {
     /// One decode token for each request that had finished prefill when the step began
     /// (`decoders`, ascending indices into `running`).
     fn decode(&mut self, mut decoders: Vec<usize>) -> Result<bool, SimError> {
+        let mut retracted_any = false;
         loop {
             decoders.retain(|&i| {
                 let r = &self.running[i];
@@ -593,12 +641,18 @@ impl<'a> Simulation<'a> {
                         self.running[i].sampled += 1;
                     }
                     self.tokens_done += decoders.len() as u64;
+                    if !retracted_any {
+                        self.estimate.decay();
+                    }
                     return Ok(true);
                 }
                 Err(unikv::Error::OutOfMemory { .. }) => {
                     let need = self.running[decoders[0]].req.len() + 1;
                     match self.retract_newest()? {
-                        Some(retracted) => decoders.retain(|&i| i != retracted),
+                        Some(retracted) => {
+                            retracted_any = true;
+                            decoders.retain(|&i| i != retracted);
+                        }
                         None => return Err(self.too_small(need)),
                     }
                 }
@@ -607,8 +661,22 @@ impl<'a> Simulation<'a> {
         }
     }
 
+    /// Output tokens a running request has still to decode.
+    fn output_left(&self, r: &Running) -> usize {
+        let len = self.workload.requests[r.spec].output_len;
+        (len - r.sampled.min(len)) as usize
+    }
+
+    /// What the running requests keep reserved for their decode.
+    fn running_reserve(&self) -> usize {
+        self.running
+            .iter()
+            .map(|r| self.estimate.running(self.output_left(r)))
+            .sum()
+    }
+
     /// Sends the most recently admitted request back to the front of the queue, its KV
-    /// released (the reference engine's retraction). Returns its index in `running`, or
+    /// released (the reference engine's retraction), and resets the decode estimate. Returns its index in `running`, or
     /// `None` when it is the only running request (nothing else could make room).
     fn retract_newest(&mut self) -> Result<Option<usize>, SimError> {
         if self.running.len() < 2 {
@@ -622,6 +690,12 @@ impl<'a> Simulation<'a> {
             sampled: r.sampled,
         });
         self.stats.retractions += 1;
+        let (decoded, max_new) = self.running.iter().fold((0, 0), |(d, m), r| {
+            let len = self.workload.requests[r.spec].output_len;
+            (d + u64::from(r.sampled.min(len)), m + u64::from(len))
+        });
+        self.estimate
+            .retracted(decoded, max_new, self.running.len());
         Ok(Some(self.running.len()))
     }
 
@@ -883,6 +957,31 @@ fn violations(cache: &HybridCache) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The decode estimate follows the reference engine's numbers: 0.7 at start, down to
+    /// 0.7 x 0.14 after 600 quiet decode steps (never below), reset by a retraction to
+    /// what the batch decoded (plus 20 steps each) over what it may decode, at most 1.
+    #[test]
+    fn the_decode_estimate_decays_and_resets_as_the_reference_engines_does() {
+        let mut e = DecodeEstimate::new();
+        assert_eq!(DecodeEstimate::admitting(10_000), 4096, "clipped");
+        assert_eq!(DecodeEstimate::admitting(100), 100);
+        assert_eq!(e.running(1000), 700);
+        assert_eq!(e.running(10_000), (4096.0f64 * 0.7).ceil() as usize);
+        for _ in 0..300 {
+            e.decay();
+        }
+        assert!((e.ratio - (0.7 + 0.098) / 2.0).abs() < 1e-9, "{e:?}");
+        for _ in 0..400 {
+            e.decay();
+        }
+        assert_eq!(e.ratio, DecodeEstimate::MIN);
+        assert_eq!(e.running(1000), 98);
+        e.retracted(300, 2000, 10);
+        assert!((e.ratio - 500.0 / 2001.0).abs() < 1e-12, "{e:?}");
+        e.retracted(5000, 2000, 10);
+        assert_eq!(e.ratio, 1.0);
+    }
     use crate::workload::Preset;
 
     fn smoke(layout: Layout, page_size: u32, memory_bytes: u64) -> Result<RunStats, SimError> {
