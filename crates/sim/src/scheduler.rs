@@ -6,7 +6,7 @@
 //! - Each step has a prefill budget of `chunk_tokens`. It first continues the requests
 //!   still prefilling, then admits waiting requests in arrival order while the
 //!   concurrency cap, the budget and memory allow (`can_admit`, reserving the prompt, its
-//!   output and the running requests' expected decode, [`DecodeEstimate`]). Each
+//!   output and the running requests' expected decode, `DecodeEstimate`). Each
 //!   admission matches the prompt against the prefix cache
 //!   at that moment, and every prefill chunk is cached at once (`cache_unfinished`), so a
 //!   prefix prefilled earlier in the same step is already a hit.
