@@ -1,6 +1,7 @@
 //! Facade benchmarks: the allocator + tree CPU time of one scheduler step
 //! (DESIGN.md §10: a decode step of a batch of 256 at page size 1 within 20 µs), the
-//! same for a Mamba hybrid, and the lifecycle operations around it. Run with
+//! same for a Mamba hybrid, the lifecycle operations around it and a match against the
+//! shared-prefix preset's tree. Run with
 //! `cargo bench -p unikv --bench step`.
 
 use divan::Bencher;
@@ -151,4 +152,37 @@ fn admit_with_hit_and_release(bencher: Bencher, layout: &str) {
         cache.release(req).expect("released");
         cache.step_boundary().expect("a clean step");
     });
+}
+
+/// A match against the shared-prefix preset's tree (a 4,096-token system prompt cached
+/// with 64 finished requests' own 128 tokens below it), as a scheduler runs one for every
+/// waiting request each step: match a new 4,224-token prompt sharing the system prompt
+/// and drop the match (the request waits). gpt-oss-20b, unified.
+#[divan::bench(args = [1, 256], sample_count = 200)]
+fn match_shared_prefix(bencher: Bencher, page_size: u32) {
+    let mut cache = HybridCache::builder()
+        .page_size(page_size)
+        .memory_bytes(4 << 30)
+        .layout(Layout::Unified)
+        .build()
+        .expect("the cache builds");
+    let system: Vec<TokenId> = (0..4_096).map(TokenId).collect();
+    let with_suffix = |branch: u32| {
+        let mut p = system.clone();
+        p.extend((0..128).map(|t| TokenId(1_000_000 * (branch + 1) + t)));
+        p
+    };
+    for branch in 0..64 {
+        let hit = cache.match_prefix(with_suffix(branch));
+        let mut req = cache.admit(hit).expect("admitted");
+        let rest = req.remaining_prefill();
+        cache.alloc_extend(&mut req, rest).expect("prefilled");
+        cache.cache_finished(req).expect("cached");
+        cache.step_boundary().expect("a clean step");
+    }
+    let prompt = with_suffix(1_000);
+    assert_eq!(cache.match_prefix(prompt.clone()).cached_tokens(), 4_096);
+    bencher
+        .with_inputs(|| prompt.clone())
+        .bench_local_values(|p| drop(cache.match_prefix(p)));
 }

@@ -1160,7 +1160,7 @@ impl HybridCache {
         req.window_lock_released = false;
         // Rows before `protected` already read the tree's values.
         let values = self.tree.values_from(outcome.node, Tokens(req.protected))?;
-        for (slot, v) in req.row[req.protected..cached].iter_mut().zip(&values) {
+        for (slot, v) in req.row[req.protected..cached].iter_mut().zip(values.iter()) {
             *slot = PoolToken(v.0);
         }
         req.protected = cached;

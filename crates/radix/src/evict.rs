@@ -64,7 +64,7 @@ impl RadixTree {
         let node = self.remove_leaf(ix);
         actions.push(Action::EvictNode {
             node: id,
-            tokens: node.value,
+            tokens: node.value.to_vec(),
             swa: if !self.swa_enabled() || node.swa_live {
                 SwaSide::Live
             } else {
@@ -80,7 +80,7 @@ impl RadixTree {
         let id = self.id(ix);
         let tokens = self.with_node(ix, |n| {
             n.swa_live = false;
-            n.value.clone()
+            n.value.to_vec()
         });
         actions.push(Action::TombstoneSwa { node: id, tokens });
         if self.nodes[ix as usize].mamba.is_some() && self.state_unpinned(ix) {

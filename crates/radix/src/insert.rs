@@ -467,9 +467,11 @@ impl RadixTree {
         if self.nodes[ix as usize].full_lock == 0 {
             let old = self.with_node(ix, |n| {
                 n.swa_live = true;
-                std::mem::replace(&mut n.value, incoming.clone())
+                std::mem::replace(&mut n.value, incoming.as_slice().into())
             });
-            actions.push(Action::FreeDeviceKvFullOnly { tokens: old });
+            actions.push(Action::FreeDeviceKvFullOnly {
+                tokens: old.to_vec(),
+            });
             actions.push(Action::SwaRebuild {
                 node,
                 tokens: incoming,
@@ -477,7 +479,7 @@ impl RadixTree {
         } else {
             let kept = self.with_node(ix, |n| {
                 n.swa_live = true;
-                n.value.clone()
+                n.value.to_vec()
             });
             actions.push(Action::RecoverSwaWithLockedFull {
                 node,
@@ -498,7 +500,7 @@ impl RadixTree {
         }
         let make = |lo: usize, hi: usize, live: bool| Node {
             key: row.keys(lo, hi).to_vec(),
-            value: row.values(lo, hi).to_vec(),
+            value: row.values(lo, hi).into(),
             swa_live: live,
             ..Node::default()
         };

@@ -95,6 +95,7 @@ mod matching;
 mod sanity;
 mod tree;
 mod types;
+mod values;
 
 pub use action::{Action, Released, SwaSide};
 pub use error::RadixError;
@@ -106,3 +107,4 @@ pub use types::{
     Component, LockHandle, MambaSlot, NodeId, Slots, StateCheckpoint, TokenId, Tokens, TreeConfig,
     VirtualToken,
 };
+pub use values::PathValues;

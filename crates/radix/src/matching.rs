@@ -9,7 +9,7 @@
 //! grid (where a checkpointed state would extend future matches).
 
 use crate::tree::{Ix, ROOT};
-use crate::{NodeId, RadixTree, TokenId, Tokens, VirtualToken};
+use crate::{NodeId, PathValues, RadixTree, TokenId, Tokens};
 
 /// The result of [`RadixTree::match_prefix`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -18,8 +18,9 @@ pub struct MatchResult {
     pub node: NodeId,
     /// Matched (reusable) length: the end of `node`.
     pub len: Tokens,
-    /// The values of `[0, len)`: what the request's row starts with.
-    pub values: Vec<VirtualToken>,
+    /// The values of `[0, len)`: what the request's row starts with, shared with the
+    /// tree's nodes (no token copied).
+    pub values: PathValues,
     /// The deepest node the FULL walk reached (its end is `full_hit`).
     pub full_hit_node: NodeId,
     /// Page-aligned length of the FULL hit (≥ `len`).
@@ -104,9 +105,10 @@ impl RadixTree {
             }
         }
         let (best_ix, best_len, best_count) = best;
-        let mut values = Vec::with_capacity(best_len);
+        let mut values = PathValues::default();
         for &(ix, _) in &path[..best_count] {
-            values.extend_from_slice(&self.nodes[ix as usize].value);
+            let value = &self.nodes[ix as usize].value;
+            values.push(value, 0..value.len());
         }
 
         let t = self.tick();

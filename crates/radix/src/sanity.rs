@@ -260,7 +260,8 @@ mod tests {
                 let ix = first_child(t);
                 t.leave(ix);
                 t.nodes[ix as usize].key.pop();
-                t.nodes[ix as usize].value.pop();
+                let n = &mut t.nodes[ix as usize];
+                n.value = n.value[..n.value.len() - 1].into();
                 t.enter(ix);
             }),
             ("the root has a parent, a key or a lock", |t| {

@@ -7,9 +7,10 @@
 //! construction, and `sanity_check` recomputes both from scratch to prove it.
 
 use crate::error::RadixError;
-use crate::{MambaSlot, NodeId, Slots, TokenId, Tokens, TreeConfig, VirtualToken};
+use crate::{MambaSlot, NodeId, PathValues, Slots, TokenId, Tokens, TreeConfig, VirtualToken};
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
 use unikv_invariants::Scope;
 
 /// Arena index of a node (internal; the public id adds a generation).
@@ -54,7 +55,8 @@ pub(crate) struct Node {
     pub(crate) alive: bool,
     pub(crate) parent: Ix,
     pub(crate) key: Vec<TokenId>,
-    pub(crate) value: Vec<VirtualToken>,
+    /// Shared, so that a match hands out runs of it without a copy ([`PathValues`]).
+    pub(crate) value: Arc<[VirtualToken]>,
     pub(crate) children: Children,
     /// SWA live (`false` = tombstone). Meaningless without SWA (kept `true`).
     pub(crate) swa_live: bool,
@@ -313,15 +315,14 @@ impl RadixTree {
 
     /// The values from the root down to the end of `id`: what a request matched at `id`
     /// holds in its row.
-    pub fn prefix_values(&self, id: NodeId) -> Result<Vec<VirtualToken>, RadixError> {
-        let ix = self.resolve(id)?;
-        Ok(self.path_values(ix))
+    pub fn prefix_values(&self, id: NodeId) -> Result<PathValues, RadixError> {
+        self.values_from(id, Tokens::ZERO)
     }
 
     /// The values of positions `[from, end of id)` on the path to `id` (none when `from`
-    /// is at or past its end): what changed in the row of a request that inserted the
-    /// suffix after `from` ([`crate::InsertRequest::after`]), without copying the rest.
-    pub fn values_from(&self, id: NodeId, from: Tokens) -> Result<Vec<VirtualToken>, RadixError> {
+    /// is at or past its end), shared with the nodes: what changed in the row of a
+    /// request that inserted the suffix after `from` ([`crate::InsertRequest::after`]).
+    pub fn values_from(&self, id: NodeId, from: Tokens) -> Result<PathValues, RadixError> {
         let ix = self.resolve(id)?;
         let mut end = self.start_of(ix) + self.nodes[ix as usize].len();
         let mut path = Vec::new();
@@ -333,25 +334,12 @@ impl RadixTree {
             end = start;
             x = n.parent;
         }
-        let mut values = Vec::new();
+        let mut values = PathValues::default();
         for &(p, skip) in path.iter().rev() {
-            values.extend_from_slice(&self.nodes[p as usize].value[skip..]);
+            let value = &self.nodes[p as usize].value;
+            values.push(value, skip..value.len());
         }
         Ok(values)
-    }
-
-    pub(crate) fn path_values(&self, ix: Ix) -> Vec<VirtualToken> {
-        let mut path = Vec::new();
-        let mut x = ix;
-        while x != ROOT {
-            path.push(x);
-            x = self.nodes[x as usize].parent;
-        }
-        let mut values = Vec::with_capacity(self.start_of(ix) + self.nodes[ix as usize].len());
-        for &p in path.iter().rev() {
-            values.extend_from_slice(&self.nodes[p as usize].value);
-        }
-        values
     }
 
     pub(crate) fn sorted_children(&self, ix: Ix) -> Vec<Ix> {
@@ -371,7 +359,7 @@ impl RadixTree {
             parent: (n.parent != NIL).then(|| self.id(n.parent)),
             start: Tokens(start),
             key: &n.key,
-            value: &n.value,
+            value: &n.value[..],
             swa_live: n.swa_live,
             full_lock: n.full_lock,
             swa_lock: n.swa_lock,
@@ -572,11 +560,11 @@ impl RadixTree {
         debug_assert!(at > 0 && at < self.nodes[ix as usize].len() && at.is_multiple_of(ps));
         let (upper_key, upper_value) = self.with_node(ix, |n| {
             let lower_key = n.key.split_off(at);
-            let lower_value = n.value.split_off(at);
-            (
-                std::mem::replace(&mut n.key, lower_key),
-                std::mem::replace(&mut n.value, lower_value),
-            )
+            // Two new slices: runs already handed out keep the old one.
+            let lower_value: Arc<[VirtualToken]> = n.value[at..].into();
+            let upper_value: Arc<[VirtualToken]> = n.value[..at].into();
+            n.value = lower_value;
+            (std::mem::replace(&mut n.key, lower_key), upper_value)
         });
         let n = &self.nodes[ix as usize];
         let grand = n.parent;
@@ -654,7 +642,7 @@ mod tests {
         assert_eq!((l.full_lock, l.swa_lock, l.mamba_lock), (1, 1, 1));
         assert_eq!((u.mamba, l.mamba), (None, Some(MambaSlot(5))));
         assert_eq!(l.parent, upper);
-        assert_eq!(tree.prefix_values(out.node).unwrap(), row(8));
+        assert_eq!(tree.prefix_values(out.node).unwrap().to_vec(), row(8));
         tree.sanity_check().unwrap();
         tree.unlock(lock).unwrap();
         assert_eq!(tree.sizes().full_protected, Tokens(0));

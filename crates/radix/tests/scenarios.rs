@@ -571,11 +571,11 @@ fn a_suffix_insert_continues_from_the_locked_node() {
         assert_eq!(out.cached_len.get(), 6 * p);
         assert_eq!(tree.match_prefix(&key).len.get(), 6 * p);
         assert_eq!(
-            tree.values_from(out.node, Tokens(2 * p)).unwrap(),
+            tree.values_from(out.node, Tokens(2 * p)).unwrap().to_vec(),
             row[2 * p..].to_vec()
         );
         assert_eq!(
-            tree.values_from(out.node, Tokens(p + 1)).unwrap(),
+            tree.values_from(out.node, Tokens(p + 1)).unwrap().to_vec(),
             row[p + 1..].to_vec(),
             "ps {ps}: from inside a node"
         );

@@ -271,7 +271,7 @@ impl Sim {
         let m = self.tree.match_prefix(&key);
         self.check_match(&key, &m);
         let lock = self.tree.lock(m.node).unwrap();
-        let mut row = m.values.clone();
+        let mut row = m.values.to_vec();
         row.extend(self.ledger.alloc(key.len() - m.len.get()));
         let mamba = self.tree.config().mamba.then(|| self.ledger.alloc_slot());
         let window_pages = self.window_pages(&row[..m.len.get()]);
@@ -416,7 +416,7 @@ impl Sim {
             self.tree.unlock(old).unwrap();
         }
         let cached = out.cached_len.get();
-        let values = self.tree.prefix_values(out.node).unwrap();
+        let values = self.tree.prefix_values(out.node).unwrap().to_vec();
         assert_eq!(values.len(), cached);
         let window_pages = if out.lock.is_some() {
             self.window_pages(&values)
