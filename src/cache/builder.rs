@@ -1,0 +1,399 @@
+//! [`HybridCacheBuilder`]: the layout, the model, the budget and the knobs, validated
+//! once into a [`HybridCache`]; and the static layout's slot pool sizing.
+
+use super::{CheckpointPlan, HybridCache};
+use crate::error::Error;
+use crate::model::ModelSpec;
+use crate::stats::EvictionCounts;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use unikv_invariants::Scope;
+use unikv_kernels::{CpuDevice, Device};
+use unikv_mamba::StatePolicy;
+use unikv_pools::{
+    KvAllocator, PrefixCaching, REFERENCE_MAMBA_FULL_MEMORY_RATIO, StaticSlots, StaticSwa,
+    StaticSwaConfig, UnifiedSwa, UnifiedSwaConfig, reference_slot_pool,
+};
+use unikv_radix::{RadixTree, TreeConfig};
+
+/// How the FULL KV, the SWA KV and the Mamba state slots share the memory budget.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Layout {
+    /// The baseline: fixed pools. `swa_full_tokens_ratio` is SWA tokens per FULL
+    /// token (the reference engine's `--swa-full-tokens-ratio`, default 0.8); a model
+    /// with recurrent state gets a fixed slot pool sized as the reference engine sizes
+    /// it ([`unikv_pools::reference_slot_pool`]).
+    Static {
+        /// SWA token capacity per FULL token capacity (> 0).
+        swa_full_tokens_ratio: f64,
+    },
+    /// One byte buffer whose split follows the workload.
+    Unified,
+}
+
+impl Layout {
+    /// `static` or `unified`.
+    pub const fn as_str(&self) -> &'static str {
+        match self {
+            Layout::Static { .. } => "static",
+            Layout::Unified => "unified",
+        }
+    }
+}
+
+/// The fixed slot pool [`Layout::Static`] gives a model whose state slots are `spec`, in
+/// a budget of `memory_bytes`: the reference engine's default split of the budget between
+/// states and KV ([`reference_slot_pool`] with [`REFERENCE_MAMBA_FULL_MEMORY_RATIO`] and a
+/// radix prefix cache, which every [`HybridCache`] keeps; it sizes the pool for a third
+/// of the slots running, a request holding at most its running slot and two
+/// checkpoints by default). The builder and
+/// anything that rebuilds its allocator (the replay's ops-trace rerun) use this one
+/// mapping.
+pub fn static_slot_pool(
+    spec: unikv_pools::SlotPoolSpec,
+    memory_bytes: u64,
+) -> Result<StaticSlots, unikv_pools::Error> {
+    let pool = reference_slot_pool(
+        memory_bytes,
+        &spec,
+        REFERENCE_MAMBA_FULL_MEMORY_RATIO,
+        PrefixCaching::Radix,
+    )?;
+    Ok(StaticSlots {
+        slots: pool.slots,
+        spec,
+    })
+}
+
+/// The default eviction interval in tokens at small page sizes: releasing a request's
+/// out-of-window SWA every 16 tokens instead of every token cuts the per-step cost of a
+/// 256-request decode batch at page size 1 by about 40% (`cargo bench -p unikv --bench
+/// step`) for 16 more SWA tokens per request.
+pub const DEFAULT_EVICTION_INTERVAL: u32 = 16;
+
+/// At most this many cached recurrent states on one root-to-leaf path of the prefix
+/// tree (the reference engine caps them per path too): beyond it, the least recently
+/// used unlocked ones are evicted when an insert adds one, so one long conversation
+/// cannot fill the slot pool with checkpoints of itself.
+pub const MAMBA_PATH_CAP: std::num::NonZeroUsize = std::num::NonZeroUsize::new(4).unwrap();
+
+/// Distinguishes caches so a request handle cannot be used on another one.
+static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Builds a [`HybridCache`]; see [`HybridCache::builder`].
+pub struct HybridCacheBuilder {
+    model: ModelSpec,
+    page_size: u32,
+    memory_bytes: u64,
+    layout: Layout,
+    device: Option<Arc<dyn Device>>,
+    eviction_interval: Option<u32>,
+    zero_on_handout: bool,
+    checkpoint_interval: Option<u32>,
+    checkpoints_per_step: Option<u32>,
+    wrap: Option<AllocatorWrapper>,
+}
+
+/// A function that wraps the allocator the builder made (see
+/// [`HybridCacheBuilder::wrap_allocator`]).
+type AllocatorWrapper = Box<dyn FnOnce(Box<dyn KvAllocator>) -> Box<dyn KvAllocator>>;
+
+impl std::fmt::Debug for HybridCacheBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HybridCacheBuilder")
+            .field("model", &self.model.name)
+            .field("page_size", &self.page_size)
+            .field("memory_bytes", &self.memory_bytes)
+            .field("layout", &self.layout)
+            .field("device", &self.device.as_ref().map(|d| d.name()))
+            .field("eviction_interval", &self.eviction_interval)
+            .field("zero_on_handout", &self.zero_on_handout)
+            .field("checkpoint_interval", &self.checkpoint_interval)
+            .field("checkpoints_per_step", &self.checkpoints_per_step)
+            .field("wrapped", &self.wrap.is_some())
+            .finish()
+    }
+}
+
+impl HybridCacheBuilder {
+    /// The defaults [`HybridCache::builder`] starts from.
+    pub(super) fn defaults() -> Self {
+        HybridCacheBuilder {
+            model: ModelSpec::GPT_OSS_20B,
+            page_size: 1,
+            memory_bytes: 0,
+            layout: Layout::Unified,
+            device: None,
+            eviction_interval: None,
+            zero_on_handout: false,
+            checkpoint_interval: None,
+            checkpoints_per_step: None,
+            wrap: None,
+        }
+    }
+
+    /// The model whose KV the cache holds (default [`ModelSpec::GPT_OSS_20B`]).
+    pub fn model(mut self, model: ModelSpec) -> Self {
+        self.model = model;
+        self
+    }
+
+    /// Tokens per page (default 1).
+    pub fn page_size(mut self, page_size: u32) -> Self {
+        self.page_size = page_size;
+        self
+    }
+
+    /// The KV memory budget in bytes (required).
+    pub fn memory_bytes(mut self, bytes: u64) -> Self {
+        self.memory_bytes = bytes;
+        self
+    }
+
+    /// Static or unified (default unified).
+    pub fn layout(mut self, layout: Layout) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    /// The device the buffer lives on (default a [`CpuDevice`]).
+    pub fn device(mut self, device: Arc<dyn Device>) -> Self {
+        self.device = Some(device);
+        self
+    }
+
+    /// How many tokens past the window a request's cursor may lag before its SWA is
+    /// released (default: the larger of one page and [`DEFAULT_EVICTION_INTERVAL`]
+    /// tokens). Larger values free less often, in bigger segments, and hold that much
+    /// more SWA per request.
+    pub fn eviction_interval(mut self, tokens: u32) -> Self {
+        self.eviction_interval = Some(tokens);
+        self
+    }
+
+    /// Zero page envelopes when they are handed out (default off; kernels that read
+    /// whole pages need it when neighbours may hold NaN bytes).
+    pub fn zero_on_handout(mut self, zero: bool) -> Self {
+        self.zero_on_handout = zero;
+        self
+    }
+
+    /// The grid, in tokens, on which a request's recurrent state is checkpointed for the
+    /// prefix cache (a model with Mamba/GDN layers; default
+    /// [`unikv_mamba::DEFAULT_CHECKPOINT_INTERVAL`] rounded up to whole pages). A cached
+    /// state lets a later request skip the prefill up to it, so a finer grid reuses more
+    /// of a prompt; each request holds two checkpoint slots whatever the grid. Must be a
+    /// positive multiple of the page size.
+    pub fn checkpoint_interval(mut self, tokens: u32) -> Self {
+        self.checkpoint_interval = Some(tokens);
+        self
+    }
+
+    /// For a model with recurrent layers: the most states one step of one request saves
+    /// (default [`unikv_mamba::DEFAULT_CHECKPOINTS_PER_STEP`] = 2, at most
+    /// [`unikv_mamba::MAX_CHECKPOINTS_PER_STEP`]); a request holds at most its running
+    /// slot and that many checkpoint slots. See [`unikv_mamba::StatePolicy::plan`] for
+    /// which positions are saved.
+    pub fn checkpoints_per_step(mut self, n: u32) -> Self {
+        self.checkpoints_per_step = Some(n);
+        self
+    }
+
+    /// Wraps the allocator the builder makes, e.g. in a recorder of every allocator-level
+    /// operation (the replay's `--record-ops`) or a fault injector in tests. The wrapper
+    /// must forward every call.
+    pub fn wrap_allocator(
+        mut self,
+        wrap: impl FnOnce(Box<dyn KvAllocator>) -> Box<dyn KvAllocator> + 'static,
+    ) -> Self {
+        self.wrap = Some(Box::new(wrap));
+        self
+    }
+
+    /// Checks the configuration and lays out the buffer.
+    pub fn build(self) -> Result<HybridCache, Error> {
+        crate::init()?;
+        let m = &self.model;
+        let config_error = |reason: String| Err(Error::Config(reason));
+        if self.page_size == 0 {
+            return config_error("page size must be at least 1 token".into());
+        }
+        if m.full_layers == 0 {
+            return config_error(format!("model {} has no full-attention layer", m.name));
+        }
+        let has_swa = m.swa_layers > 0;
+        let has_state = m.has_recurrent_state();
+        if !has_swa && !has_state {
+            return config_error(format!(
+                "model {} has neither sliding-window nor recurrent layers; unikv's pools \
+                 share a buffer between FULL and one of them",
+                m.name
+            ));
+        }
+        if has_swa && m.window == 0 {
+            return config_error(format!("model {}: a sliding window of 0 tokens", m.name));
+        }
+        let mut kinds = vec![("full-attention", m.full)];
+        if has_swa {
+            kinds.push(("sliding-window", m.swa));
+        }
+        for (kind, rows) in kinds {
+            if rows.is_empty() {
+                return config_error(format!(
+                    "model {}: the {kind} layers' KV heads, head dim and dtype bytes must \
+                     be > 0 (not {rows})",
+                    m.name
+                ));
+            }
+        }
+        // Every byte size the allocator derives (a page's envelope on each side, a joint
+        // page, a state slot) must fit in 64 bits, or it would be quoted wrapped.
+        let ps = u64::from(self.page_size);
+        let joint_page_bytes = m
+            .checked_full_bytes_per_token()
+            .and_then(|f| f.checked_mul(ps))
+            .zip(
+                m.checked_swa_bytes_per_token()
+                    .and_then(|s| s.checked_mul(ps)),
+            )
+            .and_then(|(f, s)| f.checked_add(s));
+        if joint_page_bytes.is_none() {
+            return config_error(format!(
+                "model {m} at page size {ps}: a page's KV bytes do not fit in 64 bits"
+            ));
+        }
+        let slots = if has_state {
+            Some(m.slot_pool().map_err(|e| {
+                Error::Config(format!("model {}: its recurrent state: {e}", m.name))
+            })?)
+        } else {
+            None
+        };
+        let states = if has_state {
+            let interval = self.checkpoint_interval.unwrap_or_else(|| {
+                unikv_mamba::DEFAULT_CHECKPOINT_INTERVAL.div_ceil(self.page_size) * self.page_size
+            });
+            let page = unikv_pools::PageSize::new(self.page_size)
+                .ok_or_else(|| Error::Config("page size must be at least 1 token".into()))?;
+            let policy = StatePolicy::checkpointed(interval, page).and_then(|p| {
+                match self.checkpoints_per_step {
+                    Some(n) => p.with_checkpoints_per_step(n),
+                    None => Ok(p),
+                }
+            });
+            Some(policy.map_err(|e| Error::Config(format!("model {}: {e}", m.name)))?)
+        } else {
+            None
+        };
+        if self.memory_bytes == 0 {
+            return config_error("a memory budget of 0 bytes (set memory_bytes)".into());
+        }
+        if let Layout::Static {
+            swa_full_tokens_ratio,
+        } = self.layout
+            && !(swa_full_tokens_ratio.is_finite() && swa_full_tokens_ratio > 0.0)
+        {
+            return config_error(format!(
+                "static layout: the SWA:FULL token ratio must be a positive number, not {swa_full_tokens_ratio}"
+            ));
+        }
+        let device = self.device.unwrap_or_else(|| Arc::new(CpuDevice::new()));
+        let step_device = device.clone();
+        let (full, swa) = m.kv_sub_pools();
+        let swa = has_swa.then_some(swa);
+        let mut alloc: Box<dyn KvAllocator> = match self.layout {
+            Layout::Unified => Box::new(UnifiedSwa::new(
+                device,
+                UnifiedSwaConfig {
+                    total_bytes: self.memory_bytes,
+                    page_size: self.page_size,
+                    window: m.window,
+                    full,
+                    swa,
+                    mamba: slots,
+                    zero_on_handout: self.zero_on_handout,
+                },
+            )?),
+            Layout::Static {
+                swa_full_tokens_ratio,
+            } => Box::new(StaticSwa::new(
+                device,
+                StaticSwaConfig {
+                    total_bytes: self.memory_bytes,
+                    page_size: self.page_size,
+                    window: m.window,
+                    full,
+                    swa,
+                    mamba: slots
+                        .map(|spec| static_slot_pool(spec, self.memory_bytes))
+                        .transpose()?,
+                    swa_full_ratio: swa_full_tokens_ratio,
+                    zero_on_handout: self.zero_on_handout,
+                },
+            )?),
+        };
+        let window = m.window as usize;
+        if let Some(wrap) = self.wrap {
+            alloc = wrap(alloc);
+        }
+        // One scope for the cache: the allocator (through any wrapper) and the tree count
+        // their breaches where the step boundary polls.
+        let scope = Scope::new();
+        alloc.set_invariant_scope(scope.clone());
+        let tree_config = if has_swa {
+            TreeConfig::swa(self.page_size, window)
+        } else {
+            TreeConfig::full_only(self.page_size)
+        };
+        let tree_config = match states {
+            Some(policy) => {
+                let tree_config = tree_config.with_mamba().with_mamba_path_cap(MAMBA_PATH_CAP);
+                match policy.interval() {
+                    Some(interval) => {
+                        tree_config.with_mamba_checkpoint_interval(interval.get() as usize)
+                    }
+                    None => tree_config,
+                }
+            }
+            None => tree_config,
+        };
+        let mut tree = RadixTree::new(tree_config)?;
+        tree.set_invariant_scope(scope.clone());
+        // Frees are grouped per step: a freed virtual id is recycled only at a flush (the
+        // boundary, or an eviction loop), never while an action naming it is unapplied.
+        alloc.free_group_begin()?;
+        Ok(HybridCache {
+            id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
+            alloc,
+            tree,
+            scope,
+            model: self.model,
+            layout: self.layout,
+            ps: self.page_size as usize,
+            window,
+            interval: self
+                .eviction_interval
+                .unwrap_or(self.page_size.max(DEFAULT_EVICTION_INTERVAL))
+                as usize,
+            next_request: 0,
+            epoch: 0,
+            step: 0,
+            live_requests: 0,
+            held_full_pages: 0,
+            held_swa_pages: 0,
+            hit_tokens: 0,
+            kv_hit_tokens: 0,
+            admitted_prompt_tokens: 0,
+            evictions: EvictionCounts::default(),
+            has_swa,
+            states,
+            held_slots: 0,
+            scratch: Vec::new(),
+            decode_scratch: Vec::new(),
+            device: step_device,
+            mirror_generation: 0,
+            step_table: None,
+            plan: CheckpointPlan::default(),
+        })
+    }
+}

@@ -1,0 +1,186 @@
+//! Checkpoint plans: which states each request of an allocation saves this step, the
+//! slots they take (reused held ones first, then fresh ones priced with the KV), and what
+//! a request holds once the allocation succeeds.
+
+use super::HybridCache;
+use crate::error::Error;
+use crate::request::Request;
+use unikv_mamba::CheckpointWrite;
+use unikv_pools::{FreeOp, PageDemand, VirtualSlot};
+
+impl HybridCache {
+    /// Plans the checkpoints of `req` growing to `new_len` rows in this step into `plan`.
+    /// The new writes go first into the slots of checkpoints it holds from earlier steps,
+    /// oldest first (the tree never saw them, and a deeper state supersedes them), then
+    /// into fresh slots; a request holds at most [`StatePolicy::checkpoints_per_step`]
+    /// checkpoints, so when the bound is reached the plan keeps its deepest positions.
+    /// So a decoding request rewrites one checkpoint slot; an engine keeps each prefill
+    /// chunk's states by caching the request after the chunk.
+    pub(super) fn plan_checkpoints(
+        &self,
+        req: &Request,
+        new_len: usize,
+        plan: &mut CheckpointPlan,
+    ) {
+        let fresh_start = plan.fresh;
+        let (Some(policy), Some(state)) = (self.states, &req.state) else {
+            plan.requests.push(Planned {
+                fresh_start,
+                ..Planned::default()
+            });
+            return;
+        };
+        let first = plan.at.len();
+        policy.plan(req.len()..new_len, state.marks, &mut plan.at);
+        let cap = policy.checkpoints_per_step() as usize;
+        let planned = plan.at.len() - first;
+        let older = state
+            .held
+            .iter()
+            .take_while(|(_, step)| *step < self.step)
+            .count();
+        let keep = planned.min(cap.saturating_sub(state.held.len() - older));
+        let reuse = keep.min(older);
+        plan.at.drain(first..first + planned - keep);
+        plan.fresh += keep - reuse;
+        plan.requests.push(Planned {
+            start: first,
+            new: keep,
+            reuse,
+            fresh_start,
+        });
+    }
+
+    /// Allocates the fresh slots `plan` writes into (the caller made room for them).
+    fn alloc_checkpoint_slots(&mut self, plan: &mut CheckpointPlan) -> Result<(), Error> {
+        plan.slots.clear();
+        if plan.fresh == 0 {
+            return Ok(());
+        }
+        self.alloc
+            .alloc_slots(plan.fresh, &mut plan.slots)
+            .map_err(|e| self.out_of_memory(e))
+    }
+
+    /// Makes room for `pages` new KV pages and `plan`'s checkpoint slots together, takes
+    /// the slots, then runs `alloc_kv`; when that fails the slots go back, so the
+    /// allocation changes nothing. With [`Checkpoints::BestEffort`], when memory cannot
+    /// hold the KV and the fresh slots together (after evicting what the tree can give),
+    /// the step saves only into the slots the requests already hold, priced on the KV
+    /// alone.
+    pub(super) fn alloc_with_checkpoints(
+        &mut self,
+        pages: usize,
+        plan: &mut CheckpointPlan,
+        checkpoints: Checkpoints,
+        alloc_kv: impl FnOnce(&mut Self) -> Result<(), Error>,
+    ) -> Result<(), Error> {
+        let kv = self.kv_demand(pages);
+        match self.make_room(PageDemand {
+            mamba_slots: plan.fresh,
+            ..kv
+        }) {
+            Err(Error::OutOfMemory { .. })
+                if plan.fresh > 0 && checkpoints == Checkpoints::BestEffort =>
+            {
+                plan.drop_fresh();
+                self.make_room(kv)?;
+            }
+            other => other?,
+        }
+        self.alloc_checkpoint_slots(plan)?;
+        let result = alloc_kv(self);
+        if result.is_err() && !plan.slots.is_empty() {
+            self.alloc.free_batch(&[FreeOp::Slots(&plan.slots)]);
+        }
+        result
+    }
+
+    /// Records the checkpoints `plan` gave `req` (its `i`-th request), which the engine
+    /// writes in this step's forward: into the slots of the held checkpoints they
+    /// replace, then into fresh ones.
+    pub(super) fn commit_checkpoints(
+        &mut self,
+        req: &mut Request,
+        plan: &CheckpointPlan,
+        i: usize,
+    ) {
+        let Some(state) = &mut req.state else {
+            return;
+        };
+        state.pending.clear();
+        let p = plan.requests[i];
+        let reused: Vec<VirtualSlot> = state.held.drain(..p.reuse).map(|(w, _)| w.slot).collect();
+        let fresh = &plan.slots[p.fresh_start..p.fresh_start + p.new - p.reuse];
+        for (&at_len, &slot) in plan.at[p.start..p.start + p.new]
+            .iter()
+            .zip(reused.iter().chain(fresh))
+        {
+            let write = CheckpointWrite { slot, at_len };
+            state.held.push((write, self.step));
+            state.pending.push(write);
+        }
+        self.held_slots += fresh.len();
+    }
+}
+
+/// The checkpoints one allocation plans, request by request (reused across calls).
+#[derive(Debug, Default)]
+pub(super) struct CheckpointPlan {
+    /// Positions to save, request after request, ascending within a request.
+    at: Vec<usize>,
+    /// Per request of the allocation, in order.
+    requests: Vec<Planned>,
+    /// Fresh slots the plan needs (positions not written into a reused slot).
+    fresh: usize,
+    /// The fresh slots, request after request.
+    slots: Vec<VirtualSlot>,
+}
+
+impl CheckpointPlan {
+    pub(super) fn clear(&mut self) {
+        self.at.clear();
+        self.requests.clear();
+        self.fresh = 0;
+        self.slots.clear();
+    }
+
+    /// Drops every position that needs a fresh slot: each request keeps its deepest
+    /// positions, as many as it reuses held slots for.
+    fn drop_fresh(&mut self) {
+        let all = std::mem::take(&mut self.at);
+        for p in &mut self.requests {
+            let kept = &all[p.start + p.new - p.reuse..p.start + p.new];
+            p.start = self.at.len();
+            self.at.extend_from_slice(kept);
+            p.new = p.reuse;
+            p.fresh_start = 0;
+        }
+        self.fresh = 0;
+    }
+}
+
+/// Whether an allocation may go without the fresh slots its checkpoints need.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Checkpoints {
+    /// A prefill chunk's states (the branching point, the prompt's end, grid points)
+    /// are what later requests resume from, and `can_admit` priced them: without room
+    /// for them the allocation fails like one short of KV.
+    Required,
+    /// A decoding request's states serve only its own follow-up turn: they are worth
+    /// future hits, never a retraction now, so without room they are not saved.
+    BestEffort,
+}
+
+/// One request's part of a [`CheckpointPlan`].
+#[derive(Clone, Copy, Debug, Default)]
+struct Planned {
+    /// Its first position in `at`.
+    start: usize,
+    /// Positions planned.
+    new: usize,
+    /// Held checkpoints (its oldest) whose slots the first positions are written into.
+    reuse: usize,
+    /// Its first fresh slot in `slots`.
+    fresh_start: usize,
+}
