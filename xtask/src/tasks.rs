@@ -316,8 +316,8 @@ if [ "$failed" -ne 0 ]; then echo "gpu: a suite failed"; exit 1; fi
 echo "gpu: all suites passed"
 "#;
 
-/// `cargo xtask gpu-bundle [DIR]`: builds the GPU checks' test binaries here (the
-/// `cuda` feature; cudarc loads the driver at run time), packs libnvrtc beside them and
+/// `cargo xtask gpu-bundle [DIR]`: builds the GPU checks' test binaries here (release,
+/// the `cuda` feature; cudarc loads the driver at run time), packs libnvrtc beside them and
 /// writes `run.sh`, into DIR (default `.gpu`, ignored by git), so that a GPU machine
 /// without a Rust toolchain runs `bash DIR/run.sh`. The binaries need that machine's
 /// architecture and a glibc no older than this one's.
@@ -326,7 +326,8 @@ pub fn gpu_bundle(args: &[String]) -> Result<(), String> {
     std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     let mut names = Vec::new();
     for (_, package, test) in GPU_SUITES {
-        let json = Cmd::cargo(&["test", "--no-run", "--message-format=json"])
+        // Release: the bandwidth table times the host's packing and checks too.
+        let json = Cmd::cargo(&["test", "--release", "--no-run", "--message-format=json"])
             .args(["-p", package, "--features", "cuda", "--test", test])
             .output()?;
         let executable = json

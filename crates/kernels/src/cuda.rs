@@ -47,9 +47,9 @@ pub type RawEvent = *mut std::ffi::c_void;
 pub(crate) const BLOCK: u32 = 256;
 /// Most blocks of one grid dimension; the kernels use grid-stride loops, so any size works.
 const MAX_BLOCKS: u64 = 65_535;
-/// Bytes of a span one block handles at a time (`UNIKV_CHUNK` of `cu/spans.cu`: a
-/// 16-byte word per thread).
-const CHUNK: u64 = 16 * BLOCK as u64;
+/// Bytes of a span one block handles at a time (`UNIKV_CHUNK` of `cu/spans.cu`: 16
+/// 16-byte words per thread).
+const CHUNK: u64 = 16 * 16 * BLOCK as u64;
 /// Staging ring bytes at boot: room for a step's lists at page size 1 (a 64 K-entry
 /// scatter is 512 KiB).
 pub const DEFAULT_STAGING_BYTES: usize = 4 << 20;

@@ -22,7 +22,7 @@ const BLOCK: u32 = 256;
 const MAX_BLOCKS: u64 = 65_535;
 
 /// Bytes of a span one block handles at a time (`UNIKV_CHUNK` of `cu/spans.cu`).
-const CHUNK: u64 = 16 * BLOCK as u64;
+const CHUNK: u64 = 16 * 16 * BLOCK as u64;
 
 /// A launch: blocks along x and y, threads per block.
 type Shape = (u32, u32, u32);
