@@ -27,8 +27,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use unikv::kernels::{
-    ByteSpan, BytesId, CpuDevice, Device, Error as DeviceError, SpanMove, SyncHazards, TableId,
-    TableScatter, TableSpans, Translate,
+    CpuDevice, Device, DeviceCall, DeviceHooks, DeviceOp, Error as DeviceError, Intercepted,
 };
 use unikv::mamba::{MambaSpec, SlotLayout};
 use unikv::pools::Side;
@@ -567,80 +566,39 @@ pub fn reference_state(w: &Weights, prefix: &[TokenId]) -> States {
 
 // ----- the unikv engine -------------------------------------------------------------------
 
-/// A device around a [`CpuDevice`] that counts the spans every `move_spans` moves
-/// (compaction, and the state copy of an admission with a cached state).
-#[derive(Debug)]
-pub struct CountingDevice {
-    inner: Arc<CpuDevice>,
-    spans_moved: AtomicU64,
-}
+/// Hooks that count the spans every `move_spans` moves (compaction, and the state copy
+/// of an admission with a cached state), around the engine's [`CpuDevice`].
+#[derive(Debug, Default)]
+pub struct SpansMoved(AtomicU64);
 
-impl CountingDevice {
+impl SpansMoved {
     /// Spans moved so far.
     fn moved(&self) -> u64 {
-        self.spans_moved.load(Ordering::Relaxed)
+        self.0.load(Ordering::Relaxed)
     }
 }
 
-impl Device for CountingDevice {
-    fn name(&self) -> String {
-        format!("counting({})", self.inner.name())
+impl DeviceHooks for SpansMoved {
+    type Ticket = ();
+
+    fn name(&self, inner: String) -> String {
+        format!("counting({inner})")
     }
-    fn alloc_bytes(&self, len: u64, fill: u8) -> Result<BytesId, DeviceError> {
-        self.inner.alloc_bytes(len, fill)
-    }
-    fn alloc_table(&self, len: usize, fill: i32) -> Result<TableId, DeviceError> {
-        self.inner.alloc_table(len, fill)
-    }
-    fn free_bytes(&self, buf: BytesId) -> Result<(), DeviceError> {
-        self.inner.free_bytes(buf)
-    }
-    fn free_table(&self, table: TableId) -> Result<(), DeviceError> {
-        self.inner.free_table(table)
-    }
-    fn upload_table(
-        &self,
-        table: TableId,
-        offset: usize,
-        values: &[i32],
-    ) -> Result<(), DeviceError> {
-        self.inner.upload_table(table, offset, values)
-    }
-    fn scatter_table(&self, table: TableId, entries: &[(u32, i32)]) -> Result<(), DeviceError> {
-        self.inner.scatter_table(table, entries)
-    }
-    fn gather_table(
-        &self,
-        src: TableId,
-        indices: TableId,
-        n: usize,
-        out: TableId,
-    ) -> Result<(), DeviceError> {
-        self.inner.gather_table(src, indices, n, out)
-    }
-    fn fill_spans(&self, buf: BytesId, spans: &[ByteSpan], value: u8) -> Result<(), DeviceError> {
-        self.inner.fill_spans(buf, spans, value)
-    }
-    fn move_spans(&self, buf: BytesId, moves: &[SpanMove]) -> Result<(), DeviceError> {
-        self.inner.move_spans(buf, moves)?;
-        self.spans_moved
-            .fetch_add(moves.len() as u64, Ordering::Relaxed);
+
+    fn before<D: Device + ?Sized>(&self, _: &D, _: DeviceCall<'_>) -> Result<(), DeviceError> {
         Ok(())
     }
-    fn translate(&self, args: &Translate) -> Result<(), DeviceError> {
-        self.inner.translate(args)
-    }
-    fn scatter_tables(&self, scatters: &[TableScatter<'_>]) -> Result<(), DeviceError> {
-        self.inner.scatter_tables(scatters)
-    }
-    fn translate_many(&self, all: &[Translate]) -> Result<(), DeviceError> {
-        self.inner.translate_many(all)
-    }
-    fn copy_table_spans(&self, copies: &[TableSpans<'_>]) -> Result<(), DeviceError> {
-        self.inner.copy_table_spans(copies)
-    }
-    fn sync_hazards(&self) -> SyncHazards {
-        self.inner.sync_hazards()
+
+    fn after<D: Device + ?Sized>(
+        &self,
+        _: &D,
+        call: DeviceCall<'_>,
+        _: (),
+        outcome: Result<(), &DeviceError>,
+    ) {
+        if call.op == DeviceOp::MoveSpans && outcome.is_ok() {
+            self.0.fetch_add(call.items as u64, Ordering::Relaxed);
+        }
     }
 }
 
@@ -1191,10 +1149,7 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
     let weights = Weights::random(cfg.seed ^ 0x5eed, cfg.model);
     let spec = cfg.model.spec();
     let cpu = Arc::new(CpuDevice::new());
-    let device = Arc::new(CountingDevice {
-        inner: cpu.clone(),
-        spans_moved: AtomicU64::new(0),
-    });
+    let device = Arc::new(Intercepted::with_hooks(cpu.clone(), SpansMoved::default()));
     let ps = cfg.page_size as usize;
     let mut builder = HybridCache::builder()
         .model(spec)
@@ -1527,7 +1482,7 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
         stats.steps += 1;
     }
     stats.elapsed = started.elapsed() - verifying;
-    stats.compaction_moves = device.moved().saturating_sub(state_copies);
+    stats.compaction_moves = device.hooks().moved().saturating_sub(state_copies);
     let ev = cache.stats().evictions;
     stats.evictions = ev.full_nodes + ev.swa_tombstones + ev.mamba_states;
     Ok((jobs, stats))
