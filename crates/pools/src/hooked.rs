@@ -3,6 +3,9 @@
 //! injector, a test probe. The wrapper forwards every method; a [`Hooks`] sees each
 //! mutating call as a [`Call`], may fail a fallible one before it is forwarded, and may
 //! drop a free (a lost free, for tests that prove a leak is caught).
+//!
+//! Hooks compose, so an allocator is wrapped once however many hooks watch it: a pair
+//! `(A, B)` is `A` wrapped around `B`, an `Option<H>` is `H` or nothing.
 
 use crate::api::{
     Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, FreeOp, KvAllocator,
@@ -142,6 +145,57 @@ pub trait Hooks: std::fmt::Debug + Send {
     /// After a call was forwarded (a dropped free counts as done), whatever its outcome.
     fn after(&mut self, inner: &dyn KvAllocator, call: Call<'_>, outcome: Outcome<'_>) {
         let _ = (inner, call, outcome);
+    }
+}
+
+/// `A` wrapped around `B`, as though the allocator were `Hooked<A>` around `Hooked<B>`:
+/// `A` gates a call first and sees its outcome last, and when `B` refuses a call that `A`
+/// let through, `A`'s `after` sees the refusal. A free is forwarded when both forward it
+/// (`B` is not asked about one `A` drops). Each hook sees the calls it would see as a
+/// layer but for one thing: for a checked free ([`Call::Free`]) both gates run before
+/// either hook is asked to forward it, so `A` is not asked about a free `B` refuses, and
+/// `B` gates a free that `A` then drops, and sees it done.
+impl<A: Hooks, B: Hooks> Hooks for (A, B) {
+    fn gate(&mut self, inner: &dyn KvAllocator, call: Call<'_>) -> Result<(), Error> {
+        self.0.gate(inner, call)?;
+        if let Err(e) = self.1.gate(inner, call) {
+            self.0.after(inner, call, Outcome::Failed(&e));
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn forward_free(&mut self, inner: &dyn KvAllocator, op: FreeOp<'_>) -> bool {
+        self.0.forward_free(inner, op) && self.1.forward_free(inner, op)
+    }
+
+    fn after(&mut self, inner: &dyn KvAllocator, call: Call<'_>, outcome: Outcome<'_>) {
+        self.1.after(inner, call, outcome);
+        self.0.after(inner, call, outcome);
+    }
+}
+
+/// `H` when there is one, nothing otherwise (a hook chosen at run time, such as the
+/// replay's optional op recorder).
+impl<H: Hooks> Hooks for Option<H> {
+    fn gate(&mut self, inner: &dyn KvAllocator, call: Call<'_>) -> Result<(), Error> {
+        match self {
+            Some(hooks) => hooks.gate(inner, call),
+            None => Ok(()),
+        }
+    }
+
+    fn forward_free(&mut self, inner: &dyn KvAllocator, op: FreeOp<'_>) -> bool {
+        match self {
+            Some(hooks) => hooks.forward_free(inner, op),
+            None => true,
+        }
+    }
+
+    fn after(&mut self, inner: &dyn KvAllocator, call: Call<'_>, outcome: Outcome<'_>) {
+        if let Some(hooks) = self {
+            hooks.after(inner, call, outcome);
+        }
     }
 }
 
