@@ -1,7 +1,8 @@
 //! `Hooked`, the one forwarding allocator: its hooks see every mutating call with what it
 //! handed out, a refusing gate fails a call unforwarded (nothing changes), and the
 //! wrapped pool behaves exactly like the bare one. A pair of hooks is one wrapped around
-//! the other, an `Option` its hooks or nothing.
+//! the other, an `Option` its hooks or nothing, and a gate sees the line that called the
+//! allocator, through pairs and nested wrappers.
 
 mod common;
 
@@ -272,5 +273,59 @@ fn none_watches_nothing_and_some_is_its_hooks() {
             log.lock().unwrap()[..2],
             ["s gate alloc_extend", "s after alloc_extend true"]
         );
+    });
+}
+
+/// The file and line an injected fault names.
+fn refusal_site(err: Result<(), Error>) -> (&'static str, u32) {
+    match err {
+        Err(Error::Device(DeviceError::InjectedFault { location, .. })) => {
+            (location.file(), location.line())
+        }
+        other => panic!("not refused: {other:?}"),
+    }
+}
+
+#[test]
+fn an_injected_allocator_fault_names_the_line_that_called_the_allocator() {
+    each_case(|layout, ps| {
+        let log = Arc::default();
+        let p = ps as usize;
+        // One wrapper, a pair of hooks, and two nested wrappers: the gate that refuses
+        // sees the test's line each time.
+        let refuse = |name| Tagged::new("r", Some(name), &log);
+        let mut allocators: [Box<dyn KvAllocator>; 3] = [
+            Box::new(Hooked::new(
+                pool(layout, ps, 16).alloc,
+                refuse("free_segment"),
+            )),
+            Box::new(Hooked::new(
+                pool(layout, ps, 16).alloc,
+                (Tagged::new("a", None, &log), refuse("free_segment")),
+            )),
+            Box::new(Hooked::new(
+                Box::new(Hooked::new(
+                    pool(layout, ps, 16).alloc,
+                    refuse("free_segment"),
+                )),
+                Tagged::new("a", None, &log),
+            )),
+        ];
+        for alloc in &mut allocators {
+            let row = fresh_row(&mut **alloc, 2 * p);
+            let line = line!() + 1;
+            let err = alloc.free_segment(Segment::of_row(&row, 0..p));
+            assert_eq!(refusal_site(err), (file!(), line), "{layout:?}/{ps}");
+        }
+        // An allocation and a call by ids too.
+        let mut alloc = Hooked::new(pool(layout, ps, 16).alloc, refuse("alloc_slots"));
+        let line = line!() + 1;
+        let err = alloc.alloc_slots(1, &mut Vec::new());
+        assert_eq!(refusal_site(err), (file!(), line));
+        let mut alloc = Hooked::new(pool(layout, ps, 16).alloc, refuse("free"));
+        let row = fresh_row(&mut alloc, p);
+        let line = line!() + 1;
+        let err = alloc.free(&row);
+        assert_eq!(refusal_site(err), (file!(), line));
     });
 }
