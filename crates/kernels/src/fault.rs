@@ -140,18 +140,19 @@ impl DeviceHooks for FaultHooks {
     fn after<D: Device + ?Sized>(&self, _: &D, _: DeviceCall<'_>, _: (), _: Result<(), &Error>) {}
 }
 
-/// A [`Device`] (and, around a [`Readback`](crate::Readback), a `Readback`) that forwards every op to an
-/// inner device, counts it, and fails the ones it was armed for with
-/// [`Error::InjectedFault`] **without issuing them** (so the inner device is untouched,
-/// as the [`Device`] contract promises for a failed op): an [`Intercepted`] device with
-/// [`FaultHooks`].
+/// A [`Device`] (and, around a [`Readback`](crate::Readback), a `Readback`) that
+/// forwards every op to an inner device, counts it, and fails the ones it was armed for
+/// with [`Error::InjectedFault`] **without issuing them** (so the inner device is
+/// untouched, as the [`Device`] contract promises for a failed op): an [`Intercepted`]
+/// device with [`FaultHooks`].
 ///
 /// Ops are numbered from 0 in call order since creation or the last
 /// [`FaultHooks::reset`]. [`FaultHooks::fail_at`] arms one op by number
 /// (relative to the ops already seen: `fail_at(0)` fails the next op);
 /// [`FaultHooks::fail_every`] fails every op of a kind; [`FaultHooks::clear`]
-/// disarms both. Read-backs ([`Readback`](crate::Readback)) are diagnostics: they are forwarded, never
-/// counted and never failed, so a test can inspect the device between faults.
+/// disarms both. Read-backs ([`Readback`](crate::Readback)) are diagnostics: they are
+/// forwarded, never counted and never failed, so a test can inspect the device between
+/// faults.
 ///
 /// A fault sweep: for `n` in `0..`, snapshot the state, `fail_at(n)`, run the call, check
 /// the state is unchanged and that a retry (after `clear`) succeeds; stop when the call
