@@ -93,6 +93,84 @@ pub struct TableSpans<'a> {
     pub spans: &'a [(u32, u32)],
 }
 
+/// The ops of [`Device`] and [`Readback`], one per trait method: what an
+/// [`Intercepted`](crate::Intercepted) device shows its hooks (a
+/// [`FaultInjector`](crate::FaultInjector) fails ops by kind, a
+/// [`SyncLedger`](crate::SyncLedger) records them by name).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DeviceOp {
+    /// [`Device::alloc_bytes`].
+    AllocBytes,
+    /// [`Device::alloc_table`].
+    AllocTable,
+    /// [`Device::free_bytes`].
+    FreeBytes,
+    /// [`Device::free_table`].
+    FreeTable,
+    /// [`Device::upload_table`].
+    UploadTable,
+    /// [`Device::scatter_table`].
+    ScatterTable,
+    /// [`Device::gather_table`].
+    GatherTable,
+    /// [`Device::fill_spans`].
+    FillSpans,
+    /// [`Device::move_spans`].
+    MoveSpans,
+    /// [`Device::translate`].
+    Translate,
+    /// [`Device::scatter_tables`].
+    ScatterTables,
+    /// [`Device::translate_many`].
+    TranslateMany,
+    /// [`Device::copy_table_spans`].
+    CopyTableSpans,
+    /// [`Readback::read_table`].
+    ReadTable,
+    /// [`Readback::read_bytes`].
+    ReadBytes,
+    /// [`Readback::synchronize`].
+    Synchronize,
+}
+
+impl DeviceOp {
+    /// The trait method's name (`move_spans`, ...).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            DeviceOp::AllocBytes => "alloc_bytes",
+            DeviceOp::AllocTable => "alloc_table",
+            DeviceOp::FreeBytes => "free_bytes",
+            DeviceOp::FreeTable => "free_table",
+            DeviceOp::UploadTable => "upload_table",
+            DeviceOp::ScatterTable => "scatter_table",
+            DeviceOp::GatherTable => "gather_table",
+            DeviceOp::FillSpans => "fill_spans",
+            DeviceOp::MoveSpans => "move_spans",
+            DeviceOp::Translate => "translate",
+            DeviceOp::ScatterTables => "scatter_tables",
+            DeviceOp::TranslateMany => "translate_many",
+            DeviceOp::CopyTableSpans => "copy_table_spans",
+            DeviceOp::ReadTable => "read_table",
+            DeviceOp::ReadBytes => "read_bytes",
+            DeviceOp::Synchronize => "synchronize",
+        }
+    }
+
+    /// Whether the op is a [`Readback`] one: it waits for the device.
+    pub const fn waits(self) -> bool {
+        matches!(
+            self,
+            DeviceOp::ReadTable | DeviceOp::ReadBytes | DeviceOp::Synchronize
+        )
+    }
+
+    /// Whether the op brings device data back to the host, where it can size a later op
+    /// (a data-dependent shape): the reads of [`Readback`].
+    pub const fn returns_device_data(self) -> bool {
+        matches!(self, DeviceOp::ReadTable | DeviceOp::ReadBytes)
+    }
+}
+
 /// Device work with host-known output shapes, issued in stream order; nothing here
 /// waits for the device. Errors are for caller mistakes (bad handle, out of bounds) and
 /// for device failures; they are detected on the host before any work is issued, so an

@@ -1,75 +1,21 @@
-//! `FaultInjector`: a [`Device`] wrapper that counts ops and fails chosen ones with a
-//! typed error ([`Error::InjectedFault`]) without issuing them, so tests can check that a
-//! failed device op leaves the host state as it was (fault sweeps).
+//! `FaultInjector`: a [`Device`] wrapper (an [`Intercepted`] device with [`FaultHooks`])
+//! that counts ops and fails chosen ones with a typed error ([`Error::InjectedFault`])
+//! without issuing them, so tests can check that a failed device op leaves the host state
+//! as it was (fault sweeps).
 //!
-//! Like [`SyncLedger`](crate::SyncLedger) it is `#[track_caller]`-transparent: an
-//! injected error names the line that called the op, through `dyn Device` too.
+//! Like every [`Intercepted`] device it is `#[track_caller]`-transparent: an injected
+//! error names the line that called the op, through `dyn Device` too.
 
-use crate::{
-    ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, TableScatter,
-    TableSpans, Translate,
-};
+use crate::{Device, DeviceCall, DeviceHooks, DeviceOp, Error, Intercepted};
 use std::panic::Location;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-/// The ops of [`Device`] (what a [`FaultInjector`] counts and can fail).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DeviceOp {
-    /// [`Device::alloc_bytes`].
-    AllocBytes,
-    /// [`Device::alloc_table`].
-    AllocTable,
-    /// [`Device::free_bytes`].
-    FreeBytes,
-    /// [`Device::free_table`].
-    FreeTable,
-    /// [`Device::upload_table`].
-    UploadTable,
-    /// [`Device::scatter_table`].
-    ScatterTable,
-    /// [`Device::gather_table`].
-    GatherTable,
-    /// [`Device::fill_spans`].
-    FillSpans,
-    /// [`Device::move_spans`].
-    MoveSpans,
-    /// [`Device::translate`].
-    Translate,
-    /// [`Device::scatter_tables`].
-    ScatterTables,
-    /// [`Device::translate_many`].
-    TranslateMany,
-    /// [`Device::copy_table_spans`].
-    CopyTableSpans,
-}
-
-impl DeviceOp {
-    /// The trait method's name (`move_spans`, ...).
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            DeviceOp::AllocBytes => "alloc_bytes",
-            DeviceOp::AllocTable => "alloc_table",
-            DeviceOp::FreeBytes => "free_bytes",
-            DeviceOp::FreeTable => "free_table",
-            DeviceOp::UploadTable => "upload_table",
-            DeviceOp::ScatterTable => "scatter_table",
-            DeviceOp::GatherTable => "gather_table",
-            DeviceOp::FillSpans => "fill_spans",
-            DeviceOp::MoveSpans => "move_spans",
-            DeviceOp::Translate => "translate",
-            DeviceOp::ScatterTables => "scatter_tables",
-            DeviceOp::TranslateMany => "translate_many",
-            DeviceOp::CopyTableSpans => "copy_table_spans",
-        }
-    }
-}
-
-/// One fault a [`FaultInjector`] injected.
+/// One fault a [`FaultInjector`] (its [`FaultHooks`]) injected.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct InjectedFault {
     /// The op that was refused.
     pub op: DeviceOp,
-    /// Its index among the ops seen since creation or the last [`FaultInjector::reset`]
+    /// Its index among the ops seen since creation or the last [`FaultHooks::reset`]
     /// (0-based, failed ones included).
     pub index: u64,
     /// Where it was called from.
@@ -90,59 +36,17 @@ struct State {
     injected: Vec<InjectedFault>,
 }
 
-/// A [`Device`] (and, around a [`Readback`], a `Readback`) that forwards every op to an
-/// inner device, counts it, and fails the ones it was armed for with
-/// [`Error::InjectedFault`] **without issuing them** (so the inner device is untouched,
-/// as the [`Device`] contract promises for a failed op).
-///
-/// Ops are numbered from 0 in call order since creation or the last
-/// [`FaultInjector::reset`]. [`FaultInjector::fail_at`] arms one op by number
-/// (relative to the ops already seen: `fail_at(0)` fails the next op);
-/// [`FaultInjector::fail_every`] fails every op of a kind; [`FaultInjector::clear`]
-/// disarms both. Read-backs ([`Readback`]) are diagnostics: they are forwarded, never
-/// counted and never failed, so a test can inspect the device between faults.
-///
-/// A fault sweep: for `n` in `0..`, snapshot the state, `fail_at(n)`, run the call, check
-/// the state is unchanged and that a retry (after `clear`) succeeds; stop when the call
-/// issued fewer than `n + 1` ops (`injected()` is empty).
-///
-/// ```
-/// use std::sync::Arc;
-/// use unikv_kernels::{CpuDevice, Device, DeviceOp, Error, FaultInjector};
-///
-/// let faults = Arc::new(FaultInjector::new(Arc::new(CpuDevice::new())));
-/// let dev: Arc<dyn Device> = faults.clone();
-/// let t = dev.alloc_table(4, 0).unwrap();
-/// faults.fail_at(1); // the second op from now
-/// dev.scatter_table(t, &[(1, 5)]).unwrap();
-/// let err = dev.scatter_table(t, &[(2, 6)]).unwrap_err();
-/// assert!(matches!(err, Error::InjectedFault { op: "scatter_table", index: 2, .. }));
-/// assert_eq!((faults.ops_seen(), faults.ops_issued()), (3, 2));
-/// faults.fail_every(DeviceOp::FillSpans);
-/// assert!(dev.alloc_bytes(8, 0).is_ok());
-/// faults.clear();
-/// dev.scatter_table(t, &[(2, 6)]).unwrap(); // the retry succeeds
-/// ```
-#[derive(Debug)]
-pub struct FaultInjector<D: ?Sized = dyn Device> {
-    inner: Arc<D>,
+/// The hooks of a [`FaultInjector`]: they count the ops an [`Intercepted`] device
+/// forwards and refuse the ones they were armed for with [`Error::InjectedFault`], which
+/// the device returns **without issuing the op**. Read-backs ([`DeviceOp::waits`]) are
+/// diagnostics: never counted, never refused. Compose them with others (a pair, an
+/// `Option`) to inject faults into a device that other hooks watch as well.
+#[derive(Debug, Default)]
+pub struct FaultHooks {
     state: Mutex<State>,
 }
 
-impl<D: ?Sized> FaultInjector<D> {
-    /// Wraps `inner`, counting from 0, with no fault armed.
-    pub fn new(inner: Arc<D>) -> FaultInjector<D> {
-        FaultInjector {
-            inner,
-            state: Mutex::new(State::default()),
-        }
-    }
-
-    /// The wrapped device.
-    pub fn inner(&self) -> &Arc<D> {
-        &self.inner
-    }
-
+impl FaultHooks {
     fn state(&self) -> MutexGuard<'_, State> {
         // Every update is a few stores of plain integers: a panic elsewhere cannot leave
         // the state torn, so a poisoned lock still guards usable counters.
@@ -156,7 +60,7 @@ impl<D: ?Sized> FaultInjector<D> {
         s.fail_at = Some(s.seen.saturating_add(n));
     }
 
-    /// Fails every op of kind `op` until [`FaultInjector::clear`].
+    /// Fails every op of kind `op` until [`FaultHooks::clear`] (a read-back kind: none).
     pub fn fail_every(&self, op: DeviceOp) {
         let mut s = self.state();
         if !s.fail_kinds.contains(&op) {
@@ -181,12 +85,12 @@ impl<D: ?Sized> FaultInjector<D> {
         self.state().seen
     }
 
-    /// Ops forwarded to the inner device since creation or the last reset.
+    /// Ops let through since creation or the last reset.
     pub fn ops_issued(&self) -> u64 {
         self.state().issued
     }
 
-    /// Whether a [`FaultInjector::fail_at`] is armed and has not fired yet.
+    /// Whether a [`FaultHooks::fail_at`] is armed and has not fired yet.
     pub fn armed(&self) -> bool {
         self.state().fail_at.is_some()
     }
@@ -195,19 +99,29 @@ impl<D: ?Sized> FaultInjector<D> {
     pub fn injected(&self) -> Vec<InjectedFault> {
         self.state().injected.clone()
     }
+}
+
+impl DeviceHooks for FaultHooks {
+    type Ticket = ();
+
+    fn name(&self, inner: String) -> String {
+        format!("faults({inner})")
+    }
 
     /// Counts one op; refuses it when armed for it.
-    #[track_caller]
-    fn admit(&self, op: DeviceOp) -> Result<(), Error> {
+    fn before<D: Device + ?Sized>(&self, _: &D, call: DeviceCall<'_>) -> Result<(), Error> {
+        if call.op.waits() {
+            return Ok(());
+        }
         let mut s = self.state();
         let index = s.seen;
         s.seen += 1;
-        let fire = s.fail_at == Some(index) || s.fail_kinds.contains(&op);
+        let fire = s.fail_at == Some(index) || s.fail_kinds.contains(&call.op);
         if s.fail_at == Some(index) {
             s.fail_at = None;
         }
         if fire {
-            let location = Location::caller();
+            let (op, location) = (call.op, call.location);
             s.injected.push(InjectedFault {
                 op,
                 index,
@@ -222,119 +136,100 @@ impl<D: ?Sized> FaultInjector<D> {
         s.issued += 1;
         Ok(())
     }
+
+    fn after<D: Device + ?Sized>(&self, _: &D, _: DeviceCall<'_>, _: (), _: Result<(), &Error>) {}
 }
 
-impl<D: Device + ?Sized> Device for FaultInjector<D> {
-    fn name(&self) -> String {
-        format!("faults({})", self.inner.name())
+/// A [`Device`] (and, around a [`Readback`](crate::Readback), a `Readback`) that
+/// forwards every op to an inner device, counts it, and fails the ones it was armed for
+/// with [`Error::InjectedFault`] **without issuing them** (so the inner device is
+/// untouched, as the [`Device`] contract promises for a failed op): an [`Intercepted`]
+/// device with [`FaultHooks`].
+///
+/// Ops are numbered from 0 in call order since creation or the last
+/// [`FaultHooks::reset`]. [`FaultHooks::fail_at`] arms one op by number
+/// (relative to the ops already seen: `fail_at(0)` fails the next op);
+/// [`FaultHooks::fail_every`] fails every op of a kind; [`FaultHooks::clear`]
+/// disarms both. Read-backs ([`Readback`](crate::Readback)) are diagnostics: they are
+/// forwarded, never counted and never failed, so a test can inspect the device between
+/// faults.
+///
+/// A fault sweep: for `n` in `0..`, snapshot the state, `fail_at(n)`, run the call, check
+/// the state is unchanged and that a retry (after `clear`) succeeds; stop when the call
+/// issued fewer than `n + 1` ops (`injected()` is empty).
+///
+/// ```
+/// use std::sync::Arc;
+/// use unikv_kernels::{CpuDevice, Device, DeviceOp, Error, FaultInjector};
+///
+/// let faults = Arc::new(FaultInjector::new(Arc::new(CpuDevice::new())));
+/// let dev: Arc<dyn Device> = faults.clone();
+/// let t = dev.alloc_table(4, 0).unwrap();
+/// faults.fail_at(1); // the second op from now
+/// dev.scatter_table(t, &[(1, 5)]).unwrap();
+/// let err = dev.scatter_table(t, &[(2, 6)]).unwrap_err();
+/// assert!(matches!(err, Error::InjectedFault { op: "scatter_table", index: 2, .. }));
+/// assert_eq!((faults.ops_seen(), faults.ops_issued()), (3, 2));
+/// faults.fail_every(DeviceOp::FillSpans);
+/// assert!(dev.alloc_bytes(8, 0).is_ok());
+/// faults.clear();
+/// dev.scatter_table(t, &[(2, 6)]).unwrap(); // the retry succeeds
+/// ```
+pub type FaultInjector<D = dyn Device> = Intercepted<D, FaultHooks>;
+
+/// The injector's constructor and controls, on the device itself ([`FaultHooks`] has
+/// them all).
+impl<D: ?Sized> Intercepted<D, FaultHooks> {
+    /// Wraps `inner`, counting from 0, with no fault armed.
+    pub fn new(inner: Arc<D>) -> FaultInjector<D> {
+        Intercepted::with_hooks(inner, FaultHooks::default())
     }
 
-    fn sync_hazards(&self) -> crate::SyncHazards {
-        self.inner.sync_hazards()
+    /// [`FaultHooks::fail_at`].
+    pub fn fail_at(&self, n: u64) {
+        self.hooks().fail_at(n);
     }
 
-    fn alloc_bytes(&self, len: u64, fill: u8) -> Result<BytesId, Error> {
-        self.admit(DeviceOp::AllocBytes)?;
-        self.inner.alloc_bytes(len, fill)
+    /// [`FaultHooks::fail_every`].
+    pub fn fail_every(&self, op: DeviceOp) {
+        self.hooks().fail_every(op);
     }
 
-    fn alloc_table(&self, len: usize, fill: i32) -> Result<TableId, Error> {
-        self.admit(DeviceOp::AllocTable)?;
-        self.inner.alloc_table(len, fill)
+    /// [`FaultHooks::clear`].
+    pub fn clear(&self) {
+        self.hooks().clear();
     }
 
-    fn free_bytes(&self, buf: BytesId) -> Result<(), Error> {
-        self.admit(DeviceOp::FreeBytes)?;
-        self.inner.free_bytes(buf)
+    /// [`FaultHooks::reset`].
+    pub fn reset(&self) {
+        self.hooks().reset();
     }
 
-    fn free_table(&self, table: TableId) -> Result<(), Error> {
-        self.admit(DeviceOp::FreeTable)?;
-        self.inner.free_table(table)
+    /// [`FaultHooks::ops_seen`].
+    pub fn ops_seen(&self) -> u64 {
+        self.hooks().ops_seen()
     }
 
-    fn upload_table(&self, table: TableId, offset: usize, values: &[i32]) -> Result<(), Error> {
-        self.admit(DeviceOp::UploadTable)?;
-        self.inner.upload_table(table, offset, values)
+    /// [`FaultHooks::ops_issued`].
+    pub fn ops_issued(&self) -> u64 {
+        self.hooks().ops_issued()
     }
 
-    fn scatter_table(&self, table: TableId, entries: &[(u32, i32)]) -> Result<(), Error> {
-        self.admit(DeviceOp::ScatterTable)?;
-        self.inner.scatter_table(table, entries)
+    /// [`FaultHooks::armed`].
+    pub fn armed(&self) -> bool {
+        self.hooks().armed()
     }
 
-    fn gather_table(
-        &self,
-        src: TableId,
-        indices: TableId,
-        n: usize,
-        out: TableId,
-    ) -> Result<(), Error> {
-        self.admit(DeviceOp::GatherTable)?;
-        self.inner.gather_table(src, indices, n, out)
-    }
-
-    fn fill_spans(&self, buf: BytesId, spans: &[ByteSpan], value: u8) -> Result<(), Error> {
-        self.admit(DeviceOp::FillSpans)?;
-        self.inner.fill_spans(buf, spans, value)
-    }
-
-    fn move_spans(&self, buf: BytesId, moves: &[SpanMove]) -> Result<(), Error> {
-        self.admit(DeviceOp::MoveSpans)?;
-        self.inner.move_spans(buf, moves)
-    }
-
-    fn translate(&self, args: &Translate) -> Result<(), Error> {
-        self.admit(DeviceOp::Translate)?;
-        self.inner.translate(args)
-    }
-
-    fn scatter_tables(&self, scatters: &[TableScatter<'_>]) -> Result<(), Error> {
-        self.admit(DeviceOp::ScatterTables)?;
-        self.inner.scatter_tables(scatters)
-    }
-
-    fn translate_many(&self, all: &[Translate]) -> Result<(), Error> {
-        self.admit(DeviceOp::TranslateMany)?;
-        self.inner.translate_many(all)
-    }
-
-    fn copy_table_spans(&self, copies: &[TableSpans<'_>]) -> Result<(), Error> {
-        self.admit(DeviceOp::CopyTableSpans)?;
-        self.inner.copy_table_spans(copies)
-    }
-}
-
-impl<D: Readback + ?Sized> Readback for FaultInjector<D> {
-    fn read_table(
-        &self,
-        sync: &HostSync,
-        table: TableId,
-        offset: usize,
-        len: usize,
-    ) -> Result<Vec<i32>, Error> {
-        self.inner.read_table(sync, table, offset, len)
-    }
-
-    fn read_bytes(
-        &self,
-        sync: &HostSync,
-        buf: BytesId,
-        offset: u64,
-        len: u64,
-    ) -> Result<Vec<u8>, Error> {
-        self.inner.read_bytes(sync, buf, offset, len)
-    }
-
-    fn synchronize(&self, sync: &HostSync) -> Result<(), Error> {
-        self.inner.synchronize(sync)
+    /// [`FaultHooks::injected`].
+    pub fn injected(&self) -> Vec<InjectedFault> {
+        self.hooks().injected()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{CpuDevice, SyncLedger};
+    use crate::{ByteSpan, CpuDevice, HostSync, Readback, SyncLedger};
 
     #[test]
     fn a_refused_op_is_not_issued_and_names_its_call_site() {

@@ -1,6 +1,6 @@
-//! `SyncLedger`: a recording wrapper around a device that logs every op with its call
-//! site, so tests can assert that a code path issued zero host syncs and produced zero
-//! data-dependent shapes.
+//! `SyncLedger`: a recording wrapper around a device (an [`Intercepted`] device with
+//! [`LedgerHooks`]) that logs every op with its call site, so tests can assert that a
+//! code path issued zero host syncs and produced zero data-dependent shapes.
 //!
 //! Ops of [`Device`] have host-known shapes by construction (their outputs are sized by
 //! arguments the host chose). The only way device data can reach the host, and so the
@@ -20,8 +20,8 @@
 //! sits behind an `Arc<dyn Device>`.
 
 use crate::{
-    ByteSpan, BytesId, CpuDevice, Device, Error, HostSync, Readback, SpanMove, SyncHazard,
-    SyncHazards, TableId, TableScatter, TableSpans, Translate,
+    CpuDevice, Device, DeviceCall, DeviceHooks, Error, HostSync, Intercepted, Readback, SyncHazard,
+    SyncHazards,
 };
 use std::fmt;
 use std::panic::Location;
@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-/// One op seen by a [`SyncLedger`].
+/// One op seen by a [`SyncLedger`] (by [`LedgerHooks`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OpRecord {
     /// The trait method called (`translate`, `read_table`, ...).
@@ -94,54 +94,32 @@ impl fmt::Display for SyncReport {
 
 impl std::error::Error for SyncReport {}
 
-/// A [`Device`] and [`Readback`] that forwards every op to an inner device and records
-/// it (name, call site, sync, data-dependent shape).
-///
-/// ```
-/// use std::sync::Arc;
-/// use unikv_kernels::{CpuDevice, Device, SyncLedger};
-///
-/// let ledger = Arc::new(SyncLedger::new(Arc::new(CpuDevice::new())));
-/// let dev: Arc<dyn Device> = ledger.clone(); // what scheduling-path code holds
-/// let v2p = dev.alloc_table(8, 0).unwrap();
-/// dev.scatter_table(v2p, &[(1, 5)]).unwrap();
-/// assert_eq!(ledger.syncs(), 0);
-/// assert!(ledger.check_no_syncs().is_ok());
-/// ```
-#[derive(Debug)]
-pub struct SyncLedger {
-    inner: Arc<dyn Readback>,
+/// The hooks of a [`SyncLedger`]: they record every op an [`Intercepted`] device
+/// forwards (name, call site, sync, data-dependent shape), and the time spent in the
+/// device. Failed ops are recorded too. Compose them with others (a pair, an `Option`) to
+/// keep a ledger of a device that other hooks watch as well.
+#[derive(Debug, Default)]
+pub struct LedgerHooks {
     records: Mutex<Vec<OpRecord>>,
     device_nanos: AtomicU64,
 }
 
-impl SyncLedger {
-    /// Wraps `inner`; the ledger starts empty.
-    pub fn new(inner: Arc<dyn Readback>) -> SyncLedger {
-        SyncLedger {
-            inner,
-            records: Mutex::new(Vec::new()),
-            device_nanos: AtomicU64::new(0),
-        }
-    }
+/// What the ledger's [`DeviceHooks::before`] hands to its `after`: the device's sync
+/// hazards and the time when the op started.
+#[derive(Debug)]
+pub struct LedgerTicket {
+    hazards: u64,
+    started: Instant,
+}
 
-    /// A ledger around a fresh [`CpuDevice`].
-    pub fn cpu() -> SyncLedger {
-        SyncLedger::new(Arc::new(CpuDevice::new()))
-    }
-
-    /// The wrapped device.
-    pub fn inner(&self) -> &Arc<dyn Readback> {
-        &self.inner
-    }
-
+impl LedgerHooks {
     fn records(&self) -> MutexGuard<'_, Vec<OpRecord>> {
         // A record is pushed whole; a panic elsewhere cannot leave the vector torn, so
         // a poisoned lock still guards a usable log.
         self.records.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Every op recorded since creation or the last [`SyncLedger::reset`], in call order.
+    /// Every op recorded since creation or the last [`LedgerHooks::reset`], in call order.
     pub fn ops(&self) -> Vec<OpRecord> {
         self.records().clone()
     }
@@ -165,6 +143,15 @@ impl SyncLedger {
             .count()
     }
 
+    /// Every recorded op that synced or produced a data-dependent shape, in call order.
+    pub fn offenders(&self) -> Vec<OpRecord> {
+        self.records()
+            .iter()
+            .filter(|r| r.synced || r.data_dependent_shape)
+            .copied()
+            .collect()
+    }
+
     /// Forgets every record and the device time (e.g. at a step boundary, before the
     /// path under test).
     pub fn reset(&self) {
@@ -172,15 +159,128 @@ impl SyncLedger {
         self.device_nanos.store(0, Ordering::Relaxed);
     }
 
+    /// Time spent inside the wrapped device's ops since creation or the last
+    /// [`LedgerHooks::reset`]. On the CPU backend device work runs synchronously inside
+    /// the caller; subtracting this from a measured interval leaves the host's own
+    /// bookkeeping time, which is what a GPU backend would cost the scheduler (its ops
+    /// are asynchronous launches).
+    pub fn device_time(&self) -> Duration {
+        Duration::from_nanos(self.device_nanos.load(Ordering::Relaxed))
+    }
+}
+
+/// Each op's duration goes to [`LedgerHooks::device_time`], and the sync hazards the
+/// device issued meanwhile (read before and after, so ops on other threads at the same
+/// time may be charged here) to its record.
+impl DeviceHooks for LedgerHooks {
+    type Ticket = LedgerTicket;
+
+    fn name(&self, inner: String) -> String {
+        format!("ledger({inner})")
+    }
+
+    fn before<D: Device + ?Sized>(
+        &self,
+        device: &D,
+        _: DeviceCall<'_>,
+    ) -> Result<LedgerTicket, Error> {
+        let hazards = device.sync_hazards().count;
+        Ok(LedgerTicket {
+            hazards,
+            started: Instant::now(),
+        })
+    }
+
+    fn after<D: Device + ?Sized>(
+        &self,
+        device: &D,
+        call: DeviceCall<'_>,
+        ticket: LedgerTicket,
+        _: Result<(), &Error>,
+    ) {
+        self.device_nanos.fetch_add(
+            ticket.started.elapsed().as_nanos() as u64,
+            Ordering::Relaxed,
+        );
+        let after: SyncHazards = device.sync_hazards();
+        let hazards = after.count.saturating_sub(ticket.hazards);
+        self.records().push(OpRecord {
+            op: call.op.as_str(),
+            location: call.location,
+            synced: call.op.waits() || hazards > 0,
+            hazards,
+            hazard: if hazards > 0 { after.last } else { None },
+            data_dependent_shape: call.op.returns_device_data(),
+            sync_reason: call.permit.map(HostSync::reason),
+        });
+    }
+}
+
+/// A [`Device`] and [`Readback`] that forwards every op to an inner device and records
+/// it (name, call site, sync, data-dependent shape): an [`Intercepted`] device with
+/// [`LedgerHooks`].
+///
+/// ```
+/// use std::sync::Arc;
+/// use unikv_kernels::{CpuDevice, Device, SyncLedger};
+///
+/// let ledger = Arc::new(SyncLedger::new(Arc::new(CpuDevice::new())));
+/// let dev: Arc<dyn Device> = ledger.clone(); // what scheduling-path code holds
+/// let v2p = dev.alloc_table(8, 0).unwrap();
+/// dev.scatter_table(v2p, &[(1, 5)]).unwrap();
+/// assert_eq!(ledger.syncs(), 0);
+/// assert!(ledger.check_no_syncs().is_ok());
+/// ```
+pub type SyncLedger = Intercepted<dyn Readback, LedgerHooks>;
+
+impl SyncLedger {
+    /// Wraps `inner`; the ledger starts empty.
+    pub fn new(inner: Arc<dyn Readback>) -> SyncLedger {
+        Intercepted::with_hooks(inner, LedgerHooks::default())
+    }
+
+    /// A ledger around a fresh [`CpuDevice`].
+    pub fn cpu() -> SyncLedger {
+        SyncLedger::new(Arc::new(CpuDevice::new()))
+    }
+}
+
+/// The ledger's queries, on the device itself ([`LedgerHooks`] has them all).
+impl<D: Device + ?Sized> Intercepted<D, LedgerHooks> {
+    /// [`LedgerHooks::ops`].
+    pub fn ops(&self) -> Vec<OpRecord> {
+        self.hooks().ops()
+    }
+
+    /// [`LedgerHooks::op_count`].
+    pub fn op_count(&self) -> usize {
+        self.hooks().op_count()
+    }
+
+    /// [`LedgerHooks::syncs`].
+    pub fn syncs(&self) -> usize {
+        self.hooks().syncs()
+    }
+
+    /// [`LedgerHooks::data_dependent_shapes`].
+    pub fn data_dependent_shapes(&self) -> usize {
+        self.hooks().data_dependent_shapes()
+    }
+
+    /// [`LedgerHooks::reset`].
+    pub fn reset(&self) {
+        self.hooks().reset();
+    }
+
+    /// [`LedgerHooks::device_time`].
+    pub fn device_time(&self) -> Duration {
+        self.hooks().device_time()
+    }
+
     /// `Ok` when no recorded op synced or produced a data-dependent shape; otherwise a
     /// report that lists each offending op with its call site.
     pub fn check_no_syncs(&self) -> Result<(), SyncReport> {
-        let offenders: Vec<OpRecord> = self
-            .records()
-            .iter()
-            .filter(|r| r.synced || r.data_dependent_shape)
-            .copied()
-            .collect();
+        let offenders = self.hooks().offenders();
         if offenders.is_empty() {
             Ok(())
         } else {
@@ -202,162 +302,12 @@ impl SyncLedger {
             panic!("{report}");
         }
     }
-
-    /// Time spent inside the wrapped device's ops since creation or the last
-    /// [`SyncLedger::reset`]. On the CPU backend device work runs synchronously inside
-    /// the caller; subtracting this from a measured interval leaves the host's own
-    /// bookkeeping time, which is what a GPU backend would cost the scheduler (its ops
-    /// are asynchronous launches).
-    pub fn device_time(&self) -> Duration {
-        Duration::from_nanos(self.device_nanos.load(Ordering::Relaxed))
-    }
-
-    /// Runs one op of the wrapped device and records it: its duration goes to
-    /// [`SyncLedger::device_time`], and the sync hazards the device issued meanwhile
-    /// (read before and after, so ops on other threads at the same time may be charged
-    /// here) to its record.
-    #[track_caller]
-    fn run<T>(
-        &self,
-        op: &'static str,
-        sync: Option<&HostSync>,
-        data_dependent_shape: bool,
-        f: impl FnOnce(&dyn Readback) -> T,
-    ) -> T {
-        let location = Location::caller();
-        let before = self.inner.sync_hazards().count;
-        let started = Instant::now();
-        let result = f(&*self.inner);
-        self.device_nanos
-            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        let after: SyncHazards = self.inner.sync_hazards();
-        let hazards = after.count.saturating_sub(before);
-        self.records().push(OpRecord {
-            op,
-            location,
-            synced: sync.is_some() || hazards > 0,
-            hazards,
-            hazard: if hazards > 0 { after.last } else { None },
-            data_dependent_shape,
-            sync_reason: sync.map(HostSync::reason),
-        });
-        result
-    }
-}
-
-impl Device for SyncLedger {
-    fn name(&self) -> String {
-        format!("ledger({})", self.inner.name())
-    }
-
-    fn sync_hazards(&self) -> SyncHazards {
-        self.inner.sync_hazards()
-    }
-
-    fn alloc_bytes(&self, len: u64, fill: u8) -> Result<BytesId, Error> {
-        self.run("alloc_bytes", None, false, |d| d.alloc_bytes(len, fill))
-    }
-
-    fn alloc_table(&self, len: usize, fill: i32) -> Result<TableId, Error> {
-        self.run("alloc_table", None, false, |d| d.alloc_table(len, fill))
-    }
-
-    fn free_bytes(&self, buf: BytesId) -> Result<(), Error> {
-        self.run("free_bytes", None, false, |d| d.free_bytes(buf))
-    }
-
-    fn free_table(&self, table: TableId) -> Result<(), Error> {
-        self.run("free_table", None, false, |d| d.free_table(table))
-    }
-
-    fn upload_table(&self, table: TableId, offset: usize, values: &[i32]) -> Result<(), Error> {
-        self.run("upload_table", None, false, |d| {
-            d.upload_table(table, offset, values)
-        })
-    }
-
-    fn scatter_table(&self, table: TableId, entries: &[(u32, i32)]) -> Result<(), Error> {
-        self.run("scatter_table", None, false, |d| {
-            d.scatter_table(table, entries)
-        })
-    }
-
-    fn gather_table(
-        &self,
-        src: TableId,
-        indices: TableId,
-        n: usize,
-        out: TableId,
-    ) -> Result<(), Error> {
-        self.run("gather_table", None, false, |d| {
-            d.gather_table(src, indices, n, out)
-        })
-    }
-
-    fn fill_spans(&self, buf: BytesId, spans: &[ByteSpan], value: u8) -> Result<(), Error> {
-        self.run("fill_spans", None, false, |d| {
-            d.fill_spans(buf, spans, value)
-        })
-    }
-
-    fn move_spans(&self, buf: BytesId, moves: &[SpanMove]) -> Result<(), Error> {
-        self.run("move_spans", None, false, |d| d.move_spans(buf, moves))
-    }
-
-    fn translate(&self, args: &Translate) -> Result<(), Error> {
-        self.run("translate", None, false, |d| d.translate(args))
-    }
-
-    fn scatter_tables(&self, scatters: &[TableScatter<'_>]) -> Result<(), Error> {
-        self.run("scatter_tables", None, false, |d| {
-            d.scatter_tables(scatters)
-        })
-    }
-
-    fn translate_many(&self, all: &[Translate]) -> Result<(), Error> {
-        self.run("translate_many", None, false, |d| d.translate_many(all))
-    }
-
-    fn copy_table_spans(&self, copies: &[TableSpans<'_>]) -> Result<(), Error> {
-        self.run("copy_table_spans", None, false, |d| {
-            d.copy_table_spans(copies)
-        })
-    }
-}
-
-impl Readback for SyncLedger {
-    fn read_table(
-        &self,
-        sync: &HostSync,
-        table: TableId,
-        offset: usize,
-        len: usize,
-    ) -> Result<Vec<i32>, Error> {
-        self.run("read_table", Some(sync), true, |d| {
-            d.read_table(sync, table, offset, len)
-        })
-    }
-
-    fn read_bytes(
-        &self,
-        sync: &HostSync,
-        buf: BytesId,
-        offset: u64,
-        len: u64,
-    ) -> Result<Vec<u8>, Error> {
-        self.run("read_bytes", Some(sync), true, |d| {
-            d.read_bytes(sync, buf, offset, len)
-        })
-    }
-
-    fn synchronize(&self, sync: &HostSync) -> Result<(), Error> {
-        self.run("synchronize", Some(sync), false, |d| d.synchronize(sync))
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{ByteSpan, BytesId, SpanMove, TableId, Translate};
 
     /// The Python reference's free path: read `v2p` back and keep only the ids whose
     /// page is live (a boolean-mask index: the output size depends on device data).

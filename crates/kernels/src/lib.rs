@@ -1,7 +1,8 @@
 //! The device layer of unikv: a [`Device`] trait whose ops all have host-known output
-//! shapes, the CPU reference backend [`CpuDevice`], the recording wrapper
-//! [`SyncLedger`] that counts syncs by call site, the fault-injecting wrapper
-//! [`FaultInjector`] that fails chosen ops for fault sweeps, the bookkeeping-only
+//! shapes, the CPU reference backend [`CpuDevice`], the one forwarding wrapper
+//! [`Intercepted`] whose [`DeviceHooks`] watch or fail each op (the recording
+//! [`SyncLedger`] that counts syncs by call site and the fault-injecting
+//! [`FaultInjector`] that fails chosen ops for fault sweeps are two), the bookkeeping-only
 //! [`NullDevice`] that keeps no bytes, and the CUDA backend [`CudaDevice`]
 //! behind the `cuda` feature (kernels in `cu/*.cu`, compiled at run time by
 //! [`nvrtc`]).
@@ -86,6 +87,7 @@ mod emulated;
 mod error;
 mod fault;
 mod handles;
+mod intercept;
 mod ledger;
 mod null;
 pub mod nvrtc;
@@ -98,11 +100,12 @@ pub use cuda::{
     RawStream,
 };
 pub use device::{
-    ByteSpan, BytesId, Device, HostSync, Readback, SpanMove, TableId, TableScatter, TableSpans,
-    Translate,
+    ByteSpan, BytesId, Device, DeviceOp, HostSync, Readback, SpanMove, TableId, TableScatter,
+    TableSpans, Translate,
 };
 pub use driver::{DriverCall, Grid, Kernel, StreamKind, SyncHazard, SyncHazards};
 pub use error::Error;
-pub use fault::{DeviceOp, FaultInjector, InjectedFault};
-pub use ledger::{OpRecord, SyncLedger, SyncReport};
+pub use fault::{FaultHooks, FaultInjector, InjectedFault};
+pub use intercept::{DeviceCall, DeviceHooks, Intercepted};
+pub use ledger::{LedgerHooks, LedgerTicket, OpRecord, SyncLedger, SyncReport};
 pub use null::NullDevice;

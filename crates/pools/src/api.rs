@@ -413,20 +413,30 @@ pub enum SwaState {
 /// Errors are for the caller's mistakes and shortfalls, and leave the allocator exactly
 /// as it was. Breaches of a free's premise are invariants (see [`crate::invariants`]):
 /// they are reported and contained, never filtered silently.
+///
+/// Every method is `#[track_caller]` (also through `dyn KvAllocator` and
+/// [`Hooked`](crate::Hooked)), as every op of [`Device`](unikv_kernels::Device) is: a
+/// hook sees the line that called the allocator (an allocator fault injected by a
+/// [`Hooks::gate`](crate::Hooks::gate) names it), and so does a device wrapper for an op
+/// a method issues in its own body.
 pub trait KvAllocator: std::fmt::Debug + Send {
     /// Tokens per page.
+    #[track_caller]
     fn page_size(&self) -> PageSize;
 
     /// The invariant scope this allocator counts its breaches in (its own, made at
     /// construction, until [`KvAllocator::set_invariant_scope`]). A wrapping allocator
     /// forwards both methods, so that its inner allocator records into the cache's scope.
+    #[track_caller]
     fn invariant_scope(&self) -> &Scope;
 
     /// Counts this allocator's breaches in `scope` from now on (a cache hands it its own
     /// scope); breaches recorded before stay in the previous scope.
+    #[track_caller]
     fn set_invariant_scope(&mut self, scope: Scope);
 
     /// Virtual pages of the id space (including the sink, page 0).
+    #[track_caller]
     fn virtual_pages(&self) -> u32;
 
     /// Extends each request from `prefix_len` to `seq_len`, appending the new tokens' ids
@@ -434,6 +444,7 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     /// of new pages comes from host lengths; FULL and SWA are bound under the same new
     /// virtual pages. Short capacity: [`Error::OutOfCapacity`], nothing allocated, `out`
     /// untouched.
+    #[track_caller]
     fn alloc_extend(
         &mut self,
         requests: &[ExtendRequest],
@@ -441,6 +452,7 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     ) -> Result<(), Error>;
 
     /// One token per request (tail reuse: most steps need no new page).
+    #[track_caller]
     fn alloc_decode(
         &mut self,
         requests: &[DecodeRequest],
@@ -449,44 +461,53 @@ pub trait KvAllocator: std::fmt::Debug + Send {
 
     /// Set-shaped two-sided free (any ids, several per page): frees FULL, and SWA where it
     /// is live (the filter recovery paths rely on). Deferred inside a free group.
+    #[track_caller]
     fn free(&mut self, ids: &[VirtualToken]) -> Result<(), Error>;
 
     /// Set-shaped SWA-only free: tombstones the pages whose SWA is live, skips the rest
     /// (filter kept). Never deferred.
+    #[track_caller]
     fn free_swa(&mut self, ids: &[VirtualToken]) -> Result<(), Error>;
 
     /// Set-shaped FULL-only free: every page's SWA must already be released
     /// (`swa.peer_released`). Deferred inside a group.
+    #[track_caller]
     fn free_full(&mut self, ids: &[VirtualToken]) -> Result<(), Error>;
 
     /// Two-sided segment free: every page's SWA is live (`swa.peer_mapped`), FULL released
     /// too. Fixed shape: page representatives by stride, no filter, no de-duplication.
     /// Deferred inside a group.
+    #[track_caller]
     fn free_segment(&mut self, segment: Segment<'_>) -> Result<(), Error>;
 
     /// SWA-only segment free (window eviction): every page must be live on SWA
     /// (`swa.peer_mapped`); a page already released is a second ratchet
     /// (`swa.window_ratchet`). Fixed shape; never deferred.
+    #[track_caller]
     fn free_swa_segment(&mut self, segment: Segment<'_>) -> Result<(), Error>;
 
     /// SWA-only frees of several segments, as [`KvAllocator::free_swa_segment`] of each in
     /// order: the window eviction of a whole decode batch in one call. Every segment's
     /// shape and range is checked before any page is freed, so a refused batch changes
     /// nothing. Never deferred.
+    #[track_caller]
     fn free_swa_segments(&mut self, segments: &[Segment<'_>]) -> Result<(), Error>;
 
     /// FULL-only segment free: every page must have no live SWA peer
     /// (`swa.peer_released`). Fixed shape; deferred inside a group through its own list.
+    #[track_caller]
     fn free_full_segment(&mut self, segment: Segment<'_>) -> Result<(), Error>;
 
     /// Two-sided frees of ascending, page-disjoint segments of one row; two segments that
     /// touch one page are refused ([`Error::SegmentsShareAPage`]) before anything is freed.
+    #[track_caller]
     fn free_segments(&mut self, segments: &[Segment<'_>]) -> Result<(), Error>;
 
     /// Frees `row[dead_lo..len]` of a finishing request, split at its window `cursor`:
     /// `[dead_lo, cursor)` FULL-only (its SWA is already released), `[cursor, len)`
     /// two-sided. `cursor` is clamped into `[dead_lo, len]`; a cursor that splits a page
     /// between two non-empty halves is [`Error::SplitPage`].
+    #[track_caller]
     fn free_kv_row_segments(
         &mut self,
         row: &[VirtualToken],
@@ -499,16 +520,19 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     /// tombstone with live FULL): `to` takes `from`'s SWA page and `from` becomes a
     /// tombstone. No SWA page is allocated or freed (tombstone recovery under a locked
     /// FULL).
+    #[track_caller]
     fn transfer_swa(&mut self, from: Segment<'_>, to: Segment<'_>) -> Result<(), Error>;
 
     /// Allocates `n` Mamba state slots, appending their ids to `out`. Short capacity:
     /// [`Error::OutOfCapacity`]; no slot pool: [`Error::NoSlotPool`]. Either way nothing
     /// is allocated and `out` is untouched.
+    #[track_caller]
     fn alloc_slots(&mut self, n: usize, out: &mut Vec<VirtualSlot>) -> Result<(), Error>;
 
     /// Frees Mamba state slots (each live, none named twice). Deferred inside a free
     /// group, through its own list. No slot pool: [`Error::NoSlotPool`]; a slot that
     /// cannot be freed: [`Error::BadSlot`]; either way nothing changed.
+    #[track_caller]
     fn free_slots(&mut self, slots: &[VirtualSlot]) -> Result<(), Error>;
 
     /// Copies the state of each pair's first slot into its second (copy-on-write of a
@@ -516,10 +540,12 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     /// for the batch, a host-known shape, no sync. Every slot must be live and no
     /// destination may be a source or named twice ([`Error::BadSlot`], nothing issued).
     /// Changes no table.
+    #[track_caller]
     fn copy_slots(&self, pairs: &[(VirtualSlot, VirtualSlot)]) -> Result<(), Error>;
 
     /// The physical slot bound to `slot` (`None` when unbound, the sink, out of range,
     /// or without a slot pool). Its envelope is at byte `slot × grid(Side::Mamba).envelope`.
+    #[track_caller]
     fn physical_slot(&self, slot: VirtualSlot) -> Option<u32>;
 
     /// Applies `frees` in order and cannot fail: the infallible mode of the free family,
@@ -534,32 +560,40 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     ///
     /// A wrapping allocator forwards the batch whole to the allocator it wraps (never
     /// through its own checked methods, which it may fail on purpose).
+    #[track_caller]
     fn free_batch(&mut self, frees: &[FreeOp<'_>]);
 
     /// Opens a free group: two-sided and FULL-only frees are deferred (cloned at enqueue)
     /// until the group ends or a flush exposes them. Groups do not nest.
+    #[track_caller]
     fn free_group_begin(&mut self) -> Result<(), Error>;
 
     /// Applies every deferred free and closes the group.
+    #[track_caller]
     fn free_group_end(&mut self) -> Result<(), Error>;
 
     /// Whether a free group is open.
+    #[track_caller]
     fn in_free_group(&self) -> bool;
 
     /// Pending deferred frees per list (the one enumeration every flush site uses).
+    #[track_caller]
     fn pending_frees(&self) -> [(DeferredKind, usize); 5];
 
     /// Applies every deferred free now and keeps the group open; returns whether anything
     /// was pending.
+    #[track_caller]
     fn flush_deferred(&mut self) -> bool;
 
     /// The step-boundary flush: applies deferred frees (group stays open), compacts holes
     /// (moving page envelopes on the device, unless a move gate is closed) and checks
     /// conservation from `Warn` up. With no holes it issues no device work. A failed
     /// move leaves the tables as they were (the deferred frees stay applied).
+    #[track_caller]
     fn flush(&mut self) -> Result<FlushReport, Error>;
 
     /// Whether `demand` fits now or after compaction. Pure: changes nothing.
+    #[track_caller]
     fn allocation_fits(&self, demand: PageDemand) -> bool;
 
     /// Makes `demand` allocatable: flushes deferred frees, then compacts if that makes it
@@ -567,6 +601,7 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     /// compaction's move fails (either way the deferred frees stay applied, and nothing
     /// else changed). A slot demand without a slot pool: [`Error::NoSlotPool`], before
     /// anything is flushed.
+    #[track_caller]
     fn ensure_capacity(&mut self, demand: PageDemand) -> Result<(), Error>;
 
     /// Flushes every deferred list **first**, then sizes the eviction that makes `demand`
@@ -575,15 +610,19 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     /// reclaim with all evictable SWA; all zero when it already fits; `None` when even
     /// reclaiming everything evictable would not do (and, without flushing, for a slot
     /// demand on an allocator without a slot pool).
+    #[track_caller]
     fn reclaim_plan(&mut self, demand: PageDemand, evictable: Reclaimable) -> Option<ReclaimPlan>;
 
     /// The capacity views.
+    #[track_caller]
     fn capacity(&self) -> Capacity;
 
     /// Where each side lives in the buffer (for reports and debugging).
+    #[track_caller]
     fn pool_map(&self) -> PoolMap;
 
     /// Freezes compaction on every sub-pool until the gate drops.
+    #[track_caller]
     fn move_gate(&self) -> MoveGate;
 
     /// The step boundary's mirror upload: one device op for every side with the dirty
@@ -591,11 +630,13 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     /// changed spans of its host tables (`copy_table_spans`), the static pool scatters
     /// the entries it derives (`scatter_tables`). Transactional: the entries stay dirty
     /// until the op was issued, so after a failure a retry uploads them.
+    #[track_caller]
     fn upload_mirror(&mut self) -> Result<(), Error>;
 
     /// Whether the device mirror holds the host tables (no entry changed since the last
     /// [`KvAllocator::upload_mirror`]). O(1). Any allocation, compaction, free or transfer
     /// makes it false until the next upload.
+    #[track_caller]
     fn mirror_current(&self) -> bool;
 
     /// The device table that mirrors `side`'s translation (virtual page → physical page).
@@ -604,13 +645,16 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     /// release pages that a later allocation hands out again, so a kernel that reads the
     /// mirror between such a change and the upload would address stale pages.
     /// `None` for a side the allocator does not have ([`Side::Mamba`] without a slot pool).
+    #[track_caller]
     fn mirror_table(&self, side: Side) -> Option<TableId>;
 
     /// Kernel rows per page envelope of `side`.
+    #[track_caller]
     fn stride(&self, side: Side) -> u32;
 
     /// The kernel id of `token` on `side`, from host tables: `v2p[page] × stride + offset`,
     /// or 0 (the sink) when the page is unbound, tombstoned, 0 or out of range.
+    #[track_caller]
     fn kernel_id(&self, side: Side, token: VirtualToken) -> i32;
 
     /// Issues the device translate of `n` virtual ids in `ids` to kernel ids in `out`
@@ -620,6 +664,7 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     /// mirror is behind the host tables ([`KvAllocator::mirror_current`] is false), so a
     /// translate between an allocation (which may have compacted) and the step
     /// boundary's [`KvAllocator::upload_mirror`] cannot read stale pages. Upload first.
+    #[track_caller]
     fn translate(
         &self,
         side: Side,
@@ -632,32 +677,41 @@ pub trait KvAllocator: std::fmt::Debug + Send {
     /// [`KvAllocator::translate`] for several rows in one device op (a step's
     /// translation of every side: one launch on a GPU). Refused as a whole, issuing
     /// nothing, when any row is refused.
+    #[track_caller]
     fn translate_many(&self, rows: &[SideTranslation]) -> Result<(), Error>;
 
     /// The device byte buffer both sides live in.
+    #[track_caller]
     fn buffer(&self) -> BytesId;
 
     /// The grid of `side`: envelope bytes, pages, first page above the sink floor, stride.
+    #[track_caller]
     fn grid(&self, side: Side) -> Grid;
 
     /// Bytes of the reserved sink floor at the low end of the buffer.
+    #[track_caller]
     fn sink_floor(&self) -> u64;
 
     /// The physical page bound to `page` on `side` (`None` when unbound, tombstoned, the
     /// sink or out of range). Its envelope is at byte `page × grid(side).envelope`.
+    #[track_caller]
     fn physical_page(&self, side: Side, page: VirtualPage) -> Option<u32>;
 
     /// Whether FULL is live for `page`.
+    #[track_caller]
     fn full_live(&self, page: VirtualPage) -> bool;
 
     /// `page`'s SWA state.
+    #[track_caller]
     fn swa_state(&self, page: VirtualPage) -> SwaState;
 
     /// The O(1) conservation checks (also run at every flush from `Warn` up); records
     /// `pool.conservation` and returns whether they held.
+    #[track_caller]
     fn check_conservation(&self) -> bool;
 
     /// A full scan of every table against every counter (idle diagnostic, O(pool)):
     /// `Err` names the first discrepancy.
+    #[track_caller]
     fn verify(&self) -> Result<(), String>;
 }

@@ -3,6 +3,12 @@
 //! injector, a test probe. The wrapper forwards every method; a [`Hooks`] sees each
 //! mutating call as a [`Call`], may fail a fallible one before it is forwarded, and may
 //! drop a free (a lost free, for tests that prove a leak is caught).
+//!
+//! Hooks compose, so an allocator is wrapped once however many hooks watch it: a pair
+//! `(A, B)` is `A` wrapped around `B`, an `Option<H>` is `H` or nothing.
+//!
+//! The wrapper is `#[track_caller]`-transparent: the hooks, and the inner allocator, see
+//! the line that called the method, through `dyn KvAllocator` and nested wrappers too.
 
 use crate::api::{
     Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, FreeOp, KvAllocator,
@@ -125,7 +131,9 @@ impl Outcome<'_> {
 /// allocator, as it is before (`gate`) and after (`after`) the call.
 pub trait Hooks: std::fmt::Debug + Send {
     /// Before a fallible call ([`Call::fallible`]) is forwarded: an error fails the call
-    /// with it, unforwarded, and [`Hooks::after`] is not called.
+    /// with it, unforwarded, and [`Hooks::after`] is not called. `Location::caller()` here
+    /// is the line that called the allocator.
+    #[track_caller]
     fn gate(&mut self, inner: &dyn KvAllocator, call: Call<'_>) -> Result<(), Error> {
         let _ = (inner, call);
         Ok(())
@@ -134,14 +142,67 @@ pub trait Hooks: std::fmt::Debug + Send {
     /// Whether the free `op` reaches the inner allocator: asked for each checked free
     /// that is one [`FreeOp`] ([`Call::Free`], after its gate) and for each op of a batch.
     /// `false` drops it as though it were done (the call returns `Ok`).
+    #[track_caller]
     fn forward_free(&mut self, inner: &dyn KvAllocator, op: FreeOp<'_>) -> bool {
         let _ = (inner, op);
         true
     }
 
     /// After a call was forwarded (a dropped free counts as done), whatever its outcome.
+    #[track_caller]
     fn after(&mut self, inner: &dyn KvAllocator, call: Call<'_>, outcome: Outcome<'_>) {
         let _ = (inner, call, outcome);
+    }
+}
+
+/// `A` wrapped around `B`, as though the allocator were `Hooked<A>` around `Hooked<B>`:
+/// `A` gates a call first and sees its outcome last, and when `B` refuses a call that `A`
+/// let through, `A`'s `after` sees the refusal. A free is forwarded when both forward it
+/// (`B` is not asked about one `A` drops). Each hook sees the calls it would see as a
+/// layer but for one thing: for a checked free ([`Call::Free`]) both gates run before
+/// either hook is asked to forward it, so `A` is not asked about a free `B` refuses, and
+/// `B` gates a free that `A` then drops, and sees it done.
+impl<A: Hooks, B: Hooks> Hooks for (A, B) {
+    fn gate(&mut self, inner: &dyn KvAllocator, call: Call<'_>) -> Result<(), Error> {
+        self.0.gate(inner, call)?;
+        if let Err(e) = self.1.gate(inner, call) {
+            self.0.after(inner, call, Outcome::Failed(&e));
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn forward_free(&mut self, inner: &dyn KvAllocator, op: FreeOp<'_>) -> bool {
+        self.0.forward_free(inner, op) && self.1.forward_free(inner, op)
+    }
+
+    fn after(&mut self, inner: &dyn KvAllocator, call: Call<'_>, outcome: Outcome<'_>) {
+        self.1.after(inner, call, outcome);
+        self.0.after(inner, call, outcome);
+    }
+}
+
+/// `H` when there is one, nothing otherwise (a hook chosen at run time, such as the
+/// replay's optional op recorder).
+impl<H: Hooks> Hooks for Option<H> {
+    fn gate(&mut self, inner: &dyn KvAllocator, call: Call<'_>) -> Result<(), Error> {
+        match self {
+            Some(hooks) => hooks.gate(inner, call),
+            None => Ok(()),
+        }
+    }
+
+    fn forward_free(&mut self, inner: &dyn KvAllocator, op: FreeOp<'_>) -> bool {
+        match self {
+            Some(hooks) => hooks.forward_free(inner, op),
+            None => true,
+        }
+    }
+
+    fn after(&mut self, inner: &dyn KvAllocator, call: Call<'_>, outcome: Outcome<'_>) {
+        if let Some(hooks) = self {
+            hooks.after(inner, call, outcome);
+        }
     }
 }
 
@@ -169,78 +230,45 @@ impl<H: Hooks> Hooked<H> {
         &mut self.hooks
     }
 
-    /// Gates `call`, forwards it with `forward`, and shows the outcome.
-    fn fallible<T>(
-        &mut self,
-        call: Call<'_>,
-        forward: impl FnOnce(&mut dyn KvAllocator) -> Result<T, Error>,
-    ) -> Result<T, Error> {
-        self.hooks.gate(&*self.inner, call)?;
-        self.forwarded(call, forward)
+    /// Asks the hooks to let `call` through.
+    #[track_caller]
+    fn gate(&mut self, call: Call<'_>) -> Result<(), Error> {
+        self.hooks.gate(&*self.inner, call)
     }
 
-    /// Forwards a gated `call` with `forward` and shows the outcome.
-    fn forwarded<T>(
-        &mut self,
-        call: Call<'_>,
-        forward: impl FnOnce(&mut dyn KvAllocator) -> Result<T, Error>,
-    ) -> Result<T, Error> {
-        let result = forward(&mut *self.inner);
-        let outcome = match &result {
-            Ok(_) => Outcome::DONE,
-            Err(e) => Outcome::Failed(e),
-        };
-        self.hooks.after(&*self.inner, call, outcome);
-        result
-    }
-
-    /// [`Hooked::fallible`] for a checked free that is one `op`, which the hooks may drop.
-    fn free(
-        &mut self,
-        op: FreeOp<'_>,
-        forward: impl FnOnce(&mut dyn KvAllocator) -> Result<(), Error>,
-    ) -> Result<(), Error> {
+    /// Gates the checked free `op` and asks the hooks whether it is forwarded; one they
+    /// drop is shown as done, and `Ok(false)` returned.
+    #[track_caller]
+    fn gate_free(&mut self, op: FreeOp<'_>) -> Result<bool, Error> {
         let call = Call::Free(op);
         self.hooks.gate(&*self.inner, call)?;
-        if !self.hooks.forward_free(&*self.inner, op) {
-            self.hooks.after(&*self.inner, call, Outcome::DONE);
-            return Ok(());
+        if self.hooks.forward_free(&*self.inner, op) {
+            return Ok(true);
         }
-        self.forwarded(call, forward)
+        self.hooks.after(&*self.inner, call, Outcome::DONE);
+        Ok(false)
     }
 
-    /// [`Hooked::fallible`] for an allocation appending to `out`, whose new items the
-    /// outcome shows through `done`.
-    fn allocation<I>(
+    /// Shows how a forwarded `call` ended (`done` when it succeeded) and hands its result
+    /// back.
+    #[track_caller]
+    fn show<T>(
         &mut self,
         call: Call<'_>,
-        out: &mut Vec<I>,
-        forward: impl FnOnce(&mut dyn KvAllocator, &mut Vec<I>) -> Result<(), Error>,
-        done: impl for<'o> FnOnce(&'o [I]) -> Outcome<'o>,
-    ) -> Result<(), Error> {
-        self.hooks.gate(&*self.inner, call)?;
-        let from = out.len();
-        let result = forward(&mut *self.inner, out);
+        result: Result<T, Error>,
+        done: Outcome<'_>,
+    ) -> Result<T, Error> {
         let outcome = match &result {
-            Ok(()) => done(&out[from..]),
+            Ok(_) => done,
             Err(e) => Outcome::Failed(e),
         };
         self.hooks.after(&*self.inner, call, outcome);
-        result
-    }
-
-    /// Forwards an infallible `call` and shows it.
-    fn infallible<T>(
-        &mut self,
-        call: Call<'_>,
-        forward: impl FnOnce(&mut dyn KvAllocator) -> T,
-    ) -> T {
-        let result = forward(&mut *self.inner);
-        self.hooks.after(&*self.inner, call, Outcome::DONE);
         result
     }
 }
 
+// Each method calls the inner allocator in its own body (not in a closure), so the
+// caller's location reaches the inner allocator too.
 impl<H: Hooks> KvAllocator for Hooked<H> {
     fn page_size(&self) -> PageSize {
         self.inner.page_size()
@@ -259,52 +287,78 @@ impl<H: Hooks> KvAllocator for Hooked<H> {
         requests: &[ExtendRequest],
         out: &mut Vec<VirtualToken>,
     ) -> Result<(), Error> {
-        self.allocation(
-            Call::AllocExtend(requests),
-            out,
-            |a, out| a.alloc_extend(requests, out),
-            |tokens| Outcome::Done { tokens, slots: &[] },
-        )
+        let call = Call::AllocExtend(requests);
+        self.gate(call)?;
+        let from = out.len();
+        let result = self.inner.alloc_extend(requests, out);
+        let tokens = &out[from..];
+        self.show(call, result, Outcome::Done { tokens, slots: &[] })
     }
     fn alloc_decode(
         &mut self,
         requests: &[DecodeRequest],
         out: &mut Vec<VirtualToken>,
     ) -> Result<(), Error> {
-        self.allocation(
-            Call::AllocDecode(requests),
-            out,
-            |a, out| a.alloc_decode(requests, out),
-            |tokens| Outcome::Done { tokens, slots: &[] },
-        )
+        let call = Call::AllocDecode(requests);
+        self.gate(call)?;
+        let from = out.len();
+        let result = self.inner.alloc_decode(requests, out);
+        let tokens = &out[from..];
+        self.show(call, result, Outcome::Done { tokens, slots: &[] })
     }
     fn free(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
-        self.fallible(Call::FreeIds(IdFree::Both, ids), |a| a.free(ids))
+        let call = Call::FreeIds(IdFree::Both, ids);
+        self.gate(call)?;
+        let result = self.inner.free(ids);
+        self.show(call, result, Outcome::DONE)
     }
     fn free_swa(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
-        self.fallible(Call::FreeIds(IdFree::Swa, ids), |a| a.free_swa(ids))
+        let call = Call::FreeIds(IdFree::Swa, ids);
+        self.gate(call)?;
+        let result = self.inner.free_swa(ids);
+        self.show(call, result, Outcome::DONE)
     }
     fn free_full(&mut self, ids: &[VirtualToken]) -> Result<(), Error> {
-        self.fallible(Call::FreeIds(IdFree::Full, ids), |a| a.free_full(ids))
+        let call = Call::FreeIds(IdFree::Full, ids);
+        self.gate(call)?;
+        let result = self.inner.free_full(ids);
+        self.show(call, result, Outcome::DONE)
     }
     fn free_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
-        self.free(FreeOp::Segment(segment), |a| a.free_segment(segment))
+        let op = FreeOp::Segment(segment);
+        if !self.gate_free(op)? {
+            return Ok(());
+        }
+        let result = self.inner.free_segment(segment);
+        self.show(Call::Free(op), result, Outcome::DONE)
     }
     fn free_swa_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
-        self.free(FreeOp::SwaSegment(segment), |a| a.free_swa_segment(segment))
+        let op = FreeOp::SwaSegment(segment);
+        if !self.gate_free(op)? {
+            return Ok(());
+        }
+        let result = self.inner.free_swa_segment(segment);
+        self.show(Call::Free(op), result, Outcome::DONE)
     }
     fn free_swa_segments(&mut self, segments: &[Segment<'_>]) -> Result<(), Error> {
-        self.fallible(Call::FreeSwaSegments(segments), |a| {
-            a.free_swa_segments(segments)
-        })
+        let call = Call::FreeSwaSegments(segments);
+        self.gate(call)?;
+        let result = self.inner.free_swa_segments(segments);
+        self.show(call, result, Outcome::DONE)
     }
     fn free_full_segment(&mut self, segment: Segment<'_>) -> Result<(), Error> {
-        self.free(FreeOp::FullSegment(segment), |a| {
-            a.free_full_segment(segment)
-        })
+        let op = FreeOp::FullSegment(segment);
+        if !self.gate_free(op)? {
+            return Ok(());
+        }
+        let result = self.inner.free_full_segment(segment);
+        self.show(Call::Free(op), result, Outcome::DONE)
     }
     fn free_segments(&mut self, segments: &[Segment<'_>]) -> Result<(), Error> {
-        self.fallible(Call::FreeSegments(segments), |a| a.free_segments(segments))
+        let call = Call::FreeSegments(segments);
+        self.gate(call)?;
+        let result = self.inner.free_segments(segments);
+        self.show(call, result, Outcome::DONE)
     }
     fn free_kv_row_segments(
         &mut self,
@@ -319,23 +373,35 @@ impl<H: Hooks> KvAllocator for Hooked<H> {
             cursor,
             len,
         };
-        self.free(op, |a| a.free_kv_row_segments(row, dead_lo, cursor, len))
+        if !self.gate_free(op)? {
+            return Ok(());
+        }
+        let result = self.inner.free_kv_row_segments(row, dead_lo, cursor, len);
+        self.show(Call::Free(op), result, Outcome::DONE)
     }
     fn transfer_swa(&mut self, from: Segment<'_>, to: Segment<'_>) -> Result<(), Error> {
-        self.free(FreeOp::TransferSwa { from, to }, |a| {
-            a.transfer_swa(from, to)
-        })
+        let op = FreeOp::TransferSwa { from, to };
+        if !self.gate_free(op)? {
+            return Ok(());
+        }
+        let result = self.inner.transfer_swa(from, to);
+        self.show(Call::Free(op), result, Outcome::DONE)
     }
     fn alloc_slots(&mut self, n: usize, out: &mut Vec<VirtualSlot>) -> Result<(), Error> {
-        self.allocation(
-            Call::AllocSlots(n),
-            out,
-            |a, out| a.alloc_slots(n, out),
-            |slots| Outcome::Done { tokens: &[], slots },
-        )
+        let call = Call::AllocSlots(n);
+        self.gate(call)?;
+        let from = out.len();
+        let result = self.inner.alloc_slots(n, out);
+        let slots = &out[from..];
+        self.show(call, result, Outcome::Done { tokens: &[], slots })
     }
     fn free_slots(&mut self, slots: &[VirtualSlot]) -> Result<(), Error> {
-        self.free(FreeOp::Slots(slots), |a| a.free_slots(slots))
+        let op = FreeOp::Slots(slots);
+        if !self.gate_free(op)? {
+            return Ok(());
+        }
+        let result = self.inner.free_slots(slots);
+        self.show(Call::Free(op), result, Outcome::DONE)
     }
     fn copy_slots(&self, pairs: &[(VirtualSlot, VirtualSlot)]) -> Result<(), Error> {
         self.inner.copy_slots(pairs)
@@ -354,13 +420,21 @@ impl<H: Hooks> KvAllocator for Hooked<H> {
             }
         }
         let frees = kept.as_deref().unwrap_or(frees);
-        self.infallible(Call::FreeBatch(frees), |a| a.free_batch(frees));
+        self.inner.free_batch(frees);
+        let call = Call::FreeBatch(frees);
+        self.hooks.after(&*self.inner, call, Outcome::DONE);
     }
     fn free_group_begin(&mut self) -> Result<(), Error> {
-        self.fallible(Call::GroupBegin, |a| a.free_group_begin())
+        let call = Call::GroupBegin;
+        self.gate(call)?;
+        let result = self.inner.free_group_begin();
+        self.show(call, result, Outcome::DONE)
     }
     fn free_group_end(&mut self) -> Result<(), Error> {
-        self.fallible(Call::GroupEnd, |a| a.free_group_end())
+        let call = Call::GroupEnd;
+        self.gate(call)?;
+        let result = self.inner.free_group_end();
+        self.show(call, result, Outcome::DONE)
     }
     fn in_free_group(&self) -> bool {
         self.inner.in_free_group()
@@ -369,21 +443,31 @@ impl<H: Hooks> KvAllocator for Hooked<H> {
         self.inner.pending_frees()
     }
     fn flush_deferred(&mut self) -> bool {
-        self.infallible(Call::FlushDeferred, |a| a.flush_deferred())
+        let flushed = self.inner.flush_deferred();
+        let call = Call::FlushDeferred;
+        self.hooks.after(&*self.inner, call, Outcome::DONE);
+        flushed
     }
     fn flush(&mut self) -> Result<FlushReport, Error> {
-        self.fallible(Call::Flush, |a| a.flush())
+        let call = Call::Flush;
+        self.gate(call)?;
+        let result = self.inner.flush();
+        self.show(call, result, Outcome::DONE)
     }
     fn allocation_fits(&self, demand: PageDemand) -> bool {
         self.inner.allocation_fits(demand)
     }
     fn ensure_capacity(&mut self, demand: PageDemand) -> Result<(), Error> {
-        self.fallible(Call::EnsureCapacity(demand), |a| a.ensure_capacity(demand))
+        let call = Call::EnsureCapacity(demand);
+        self.gate(call)?;
+        let result = self.inner.ensure_capacity(demand);
+        self.show(call, result, Outcome::DONE)
     }
     fn reclaim_plan(&mut self, demand: PageDemand, evictable: Reclaimable) -> Option<ReclaimPlan> {
-        self.infallible(Call::ReclaimPlan(demand, evictable), |a| {
-            a.reclaim_plan(demand, evictable)
-        })
+        let plan = self.inner.reclaim_plan(demand, evictable);
+        let call = Call::ReclaimPlan(demand, evictable);
+        self.hooks.after(&*self.inner, call, Outcome::DONE);
+        plan
     }
     fn capacity(&self) -> Capacity {
         self.inner.capacity()
@@ -395,7 +479,10 @@ impl<H: Hooks> KvAllocator for Hooked<H> {
         self.inner.move_gate()
     }
     fn upload_mirror(&mut self) -> Result<(), Error> {
-        self.fallible(Call::UploadMirror, |a| a.upload_mirror())
+        let call = Call::UploadMirror;
+        self.gate(call)?;
+        let result = self.inner.upload_mirror();
+        self.show(call, result, Outcome::DONE)
     }
     fn mirror_current(&self) -> bool {
         self.inner.mirror_current()

@@ -1,0 +1,115 @@
+//! The engine's memory is unikv's buffer: K/V rows written at the step's write locations
+//! and read through its kernel ids ([`BufferKv`]), recurrent states in their slots.
+
+use super::model::{KvStore, LayerKind, RC, States};
+use unikv::mamba::SlotLayout;
+use unikv::pools::Side;
+use unikv::{KvGeometry, RequestStep};
+
+/// The K/V of one request's step, in unikv's buffer: writes go to the step's write
+/// locations, reads through its kernel ids.
+pub(super) struct BufferKv<'a> {
+    pub(super) bytes: &'a mut [u8],
+    pub(super) geo: KvGeometry,
+    pub(super) step: RequestStep<'a>,
+}
+
+/// Reads `out.len()` little-endian `f32`s at byte `offset`.
+fn read_f32s(bytes: &[u8], offset: u64, out: &mut [f32]) {
+    let b = &bytes[offset as usize..offset as usize + 4 * out.len()];
+    for i in 0..out.len() {
+        out[i] = f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]);
+    }
+}
+
+/// Writes `values` as little-endian `f32`s at byte `offset`.
+fn write_f32s(bytes: &mut [u8], offset: u64, values: &[f32]) {
+    let b = &mut bytes[offset as usize..offset as usize + 4 * values.len()];
+    for (c, v) in b.chunks_exact_mut(4).zip(values) {
+        c.copy_from_slice(&v.to_le_bytes());
+    }
+}
+
+impl BufferKv<'_> {
+    /// The pool side and layer index of an attention layer.
+    fn side(layer: LayerKind) -> (Side, u32) {
+        match layer {
+            LayerKind::Full(i) => (Side::Full, i),
+            LayerKind::Swa(i) => (Side::Swa, i),
+            LayerKind::Recurrent(_) => unreachable!("no K/V"),
+        }
+    }
+
+    /// The kernel id of row `pos` on `side` (SWA rows only inside the step's window).
+    fn id(&self, side: Side, pos: usize) -> i32 {
+        match side {
+            Side::Full => self.step.full[pos],
+            _ => self.step.swa_id(pos).unwrap_or_else(|| {
+                panic!(
+                    "position {pos} is outside the SWA metadata [{}, {})",
+                    self.step.swa_first, self.step.len
+                )
+            }),
+        }
+    }
+}
+
+impl KvStore for BufferKv<'_> {
+    fn write(&mut self, layer: LayerKind, pos: usize, k: &[f32], v: &[f32]) {
+        let (side, l) = Self::side(layer);
+        let i = pos - self.step.first_query();
+        let id = match side {
+            Side::Full => self.step.write_full[i],
+            _ => self.step.write_swa[i],
+        };
+        write_f32s(self.bytes, self.geo.row_offset(side, id, l, false), k);
+        write_f32s(self.bytes, self.geo.row_offset(side, id, l, true), v);
+    }
+
+    fn read(&self, layer: LayerKind, pos: usize, k: &mut [f32], v: &mut [f32]) {
+        let (side, l) = Self::side(layer);
+        let id = self.id(side, pos);
+        read_f32s(self.bytes, self.geo.row_offset(side, id, l, false), k);
+        read_f32s(self.bytes, self.geo.row_offset(side, id, l, true), v);
+    }
+}
+
+/// Reads every recurrent layer's conv and temporal state from physical slot `slot`.
+pub(super) fn load_states(
+    bytes: &[u8],
+    geo: &KvGeometry,
+    layout: &SlotLayout,
+    slot: u32,
+    states: &mut States,
+) {
+    let base = geo.slot_offset(slot);
+    for (l, s) in states.iter_mut().enumerate() {
+        let (conv, temporal) = s.split_at_mut(RC);
+        read_f32s(bytes, base + layout.conv(l as u32).unwrap().start, conv);
+        read_f32s(
+            bytes,
+            base + layout.temporal(l as u32).unwrap().start,
+            temporal,
+        );
+    }
+}
+
+/// Writes every recurrent layer's conv and temporal state into physical slot `slot`.
+pub(super) fn store_states(
+    bytes: &mut [u8],
+    geo: &KvGeometry,
+    layout: &SlotLayout,
+    slot: u32,
+    states: &States,
+) {
+    let base = geo.slot_offset(slot);
+    for (l, s) in states.iter().enumerate() {
+        let (conv, temporal) = s.split_at(RC);
+        write_f32s(bytes, base + layout.conv(l as u32).unwrap().start, conv);
+        write_f32s(
+            bytes,
+            base + layout.temporal(l as u32).unwrap().start,
+            temporal,
+        );
+    }
+}
