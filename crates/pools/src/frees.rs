@@ -10,8 +10,8 @@ use crate::invariants::{
     DOUBLE_FREE, FREE_BATCH_WELL_FORMED, ONE_FREE_PER_GROUP, PEER_MAPPED, PEER_RELEASED,
     SEGMENT_SHAPE, SINK_RESERVED, WINDOW_RATCHET,
 };
+use crate::ramp::{RUN, is_ramp, steps};
 use crate::spec::Side;
-use crate::sub::{RUN, is_ramp, steps};
 use unikv_invariants::{Invariant, Scope, enabled};
 use unikv_kernels::Translate;
 
@@ -159,13 +159,13 @@ impl FreeGroup {
         let resident = (virtual_pages as usize).min(DEFERRED_RESIDENT);
         FreeGroup {
             stamps: if enabled() {
-                crate::sub::resident_table(virtual_pages as usize)
+                crate::resident::resident_table(virtual_pages as usize)
             } else {
                 Vec::new()
             },
             deferred: DeferredFrees {
-                page_reps: crate::sub::resident_list(resident),
-                full_only_page_reps: crate::sub::resident_list(resident),
+                page_reps: crate::resident::resident_list(resident),
+                full_only_page_reps: crate::resident::resident_list(resident),
                 ..DeferredFrees::default()
             },
             ..FreeGroup::default()

@@ -16,11 +16,11 @@ use crate::frees::{self, FreeGroup, PageTables};
 use crate::ids::{PageSize, VirtualPage, VirtualSlot, VirtualToken};
 use crate::invariants::{CONSERVATION, ROOM_CHECK};
 use crate::memory::DeviceMemory;
+use crate::resident::{resident_list, resident_table};
 use crate::spec::{
     BS1_STATE_SLOTS, Grid, Side, SlotPoolSpec, SubPoolSpec, bs1_floor, check_bs1_floor, sink_floor,
     window_pages,
 };
-use crate::sub::{resident_list, resident_table};
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 use unikv_invariants::{Scope, enabled};

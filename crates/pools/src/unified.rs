@@ -20,9 +20,8 @@ use crate::spec::{
     BS1_STATE_SLOTS, Grid, Grow, Side, SlotPoolSpec, SubPoolSpec, bs1_floor, check_bs1_floor,
     sink_floor, window_pages,
 };
-use crate::sub::{
-    CompactionPlan, Edge, Keep, RelayPlan, Release, SpanView, SubAllocator, VirtualIds,
-};
+use crate::sub::{CompactionPlan, Edge, Keep, RelayPlan, Release, SpanView, SubAllocator};
+use crate::virtual_ids::VirtualIds;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use unikv_invariants::{Scope, enabled};
