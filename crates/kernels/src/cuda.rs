@@ -20,10 +20,22 @@
 //! of those calls is a [`SyncHazard`], counted by [`Device::sync_hazards`] and so by a
 //! [`SyncLedger`](crate::SyncLedger) wrapped around the device. The ring grows at the next
 //! step boundary ([`CudaDevice::end_step`]), never on the op path.
+//!
+//! This file holds the device, its public surface, the one place driver calls are made
+//! and the [`Device`] and [`Readback`] implementations; `staging` is the ring's
+//! mechanics, `fused_writes` the one-launch table writes that keep each entry's last
+//! write.
+
+mod fused_writes;
+mod staging;
+
+use fused_writes::LastWins;
+pub use staging::DEFAULT_STAGING_BYTES;
+use staging::{FENCES, Ring, STAGE_ALIGN};
 
 use crate::check;
 use crate::driver::{
-    Arg, DevPtr, Driver, DriverCall, EventHandle, GraphHandle, Grid, Kernel, Pinned, StreamKind,
+    Arg, DevPtr, Driver, DriverCall, EventHandle, GraphHandle, Grid, Kernel, StreamKind,
     SyncHazard, SyncHazards,
 };
 use crate::emulated::EmulatedDriver;
@@ -32,7 +44,6 @@ use crate::{
     ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, TableScatter,
     TableSpans, Translate,
 };
-use std::collections::VecDeque;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -50,13 +61,6 @@ const MAX_BLOCKS: u64 = 65_535;
 /// Bytes of a span one block handles at a time (`UNIKV_CHUNK` of `cu/spans.cu`: 16
 /// 16-byte words per thread).
 const CHUNK: u64 = 16 * 16 * BLOCK as u64;
-/// Staging ring bytes at boot: room for a step's lists at page size 1 (a 64 K-entry
-/// scatter is 512 KiB).
-pub const DEFAULT_STAGING_BYTES: usize = 4 << 20;
-/// Fence events made at boot; more are made at a step boundary when a step used them all.
-const FENCES: usize = 64;
-/// Staged lists are placed at this alignment (the kernels read 8- and 16-byte words).
-const STAGE_ALIGN: usize = 16;
 
 /// A launch of `items` independent items, one thread each (grid-stride).
 fn per_item(items: u64) -> Grid {
@@ -101,47 +105,6 @@ pub struct DriverRecord {
 struct Alloc {
     ptr: DevPtr,
     len: usize,
-}
-
-/// The pinned staging ring and its device mirror. Positions are monotonic byte counts;
-/// a position's place in the ring is `pos % cap`.
-#[derive(Debug)]
-struct Ring {
-    host: Option<Pinned>,
-    dev: DevPtr,
-    cap: usize,
-    /// Where the next list goes.
-    head: u64,
-    /// Every byte staged before this position has been consumed by the stream.
-    tail: u64,
-    /// In-flight fences, oldest first: (position the fence covers up to, its event).
-    fences: VecDeque<(u64, EventHandle)>,
-}
-
-impl Ring {
-    /// A ring of no capacity: every op takes the fallback path.
-    fn empty() -> Ring {
-        Ring {
-            host: None,
-            dev: 0,
-            cap: 0,
-            head: 0,
-            tail: 0,
-            fences: VecDeque::new(),
-        }
-    }
-}
-
-/// Where an op's staged list landed.
-enum Staged {
-    /// In the ring (fenced once the op has enqueued its work).
-    Ring(DevPtr),
-    /// In a temporary device allocation (the fallback), freed after the op's work.
-    Temporary(DevPtr),
-    /// Straight into the destination, through the ring.
-    Copied,
-    /// Straight into the destination, by a pageable copy (the fallback).
-    CopiedPageable,
 }
 
 #[derive(Debug)]
@@ -572,216 +535,6 @@ impl CudaDevice {
         f(&*self.driver)
     }
 
-    /// A ring of `bytes` (none for `0`): pinned host memory and its device mirror.
-    fn make_ring(&self, op: &'static str, bytes: usize) -> Result<Ring, Error> {
-        if bytes == 0 {
-            return Ok(Ring::empty());
-        }
-        let cap = bytes.next_multiple_of(STAGE_ALIGN);
-        let host = self.issue(op, DriverCall::PinnedAlloc { bytes: cap as u64 }, |d| {
-            d.alloc_pinned(cap)
-        })?;
-        match self.issue(op, DriverCall::DeviceAlloc { bytes: cap as u64 }, |d| {
-            d.alloc(cap)
-        }) {
-            Ok(dev) => Ok(Ring {
-                host: Some(host),
-                dev,
-                cap,
-                ..Ring::empty()
-            }),
-            Err(e) => {
-                let _ = self.issue(op, DriverCall::PinnedFree, |d| d.free_pinned(host));
-                Err(e)
-            }
-        }
-    }
-
-    /// Retires done fences of `ring` from the oldest, until the stream is known to be
-    /// past `need` (or no fence is left, or one is still pending).
-    fn retire(
-        &self,
-        ring: &mut Ring,
-        spare: &mut Vec<EventHandle>,
-        op: &'static str,
-        need: u64,
-    ) -> Result<(), Error> {
-        while let Some(&(end, event)) = ring.fences.front() {
-            if ring.tail >= need && !spare.is_empty() {
-                break;
-            }
-            if !self.issue(op, DriverCall::EventQuery, |d| d.event_done(event))? {
-                break;
-            }
-            ring.tail = end;
-            spare.push(event);
-            ring.fences.pop_front();
-        }
-        Ok(())
-    }
-
-    /// Frees retired rings the stream is past.
-    fn free_retired(&self, st: &mut State, op: &'static str) -> Result<(), Error> {
-        let State { retired, spare, .. } = st;
-        let mut i = 0;
-        while i < retired.len() {
-            let ring = &mut retired[i];
-            self.retire(ring, spare, op, u64::MAX)?;
-            if ring.fences.is_empty() {
-                let ring = retired.swap_remove(i);
-                if let Some(host) = ring.host {
-                    self.issue(op, DriverCall::DeviceFree, |d| d.free(ring.dev))?;
-                    self.issue(op, DriverCall::PinnedFree, |d| d.free_pinned(host))?;
-                }
-            } else {
-                i += 1;
-            }
-        }
-        Ok(())
-    }
-
-    /// Puts `st.pack` on the device: into `dst` when given, else into the ring's device
-    /// mirror or (no room) a temporary allocation. The caller enqueues its work and then
-    /// calls [`CudaDevice::finish`] with the result.
-    fn stage(
-        &self,
-        st: &mut State,
-        op: &'static str,
-        dst: Option<DevPtr>,
-    ) -> Result<Staged, Error> {
-        if st.capturing {
-            return Err(Error::NotCapturable { op });
-        }
-        let len = st.pack.len();
-        let span = len.next_multiple_of(STAGE_ALIGN);
-        st.largest = st.largest.max(span);
-        let State {
-            ring,
-            spare,
-            pack,
-            overflowed,
-            ..
-        } = st;
-        if span <= ring.cap && ring.host.is_some() {
-            let mut pos = ring.head;
-            let place = (pos % ring.cap as u64) as usize;
-            if place + span > ring.cap {
-                pos += (ring.cap - place) as u64; // a list never wraps: skip to the start
-            }
-            let need = (pos + span as u64).saturating_sub(ring.cap as u64);
-            self.retire(ring, spare, op, need)?;
-            if let Some(host) = &ring.host
-                && ring.tail >= need
-                && !spare.is_empty()
-            {
-                let place = (pos % ring.cap as u64) as usize;
-                self.driver.write_pinned(host, place, pack);
-                let target = dst.unwrap_or(ring.dev + place as u64);
-                self.issue(op, DriverCall::CopyFromPinned { bytes: len as u64 }, |d| {
-                    d.copy_from_pinned(target, host, place, len)
-                })?;
-                ring.head = pos + span as u64;
-                return Ok(match dst {
-                    Some(_) => Staged::Copied,
-                    None => Staged::Ring(target),
-                });
-            }
-        }
-        *overflowed = true;
-        let copy = DriverCall::CopyFromPageable { bytes: len as u64 };
-        match dst {
-            Some(dst) => {
-                self.issue(op, copy, |d| d.copy_from_pageable(dst, pack))?;
-                Ok(Staged::CopiedPageable)
-            }
-            None => {
-                let tmp = self.issue(op, DriverCall::DeviceAlloc { bytes: len as u64 }, |d| {
-                    d.alloc(len)
-                })?;
-                if let Err(e) = self.issue(op, copy, |d| d.copy_from_pageable(tmp, pack)) {
-                    let _ = self.issue(op, DriverCall::DeviceFree, |d| d.free(tmp));
-                    return Err(e);
-                }
-                Ok(Staged::Temporary(tmp))
-            }
-        }
-    }
-
-    /// Ends an op that staged a list: fences the ring past it, or frees the temporary.
-    fn finish(&self, st: &mut State, op: &'static str, staged: Staged) -> Result<(), Error> {
-        match staged {
-            Staged::Ring(_) | Staged::Copied => {
-                // `stage` made sure a spare event exists.
-                let Some(event) = st.spare.pop() else {
-                    return Ok(());
-                };
-                let head = st.ring.head;
-                if let Err(e) = self.issue(op, DriverCall::EventRecord, |d| d.event_record(event)) {
-                    st.spare.push(event);
-                    return Err(e);
-                }
-                st.ring.fences.push_back((head, event));
-                Ok(())
-            }
-            Staged::Temporary(tmp) => self.issue(op, DriverCall::DeviceFree, |d| d.free(tmp)),
-            Staged::CopiedPageable => Ok(()),
-        }
-    }
-
-    /// Stages `st.pack` and launches `kernel` with `args(list)`, the staged list's
-    /// device address. The fence (or free) follows the launch even when it fails, since
-    /// the copy before it was enqueued.
-    fn launch_with_list(
-        &self,
-        st: &mut State,
-        op: &'static str,
-        kernel: Kernel,
-        grid: Grid,
-        args: impl FnOnce(DevPtr) -> Vec<Arg>,
-    ) -> Result<(), Error> {
-        let staged = self.stage(st, op, None)?;
-        let list = match staged {
-            Staged::Ring(p) | Staged::Temporary(p) => p,
-            Staged::Copied | Staged::CopiedPageable => 0, // not reached: no destination given
-        };
-        let args = args(list);
-        let launched = self.issue(op, DriverCall::Launch { kernel, grid }, |d| {
-            d.launch(kernel, grid, &args)
-        });
-        let finished = self.finish(st, op, staged);
-        launched.and(finished)
-    }
-
-    /// The one launch of a fused table write (`scatter_tables`, `copy_table_spans`),
-    /// whose every index was checked inside its table: the scatter kernel's list is each
-    /// table's address, then (slot, index, value) triples, each entry once (its last
-    /// write, as on the CPU), so no two threads write one entry.
-    fn write_entries<W: TableWrites>(
-        &self,
-        st: &mut State,
-        op: &'static str,
-        parts: &[W],
-    ) -> Result<(), Error> {
-        let State {
-            tables, pack, seen, ..
-        } = st;
-        pack.clear();
-        for part in parts {
-            pack.extend_from_slice(&tables.get(part.table().0)?.ptr.to_le_bytes());
-        }
-        let k = parts.len() as u64;
-        seen.pack(parts, |t| tables.get(t.0).map_or(0, |a| a.len), pack);
-        let n = (pack.len() as u64 - 8 * k) / 12;
-        if n == 0 {
-            return Ok(());
-        }
-        // Kernel `unikv_scatter_tables(const unsigned long long* list, unsigned long long
-        // k, unsigned long long n)`.
-        self.launch_with_list(st, op, Kernel::ScatterTables, per_item(n), |list| {
-            vec![Arg::U64(list), Arg::U64(k), Arg::U64(n)]
-        })
-    }
-
     fn launch(
         &self,
         op: &'static str,
@@ -840,127 +593,6 @@ impl Drop for CudaDevice {
             let _ = self.driver.event_destroy(event);
         }
         let _ = self.driver.synchronize();
-    }
-}
-
-/// One table's part of a fused write of table entries (a [`TableScatter`] or a
-/// [`TableSpans`]), as [`LastWins`] reads it.
-trait TableWrites {
-    /// The table written.
-    fn table(&self) -> TableId;
-    /// Calls `f(index, value)` for every write, the last first.
-    fn each_last_first(&self, f: impl FnMut(u32, i32));
-    /// Calls `f(start, end)` for ranges of indices that cover every write.
-    fn each_range(&self, f: impl FnMut(u32, u32));
-}
-
-impl TableWrites for TableScatter<'_> {
-    fn table(&self) -> TableId {
-        self.table
-    }
-    fn each_last_first(&self, mut f: impl FnMut(u32, i32)) {
-        for &(index, value) in self.entries.iter().rev() {
-            f(index, value);
-        }
-    }
-    fn each_range(&self, mut f: impl FnMut(u32, u32)) {
-        for &(index, _) in self.entries {
-            f(index, index + 1);
-        }
-    }
-}
-
-impl TableWrites for TableSpans<'_> {
-    fn table(&self) -> TableId {
-        self.table
-    }
-    fn each_last_first(&self, mut f: impl FnMut(u32, i32)) {
-        for &(start, len) in self.spans.iter().rev() {
-            for index in (start..start + len).rev() {
-                f(index, self.values[index as usize]);
-            }
-        }
-    }
-    fn each_range(&self, mut f: impl FnMut(u32, u32)) {
-        for &(start, len) in self.spans {
-            f(start, start + len);
-        }
-    }
-}
-
-/// The writes of a fused table op that survive "the last write of an entry wins",
-/// found through one bitmap per distinct table of the call (no hashing, no sort), so no
-/// two GPU threads write one entry. The bitmaps are all zero between calls: a call
-/// clears only the words it set, so it costs O(its writes), not O(its tables' lengths).
-#[derive(Debug, Default)]
-struct LastWins {
-    words: Vec<u64>,
-    /// Each part's first word in `words` (a table named twice shares its bitmap).
-    bases: Vec<usize>,
-}
-
-impl LastWins {
-    /// Makes room for one more table of `len` entries, at its allocation, so that any
-    /// call's distinct tables fit without growing on the op path.
-    fn room_for(&mut self, len: usize) {
-        self.words.resize(self.words.len() + len.div_ceil(64), 0);
-    }
-
-    /// Appends to `pack` the (slot, index, value) triple of every write of `parts` that
-    /// no later write of the same table and index overrides, the last first. `len` gives
-    /// a table's length; every index was checked inside it.
-    fn pack<W: TableWrites>(
-        &mut self,
-        parts: &[W],
-        len: impl Fn(TableId) -> usize,
-        pack: &mut Vec<u8>,
-    ) {
-        let LastWins { words, bases } = self;
-        bases.clear();
-        let mut total = 0;
-        for (slot, part) in parts.iter().enumerate() {
-            let first = parts[..slot].iter().position(|e| e.table() == part.table());
-            let base = match first {
-                Some(first) => bases[first],
-                None => {
-                    let base = total;
-                    total += len(part.table()).div_ceil(64);
-                    base
-                }
-            };
-            bases.push(base);
-        }
-        // Not reached when `room_for` saw every table: the op path then allocates nothing.
-        if words.len() < total {
-            words.resize(total, 0);
-        }
-        for (slot, part) in parts.iter().enumerate().rev() {
-            let base = bases[slot];
-            part.each_last_first(|index, value| {
-                let (word, bit) = (&mut words[base + (index / 64) as usize], 1 << (index % 64));
-                if *word & bit == 0 {
-                    *word |= bit;
-                    let mut triple = [0; 12];
-                    for (out, w) in
-                        triple
-                            .chunks_exact_mut(4)
-                            .zip([slot as u32, index, value as u32])
-                    {
-                        out.copy_from_slice(&w.to_le_bytes());
-                    }
-                    pack.extend_from_slice(&triple);
-                }
-            });
-        }
-        // Every word this call set is zeroed (zero before the call: no other bit in it).
-        for (part, &base) in parts.iter().zip(bases.iter()) {
-            part.each_range(|start, end| {
-                if start < end {
-                    let range = base + (start / 64) as usize..=base + ((end - 1) / 64) as usize;
-                    words[range].fill(0);
-                }
-            });
-        }
     }
 }
 
@@ -1297,78 +929,5 @@ impl Readback for CudaDevice {
 
     fn synchronize(&self, _sync: &HostSync) -> Result<(), Error> {
         self.issue("synchronize", DriverCall::Synchronize, |d| d.synchronize())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Decodes a packed list of (slot, index, value) triples.
-    fn triples(pack: &[u8]) -> Vec<(u32, u32, i32)> {
-        pack.chunks_exact(12)
-            .map(|t| {
-                let w = |i: usize| u32::from_le_bytes([t[i], t[i + 1], t[i + 2], t[i + 3]]);
-                (w(0), w(4), w(8) as i32)
-            })
-            .collect()
-    }
-
-    /// Every entry written once, with the value of its last write in call order: within a
-    /// part, across parts naming one table (spans of different host values overlapping,
-    /// which no launch order of the kernel could otherwise resolve), and again in a second
-    /// call (the bitmaps were cleared).
-    #[test]
-    fn a_fused_write_keeps_each_entrys_last_write_once() {
-        let (a, b) = (TableId(1), TableId(2));
-        let len = |t: TableId| if t == a { 200 } else { 70 };
-        let mut seen = LastWins::default();
-        let (old, new) = ([1; 200], [2; 200]);
-        let parts = [
-            TableSpans {
-                table: a,
-                values: &old,
-                spans: &[(60, 10), (65, 10), (130, 1)],
-            },
-            TableSpans {
-                table: b,
-                values: &old,
-                spans: &[(63, 3)],
-            },
-            TableSpans {
-                table: a,
-                values: &new,
-                spans: &[(68, 4), (0, 0)],
-            },
-        ];
-        for _ in 0..2 {
-            let mut pack = Vec::new();
-            seen.pack(&parts, len, &mut pack);
-            let mut got = triples(&pack);
-            got.sort_unstable();
-            let mut want: Vec<(u32, u32, i32)> = (60..68)
-                .map(|i| (0, i, 1))
-                .chain([(0, 72, 1), (0, 73, 1), (0, 74, 1), (0, 130, 1)])
-                .chain((63..66).map(|i| (1, i, 1)))
-                .chain((68..72).map(|i| (2, i, 2)))
-                .collect();
-            want.sort_unstable();
-            assert_eq!(got, want);
-        }
-        assert!(
-            seen.words.iter().all(|&w| w == 0),
-            "the bitmaps are left clear"
-        );
-        let entries = [(5, 1), (69, 2), (5, 3)];
-        let mut pack = Vec::new();
-        seen.pack(
-            &[TableScatter {
-                table: b,
-                entries: &entries,
-            }],
-            len,
-            &mut pack,
-        );
-        assert_eq!(triples(&pack), [(0, 5, 3), (0, 69, 2)]);
     }
 }

@@ -109,10 +109,13 @@ mod hooked;
 mod ids;
 pub mod invariants;
 mod memory;
+mod ramp;
+mod resident;
 mod spec;
 mod static_paged;
 mod sub;
 mod unified;
+mod virtual_ids;
 
 pub use api::{
     Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, FreeOp, KvAllocator,
@@ -127,5 +130,6 @@ pub use static_paged::{
     PrefixCaching, REFERENCE_MAMBA_FULL_MEMORY_RATIO, REFERENCE_SLOTS_PER_RUNNING_REQUEST,
     ReferenceSlotPool, StaticSlots, StaticSwa, StaticSwaConfig, reference_slot_pool,
 };
-pub use sub::{Edge, SubAllocator, VirtualIds};
+pub use sub::{Edge, SubAllocator};
 pub use unified::{UnifiedSwa, UnifiedSwaConfig};
+pub use virtual_ids::VirtualIds;

@@ -6,6 +6,18 @@
 //! and allocations bind FULL only. Same operations and invariants as [`crate::UnifiedSwa`].
 //!
 //! Byte layout, low to high: `[sink floor | Mamba slots | SWA pool | FULL pool]`.
+//!
+//! This file holds the layout, the tables the free family works on and the
+//! [`KvAllocator`] implementation; `alloc` is the allocation paths, `reference` the
+//! reference engine's slot pool sizing.
+
+mod alloc;
+mod reference;
+
+pub use reference::{
+    PrefixCaching, REFERENCE_MAMBA_FULL_MEMORY_RATIO, REFERENCE_SLOTS_PER_RUNNING_REQUEST,
+    ReferenceSlotPool, reference_slot_pool,
+};
 
 use crate::api::{
     Capacity, DecodeRequest, DeferredKind, ExtendRequest, FlushReport, KvAllocator, MoveGate,
@@ -14,13 +26,13 @@ use crate::api::{
 use crate::error::Error;
 use crate::frees::{self, FreeGroup, PageTables};
 use crate::ids::{PageSize, VirtualPage, VirtualSlot, VirtualToken};
-use crate::invariants::{CONSERVATION, ROOM_CHECK};
+use crate::invariants::CONSERVATION;
 use crate::memory::DeviceMemory;
+use crate::resident::{resident_list, resident_table};
 use crate::spec::{
     BS1_STATE_SLOTS, Grid, Side, SlotPoolSpec, SubPoolSpec, bs1_floor, check_bs1_floor, sink_floor,
     window_pages,
 };
-use crate::sub::{resident_list, resident_table};
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 use unikv_invariants::{Scope, enabled};
@@ -61,83 +73,6 @@ pub struct StaticSlots {
     pub spec: SlotPoolSpec,
     /// Slots in the pool (at least [`BS1_STATE_SLOTS`]).
     pub slots: u32,
-}
-
-/// The reference engine's default `mamba_full_memory_ratio`, the ratio of Mamba state
-/// bytes to FULL KV bytes it splits the KV budget by (SGLang `ServerArgs`,
-/// `python/sglang/srt/server_args.py`: `mamba_full_memory_ratio: float = 0.9`).
-pub const REFERENCE_MAMBA_FULL_MEMORY_RATIO: f64 = 0.9;
-
-/// State slots the reference engine charges each running request with a radix cache
-/// (`MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO = 3` in SGLang
-/// `python/sglang/srt/model_executor/model_runner_kv_cache_mixin.py`; the default
-/// `mamba_scheduler_strategy` `no_buffer` adds no extra-buffer slots).
-pub const REFERENCE_SLOTS_PER_RUNNING_REQUEST: u32 = 3;
-
-/// Whether the engine keeps a prefix (radix) cache: it decides how many state slots the
-/// reference engine charges each running request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PrefixCaching {
-    /// A radix cache: each running request is charged
-    /// [`REFERENCE_SLOTS_PER_RUNNING_REQUEST`] slots (its own state plus checkpoints).
-    Radix,
-    /// No prefix cache: one slot per running request.
-    Disabled,
-}
-
-/// A slot pool sized as the reference engine sizes it ([`reference_slot_pool`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ReferenceSlotPool {
-    /// State slots of the pool (the reference's `max_mamba_cache_size`).
-    pub slots: u32,
-    /// The running-request cap the slot pool implies (`slots // 3` with a radix cache,
-    /// `slots` without); the reference takes the minimum of this and its token-derived
-    /// cap.
-    pub max_running_requests: u32,
-}
-
-/// Sizes a static slot pool the way the reference engine does by default for a hybrid
-/// (Mamba/linear-attention) model: of the KV budget `total_bytes`, the Mamba states get
-/// `total × r / (1 + r)` bytes, `r = mamba_full_memory_ratio`
-/// ([`REFERENCE_MAMBA_FULL_MEMORY_RATIO`] = 0.9 by default), so that state bytes : FULL KV
-/// bytes = r; the slot count is that share divided by the slot's bytes, rounded down, and
-/// the KV pools get the rest of the buffer. Reference: SGLang
-/// `ModelRunnerKVCacheMixin.handle_max_mamba_cache`
-/// (`python/sglang/srt/model_executor/model_runner_kv_cache_mixin.py`), the branch taken
-/// when neither `max_mamba_cache_size` nor (with the radix cache disabled)
-/// `max_running_requests` is given; `init_memory` then caps the running requests at
-/// `max_mamba_cache_size // calculate_mamba_ratio()` (3 with a radix cache, 1 without).
-/// Speculative decoding's intermediate states are not modelled.
-///
-/// A ratio that is not positive and finite, or a slot spec [`SlotPoolSpec::grid`]
-/// refuses, is [`Error::BadConfig`]. The count may be below [`BS1_STATE_SLOTS`]; then
-/// [`StaticSwa::new`] refuses the pool.
-pub fn reference_slot_pool(
-    total_bytes: u64,
-    spec: &SlotPoolSpec,
-    mamba_full_memory_ratio: f64,
-    caching: PrefixCaching,
-) -> Result<ReferenceSlotPool, Error> {
-    let r = mamba_full_memory_ratio;
-    if !(r > 0.0 && r.is_finite()) {
-        return Err(Error::BadConfig(format!(
-            "mamba_full_memory_ratio must be positive, got {r}"
-        )));
-    }
-    // Validates the spec; its page count (total / slot bytes) fits i32, so the count
-    // below, a share of it, fits u32.
-    spec.grid(total_bytes, 0)?;
-    // The reference computes the share in floating point and truncates; so does this.
-    let state_bytes = (total_bytes as f64 * r / (1.0 + r)) as u64;
-    let slots = (state_bytes / spec.bytes_per_slot).min(total_bytes / spec.bytes_per_slot) as u32;
-    let per_request = match caching {
-        PrefixCaching::Radix => REFERENCE_SLOTS_PER_RUNNING_REQUEST,
-        PrefixCaching::Disabled => 1,
-    };
-    Ok(ReferenceSlotPool {
-        slots,
-        max_running_requests: slots / per_request,
-    })
 }
 
 /// The fixed pools a buffer holds, in pages (slots for Mamba) and base pages of each
@@ -425,205 +360,10 @@ impl StaticSwa {
         }
     }
 
-    /// Whether the page demand fits with `r_f`/`r_s` pages reclaimed. Without an SWA
-    /// side an SWA demand is vacuous: nothing binds SWA.
-    fn fits(&self, d: PageDemand, r_f: usize, r_s: usize) -> bool {
-        d.full_pages <= self.free_full.len().saturating_add(r_f)
-            && (!self.swa_side || d.swa_pages <= self.free_swa.len().saturating_add(r_s))
-    }
-
-    /// Whether the slot demand fits with `r_m` slots reclaimed (static: free slots only,
-    /// no byte budget is shared with the KV pools).
-    fn fits_slots(&self, d: PageDemand, r_m: usize) -> bool {
-        d.mamba_slots <= self.free_slots.len().saturating_add(r_m)
-    }
-
-    /// Pages a joint allocation could get now.
-    fn joint_free(&self) -> usize {
-        if self.swa_side {
-            self.free_full.len().min(self.free_swa.len())
-        } else {
-            self.free_full.len()
-        }
-    }
-
     /// The physical slot of live virtual slot `s`.
     #[inline]
     fn slot_phys(&self, s: u32) -> u32 {
         self.slot_base + s - 1
-    }
-
-    /// The short-capacity error of a slot demand.
-    fn out_of_slots(&self) -> Error {
-        // The trait's short-capacity error; its page counts are zero because only slots
-        // were asked for, and `available_pages` is the free slot count.
-        Error::OutOfCapacity {
-            full_pages: 0,
-            swa_pages: 0,
-            available_pages: self.free_slots.len(),
-        }
-    }
-
-    /// A slot allocation as one transaction: size it, zero the envelopes the pops will
-    /// hand out (the top of the free stack) on the device, and only then bind. A failed
-    /// zeroing changes nothing.
-    fn alloc_slot_ids(&mut self, n: usize, out: &mut Vec<VirtualSlot>) -> Result<(), Error> {
-        if self.slot_mirror.is_none() {
-            return Err(Error::NoSlotPool { op: "alloc_slots" });
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        if n > self.free_slots.len() {
-            return Err(self.out_of_slots());
-        }
-        let handed = self.free_slots.len() - n..;
-        if self.zero_on_handout {
-            let (grid, base) = (self.slot_grid, self.slot_base);
-            self.spans.clear();
-            self.spans.extend(
-                self.free_slots[handed.clone()]
-                    .iter()
-                    .rev()
-                    .map(|&s| ByteSpan {
-                        offset: grid.offset(base + s - 1),
-                        len: grid.envelope,
-                    }),
-            );
-            self.device.fill_spans(self.buffer, &self.spans, 0)?;
-        }
-        out.reserve(n);
-        for _ in 0..n {
-            // `n` entries checked above.
-            let Some(s) = self.free_slots.pop() else {
-                break;
-            };
-            self.slot_live[s as usize] = true;
-            self.live_slots += 1;
-            self.mark_slot(s);
-            out.push(VirtualSlot(s));
-        }
-        Ok(())
-    }
-
-    fn validate(&self, requests: impl Iterator<Item = ExtendRequest>) -> Result<usize, Error> {
-        let ps = self.ps;
-        let mut totals = (0usize, 0usize);
-        for (index, r) in requests.enumerate() {
-            frees::check_request(index, &r, ps, &mut totals)?;
-            if !ps.is_aligned(r.prefix_len) {
-                let ok = r.last_token.is_some_and(|last| {
-                    let v = last.page(ps).0 as usize;
-                    last.offset(ps) as usize == (r.prefix_len - 1) % ps.get() as usize
-                        && v != 0
-                        && v < self.full_live.len()
-                        && self.full_live[v]
-                });
-                if !ok {
-                    return Err(Error::BadRequest {
-                        index,
-                        reason: format!(
-                            "last token {:?} is not a live token at row position {}",
-                            r.last_token,
-                            r.prefix_len - 1
-                        ),
-                    });
-                }
-            }
-        }
-        Ok(totals.0)
-    }
-
-    /// A decode batch: an extend by one token per request.
-    pub(crate) fn alloc_one_each(
-        &mut self,
-        requests: &[DecodeRequest],
-        out: &mut Vec<VirtualToken>,
-    ) -> Result<(), Error> {
-        self.alloc(requests.iter().map(|&d| ExtendRequest::from(d)), out)
-    }
-
-    /// An allocation as one transaction: validate, size the room, zero the envelopes
-    /// the pops will hand out (the tops of the two free stacks) on the device, and only
-    /// then bind. A failed zeroing changes nothing.
-    fn alloc(
-        &mut self,
-        requests: impl Iterator<Item = ExtendRequest> + Clone,
-        out: &mut Vec<VirtualToken>,
-    ) -> Result<(), Error> {
-        let pages = self.validate(requests.clone())?;
-        if !self.fits(PageDemand::joint(pages), 0, 0) {
-            return Err(Error::OutOfCapacity {
-                full_pages: pages,
-                swa_pages: if self.swa_side { pages } else { 0 },
-                available_pages: self.joint_free(),
-            });
-        }
-        if self.zero_on_handout && pages > 0 {
-            let (fg, sg, full_base) = (self.full_grid, self.swa_grid, self.full_base);
-            let spans = &mut self.spans;
-            spans.clear();
-            // `fits` checked both stacks hold `pages` entries (SWA's only with an SWA
-            // side); pops take the last first.
-            let full = &self.free_full[self.free_full.len() - pages..];
-            let swa = if self.swa_side {
-                &self.free_swa[self.free_swa.len() - pages..]
-            } else {
-                &[]
-            };
-            spans.extend(full.iter().rev().map(|&v| ByteSpan {
-                offset: fg.offset(full_base + v - 1),
-                len: fg.envelope,
-            }));
-            spans.extend(swa.iter().rev().map(|&s| ByteSpan {
-                offset: sg.offset(s),
-                len: sg.envelope,
-            }));
-            self.device.fill_spans(self.buffer, spans, 0)?;
-        }
-        let ps = self.ps.get() as usize;
-        for r in requests {
-            let mut pos = r.prefix_len;
-            if pos % ps != 0
-                && let Some(last) = r.last_token
-            {
-                let tail_end = (pos - pos % ps + ps).min(r.seq_len);
-                let mut t = last.0;
-                while pos < tail_end {
-                    t += 1;
-                    out.push(VirtualToken(t));
-                    pos += 1;
-                }
-            }
-            while pos < r.seq_len {
-                if self.free_full.is_empty() || (self.swa_side && self.free_swa.is_empty()) {
-                    self.scope.expect(&ROOM_CHECK, false, || {
-                        "an allocation ran out of pages past its room check".to_string()
-                    });
-                    break;
-                }
-                let Some(v) = self.free_full.pop() else {
-                    break;
-                };
-                self.full_live[v as usize] = true;
-                if self.swa_side
-                    && let Some(s) = self.free_swa.pop()
-                {
-                    if self.swa_of[v as usize] == -1 {
-                        self.tombstones -= 1;
-                    }
-                    self.swa_of[v as usize] = s as i32;
-                    self.swa_owner[(s - self.swa_base) as usize] = v;
-                    self.swa_live += 1;
-                }
-                self.mark(v);
-                let n = (r.seq_len - pos).min(ps);
-                let base = v * ps as u32;
-                out.extend((0..n as u32).map(|o| VirtualToken(base + o)));
-                pos += n;
-            }
-        }
-        Ok(())
     }
 }
 
