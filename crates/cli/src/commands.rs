@@ -6,7 +6,7 @@
 //! [`replay_with`] takes the scheduler as a parameter ([`RunFn`]) so the whole path can be
 //! tested with a stand-in; [`replay`] uses the real one ([`unikv_replay::run`]).
 
-use crate::cli::{BenchOpsArgs, ReplayArgs};
+use crate::args::{BenchOpsArgs, ReplayArgs};
 use crate::error::CliError;
 use crate::progress::ReplayProgress;
 use crate::svg;

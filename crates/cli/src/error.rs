@@ -19,84 +19,9 @@ pub enum CliError {
     /// A replay or a run failed.
     #[error(transparent)]
     Replay(#[from] ReplayError),
-    /// A command-line argument is not valid UTF-8.
-    #[error("argument {arg:?} is not valid UTF-8")]
-    NotUtf8 {
-        /// The argument, with invalid sequences replaced.
-        arg: String,
-    },
-    /// The first argument is not a command.
-    #[error("unknown command {command:?} (commands: replay, bench-ops; try `unikv --help`)")]
-    UnknownCommand {
-        /// What was given.
-        command: String,
-    },
-    /// An option the command does not have.
-    #[error("unknown option {option:?} for `unikv {command}` (try `unikv {command} --help`)")]
-    UnknownOption {
-        /// The command.
-        command: &'static str,
-        /// What was given.
-        option: String,
-    },
-    /// An option that takes a value came last, or with an empty value.
-    #[error("option {option} needs a value")]
-    MissingValue {
-        /// The option.
-        option: &'static str,
-    },
-    /// An option that may be given once was given again.
-    #[error("option {option} is given twice (it takes one value)")]
-    RepeatedOption {
-        /// The option.
-        option: &'static str,
-    },
-    /// Options that contradict each other.
-    #[error("conflicting options: {options}")]
-    ConflictingOptions {
-        /// Which, and why.
-        options: &'static str,
-    },
-    /// A list-valued option with an empty item (`--page-size 1,,256`).
-    #[error("option {option}: empty item in {value:?} (items are separated by single commas)")]
-    EmptyListItem {
-        /// The option.
-        option: &'static str,
-        /// The whole value given.
-        value: String,
-    },
-    /// A flag that takes no value was given one (`--json=yes`).
-    #[error("option {option} takes no value (got {value:?})")]
-    UnexpectedValue {
-        /// The option.
-        option: &'static str,
-        /// The value given.
-        value: String,
-    },
-    /// A positional argument where the command takes none (or no more).
-    #[error("unexpected argument {arg:?} for `unikv {command}`")]
-    UnexpectedArgument {
-        /// The command.
-        command: &'static str,
-        /// The argument.
-        arg: String,
-    },
-    /// A command's required positional argument is missing.
-    #[error("`unikv {command}` needs {what}")]
-    MissingArgument {
-        /// The command.
-        command: &'static str,
-        /// What it needs.
-        what: &'static str,
-    },
-    /// `--workload` names no preset.
-    #[error("unknown workload {name:?} (known: {known})")]
-    UnknownWorkload {
-        /// What was given.
-        name: String,
-        /// The preset names, comma-separated.
-        known: String,
-    },
+    /// The command line does not parse: clap's message on one line ([`crate::args::one_line`]).
+    #[error("{0}")]
+    Usage(String),
     /// A workload that needs a model with recurrent (Mamba/GDN) state
     /// (`mamba-starvation`) was asked for with a model that has none.
     #[error(
@@ -110,34 +35,6 @@ pub enum CliError {
         model: &'static str,
         /// The named models with recurrent state, comma-separated.
         recurrent: String,
-    },
-    /// `--layout` is not `static`, `unified` or `both`.
-    #[error("unknown layout {value:?} (expected static, unified or both)")]
-    UnknownLayout {
-        /// What was given.
-        value: String,
-    },
-    /// `--device` is not `cpu` or `none`.
-    #[error("unknown device {value:?} (expected cpu or none)")]
-    UnknownDevice {
-        /// What was given.
-        value: String,
-    },
-    /// `--invariants` is not a level.
-    #[error("unknown invariant level {value:?} (expected off, warn, strict, 0, 1, 2)")]
-    UnknownLevel {
-        /// What was given.
-        value: String,
-    },
-    /// A numeric option's value is not acceptable.
-    #[error("bad value {value:?} for {option}: {reason}")]
-    BadNumber {
-        /// The option.
-        option: &'static str,
-        /// What was given.
-        value: String,
-        /// Why it is refused.
-        reason: &'static str,
     },
     /// `--record-ops` with more than one run: one ops file describes one run.
     #[error(

@@ -1,25 +1,29 @@
 //! The `unikv` binary: `unikv replay` runs serving workloads through the static and the
 //! unified pool side by side; `unikv bench-ops` measures the allocator on a recorded
-//! operation trace; `unikv sim` runs the deterministic simulator with injected faults.
+//! operation trace; `unikv bench-scale` runs the replay at growing scales; `unikv sim`
+//! runs the deterministic simulator with injected faults.
 //!
 //! Exit status: 0 success (every run passed), 1 a report was printed and some run failed
 //! its checks, 2 an error (bad options, unreadable input, a run that could not finish,
-//! an output that could not be written). Every error is one line on stderr.
-
+//! an output that could not be written). Every error is one line on stderr; help goes to
+//! stdout with status 0.
 //!
-//! The binary owns the command line ([`cli`]), the commands' glue ([`commands`]), the
-//! progress bars ([`progress`]) and the SVG plots ([`svg`]); what it runs is the
-//! libraries': `unikv-replay` (the scheduler and the report), `unikv-ops` (op traces),
-//! `unikv-dst` (the simulator) and `unikv-workload` (workloads and traces).
+//! The binary owns the command line ([`args`], clap's derive API, and the long help
+//! texts in [`help`]), the commands' glue ([`commands`]), the progress bars
+//! ([`progress`]) and the SVG plots ([`svg`]); what it runs is the libraries':
+//! `unikv-replay` (the scheduler and the report), `unikv-ops` (op traces), `unikv-dst`
+//! (the simulator) and `unikv-workload` (workloads and traces).
 
-mod cli;
+mod args;
 mod commands;
 mod error;
+mod help;
 mod progress;
 mod svg;
 
-use crate::cli::Command;
+use crate::args::{Cli, Command};
 use crate::error::CliError;
+use clap::{CommandFactory, Parser};
 use std::io::Write;
 use std::process::ExitCode;
 
@@ -32,23 +36,23 @@ fn main() -> ExitCode {
     if let Err(err) = unikv::init() {
         return fail(&err);
     }
-    let command = match cli::parse_os_args(std::env::args_os().skip(1)) {
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let command = match Cli::try_parse_from(&argv) {
+        Ok(cli) => cli.into_command(),
+        // `--help`, `-h`, `help [COMMAND]`: clap's text, on stdout.
+        Err(e) if matches!(e.kind(), clap::error::ErrorKind::DisplayHelp) => {
+            return print_help(&e.to_string());
+        }
+        Err(e) => Err(CliError::Usage(args::one_line(&e, &argv))),
+    };
+    let command = match command {
         Ok(command) => command,
         Err(err) => return fail(&err),
     };
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     match command {
-        Command::Help(topic) => {
-            match out
-                .write_all(topic.text().as_bytes())
-                .and_then(|()| out.flush())
-            {
-                // A reader that stops early (`unikv --help | head -1`) is not an error.
-                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => fail(&CliError::Output(e)),
-                _ => ExitCode::SUCCESS,
-            }
-        }
+        Command::Help => print_help(&Cli::command().render_help().to_string()),
         Command::Replay(args) => match commands::replay(&args, &mut out) {
             Ok(outcome) if outcome.pass() => ExitCode::SUCCESS,
             Ok(_) => ExitCode::from(1),
@@ -95,6 +99,17 @@ fn stdout_is_open() -> Result<(), CliError> {
         }
     }
     Ok(())
+}
+
+/// Prints a help text on stdout and returns success.
+fn print_help(text: &str) -> ExitCode {
+    let mut out = std::io::stdout().lock();
+    let text = format!("{}\n", text.trim_end());
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        // A reader that stops early (`unikv --help | head -1`) is not an error.
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => fail(&CliError::Output(e)),
+        _ => ExitCode::SUCCESS,
+    }
 }
 
 /// Prints `err` as one line on stderr and returns the error status. A stderr that
