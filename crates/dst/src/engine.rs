@@ -5,9 +5,9 @@
 
 mod checks;
 
+use crate::outcome::{Failure, Outcome};
 use crate::scenario::Scenario;
 use crate::stamps::{hash_at, kv_stamp, prefix_hashes, state_stamp};
-use crate::{Failure, Outcome};
 use std::collections::HashMap;
 use std::panic::Location;
 use std::sync::{Arc, Mutex, PoisonError};

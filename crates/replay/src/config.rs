@@ -2,7 +2,6 @@
 //! ([`Backend`]), one run's settings ([`RunConfig`]) and a replay's grid of runs
 //! ([`ReplayOptions`]), with the defaults `unikv replay` documents.
 
-use crate::error::ReplayError;
 use serde::Serialize;
 use std::fmt;
 use std::path::PathBuf;
@@ -138,7 +137,8 @@ pub struct RunConfig {
     pub chunk_tokens: u32,
     /// At most this many samples in [`RunStats::samples`](crate::stats::RunStats::samples).
     pub max_samples: usize,
-    /// The run fails with [`ReplayError::Stalled`] after this many steps.
+    /// The run fails with [`ReplayError::Stalled`](crate::ReplayError::Stalled) after this
+    /// many steps.
     pub max_steps: u64,
     /// The device the buffer lives on (`--device`).
     pub backend: Backend,
@@ -248,18 +248,6 @@ pub(crate) fn cache_builder(
         .memory_bytes(config.memory_bytes)
         .layout(layout)
         .device(device)
-}
-
-/// Checks that the builder makes `config`'s cache for some budget: a model and layout it
-/// refuses whatever the workload is the builder's typed error ([`ReplayError::Cache`]). A
-/// budget too small for one request is not an error here; the run reports it with its
-/// workload ([`ReplayError::BudgetTooSmall`]).
-pub fn check_config(config: &RunConfig) -> Result<(), ReplayError> {
-    // Bookkeeping only: the check builds the cache and must not take its bytes.
-    match cache_builder(config, Backend::None.ledger()).build() {
-        Err(e @ unikv::Error::Config(_)) => Err(ReplayError::Cache(e)),
-        _ => Ok(()),
-    }
 }
 
 #[cfg(test)]

@@ -1,9 +1,10 @@
 //! A replay's runs, from its options to the scheduler: the workloads they name
 //! ([`build_workloads`]), the runs in report order ([`plan`]), the check that the
-//! builder makes every layout and page size ([`check_configs`]), and one run with its
+//! builder makes every layout and page size ([`check_config`], [`check_configs`]), and
+//! one run with its
 //! allocator operations recorded when asked ([`run`]).
 
-use crate::config::{ReplayOptions, RunConfig, check_config};
+use crate::config::{Backend, ReplayOptions, RunConfig, cache_builder};
 use crate::error::ReplayError;
 use crate::scheduler::{self, StepProgress};
 use crate::stats::RunStats;
@@ -47,6 +48,18 @@ pub fn plan(options: &ReplayOptions, workloads: &[Workload]) -> Vec<(usize, RunC
         }
     }
     runs
+}
+
+/// Checks that the builder makes `config`'s cache for some budget: a model and layout it
+/// refuses whatever the workload is the builder's typed error ([`ReplayError::Cache`]). A
+/// budget too small for one request is not an error here; the run reports it with its
+/// workload ([`ReplayError::BudgetTooSmall`]).
+pub fn check_config(config: &RunConfig) -> Result<(), ReplayError> {
+    // Bookkeeping only: the check builds the cache and must not take its bytes.
+    match cache_builder(config, Backend::None.ledger()).build() {
+        Err(e @ unikv::Error::Config(_)) => Err(ReplayError::Cache(e)),
+        _ => Ok(()),
+    }
 }
 
 /// Checks that the builder makes a cache of every layout and page size `options` give

@@ -3,7 +3,7 @@
 //! translation, and the allocator and the tree themselves.
 
 use super::{Running, Sim};
-use crate::Failure;
+use crate::outcome::Failure;
 use crate::stamps::{HASH_START, hash_at, hash_next, kv_stamp, prefix_hashes, state_stamp};
 use std::collections::HashMap;
 use unikv::kernels::{ByteSpan, Device, HostSync, Readback, TableId};
