@@ -68,11 +68,6 @@ pub struct StepProgress {
     pub requests_completed: u64,
 }
 
-/// The scheduler's signature, so that the replay driver can be exercised with another
-/// implementation (tests) and the real one alike.
-pub type RunFn =
-    dyn Fn(&Workload, &RunConfig, &dyn Fn(StepProgress)) -> Result<RunStats, ReplayError>;
-
 /// Wraps the cache's allocator before the cache is built (`HybridCacheBuilder::
 /// wrap_allocator`): the ops recorder, or any other `Hooked` layer a caller wants under
 /// the scheduler's own page counter.
