@@ -1,7 +1,7 @@
 //! Wrapping allocators forward the Mamba slot vocabulary to the allocator they wrap: the
 //! test probe (`tests/common/probe.rs`) passes slot calls through its gate to the inner
 //! allocator, whose answer (no slot pool on the FULL/SWA layouts) comes back unchanged.
-//! The sim's recording allocator is covered in `crates/sim/src/ops.rs`.
+//! The sim's recording allocator is covered in `crates/ops/src/record.rs`.
 
 mod common;
 

@@ -136,11 +136,11 @@ fn run_matrix(quick: bool, extra_env: &[(&str, String)]) -> Result<(), String> {
 /// cores).
 const CI_SIM_SEEDS: u64 = 500;
 
-/// `cargo run [profile] -p unikv-sim --bin unikv -- sim`, to which the caller adds args.
+/// `cargo run [profile] -p unikv-cli --bin unikv -- sim`, to which the caller adds args.
 fn unikv_sim(profile: &[&str]) -> Cmd {
     Cmd::cargo(&["run", "--locked"]).args(profile).args([
         "-p",
-        "unikv-sim",
+        "unikv-cli",
         "--bin",
         "unikv",
         "--",
@@ -476,7 +476,7 @@ pub fn bench_scale(args: &[String]) -> Result<(), String> {
         "--locked",
         "--release",
         "-p",
-        "unikv-sim",
+        "unikv-cli",
         "--bin",
         "unikv",
         "--",

@@ -1,0 +1,163 @@
+//! The help texts clap does not write from the options themselves: each command's long
+//! description and what `--help` prints after the options (the presets, the models, the
+//! trace format, the report's rows, the exit status). The pieces that document a
+//! library's format come from that library (`trace::FORMAT_HELP`, `report::ROWS_HELP`).
+
+use unikv::ModelSpec;
+use unikv_workload::Preset;
+use unikv_workload::units::group_digits;
+
+/// After the main help's commands.
+pub const MAIN_AFTER: &str = "\
+Try `unikv help COMMAND` (or `unikv COMMAND --help`) for a command's options.
+
+ENVIRONMENT:
+  UNIKV_INVARIANT_CHECK   off|warn|strict|0|1|2: checked at start-up; the commands'
+                          --invariants option sets the level they run at
+
+EXIT STATUS:
+  0  success (`replay`, `sim`: every run passed)
+  1  a report was printed and some run failed its checks
+  2  an error: bad options, unreadable input, a run that could not be carried out, an
+     output that could not be written (one line on stderr)";
+
+/// `unikv replay --help`'s description.
+pub const REPLAY_ABOUT: &str = "\
+unikv replay: run serving workloads through a deterministic scheduler, once with the
+static paged pools (fixed FULL, SWA and state slot pools) and once with the unified
+pool, and print a side-by-side report (on the CPU; no GPU needed)";
+
+/// `unikv bench-ops --help`'s description.
+pub const BENCH_OPS_ABOUT: &str = "\
+unikv bench-ops: replay only the allocator operations a replay recorded, against a fresh
+allocator, and report throughput (ops/s and tokens/s per operation kind)";
+
+/// After `unikv bench-scale --help`'s options.
+pub const BENCH_SCALE_AFTER: &str = "\
+Scale K runs K tenants of each workload side by side (K times the requests and the
+concurrency, each tenant's tokens its own) in K times the memory, and reports the host's
+tokens per second and its step times: a cost that grows with the pool or the tree, not
+with what a step handles, shows as tokens/s falling and step times rising with K. The
+other options are `unikv replay`'s (see `unikv replay --help`).";
+
+/// `unikv sim --help`'s description.
+pub const SIM_ABOUT: &str = "\
+unikv sim: the deterministic simulator with injected faults. Each seed fixes a random
+configuration (model, layout, page size, budget near the batch-size-1 floor, fault rate)
+and a random engine driving the cache through it; every step checks the allocator, the
+tree, every stamped KV and state byte (through the device translation too) and every
+match against an independent oracle. A failing seed prints the command that reproduces it.";
+
+/// `--model`'s long help: the override keys.
+pub fn model_option() -> String {
+    format!(
+        "The model's KV shapes; K=V pairs change its geometry \
+         (`gpt-oss-120b:window=256,full-layers=24`), K one of: {}",
+        unikv_workload::model::override_keys()
+    )
+}
+
+/// What `unikv replay --help` prints after the options.
+pub fn replay_after() -> String {
+    let workloads: String = Preset::ALL
+        .iter()
+        .map(|p| {
+            let default = if Preset::DEFAULTS.contains(p) {
+                ""
+            } else if p.needs_recurrent_state() {
+                " [default for a model with recurrent state]"
+            } else {
+                " [not run by default]"
+            };
+            format!("  {:<18}{}{default}\n", p.name(), p.description())
+        })
+        .collect();
+    let models: String = ModelSpec::NAMED
+        .iter()
+        .map(|m| format!("  {:<17} {}\n", m.name, model_line(m)))
+        .collect();
+    format!(
+        "\
+Every option but --workload and --page-size may be given once; list items (N,N) must
+not be empty.
+
+WORKLOADS:
+{workloads}
+MODELS:
+{models}
+{trace}
+
+{rows}
+EXIT STATUS:
+  0  every run finished every request with 0 host syncs, 0 invariant violations and
+     0 leaked pages
+  1  the report was printed, and some run failed one of those checks
+  2  bad options, an unreadable trace, or a run that could not be carried out",
+        trace = unikv_workload::trace::FORMAT_HELP,
+        rows = unikv_replay::report::ROWS_HELP,
+    )
+}
+
+/// One model's line in `--help`: its layers and what a token (and a request's state)
+/// costs.
+fn model_line(m: &ModelSpec) -> String {
+    let mut layers = format!("{} FULL", m.full_layers);
+    if m.swa_layers > 0 {
+        layers += &format!(" + {} SWA", m.swa_layers);
+    }
+    if m.has_recurrent_state() {
+        layers += &format!(" + {} recurrent", m.mamba_layers);
+    }
+    layers += " layers";
+    if m.swa_layers > 0 {
+        layers += &format!(" (window {})", m.window);
+    }
+    let bytes = if m.swa_layers == 0 {
+        format!("{} bytes/token", group_digits(m.full_bytes_per_token()))
+    } else if m.full_bytes_per_token() == m.swa_bytes_per_token() {
+        format!(
+            "{} bytes/token/side",
+            group_digits(m.full_bytes_per_token())
+        )
+    } else {
+        format!(
+            "{} + {} bytes/token",
+            group_digits(m.full_bytes_per_token()),
+            group_digits(m.swa_bytes_per_token())
+        )
+    };
+    if m.has_recurrent_state() {
+        format!(
+            "{layers}, {bytes},\n{:20}{} bytes of state per request",
+            "",
+            group_digits(m.state_bytes_per_request())
+        )
+    } else {
+        format!("{layers}, {bytes}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The long help keeps what the hand-written help documented.
+    #[test]
+    fn the_replay_help_documents_presets_models_the_trace_format_and_the_rows() {
+        let help = replay_after();
+        for needle in [
+            "may be given once",
+            "random-8192-64",
+            "mamba-starvation  4,096-token histories",
+            "gemma-4-31b       10 FULL + 50 SWA layers (window 1024), 81,920 + 819,200 bytes/token",
+            "77,266,944 bytes of state per request",
+            "TRACE FORMAT",
+            "prefix_len",
+            "REPORT ROWS",
+            "peak checkpoint slots",
+            "EXIT STATUS",
+        ] {
+            assert!(help.contains(needle), "{needle}");
+        }
+    }
+}

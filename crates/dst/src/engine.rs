@@ -1,0 +1,586 @@
+//! The random engine of one seed ([`Sim`]): arrivals sharing prefixes of a few prompt
+//! families, admission checked against the oracle, aborts, chunked prefill, batched
+//! decode, retraction, finishing, and faults armed at random; every injected fault is
+//! retried and checked. What it checks after each step is in [`checks`].
+
+mod checks;
+
+use crate::outcome::{Failure, Outcome};
+use crate::scenario::Scenario;
+use crate::stamps::{hash_at, kv_stamp, prefix_hashes, state_stamp};
+use std::collections::HashMap;
+use std::panic::Location;
+use std::sync::{Arc, Mutex, PoisonError};
+use unikv::kernels::{ByteSpan, CpuDevice, Device, Error as DeviceError, FaultInjector, TableId};
+use unikv::pools::{Call, Hooked, Hooks, KvAllocator, VirtualToken};
+use unikv::radix::RadixTree;
+use unikv::{Error, HybridCache, Request, TokenId};
+use unikv_workload::rng::SplitMix64;
+
+/// A running request as the engine holds it.
+struct Running {
+    req: Request,
+    /// The prompt's length.
+    prompt_len: usize,
+    /// Output tokens still to decode after the prompt.
+    to_decode: usize,
+    /// Tokens the request's state slot has processed.
+    state_len: usize,
+    /// Whether the engine aborts it when its prefill is done.
+    abort_after_prefill: bool,
+}
+
+/// The engine of one seed.
+pub(crate) struct Sim {
+    sc: Scenario,
+    cache: HybridCache,
+    faults: Arc<FaultInjector<CpuDevice>>,
+    /// The allocator calls to refuse.
+    alloc_faults: Arc<Mutex<AllocFaults>>,
+    /// The device under the fault injector: the engine's own reads and writes.
+    dev: Arc<CpuDevice>,
+    rng: SplitMix64,
+    ps: usize,
+    waiting: Vec<(Vec<TokenId>, usize)>,
+    running: Vec<Running>,
+    families: Vec<Vec<TokenId>>,
+    next_token: u32,
+    out: Outcome,
+    step: usize,
+    /// Device tables for the translation check (ids in, kernel ids out), grown as needed.
+    tables: Option<(TableId, TableId, usize)>,
+}
+
+/// The allocator fault armed, shared by the engine and its [`AllocFaultHooks`].
+#[derive(Debug, Default)]
+struct AllocFaults {
+    /// Refuse the fallible call this many calls from now.
+    armed: Option<u64>,
+    /// Fallible calls seen.
+    calls: u64,
+    /// Calls refused since the last disarm.
+    injected: usize,
+}
+
+/// Refuses the armed fallible allocator call, unforwarded, with the device's typed fault
+/// (on a GPU the likeliest failure of an allocator call is its device op).
+#[derive(Debug)]
+struct AllocFaultHooks(Arc<Mutex<AllocFaults>>);
+
+impl Hooks for AllocFaultHooks {
+    fn gate(&mut self, _: &dyn KvAllocator, call: Call<'_>) -> Result<(), unikv::pools::Error> {
+        let mut s = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let index = s.calls;
+        s.calls += 1;
+        match s.armed {
+            Some(0) => {
+                s.armed = None;
+                s.injected += 1;
+                Err(unikv::pools::Error::Device(DeviceError::InjectedFault {
+                    op: call.name(),
+                    index,
+                    location: Location::caller(),
+                }))
+            }
+            Some(n) => {
+                s.armed = Some(n - 1);
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+/// Whether `e` is an injected device fault (directly or through the allocator).
+fn injected(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Device(DeviceError::InjectedFault { .. })
+            | Error::Pool(unikv::pools::Error::Device(
+                DeviceError::InjectedFault { .. }
+            ))
+    )
+}
+
+/// Whether `e` says memory is short (the engine retracts or waits).
+fn short(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::OutOfMemory { .. }
+            | Error::Pool(
+                unikv::pools::Error::OutOfCapacity { .. } | unikv::pools::Error::OutOfSlots { .. }
+            )
+    )
+}
+
+impl Sim {
+    pub(crate) fn new(sc: Scenario) -> Result<Sim, Failure> {
+        let dev = Arc::new(CpuDevice::new());
+        let faults = Arc::new(FaultInjector::new(dev.clone()));
+        let device: Arc<dyn Device> = faults.clone();
+        let alloc_faults = Arc::new(Mutex::new(AllocFaults::default()));
+        let hooks = alloc_faults.clone();
+        let mut builder = HybridCache::builder()
+            .model(sc.model)
+            .layout(sc.layout)
+            .page_size(sc.page_size)
+            .memory_bytes(sc.memory_bytes)
+            .zero_on_handout(true)
+            .device(device)
+            .wrap_allocator(move |inner| Box::new(Hooked::new(inner, AllocFaultHooks(hooks))));
+        if sc.model.has_recurrent_state() {
+            let ps = sc.page_size;
+            builder = builder
+                .checkpoint_interval(ps * (1 + (sc.seed % 3) as u32) * 8u32.div_ceil(ps))
+                .checkpoints_per_step(sc.checkpoints_per_step);
+        }
+        let cache = builder.build().map_err(|e| Failure {
+            seed: sc.seed,
+            step: 0,
+            what: format!("the cache did not build for {sc:?}: {e}"),
+        })?;
+        let mut rng = SplitMix64::for_stream(sc.seed, "dst.engine");
+        let families = (0..3)
+            .map(|f| {
+                let len = rng.in_range(8, 96) as usize;
+                (0..len)
+                    .map(|i| TokenId(1_000 * (f + 1) + (rng.below(6) as u32) * 100 + i as u32 % 7))
+                    .collect()
+            })
+            .collect();
+        Ok(Sim {
+            ps: sc.page_size as usize,
+            sc,
+            cache,
+            faults,
+            alloc_faults,
+            dev,
+            rng,
+            waiting: Vec::new(),
+            running: Vec::new(),
+            families,
+            next_token: 1 << 20,
+            out: Outcome::default(),
+            step: 0,
+            tables: None,
+        })
+    }
+
+    fn fail(&self, what: impl Into<String>) -> Failure {
+        Failure {
+            seed: self.sc.seed,
+            step: self.step,
+            what: what.into(),
+        }
+    }
+
+    fn chance(&mut self, per_mille: u64) -> bool {
+        self.rng.below(1000) < per_mille
+    }
+
+    fn alloc_faults(&self) -> std::sync::MutexGuard<'_, AllocFaults> {
+        self.alloc_faults
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Arms a fault at one of the next few device ops or fallible allocator calls, at the
+    /// scenario's rate.
+    fn maybe_arm(&mut self) {
+        if self.sc.faults_per_mille > 0 && self.chance(self.sc.faults_per_mille * 8) {
+            let n = self.rng.below(6);
+            if self.rng.below(2) == 0 {
+                self.faults.reset();
+                self.faults.fail_at(n);
+            } else {
+                self.alloc_faults().armed = Some(n);
+            }
+        }
+    }
+
+    /// Disarms both kinds; whether a fault fired since they were armed (counted).
+    fn disarm(&mut self) -> bool {
+        let device = self.faults.injected().len();
+        self.faults.reset();
+        let allocator = {
+            let mut s = self.alloc_faults();
+            s.armed = None;
+            std::mem::take(&mut s.injected)
+        };
+        self.out.allocator_faults += allocator;
+        device + allocator > 0
+    }
+
+    pub(crate) fn run(mut self) -> Result<Outcome, Failure> {
+        for step in 0..self.sc.steps {
+            self.step = step;
+            self.one_step()?;
+        }
+        // Drain: release everything, evict everything; every page must come back.
+        self.disarm();
+        for r in std::mem::take(&mut self.running) {
+            self.cache
+                .release(r.req)
+                .map_err(|e| self.fail(format!("release at the end: {e}")))?;
+        }
+        self.cache
+            .evict_all()
+            .map_err(|e| self.fail(format!("evict_all: {e}")))?;
+        self.cache
+            .step_boundary()
+            .map_err(|e| self.fail(format!("the last step boundary: {e}")))?;
+        let stats = self.cache.stats();
+        for side in [stats.full, stats.swa, stats.mamba] {
+            if side.available_pages != side.total_pages {
+                return Err(self.fail(format!("leaked {side:?}")));
+            }
+        }
+        self.out.steps = self.sc.steps;
+        Ok(self.out)
+    }
+
+    fn one_step(&mut self) -> Result<(), Failure> {
+        self.arrivals();
+        self.admit()?;
+        self.prefill()?;
+        self.decode()?;
+        self.finish()?;
+        if self.chance(60) {
+            let pages = self.rng.below(6) as usize;
+            self.call("evict_to_free", |s| s.cache.evict_to_free(pages, pages))?;
+        }
+        self.maybe_arm();
+        let boundary = self.cache.step_boundary();
+        let fired = self.disarm();
+        match boundary {
+            Ok(_) => {}
+            Err(e) if fired && injected(&e) => {
+                self.out.faults += 1;
+                // The step ended; the next boundary must balance.
+                self.cache
+                    .step_boundary()
+                    .map_err(|e| self.fail(format!("the boundary after a fault: {e}")))?;
+            }
+            Err(e) => return Err(self.fail(format!("step_boundary: {e}"))),
+        }
+        self.check_everything()
+    }
+
+    /// Runs an engine call with a fault maybe armed; an injected fault must change
+    /// nothing the engine holds, and the call is retried without one. `Ok(None)` when
+    /// memory is short.
+    fn call<T>(
+        &mut self,
+        what: &str,
+        mut f: impl FnMut(&mut Sim) -> Result<T, Error>,
+    ) -> Result<Option<T>, Failure> {
+        let before = self.engine_view();
+        self.maybe_arm();
+        let first = f(self);
+        let fired = self.disarm();
+        let result = match first {
+            Err(e) if fired && injected(&e) => {
+                self.out.faults += 1;
+                if self.engine_view() != before {
+                    return Err(self.fail(format!("{what} failed with {e} and changed a request")));
+                }
+                self.cache
+                    .allocator()
+                    .verify()
+                    .map_err(|v| self.fail(format!("{what} failed with {e}; verify: {v}")))?;
+                self.check_bytes(&format!("after a fault in {what}"))?;
+                f(self)
+            }
+            other => other,
+        };
+        match result {
+            Ok(t) => Ok(Some(t)),
+            Err(e) if short(&e) => Ok(None),
+            Err(e) => Err(self.fail(format!("{what}: {e}"))),
+        }
+    }
+
+    /// What the engine holds of its running requests.
+    fn engine_view(&self) -> Vec<(u64, Vec<VirtualToken>, usize)> {
+        self.running
+            .iter()
+            .map(|r| (r.req.id(), r.req.row().to_vec(), r.req.tokens().len()))
+            .collect()
+    }
+
+    fn fresh_tokens(&mut self, n: usize) -> Vec<TokenId> {
+        (0..n)
+            .map(|_| {
+                self.next_token += 1;
+                TokenId(self.next_token)
+            })
+            .collect()
+    }
+
+    fn arrivals(&mut self) {
+        for _ in 0..self.rng.below(3) {
+            let f = self.rng.below(self.families.len() as u64) as usize;
+            let shared = self.rng.below(self.families[f].len() as u64 + 1) as usize;
+            let mut prompt = self.families[f][..shared].to_vec();
+            let own = self.rng.in_range(1, 40) as usize;
+            prompt.extend(self.fresh_tokens(own));
+            let output = self.rng.in_range(1, 48) as usize;
+            self.waiting.push((prompt, output));
+        }
+    }
+
+    /// The oracle's match for `prompt`: see the module docs.
+    fn oracle(&self, prompt: &[TokenId]) -> usize {
+        let tree: &RadixTree = self.cache.tree();
+        let key = &prompt[..prompt.len().saturating_sub(1)];
+        let key_len = key.len() / self.ps * self.ps;
+        let window = if self.sc.model.swa_layers > 0 {
+            Some(self.sc.model.window as usize)
+        } else {
+            None
+        };
+        let mamba = self.sc.model.has_recurrent_state();
+        // Per node: its path from the root as (token, swa live) and whether a state ends it.
+        let mut paths: HashMap<_, Vec<(TokenId, bool)>> = HashMap::new();
+        let mut best = 0;
+        for n in tree.nodes() {
+            let mut path = n.parent.map(|p| paths[&p].clone()).unwrap_or_default();
+            path.extend(n.key.iter().map(|&t| (t, n.swa_live)));
+            let end = path.len();
+            // Every page-aligned length inside this node that the prompt shares.
+            let lo = n.start.0 + 1;
+            for len in (lo..=end.min(key_len)).rev() {
+                if len % self.ps != 0 || len <= best {
+                    continue;
+                }
+                if path[..len].iter().zip(key).any(|((t, _), k)| t != k) {
+                    continue;
+                }
+                if mamba && !(len == end && n.mamba.is_some()) {
+                    continue;
+                }
+                // A match ends only where a whole window of live SWA precedes it, or where
+                // no tombstone does.
+                if let Some(w) = window {
+                    let live = |range: std::ops::Range<usize>| path[range].iter().all(|p| p.1);
+                    if !(live(0..len) || (len >= w && live(len - w..len))) {
+                        continue;
+                    }
+                }
+                best = len;
+            }
+            paths.insert(n.id, path);
+        }
+        best
+    }
+
+    fn admit(&mut self) -> Result<(), Failure> {
+        let cap = 2 + (self.sc.seed % 6) as usize;
+        while self.running.len() < cap && !self.waiting.is_empty() {
+            let (prompt, output) = self.waiting[0].clone();
+            let expected = self.oracle(&prompt);
+            let hit = self.cache.match_prefix(prompt);
+            if hit.cached_tokens() != expected {
+                return Err(self.fail(format!(
+                    "a match of {} tokens served {} cached tokens, the oracle says {expected}",
+                    hit.prompt_len(),
+                    hit.cached_tokens()
+                )));
+            }
+            if self.chance(40) {
+                // An abort between the match and the admission.
+                drop(hit);
+                self.waiting.remove(0);
+                continue;
+            }
+            if !self.cache.can_admit(&hit, 8) {
+                break;
+            }
+            let mut hit = Some(hit);
+            let admitted = self.call("admit", |s| {
+                // A retry re-matches: the first try consumed the match.
+                let h = match hit.take() {
+                    Some(h) => h,
+                    None => s.cache.match_prefix(s.waiting[0].0.clone()),
+                };
+                s.cache.admit(h)
+            })?;
+            let Some(req) = admitted else { break };
+            self.waiting.remove(0);
+            self.out.admitted += 1;
+            let cached = req.cached_at_admission();
+            self.out.hit_tokens += cached;
+            let r = Running {
+                prompt_len: req.tokens().len(),
+                req,
+                to_decode: output,
+                state_len: cached,
+                abort_after_prefill: self.chance(60),
+            };
+            self.check_request(&r, "at admission")?;
+            if self.chance(30) {
+                // An abort right after admission.
+                self.release(r)?;
+                continue;
+            }
+            self.running.push(r);
+        }
+        Ok(())
+    }
+
+    fn release(&mut self, r: Running) -> Result<(), Failure> {
+        self.out.released += 1;
+        self.cache
+            .release(r.req)
+            .map(drop)
+            .map_err(|e| self.fail(format!("release: {e}")))
+    }
+
+    /// Retracts the most recently admitted request: its prompt goes back to the front.
+    fn retract(&mut self) -> Result<(), Failure> {
+        let Some(r) = self.running.pop() else {
+            return Ok(());
+        };
+        let prompt = r.req.tokens()[..r.prompt_len].to_vec();
+        self.waiting.insert(0, (prompt, r.to_decode));
+        self.release(r)
+    }
+
+    fn prefill(&mut self) -> Result<(), Failure> {
+        let mut i = 0;
+        while i < self.running.len() {
+            let remaining = self.running[i].req.remaining_prefill();
+            if remaining == 0 {
+                i += 1;
+                continue;
+            }
+            let chunk = (self.rng.in_range(1, 3) as usize * self.ps * 4).min(remaining);
+            let old = self.running[i].req.len();
+            let done = self.call("alloc_extend", |s| {
+                s.cache.alloc_extend(&mut s.running[i].req, chunk)
+            })?;
+            if done.is_none() {
+                if self.running.len() == 1 {
+                    // Alone and still short: the budget is at the floor; evict and wait.
+                    self.call("evict_to_free", |s| s.cache.evict_to_free(1, 1))?;
+                    return Ok(());
+                }
+                self.retract()?;
+                continue;
+            }
+            self.forward(i, old)?;
+            if self.chance(500) {
+                self.call("cache_unfinished", |s| {
+                    s.cache.cache_unfinished(&mut s.running[i].req)
+                })?;
+            }
+            if self.running[i].req.remaining_prefill() == 0 && self.running[i].abort_after_prefill {
+                let r = self.running.remove(i);
+                self.release(r)?;
+                continue;
+            }
+            i += 1;
+        }
+        Ok(())
+    }
+
+    fn decode(&mut self) -> Result<(), Failure> {
+        loop {
+            let batch: Vec<usize> = (0..self.running.len())
+                .filter(|&i| {
+                    let r = &self.running[i];
+                    r.req.remaining_prefill() == 0 && r.to_decode > 0
+                })
+                .collect();
+            if batch.is_empty() {
+                return Ok(());
+            }
+            let tokens = self.fresh_tokens(batch.len());
+            let olds: Vec<usize> = batch.iter().map(|&i| self.running[i].req.len()).collect();
+            let done = self.call("alloc_decode", |s| {
+                let mut reqs: Vec<&mut Request> = s
+                    .running
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(i, _)| batch.contains(i))
+                    .map(|(_, r)| &mut r.req)
+                    .collect();
+                s.cache.alloc_decode(&mut reqs, &tokens)
+            })?;
+            if done.is_none() {
+                if self.running.len() <= 1 {
+                    return Ok(());
+                }
+                self.retract()?;
+                continue;
+            }
+            for (&i, &old) in batch.iter().zip(&olds) {
+                self.running[i].to_decode -= 1;
+                self.forward(i, old)?;
+            }
+            if self.chance(30) && !self.running.is_empty() {
+                // An abort mid-decode.
+                let k = self.rng.below(self.running.len() as u64) as usize;
+                let r = self.running.remove(k);
+                self.release(r)?;
+            }
+            return Ok(());
+        }
+    }
+
+    fn finish(&mut self) -> Result<(), Failure> {
+        let mut i = 0;
+        while i < self.running.len() {
+            let r = &self.running[i];
+            if r.req.remaining_prefill() == 0 && r.to_decode == 0 {
+                let r = self.running.remove(i);
+                self.cache
+                    .cache_finished(r.req)
+                    .map_err(|e| self.fail(format!("cache_finished: {e}")))?;
+                self.out.finished += 1;
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// The engine's forward over `running[i]`'s new tokens `[old, len)`: stamps their KV
+    /// on every side it has, the running state, and the checkpoints the cache asks for.
+    fn forward(&mut self, i: usize, old: usize) -> Result<(), Failure> {
+        let r = &self.running[i];
+        let hashes = prefix_hashes(&r.req.tokens()[..r.req.len()]);
+        let alloc = self.cache.allocator();
+        let buffer = alloc.buffer();
+        let mut spans: Vec<(ByteSpan, u8)> = Vec::new();
+        for (&t, &hash) in r.req.row()[old..].iter().zip(&hashes[old..]) {
+            for side in self.kv_sides() {
+                let Some(span) = self.token_span(side, t) else {
+                    return Err(self.fail(format!("a new token t{} has no {side:?} page", t.0)));
+                };
+                spans.push((span, kv_stamp(hash, side)));
+            }
+        }
+        if let Some(slot) = r.req.state_slot() {
+            let len = r.req.len();
+            spans.push((self.slot_span(slot)?, state_stamp(hash_at(&hashes, len))));
+            let writes = r.req.checkpoint_writes();
+            self.out.checkpoint_writes += writes.len() as u64;
+            self.out.multi_checkpoint_forwards += u64::from(writes.len() > 1);
+            for w in writes {
+                spans.push((
+                    self.slot_span(w.slot)?,
+                    state_stamp(hash_at(&hashes, w.at_len)),
+                ));
+            }
+        }
+        for (span, value) in spans {
+            self.dev
+                .fill_spans(buffer, &[span], value)
+                .map_err(|e| self.fail(format!("stamping: {e}")))?;
+        }
+        let len = self.running[i].req.len();
+        self.running[i].state_len = len;
+        Ok(())
+    }
+}

@@ -1,0 +1,258 @@
+//! What the engine checks after every step and every injected fault: every stamped KV
+//! and state byte through the host tables, every running request's KV through the device
+//! translation, and the allocator and the tree themselves.
+
+use super::{Running, Sim};
+use crate::outcome::Failure;
+use crate::stamps::{HASH_START, hash_at, hash_next, kv_stamp, prefix_hashes, state_stamp};
+use std::collections::HashMap;
+use unikv::kernels::{ByteSpan, Device, HostSync, Readback, TableId};
+use unikv::pools::{Side, VirtualSlot, VirtualToken};
+
+impl Sim {
+    pub(super) fn kv_sides(&self) -> Vec<Side> {
+        if self.sc.model.swa_layers > 0 {
+            vec![Side::Full, Side::Swa]
+        } else {
+            vec![Side::Full]
+        }
+    }
+
+    /// The bytes of token `t` on `side` (its share of the page envelope), through the
+    /// host tables.
+    pub(super) fn token_span(&self, side: Side, t: VirtualToken) -> Option<ByteSpan> {
+        let alloc = self.cache.allocator();
+        let ps = alloc.page_size();
+        let p = alloc.physical_page(side, t.page(ps))?;
+        Some(self.span_at(side, p, t.offset(ps) as usize))
+    }
+
+    /// The share of offset `o` in physical page `p`'s envelope on `side`.
+    pub(super) fn span_at(&self, side: Side, p: u32, o: usize) -> ByteSpan {
+        let env = self.cache.allocator().grid(side).envelope;
+        let share = env / self.ps as u64;
+        ByteSpan {
+            offset: p as u64 * env + o as u64 * share,
+            len: share,
+        }
+    }
+
+    pub(super) fn slot_span(&self, slot: VirtualSlot) -> Result<ByteSpan, Failure> {
+        let alloc = self.cache.allocator();
+        let p = alloc
+            .physical_slot(slot)
+            .ok_or_else(|| self.fail(format!("state slot {slot:?} is not bound")))?;
+        let env = alloc.grid(Side::Mamba).envelope;
+        Ok(ByteSpan {
+            offset: p as u64 * env,
+            len: env,
+        })
+    }
+
+    /// The whole buffer, read back once for a round of checks.
+    pub(super) fn buffer_bytes(&self) -> Result<Vec<u8>, Failure> {
+        let alloc = self.cache.allocator();
+        let total = alloc.pool_map().total_bytes;
+        self.dev
+            .read_bytes(
+                &HostSync::acquire("dst: the engine's read-back of every stamp"),
+                alloc.buffer(),
+                0,
+                total,
+            )
+            .map_err(|e| self.fail(format!("reading the buffer: {e}")))
+    }
+
+    pub(super) fn check(bytes: &[u8], span: ByteSpan, want: u8) -> bool {
+        bytes[span.offset as usize..(span.offset + span.len) as usize]
+            .iter()
+            .all(|&b| b == want)
+    }
+
+    /// One running request: every token's FULL bytes, its SWA bytes from its window
+    /// cursor on (and wherever still live), and its state, through the host tables.
+    pub(super) fn check_request(&mut self, r: &Running, when: &str) -> Result<(), Failure> {
+        let bytes = self.buffer_bytes()?;
+        self.check_request_in(&bytes, r, when)
+    }
+
+    pub(super) fn check_request_in(
+        &mut self,
+        bytes: &[u8],
+        r: &Running,
+        when: &str,
+    ) -> Result<(), Failure> {
+        let hashes = prefix_hashes(&r.req.tokens()[..r.req.len()]);
+        // Attention reads every token's FULL KV and the last window's SWA KV (and the
+        // cache promises SWA from the cursor on).
+        let window_start = r.req.len().saturating_sub(self.sc.model.window as usize);
+        let swa_from = r.req.window_cursor().min(window_start);
+        for (pos, t) in r.req.row().iter().enumerate() {
+            for side in self.kv_sides() {
+                let span = self.token_span(side, *t);
+                let required = side == Side::Full || pos >= swa_from;
+                match span {
+                    None if required => {
+                        return Err(self.fail(format!(
+                            "{when}: request {} row {pos} has no {side:?} page",
+                            r.req.id()
+                        )));
+                    }
+                    None => {}
+                    Some(span) => {
+                        self.out.stamps_checked += 1;
+                        if !Self::check(bytes, span, kv_stamp(hashes[pos], side)) {
+                            return Err(self.fail(format!(
+                                "{when}: request {} row {pos} (t{}) lost its {side:?} bytes",
+                                r.req.id(),
+                                t.0
+                            )));
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(slot) = r.req.state_slot() {
+            let span = self.slot_span(slot)?;
+            let want = if r.state_len == 0 {
+                0
+            } else {
+                state_stamp(hash_at(&hashes, r.state_len))
+            };
+            self.out.stamps_checked += 1;
+            if !Self::check(bytes, span, want) {
+                return Err(self.fail(format!(
+                    "{when}: request {}'s state (after {} tokens) is not in its slot",
+                    r.req.id(),
+                    r.state_len
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// After a step: the allocator verifies, the tree is sane, the bytes hold.
+    pub(super) fn check_everything(&mut self) -> Result<(), Failure> {
+        self.cache
+            .allocator()
+            .verify()
+            .map_err(|e| self.fail(format!("verify: {e}")))?;
+        self.cache
+            .tree()
+            .sanity_check()
+            .map_err(|e| self.fail(format!("tree sanity: {e}")))?;
+        self.check_bytes("after the step")?;
+        self.check_translation()
+    }
+
+    /// Every running request's and every cached prefix's bytes, through the host tables.
+    pub(super) fn check_bytes(&mut self, when: &str) -> Result<(), Failure> {
+        let bytes = self.buffer_bytes()?;
+        let running = std::mem::take(&mut self.running);
+        let result = running
+            .iter()
+            .try_for_each(|r| self.check_request_in(&bytes, r, when));
+        self.running = running;
+        result?;
+        // The prefix cache: every node's FULL bytes, its SWA bytes while live, its state.
+        let mut hashes: HashMap<_, u64> = HashMap::new();
+        let mut failures = Vec::new();
+        let mut checked = 0u64;
+        for n in self.cache.tree().nodes() {
+            let mut h = n.parent.map_or(HASH_START, |p| hashes[&p]);
+            for (t, v) in n.key.iter().zip(n.value) {
+                h = hash_next(h, *t);
+                for side in self.kv_sides() {
+                    if side == Side::Swa && !n.swa_live {
+                        continue;
+                    }
+                    match self.token_span(side, VirtualToken(v.0)) {
+                        Some(span) => {
+                            checked += 1;
+                            if !Self::check(&bytes, span, kv_stamp(h, side)) {
+                                failures.push(format!("cached t{} lost its {side:?} bytes", v.0));
+                            }
+                        }
+                        None => failures.push(format!("cached t{} has no {side:?} page", v.0)),
+                    }
+                }
+            }
+            if let Some(slot) = n.mamba {
+                let span = self.slot_span(VirtualSlot(slot.0))?;
+                checked += 1;
+                if !Self::check(&bytes, span, state_stamp(h)) {
+                    failures.push(format!(
+                        "the cached state at position {} is wrong",
+                        n.start.0 + n.key.len()
+                    ));
+                }
+            }
+            hashes.insert(n.id, h);
+        }
+        self.out.stamps_checked += checked;
+        match failures.first() {
+            Some(f) => Err(self.fail(format!("{when}: {f} ({} such)", failures.len()))),
+            None => Ok(()),
+        }
+    }
+
+    /// Every running request's row read back through the device translation (mirror
+    /// upload and translate kernel): each kernel id names the page the host tables name.
+    pub(super) fn check_translation(&mut self) -> Result<(), Failure> {
+        let longest = self.running.iter().map(|r| r.req.len()).max().unwrap_or(0);
+        if longest == 0 {
+            return Ok(());
+        }
+        let (ids, out) = self.tables_for(longest)?;
+        let sync = HostSync::acquire("dst: reading kernel ids back");
+        for i in 0..self.running.len() {
+            let row: Vec<i32> = self.running[i]
+                .req
+                .row()
+                .iter()
+                .map(|t| t.0 as i32)
+                .collect();
+            for side in self.kv_sides() {
+                self.dev
+                    .upload_table(ids, 0, &row)
+                    .map_err(|e| self.fail(format!("uploading ids: {e}")))?;
+                self.cache
+                    .translate(side, ids, row.len(), out, row.len())
+                    .map_err(|e| self.fail(format!("translate {side:?}: {e}")))?;
+                let kernel = self
+                    .dev
+                    .read_table(&sync, out, 0, row.len())
+                    .map_err(|e| self.fail(format!("reading kernel ids: {e}")))?;
+                let alloc = self.cache.allocator();
+                for (pos, (&k, t)) in kernel.iter().zip(self.running[i].req.row()).enumerate() {
+                    let host = alloc.kernel_id(side, *t);
+                    if k != host {
+                        return Err(self.fail(format!(
+                            "request {} row {pos} on {side:?}: the device translated t{} to {k}, the host tables say {host}",
+                            self.running[i].req.id(),
+                            t.0
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn tables_for(&mut self, n: usize) -> Result<(TableId, TableId), Failure> {
+        if let Some((ids, out, len)) = self.tables
+            && len >= n
+        {
+            return Ok((ids, out));
+        }
+        let len = n.next_power_of_two();
+        let alloc = |s: &Sim| {
+            s.dev
+                .alloc_table(len, 0)
+                .map_err(|e| s.fail(format!("a table: {e}")))
+        };
+        let (ids, out) = (alloc(self)?, alloc(self)?);
+        self.tables = Some((ids, out, len));
+        Ok((ids, out))
+    }
+}

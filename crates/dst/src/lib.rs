@@ -1,0 +1,222 @@
+//! Deterministic simulation with injected faults (`unikv sim`, `cargo xtask sim`), in the
+//! style of FoundationDB's and TigerBeetle's simulation testing: one seed fixes a random
+//! configuration and a random engine driving [`HybridCache`](unikv::HybridCache) through it, with device ops
+//! and allocator calls failing at random; after every step the run checks what an engine
+//! relies on.
+//!
+//! # What a seed runs
+//! [`Scenario::from_seed`] picks a layout, a model (every named spec, its KV rows and
+//! recurrent state scaled down so a buffer near the batch-size-1 floor is small; half the
+//! time another window), a page size (1 to 64, often larger than the window or not
+//! dividing it), a budget from the batch-size-1 floor to a few times it, a fault rate and,
+//! for a recurrent model, how many states a request may save in one step (1 to 4).
+//! The engine ([`run`]) then steps: arrivals sharing prefixes of a few prompt families,
+//! admission priced by `can_admit` and matched against the prefix cache, aborts at every
+//! point of a lifecycle (a dropped match, a release after admission, mid-prefill,
+//! mid-decode, after `cache_unfinished`), chunked prefill with `cache_unfinished`, batched
+//! decode, retraction when memory is short (and re-admission of the prompt), explicit
+//! `evict_to_free`, finishing with `cache_finished`, and `step_boundary`.
+//!
+//! # What it checks
+//! - Faults are of two kinds: a device op refused by a [`FaultInjector`](unikv::kernels::FaultInjector) under the cache,
+//!   and a fallible allocator call refused unforwarded by a [`Hooked`](unikv::pools::Hooked) allocator the
+//!   cache wraps around its own (`wrap_allocator`), as if its device had failed.
+//! - Every call that fails with an injected fault changed nothing the engine
+//!   holds (the request's row and tokens), the allocator still verifies, and the retry
+//!   succeeds (or is refused for memory, as it would have been).
+//! - After every step: `verify()` of the allocator, the tree's `sanity_check`, the step
+//!   boundary's conservation of every side (the run is at `Strict`), and **data
+//!   integrity**: like an engine, the driver stamps every token's KV on every side when it
+//!   is written (a byte derived from the token and everything before it, so a prefix hit
+//!   must read the same bytes) and every running request's state slot after each forward
+//!   and checkpoint; it then reads every running request's KV back **through the device
+//!   translation** (the mirror and the translate kernel) and every cached prefix and state
+//!   through the host tables, after compaction moves, relays, SWA hand-overs and hits.
+//! - Every match equals an **independent oracle**: the longest page-aligned prefix of the
+//!   prompt (its last token excluded) that the tree's nodes hold, whose last window of
+//!   tokens is SWA-live (or has no tombstone before it) and, for a recurrent model, that
+//!   ends at a node holding a state — computed token by token from [`RadixTree::nodes`](unikv::radix::RadixTree::nodes),
+//!   not by the tree's matcher.
+//!
+//! A failure names its seed and step and the one command that reproduces it.
+//!
+//! # What this crate owns
+//! | module | what it holds |
+//! |---|---|
+//! | [`scenario`] | [`Scenario`]: one seed's configuration, and the scaled models |
+//! | [`outcome`] | what a seed did ([`Outcome`]) or which check it broke ([`Failure`]) |
+//! | `engine` | the random engine of one seed and, in `engine::checks`, what it checks |
+//! | `stamps` | the bytes the engine stamps, derived from the token prefix |
+//! | here | [`run`], [`run_many`], [`run_command`] and their arguments ([`SimArgs`]) |
+//!
+//! It depends on the facade and the seeded generator of `unikv-workload` only: no
+//! scheduler, report or command line.
+//!
+//! # Invariants this crate keeps
+//! - A seed fixes everything: the same seed gives the same [`Scenario`] and the same
+//!   [`Outcome`], on any machine (no clock or thread is an input).
+//! - A failure is reported with the seed and the command that reproduces it, never by a
+//!   panic of the engine.
+
+mod engine;
+pub mod outcome;
+pub mod scenario;
+mod stamps;
+
+pub use outcome::{Failure, Outcome};
+pub use scenario::{Scenario, scaled};
+
+use unikv::invariants::{Level, scoped_level};
+
+/// Runs seed `seed` at invariant level `Strict`.
+pub fn run(seed: u64) -> Result<Outcome, Failure> {
+    let sc = Scenario::from_seed(seed);
+    scoped_level(Level::Strict, || engine::Sim::new(sc.clone())?.run())
+}
+
+/// Runs seeds `first..first + count`, calling `progress` after each; stops at the first
+/// failure.
+pub fn run_many(
+    first: u64,
+    count: u64,
+    mut progress: impl FnMut(u64, &Outcome),
+) -> Result<Outcome, Failure> {
+    let mut total = Outcome::default();
+    for seed in first..first.saturating_add(count) {
+        let o = run(seed)?;
+        total.steps += o.steps;
+        total.admitted += o.admitted;
+        total.finished += o.finished;
+        total.released += o.released;
+        total.hit_tokens += o.hit_tokens;
+        total.faults += o.faults;
+        total.allocator_faults += o.allocator_faults;
+        total.stamps_checked += o.stamps_checked;
+        total.checkpoint_writes += o.checkpoint_writes;
+        total.multi_checkpoint_forwards += o.multi_checkpoint_forwards;
+        progress(seed, &o);
+    }
+    Ok(total)
+}
+
+/// What `unikv sim` runs: seeds `first..first + seeds`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimArgs {
+    /// The first seed (`--first`, or `--seed` for one seed).
+    pub first: u64,
+    /// How many seeds (`--seeds`; 1 with `--seed`).
+    pub seeds: u64,
+}
+
+/// Seeds `unikv sim` runs without `--seeds`.
+pub const DEFAULT_SIM_SEEDS: u64 = 10_000;
+
+/// `unikv sim`: runs the seeds of `args`, a progress line on stderr every tenth of them,
+/// and a summary on `out`. `Ok(false)` when a seed failed (its failure and reproduce
+/// command are on stderr); an error is a summary that could not be written.
+pub fn run_command(args: &SimArgs, out: &mut impl std::io::Write) -> std::io::Result<bool> {
+    let started = std::time::Instant::now();
+    let every = (args.seeds / 10).max(1);
+    let result = run_many(args.first, args.seeds, |seed, _| {
+        let done = seed - args.first + 1;
+        if done.is_multiple_of(every) && done < args.seeds {
+            eprintln!(
+                "sim: {done} of {} seeds clean ({:.1} s)",
+                args.seeds,
+                started.elapsed().as_secs_f64()
+            );
+        }
+    });
+    let secs = started.elapsed().as_secs_f64();
+    match result {
+        Ok(total) => {
+            writeln!(
+                out,
+                "sim: seeds {}..{} clean in {secs:.1} s: {} steps, {} requests admitted, {} finished, {} released, {} prompt tokens hit, {} faults injected ({} in allocator calls), {} stamps checked, {} checkpoints saved ({} forwards saved several)",
+                args.first,
+                args.first.saturating_add(args.seeds),
+                total.steps,
+                total.admitted,
+                total.finished,
+                total.released,
+                total.hit_tokens,
+                total.faults,
+                total.allocator_faults,
+                total.stamps_checked,
+                total.checkpoint_writes,
+                total.multi_checkpoint_forwards
+            )
+            .and_then(|()| writeln!(out, "sim: {} passed, 0 failed", args.seeds))?;
+            Ok(true)
+        }
+        Err(failure) => {
+            eprintln!("sim: {failure}");
+            writeln!(out, "sim: {} passed, 1 failed", failure.seed - args.first)?;
+            Ok(false)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use unikv::Layout;
+    use unikv::mamba::MAX_CHECKPOINTS_PER_STEP;
+
+    #[test]
+    fn a_seed_fixes_its_scenario_and_its_outcome() {
+        let a = Scenario::from_seed(7);
+        let b = Scenario::from_seed(7);
+        assert_eq!(format!("{a:?}"), format!("{b:?}"));
+        assert_eq!(run(7).unwrap(), run(7).unwrap());
+    }
+
+    #[test]
+    fn a_few_seeds_run_clean_with_faults_hits_and_checks() {
+        let total = run_many(0, 12, |_, _| {}).unwrap_or_else(|f| panic!("{f}"));
+        assert!(total.faults > total.allocator_faults, "{total:?}");
+        assert!(total.allocator_faults > 0, "{total:?}");
+        assert!(total.hit_tokens > 0, "{total:?}");
+        assert!(total.stamps_checked > 1000, "{total:?}");
+    }
+
+    /// Recurrent seeds save checkpoints, several in one forward too, under every
+    /// per-step bound.
+    #[test]
+    fn recurrent_seeds_save_several_checkpoints_a_step() {
+        let mut bounds = std::collections::BTreeSet::new();
+        let mut total = Outcome::default();
+        for seed in 0..48 {
+            let sc = Scenario::from_seed(seed);
+            if !sc.model.has_recurrent_state() {
+                continue;
+            }
+            bounds.insert(sc.checkpoints_per_step);
+            let o = run(seed).unwrap_or_else(|f| panic!("{f}"));
+            total.checkpoint_writes += o.checkpoint_writes;
+            total.multi_checkpoint_forwards += o.multi_checkpoint_forwards;
+        }
+        assert_eq!(
+            bounds.len(),
+            MAX_CHECKPOINTS_PER_STEP as usize,
+            "{bounds:?}"
+        );
+        assert!(total.multi_checkpoint_forwards > 0, "{total:?}");
+    }
+
+    #[test]
+    fn the_oracle_is_exercised_on_every_kind_of_model() {
+        let mut kinds = std::collections::BTreeSet::new();
+        for seed in 0..64 {
+            let s = Scenario::from_seed(seed);
+            kinds.insert((
+                s.model.swa_layers > 0,
+                s.model.has_recurrent_state(),
+                matches!(s.layout, Layout::Unified),
+            ));
+        }
+        // Every combination a model can be (FULL with SWA, recurrent state or both) on
+        // both layouts.
+        assert_eq!(kinds.len(), 6, "{kinds:?}");
+    }
+}

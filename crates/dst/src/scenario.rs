@@ -1,0 +1,120 @@
+//! One seed's configuration ([`Scenario`]): a scaled named model ([`scaled`]), a layout,
+//! a page size, a budget from the batch-size-1 floor and a fault rate, all drawn from
+//! the seed alone.
+
+use unikv::mamba::MAX_CHECKPOINTS_PER_STEP;
+use unikv::{Error, HybridCache, KvRows, Layout, ModelSpec, RecurrentState};
+use unikv_workload::rng::SplitMix64;
+
+/// One seed's configuration, derived from the seed alone.
+#[derive(Clone, Debug)]
+pub struct Scenario {
+    /// The seed.
+    pub seed: u64,
+    /// The model, scaled down ([`scaled`]).
+    pub model: ModelSpec,
+    /// Static or unified.
+    pub layout: Layout,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// The buffer's bytes.
+    pub memory_bytes: u64,
+    /// Steps the engine runs.
+    pub steps: usize,
+    /// Device faults per thousand device ops.
+    pub faults_per_mille: u64,
+    /// Recurrent states a request may save in one step (1 to the most the cache allows),
+    /// so seeds drive single- and multi-checkpoint steps.
+    pub checkpoints_per_step: u32,
+}
+
+/// The named models with their KV rows and recurrent state scaled down (head dims / 32,
+/// one KV head, state of a few bytes a layer), so a buffer near the batch-size-1 floor is
+/// kilobytes; layer counts, windows and which kinds a model has stay.
+pub fn scaled(m: ModelSpec) -> ModelSpec {
+    let rows = |r: KvRows| {
+        if r.kv_heads == 0 {
+            r
+        } else {
+            KvRows::new(1, (r.head_dim / 32).max(1), r.dtype_bytes)
+        }
+    };
+    let recurrent = if m.has_recurrent_state() {
+        RecurrentState {
+            conv_channels: 4,
+            conv_kernel: m.recurrent.conv_kernel.clamp(2, 4),
+            heads: 1,
+            head_dim: 2,
+            state_size: 2,
+            conv_dtype_bytes: m.recurrent.conv_dtype_bytes,
+            state_dtype_bytes: m.recurrent.state_dtype_bytes,
+        }
+    } else {
+        m.recurrent
+    };
+    ModelSpec {
+        full: rows(m.full),
+        swa: rows(m.swa),
+        recurrent,
+        ..m
+    }
+}
+
+impl Scenario {
+    /// The configuration seed `seed` runs.
+    pub fn from_seed(seed: u64) -> Scenario {
+        let mut rng = SplitMix64::for_stream(seed, "dst.config");
+        let named = ModelSpec::NAMED;
+        let mut model = scaled(named[rng.below(named.len() as u64) as usize]);
+        if model.swa_layers > 0 && rng.below(2) == 0 {
+            model.window = rng.in_range(2, 48) as u32;
+        }
+        let page_size = [1, 1, 2, 3, 4, 8, 16, 64][rng.below(8) as usize];
+        let layout = if rng.below(2) == 0 {
+            Layout::Unified
+        } else {
+            Layout::Static {
+                swa_full_tokens_ratio: [0.5, 0.8, 1.0, 2.0][rng.below(4) as usize],
+            }
+        };
+        // The batch-size-1 floor.
+        let floor = buildable(model, layout, page_size, 1);
+        // From the floor (every admission a struggle) to a few times it.
+        let memory_bytes = buildable(model, layout, page_size, floor + floor * rng.below(64) / 16);
+        Scenario {
+            seed,
+            model,
+            layout,
+            page_size,
+            memory_bytes,
+            steps: rng.in_range(20, 80) as usize,
+            faults_per_mille: [0, 5, 20, 60][rng.below(4) as usize],
+            // From the seed, not the stream, so every earlier draw stays what it was.
+            checkpoints_per_step: 1 + (seed / 3 % u64::from(MAX_CHECKPOINTS_PER_STEP)) as u32,
+        }
+    }
+}
+
+/// About the least budget from `bytes` up that a cache of `model` builds with: the need
+/// the builder states, asked again until a size builds. (The static layout's slot pool
+/// is a share of the budget, so its stated need grows with the budget, and at a few pages
+/// a larger budget can leave its KV pools short of one request.)
+fn buildable(model: ModelSpec, layout: Layout, page_size: u32, bytes: u64) -> u64 {
+    let mut bytes = bytes.max(1);
+    for _ in 0..64 {
+        let built = HybridCache::builder()
+            .model(model)
+            .layout(layout)
+            .page_size(page_size)
+            .memory_bytes(bytes)
+            .build();
+        match built {
+            Ok(_) => return bytes,
+            Err(Error::Pool(unikv::pools::Error::BufferTooSmall { needed, .. })) => {
+                bytes = needed.0.max(bytes + bytes / 8 + 1);
+            }
+            Err(_) => bytes = bytes.saturating_mul(2),
+        }
+    }
+    bytes
+}

@@ -1,0 +1,453 @@
+//! The bench replay: `unikv bench-ops FILE` replays a loaded trace against a fresh
+//! allocator, built from the header through the cache builder's own mappings, and times
+//! every operation.
+
+use crate::error::{OpsError, OpsProblem};
+use crate::format::{Op, check_header, from_runs, to_runs};
+use crate::load::Trace;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+use unikv::kernels::SyncLedger;
+use unikv::pools::{
+    DecodeRequest, ExtendRequest, KvAllocator, PageDemand, Reclaimable, Segment, StaticSwa,
+    StaticSwaConfig, UnifiedSwa, UnifiedSwaConfig, VirtualSlot, VirtualToken,
+};
+
+/// Builds the allocator a header describes, on `device`.
+pub fn allocator_for(
+    header: &Op,
+    device: Arc<dyn unikv::kernels::Device>,
+) -> Result<Box<dyn KvAllocator>, OpsError> {
+    let Op::Header {
+        layout,
+        model,
+        page_size,
+        memory_bytes,
+        swa_full_ratio,
+        ..
+    } = header
+    else {
+        return Err(OpsError::OpsTrace {
+            reason: "not a header".into(),
+        });
+    };
+    check_header(header).map_err(|problem| OpsError::OpsTrace {
+        reason: problem.to_string(),
+    })?;
+    let m = unikv_workload::model::parse_model(model).map_err(|e| OpsError::OpsTrace {
+        reason: e.to_string(),
+    })?;
+    // The sides the builder gives the model, through the same mappings: each attention
+    // kind's rows (`kv_sub_pools`), the state slots (`slot_pool`) and, for the static
+    // layout, the fixed slot pool (`static_slot_pool`).
+    let (full, swa) = m.kv_sub_pools();
+    let swa = (m.swa_layers > 0).then_some(swa);
+    let slots = if m.has_recurrent_state() {
+        Some(m.slot_pool().map_err(|e| OpsError::OpsTrace {
+            reason: format!("model {}: its recurrent state: {e}", m.name),
+        })?)
+    } else {
+        None
+    };
+    let built: Result<Box<dyn KvAllocator>, unikv::pools::Error> = match layout.as_str() {
+        "unified" => UnifiedSwa::new(
+            device,
+            UnifiedSwaConfig {
+                total_bytes: *memory_bytes,
+                page_size: *page_size,
+                window: m.window,
+                full,
+                swa,
+                mamba: slots,
+                zero_on_handout: false,
+            },
+        )
+        .map(|a| Box::new(a) as Box<dyn KvAllocator>),
+        "static" => slots
+            .map(|spec| unikv::static_slot_pool(spec, *memory_bytes))
+            .transpose()
+            .and_then(|mamba| {
+                StaticSwa::new(
+                    device,
+                    StaticSwaConfig {
+                        total_bytes: *memory_bytes,
+                        page_size: *page_size,
+                        window: m.window,
+                        full,
+                        swa,
+                        mamba,
+                        swa_full_ratio: *swa_full_ratio,
+                        zero_on_handout: false,
+                    },
+                )
+            })
+            .map(|a| Box::new(a) as Box<dyn KvAllocator>),
+        other => {
+            return Err(OpsError::OpsTrace {
+                reason: format!("unknown layout {other:?}"),
+            });
+        }
+    };
+    built.map_err(|e| OpsError::Cache(e.into()))
+}
+
+/// Throughput of one op kind in a replay.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct OpThroughput {
+    /// Calls.
+    pub calls: u64,
+    /// Tokens the calls named (allocated or freed).
+    pub tokens: u64,
+    /// Time inside the allocator, in nanoseconds.
+    pub nanos: u64,
+}
+
+impl OpThroughput {
+    /// Calls per second.
+    pub fn ops_per_second(&self) -> f64 {
+        self.calls as f64 / (self.nanos.max(1) as f64 / 1e9)
+    }
+
+    /// Tokens per second.
+    pub fn tokens_per_second(&self) -> f64 {
+        self.tokens as f64 / (self.nanos.max(1) as f64 / 1e9)
+    }
+}
+
+/// Replays `trace` against a fresh allocator and times every op. Returns the throughput
+/// per op kind (plus `all`). The ids each alloc returns are checked against the trace, so
+/// a replay that diverged is an error, not a number.
+///
+/// The allocator runs on the device behind `ledger` (a fresh one per replay), and the
+/// time the device spends executing ops (page moves, uploads: asynchronous launches on a
+/// GPU) is taken out of each op's time, so the figures are the allocator's host
+/// bookkeeping.
+pub fn replay(
+    trace: &Trace,
+    ledger: Arc<SyncLedger>,
+) -> Result<BTreeMap<&'static str, OpThroughput>, OpsError> {
+    let mut alloc = allocator_for(&trace.header, ledger.clone()).map_err(|e| match e {
+        // A header the allocator cannot be built from (a budget too small for one
+        // window, a ratio out of range): the header's line is the cause.
+        OpsError::Cache(unikv::Error::Pool(error)) => OpsError::OpsLine {
+            source_name: trace.source_name.clone(),
+            line: trace.header_line,
+            problem: OpsProblem::Refused {
+                op: "header",
+                error,
+            },
+        },
+        other => other,
+    })?;
+    let host_nanos = |started: Instant| {
+        let nanos = started
+            .elapsed()
+            .saturating_sub(ledger.device_time())
+            .as_nanos() as u64;
+        ledger.reset();
+        nanos
+    };
+    let mut by_kind: BTreeMap<&'static str, OpThroughput> = BTreeMap::new();
+    let mut out = Vec::new();
+    let mut scratch_slots: Vec<VirtualSlot> = Vec::new();
+    for (line, op) in &trace.ops {
+        let at = |problem| OpsError::OpsLine {
+            source_name: trace.source_name.clone(),
+            line: *line,
+            problem,
+        };
+        let pool = |error| {
+            at(OpsProblem::Refused {
+                op: op.name(),
+                error,
+            })
+        };
+        // Inputs are decoded before the clock starts.
+        let tokens: u64;
+        let started;
+        match op {
+            Op::Header { .. } => return Err(at(OpsProblem::SecondHeader)),
+            Op::AllocExtend {
+                requests,
+                out: expected,
+            }
+            | Op::AllocDecode {
+                requests,
+                out: expected,
+            } => {
+                let reqs: Vec<ExtendRequest> = requests
+                    .iter()
+                    .map(|r| ExtendRequest {
+                        prefix_len: r.prefix_len,
+                        seq_len: r.seq_len,
+                        last_token: r.last_token.map(VirtualToken),
+                    })
+                    .collect();
+                // `check` made every request grow: no underflow.
+                tokens = reqs.iter().map(|r| (r.seq_len - r.prefix_len) as u64).sum();
+                out.clear();
+                let decode: Option<Vec<DecodeRequest>> =
+                    matches!(op, Op::AllocDecode { .. }).then(|| {
+                        reqs.iter()
+                            .map(|r| DecodeRequest {
+                                prefix_len: r.prefix_len,
+                                last_token: r.last_token,
+                            })
+                            .collect()
+                    });
+                started = Instant::now();
+                match &decode {
+                    Some(decode) => alloc.alloc_decode(decode, &mut out),
+                    None => alloc.alloc_extend(&reqs, &mut out),
+                }
+                .map_err(pool)?;
+                let nanos = host_nanos(started);
+                if to_runs(&out) != *expected {
+                    return Err(at(OpsProblem::Diverged { op: op.name() }));
+                }
+                add(&mut by_kind, op.name(), tokens, nanos);
+                continue;
+            }
+            Op::Free { ids } | Op::FreeSwa { ids } | Op::FreeFull { ids } => {
+                let ids = from_runs(ids).map_err(at)?;
+                tokens = ids.len() as u64;
+                started = Instant::now();
+                match op {
+                    Op::Free { .. } => alloc.free(&ids),
+                    Op::FreeSwa { .. } => alloc.free_swa(&ids),
+                    _ => alloc.free_full(&ids),
+                }
+                .map_err(pool)?;
+            }
+            Op::FreeSegment(seg) | Op::FreeSwaSegment(seg) | Op::FreeFullSegment(seg) => {
+                let ids = from_runs(&seg.ids).map_err(at)?;
+                tokens = ids.len() as u64;
+                let s = Segment {
+                    tokens: &ids,
+                    start: seg.start,
+                };
+                started = Instant::now();
+                match op {
+                    Op::FreeSegment(_) => alloc.free_segment(s),
+                    Op::FreeSwaSegment(_) => alloc.free_swa_segment(s),
+                    _ => alloc.free_full_segment(s),
+                }
+                .map_err(pool)?;
+            }
+            Op::FreeSegments { segments } | Op::FreeSwaSegments { segments } => {
+                let ids = segments
+                    .iter()
+                    .map(|s| from_runs(&s.ids))
+                    .collect::<Result<Vec<Vec<VirtualToken>>, OpsProblem>>()
+                    .map_err(at)?;
+                let segs: Vec<Segment<'_>> = segments
+                    .iter()
+                    .zip(&ids)
+                    .map(|(s, ids)| Segment {
+                        tokens: ids,
+                        start: s.start,
+                    })
+                    .collect();
+                tokens = ids.iter().map(|v| v.len() as u64).sum();
+                started = Instant::now();
+                if matches!(op, Op::FreeSegments { .. }) {
+                    alloc.free_segments(&segs)
+                } else {
+                    alloc.free_swa_segments(&segs)
+                }
+                .map_err(pool)?;
+            }
+            Op::FreeKvRowSegments {
+                row,
+                dead_lo,
+                cursor,
+                len,
+            } => {
+                let row = from_runs(row).map_err(at)?;
+                tokens = (len - dead_lo.min(len)) as u64;
+                started = Instant::now();
+                alloc
+                    .free_kv_row_segments(&row, *dead_lo, *cursor, *len)
+                    .map_err(pool)?;
+            }
+            Op::TransferSwa { from, to } => {
+                let (f, t) = (
+                    from_runs(&from.ids).map_err(at)?,
+                    from_runs(&to.ids).map_err(at)?,
+                );
+                tokens = f.len() as u64;
+                started = Instant::now();
+                alloc
+                    .transfer_swa(
+                        Segment {
+                            tokens: &f,
+                            start: from.start,
+                        },
+                        Segment {
+                            tokens: &t,
+                            start: to.start,
+                        },
+                    )
+                    .map_err(pool)?;
+            }
+            Op::GroupBegin => {
+                tokens = 0;
+                started = Instant::now();
+                alloc.free_group_begin().map_err(pool)?;
+            }
+            Op::GroupEnd => {
+                tokens = 0;
+                started = Instant::now();
+                alloc.free_group_end().map_err(pool)?;
+            }
+            Op::FlushDeferred => {
+                tokens = 0;
+                started = Instant::now();
+                alloc.flush_deferred();
+            }
+            Op::Flush => {
+                tokens = 0;
+                started = Instant::now();
+                alloc.flush().map_err(pool)?;
+            }
+            Op::EnsureCapacity {
+                full_pages,
+                swa_pages,
+                mamba_slots,
+            } => {
+                tokens = 0;
+                started = Instant::now();
+                // It may fail as it did when recorded; its effect (a flush) is what matters.
+                let _ = alloc.ensure_capacity(PageDemand {
+                    full_pages: *full_pages,
+                    swa_pages: *swa_pages,
+                    mamba_slots: *mamba_slots,
+                });
+            }
+            Op::ReclaimPlan {
+                full_pages,
+                swa_pages,
+                evictable_full,
+                evictable_swa,
+                mamba_slots,
+                evictable_mamba,
+            } => {
+                tokens = 0;
+                started = Instant::now();
+                alloc.reclaim_plan(
+                    PageDemand {
+                        full_pages: *full_pages,
+                        swa_pages: *swa_pages,
+                        mamba_slots: *mamba_slots,
+                    },
+                    Reclaimable {
+                        full_pages: *evictable_full,
+                        swa_pages: *evictable_swa,
+                        mamba_slots: *evictable_mamba,
+                    },
+                );
+            }
+            Op::AllocSlots { n, out: expected } => {
+                scratch_slots.clear();
+                started = Instant::now();
+                alloc.alloc_slots(*n, &mut scratch_slots).map_err(pool)?;
+                let nanos = host_nanos(started);
+                // Slots are handed out deterministically too.
+                if !scratch_slots
+                    .iter()
+                    .map(|s| s.0)
+                    .eq(expected.iter().copied())
+                {
+                    return Err(at(OpsProblem::Diverged { op: op.name() }));
+                }
+                add(&mut by_kind, op.name(), 0, nanos);
+                continue;
+            }
+            Op::FreeSlots { slots } => {
+                tokens = 0;
+                let slots: Vec<VirtualSlot> = slots.iter().map(|&s| VirtualSlot(s)).collect();
+                started = Instant::now();
+                alloc.free_slots(&slots).map_err(pool)?;
+            }
+            Op::UploadMirror => {
+                tokens = 0;
+                started = Instant::now();
+                alloc.upload_mirror().map_err(pool)?;
+            }
+        }
+        add(&mut by_kind, op.name(), tokens, host_nanos(started));
+    }
+    let all = by_kind
+        .values()
+        .fold(OpThroughput::default(), |mut acc, t| {
+            acc.calls += t.calls;
+            acc.tokens += t.tokens;
+            acc.nanos += t.nanos;
+            acc
+        });
+    by_kind.insert("all", all);
+    Ok(by_kind)
+}
+
+fn add(
+    by_kind: &mut BTreeMap<&'static str, OpThroughput>,
+    name: &'static str,
+    tokens: u64,
+    nanos: u64,
+) {
+    let t = by_kind.entry(name).or_default();
+    t.calls += 1;
+    t.tokens += tokens;
+    t.nanos += nanos;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::load::load;
+    use crate::load::tests::{line_and_message, load_lines};
+
+    /// A CPU device behind a fresh ledger.
+    fn cpu() -> Arc<SyncLedger> {
+        Arc::new(SyncLedger::new(Arc::new(unikv::kernels::CpuDevice::new())))
+    }
+
+    #[test]
+    fn a_header_the_allocator_refuses_is_reported_on_its_line() {
+        let path = std::env::temp_dir().join(format!("unikv-sim-{}-tiny", std::process::id()));
+        let header = r#"{"op":"header","schema":"unikv.ops.v1","layout":"unified","model":"gpt-oss-20b","page_size":4,"memory_bytes":0,"swa_full_ratio":0.8}"#;
+        std::fs::write(&path, format!("\n{header}\n")).unwrap();
+        let trace = load(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let (line, message) = line_and_message(&replay(&trace, cpu()).unwrap_err());
+        assert_eq!(line, 2);
+        assert!(
+            message.starts_with("header: the allocator refused it: buffer of 0 B"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn an_op_the_allocator_refuses_is_reported_on_its_line() {
+        // Well-formed, but the ids were never handed out.
+        let trace = load_lines(
+            "refused",
+            &[
+                r#"{"op":"group_begin"}"#,
+                r#"{"op":"free_segment","start":0,"ids":[[4000000000,4]]}"#,
+            ],
+            9,
+        )
+        .unwrap();
+        let err = replay(&trace, cpu()).unwrap_err();
+        let (line, message) = line_and_message(&err);
+        assert_eq!(line, 3);
+        assert!(
+            message.starts_with("free_segment: the allocator refused it"),
+            "{message}"
+        );
+        assert_eq!(err.to_string().lines().count(), 1);
+    }
+}

@@ -1,0 +1,278 @@
+//! What a run and a replay are configured with: the layouts ([`Layout`]), the device
+//! ([`Backend`]), one run's settings ([`RunConfig`]) and a replay's grid of runs
+//! ([`ReplayOptions`]), with the defaults `unikv replay` documents.
+
+use serde::Serialize;
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use unikv::kernels::SyncLedger;
+use unikv::{HybridCache, ModelSpec};
+use unikv_invariants::Level;
+use unikv_workload::Preset;
+
+/// The default KV budget of `unikv replay`: **16 GiB**, chosen so that the static split
+/// is under pressure while the unified pool is not.
+///
+/// gpt-oss-20b costs 24,576 bytes per token on each side. The static pools split the
+/// budget 1 : 0.8 (FULL : SWA tokens), so 16 GiB gives FULL 16 GiB / (24,576 B × 1.8) ≈
+/// 388,000 tokens. At full concurrency the FULL side needs, per preset:
+///
+/// | preset | FULL tokens at the end of a full batch | static (≈ 388k) | unified (≈ 699k, less SWA's windows) |
+/// |---|---|---|---|
+/// | `shared-prefix` | 4,096 + 192 × 2,176 = 421,888 | short: retracts | fits |
+/// | `long-outputs` | 100 × 4,608 = 460,800 | short: retracts | fits |
+/// | `random-8192-64` | 64 × 8,256 = 528,384 | short | fits |
+/// | `random-2048-512` | 64 × 2,560 = 163,840 | fits | fits |
+///
+/// SWA needs only a window (128 tokens, rounded up to pages) per running request plus
+/// the prefill chunk, so the static pools' 44 % on SWA mostly sits idle — the case the
+/// unified pool exists for. 16 GiB is also about what a 32 GB GPU leaves for KV next to
+/// gpt-oss-20b's ~13 GB of weights.
+pub const DEFAULT_MEMORY_BYTES: u64 = 16 << 30;
+
+/// The default page sizes: 1 and 256 (DESIGN.md §9).
+pub const DEFAULT_PAGE_SIZES: [u32; 2] = [1, 256];
+
+/// The default seed.
+pub const DEFAULT_SEED: u64 = 1;
+
+/// How the KV memory is organised.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Layout {
+    /// The baseline: fixed pools sized at start-up — FULL and SWA split by
+    /// [`RunConfig::swa_full_ratio`] with a FULL→SWA index map, and for a model with
+    /// recurrent state a fixed slot pool sized as the reference engine sizes it
+    /// ([`unikv::static_slot_pool`]) (`StaticSwa`). The `Default`, so that
+    /// `RunStats::default()` exists.
+    #[default]
+    Static,
+    /// One byte buffer, FULL growing from one end and SWA or the Mamba state slots from
+    /// the other, the split following the workload (`UnifiedSwa`).
+    Unified,
+}
+
+impl Layout {
+    /// Both layouts, static first (the table's column order).
+    pub const BOTH: [Layout; 2] = [Layout::Static, Layout::Unified];
+
+    /// `static` or `unified`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Layout::Static => "static",
+            Layout::Unified => "unified",
+        }
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The device a run's buffer lives on (`--device`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backend {
+    /// The byte-keeping CPU reference device: every move and fill is carried out.
+    #[default]
+    Cpu,
+    /// [`NullDevice`](unikv::kernels::NullDevice): shapes checked, no bytes kept, so a
+    /// real model's budget runs in megabytes and the time is the host's bookkeeping.
+    None,
+}
+
+impl Backend {
+    /// Both, in `--device` order.
+    pub const ALL: [Backend; 2] = [Backend::Cpu, Backend::None];
+
+    /// The `--device` spelling.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::None => "none",
+        }
+    }
+
+    /// The backend spelled `name` (any case).
+    pub fn from_name(name: &str) -> Option<Backend> {
+        Backend::ALL
+            .into_iter()
+            .find(|b| b.as_str().eq_ignore_ascii_case(name.trim()))
+    }
+
+    /// A fresh device of this kind behind a [`SyncLedger`] (which counts syncs and
+    /// device time).
+    pub fn ledger(self) -> Arc<SyncLedger> {
+        let device: Arc<dyn unikv::kernels::Readback> = match self {
+            Backend::Cpu => Arc::new(unikv::kernels::CpuDevice::new()),
+            Backend::None => Arc::new(unikv::kernels::NullDevice::new()),
+        };
+        Arc::new(SyncLedger::new(device))
+    }
+}
+
+/// Everything one run needs besides the workload.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunConfig {
+    /// The model whose KV shapes size the sub-pools.
+    pub model: ModelSpec,
+    /// Static or unified.
+    pub layout: Layout,
+    /// Tokens per page (≥ 1).
+    pub page_size: u32,
+    /// The KV budget in bytes: the one buffer of the unified layout, or both pools of the
+    /// static one together.
+    pub memory_bytes: u64,
+    /// The static layout's SWA tokens per FULL token (the reference engine's default
+    /// `swa_full_tokens_ratio`, 0.8). Ignored by the unified layout.
+    pub swa_full_ratio: f64,
+    /// The seed the workload was generated from; also seeds any tie-break the scheduler
+    /// makes at random.
+    pub seed: u64,
+    /// The invariant level the run is checked at (Strict by default).
+    pub invariant_level: Level,
+    /// Largest prefill chunk, in tokens (chunked prefill), per step across the batch.
+    pub chunk_tokens: u32,
+    /// At most this many samples in [`RunStats::samples`](crate::stats::RunStats::samples).
+    pub max_samples: usize,
+    /// The run fails with [`ReplayError::Stalled`](crate::ReplayError::Stalled) after this
+    /// many steps.
+    pub max_steps: u64,
+    /// The device the buffer lives on (`--device`).
+    pub backend: Backend,
+}
+
+impl RunConfig {
+    /// The reference engine's default SWA:FULL token ratio for the static pools.
+    pub const DEFAULT_SWA_FULL_RATIO: f64 = 0.8;
+    /// The default prefill chunk: 8,192 tokens per step (a common
+    /// `--chunked-prefill-size`; the reference engine picks 2,048 to 16,384 by GPU memory).
+    pub const DEFAULT_CHUNK_TOKENS: u32 = 8_192;
+    /// The default cap on plotted samples per run.
+    pub const DEFAULT_MAX_SAMPLES: usize = 512;
+    /// The default step limit: far beyond what any preset needs (even at concurrency 1
+    /// none takes 10⁶ steps), low enough to stop a livelock in minutes.
+    pub const DEFAULT_MAX_STEPS: u64 = 10_000_000;
+
+    /// A configuration with the defaults for everything but the run's identity.
+    pub fn new(model: ModelSpec, layout: Layout, page_size: u32, memory_bytes: u64) -> RunConfig {
+        RunConfig {
+            model,
+            layout,
+            page_size,
+            memory_bytes,
+            swa_full_ratio: RunConfig::DEFAULT_SWA_FULL_RATIO,
+            seed: 0,
+            invariant_level: Level::Strict,
+            chunk_tokens: RunConfig::DEFAULT_CHUNK_TOKENS,
+            max_samples: RunConfig::DEFAULT_MAX_SAMPLES,
+            max_steps: RunConfig::DEFAULT_MAX_STEPS,
+            backend: Backend::Cpu,
+        }
+    }
+}
+
+/// What a replay runs: `unikv replay`'s options that choose the runs, resolved (defaults
+/// filled in). How the report is printed (`--json`, `--svg`) is the command line's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReplayOptions {
+    /// The presets to run, in order, without duplicates. Empty only when a trace is given
+    /// alone.
+    pub workloads: Vec<Preset>,
+    /// A trace file to run after the presets (`--trace`).
+    pub trace: Option<PathBuf>,
+    /// The model (`--model`, default gpt-oss-20b).
+    pub model: ModelSpec,
+    /// Page sizes, in order, without duplicates (`--page-size`, default 1 and 256).
+    pub page_sizes: Vec<u32>,
+    /// The KV budget in bytes (`--memory`, default [`DEFAULT_MEMORY_BYTES`]).
+    pub memory_bytes: u64,
+    /// Layouts, static first (`--layout`, default both).
+    pub layouts: Vec<Layout>,
+    /// The seed of workload generation and of the scheduler (`--seed`).
+    pub seed: u64,
+    /// The invariant level of the runs (`--invariants`, default strict).
+    pub invariant_level: Level,
+    /// Record the run's allocator operations into this file (`--record-ops`; one run).
+    pub record_ops: Option<PathBuf>,
+    /// Report CPU time per step (off with `--no-timing`, for byte-identical output).
+    pub timing: bool,
+    /// The device of the runs (`--device`, default cpu).
+    pub backend: Backend,
+}
+
+impl Default for ReplayOptions {
+    /// `unikv replay` with no options.
+    fn default() -> ReplayOptions {
+        ReplayOptions {
+            workloads: Preset::DEFAULTS.to_vec(),
+            trace: None,
+            model: ModelSpec::GPT_OSS_20B,
+            page_sizes: DEFAULT_PAGE_SIZES.to_vec(),
+            memory_bytes: DEFAULT_MEMORY_BYTES,
+            layouts: Layout::BOTH.to_vec(),
+            seed: DEFAULT_SEED,
+            invariant_level: Level::Strict,
+            record_ops: None,
+            timing: true,
+            backend: Backend::Cpu,
+        }
+    }
+}
+
+impl ReplayOptions {
+    /// How many runs these options give: workloads (presets and trace) × page sizes ×
+    /// layouts.
+    pub fn runs(&self) -> usize {
+        let workloads = self.workloads.len() + usize::from(self.trace.is_some());
+        workloads * self.page_sizes.len() * self.layouts.len()
+    }
+}
+
+/// The builder of a run's cache, on `device`.
+pub(crate) fn cache_builder(
+    config: &RunConfig,
+    device: Arc<SyncLedger>,
+) -> unikv::HybridCacheBuilder {
+    let layout = match config.layout {
+        Layout::Static => unikv::Layout::Static {
+            swa_full_tokens_ratio: config.swa_full_ratio,
+        },
+        Layout::Unified => unikv::Layout::Unified,
+    };
+    HybridCache::builder()
+        .model(config.model)
+        .page_size(config.page_size)
+        .memory_bytes(config.memory_bytes)
+        .layout(layout)
+        .device(device)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_print_and_serialise_in_lower_case() {
+        assert_eq!(Layout::Static.to_string(), "static");
+        assert_eq!(
+            serde_json::to_string(&Layout::Unified).unwrap(),
+            "\"unified\""
+        );
+    }
+
+    #[test]
+    fn no_options_give_the_documented_defaults() {
+        let r = ReplayOptions::default();
+        assert_eq!(r.workloads, Preset::DEFAULTS);
+        assert_eq!(r.page_sizes, [1, 256]);
+        assert_eq!(r.layouts, [Layout::Static, Layout::Unified]);
+        assert_eq!(r.model, ModelSpec::GPT_OSS_20B);
+        assert_eq!(r.memory_bytes, 16 << 30);
+        assert_eq!(r.invariant_level, Level::Strict);
+        assert!(r.timing && r.trace.is_none() && r.record_ops.is_none());
+        assert_eq!(r.runs(), 20);
+    }
+}

@@ -1,0 +1,71 @@
+//! The crate's one error type, [`ReplayError`]: a run that cannot be configured, finish
+//! or report, or an input or output of the replay that fails.
+
+use crate::config::Layout;
+
+/// What can go wrong in a replay: the cache refused the configuration or an operation,
+/// a run cannot finish, a workload, trace or ops trace is bad, an output cannot be
+/// written.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReplayError {
+    /// The cache refused an operation the scheduler made (a bug, not memory pressure:
+    /// running out of memory is handled by retraction), or a configuration.
+    #[error("cache: {0}")]
+    Cache(#[from] unikv::Error),
+    /// A workload or its input (a preset, a `--trace` file) is bad.
+    #[error(transparent)]
+    Workload(#[from] unikv_workload::WorkloadError),
+    /// The run's ops trace (`--record-ops`) could not be written.
+    #[error(transparent)]
+    Ops(#[from] unikv_ops::OpsError),
+    /// A file could not be written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file (or directory).
+        path: String,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// Writing the report to its output failed.
+    #[error("writing the report: {0}")]
+    Output(#[source] std::io::Error),
+    /// Serialising the JSON report failed.
+    #[error("serialising the JSON report: {0}")]
+    Json(#[from] serde_json::Error),
+    /// The memory budget cannot hold what one request needs alone, so the run could
+    /// never finish (reported up front instead of hanging).
+    #[error(
+        "{workload} ({layout}, page size {page_size}): a budget of {budget_bytes} bytes \
+         cannot run it: {reason} (needs at least {needed_bytes} bytes)"
+    )]
+    BudgetTooSmall {
+        /// The workload.
+        workload: String,
+        /// The layout.
+        layout: Layout,
+        /// The page size.
+        page_size: u32,
+        /// The budget given.
+        budget_bytes: u64,
+        /// The least budget that could finish the run.
+        needed_bytes: u64,
+        /// Which request or sub-pool does not fit.
+        reason: String,
+    },
+    /// A run made no progress for too long or exceeded its step limit (a scheduler bug,
+    /// reported instead of hanging).
+    #[error("{workload} ({layout}, page size {page_size}): stopped after {steps} steps: {reason}")]
+    Stalled {
+        /// The workload.
+        workload: String,
+        /// The layout.
+        layout: Layout,
+        /// The page size.
+        page_size: u32,
+        /// Steps run.
+        steps: u64,
+        /// Why it stopped.
+        reason: String,
+    },
+}

@@ -1,0 +1,136 @@
+//! A replay's runs, from its options to the scheduler: the workloads they name
+//! ([`build_workloads`]), the runs in report order ([`plan`]), the check that the
+//! builder makes every layout and page size ([`check_config`], [`check_configs`]), and
+//! one run with its
+//! allocator operations recorded when asked ([`run`]).
+
+use crate::config::{Backend, ReplayOptions, RunConfig, cache_builder};
+use crate::error::ReplayError;
+use crate::scheduler::{self, StepProgress};
+use crate::stats::RunStats;
+use std::path::Path;
+use unikv::pools::KvAllocator;
+use unikv_ops::{Op, Recorder};
+use unikv_workload::{Workload, trace};
+
+/// The workloads `options` name, in order: the presets (sized for the model and the
+/// budget where a preset is, [`unikv_workload::Preset::build_for`]), then the trace.
+/// Each is validated.
+pub fn build_workloads(options: &ReplayOptions) -> Result<Vec<Workload>, ReplayError> {
+    let mut workloads: Vec<Workload> = options
+        .workloads
+        .iter()
+        .map(|p| p.build_for(options.seed, &options.model, options.memory_bytes))
+        .collect();
+    if let Some(path) = &options.trace {
+        workloads.push(trace::load_trace(path, options.seed)?);
+    }
+    for w in &workloads {
+        w.validate()?;
+    }
+    Ok(workloads)
+}
+
+/// The runs `options` give, in the order they run and are reported: for each workload,
+/// for each page size, static then unified. Each pairs a workload index with its config.
+pub fn plan(options: &ReplayOptions, workloads: &[Workload]) -> Vec<(usize, RunConfig)> {
+    let mut runs = Vec::new();
+    for (w, _) in workloads.iter().enumerate() {
+        for &page_size in &options.page_sizes {
+            for &layout in &options.layouts {
+                let mut config =
+                    RunConfig::new(options.model, layout, page_size, options.memory_bytes);
+                config.seed = options.seed;
+                config.invariant_level = options.invariant_level;
+                config.backend = options.backend;
+                runs.push((w, config));
+            }
+        }
+    }
+    runs
+}
+
+/// Checks that the builder makes `config`'s cache for some budget: a model and layout it
+/// refuses whatever the workload is the builder's typed error ([`ReplayError::Cache`]). A
+/// budget too small for one request is not an error here; the run reports it with its
+/// workload ([`ReplayError::BudgetTooSmall`]).
+pub fn check_config(config: &RunConfig) -> Result<(), ReplayError> {
+    // Bookkeeping only: the check builds the cache and must not take its bytes.
+    match cache_builder(config, Backend::None.ledger()).build() {
+        Err(e @ unikv::Error::Config(_)) => Err(ReplayError::Cache(e)),
+        _ => Ok(()),
+    }
+}
+
+/// Checks that the builder makes a cache of every layout and page size `options` give
+/// ([`check_config`]): a combination it refuses is reported before any run, not after
+/// the runs before it.
+pub fn check_configs(options: &ReplayOptions) -> Result<(), ReplayError> {
+    for &layout in &options.layouts {
+        for &page_size in &options.page_sizes {
+            check_config(&RunConfig::new(
+                options.model,
+                layout,
+                page_size,
+                options.memory_bytes,
+            ))?;
+        }
+    }
+    Ok(())
+}
+
+/// Runs `workload` with `config` through the scheduler ([`scheduler::run`]) and, with a
+/// `record_ops` path, writes every allocator operation of the run there (the ops trace
+/// `bench-ops` replays): the recorder wraps the allocator, and its write errors are the
+/// run's once the run is over.
+pub fn run(
+    workload: &Workload,
+    config: &RunConfig,
+    record_ops: Option<&Path>,
+    progress: &dyn Fn(StepProgress),
+) -> Result<RunStats, ReplayError> {
+    let Some(path) = record_ops else {
+        return scheduler::run(workload, config, None, progress);
+    };
+    let header = Op::Header {
+        schema: unikv_ops::SCHEMA.to_string(),
+        layout: config.layout.as_str().to_string(),
+        model: config.model.name.to_string(),
+        page_size: config.page_size,
+        memory_bytes: config.memory_bytes,
+        swa_full_ratio: config.swa_full_ratio,
+    };
+    let (recorder, status) = Recorder::create(path, header)?;
+    let wrap = Box::new(move |inner: Box<dyn KvAllocator>| -> Box<dyn KvAllocator> {
+        Box::new(recorder.wrap(inner))
+    });
+    let stats = scheduler::run(workload, config, Some(wrap), progress)?;
+    // The cache, and the recorder in it, is dropped: the trace is flushed and its status
+    // final.
+    status.check()?;
+    Ok(stats)
+}
+
+/// Checks that `path` can be opened for writing, without changing it: an existing file
+/// is opened (not truncated); a missing one is created and removed again. An existing
+/// directory, a read-only file or a missing parent directory is an error.
+pub fn check_writable_file(path: &Path) -> Result<(), ReplayError> {
+    let open = |create_new| {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(create_new)
+            .open(path)
+    };
+    match open(true) {
+        Ok(file) => {
+            drop(file);
+            std::fs::remove_file(path)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => open(false).map(drop),
+        Err(e) => Err(e),
+    }
+    .map_err(|source| ReplayError::Io {
+        path: path.display().to_string(),
+        source,
+    })
+}

@@ -1,0 +1,156 @@
+//! Hand-made reports for tests of the renderings (here and in the command line's plots):
+//! compiled for this crate's tests and, with the `testing` feature, for other crates'.
+
+use crate::config::Layout;
+use crate::report::Report;
+use crate::stats::{MambaStats, RunStats, StepSample};
+use std::collections::BTreeMap;
+use unikv::ModelSpec;
+use unikv_invariants::Level;
+
+/// A hand-made pair of runs of one group, shaped like a shared-prefix replay at page
+/// size 256 where the static split retracts.
+pub fn sample_pair() -> Vec<RunStats> {
+    let map = |pairs: &[(&str, u64)]| -> BTreeMap<String, u64> {
+        pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+    };
+    let base = RunStats {
+        workload: "shared-prefix".into(),
+        page_size: 256,
+        memory_bytes: 16 << 30,
+        requests_total: 192,
+        ..RunStats::default()
+    };
+    let statik = RunStats {
+        layout: Layout::Static,
+        requests_completed: 192,
+        peak_admitted: 141,
+        retractions: 37,
+        prompt_tokens: 968_448,
+        prefix_hit_tokens: 786_432,
+        kv_hit_tokens: 790_528,
+        recomputed_tokens: 4_096,
+        evictions_by_kind: map(&[("full", 65_536), ("swa", 24_576)]),
+        peak_bytes_by_subpool: map(&[("full", 9_543_548_928), ("swa", 1_887_436_800)]),
+        steps: 5_980,
+        step_cpu_ns: vec![4_000, 5_000, 6_000, 7_000, 90_000],
+        samples: vec![
+            StepSample {
+                step: 0,
+                bytes_by_subpool: map(&[("full", 0), ("swa", 0)]),
+            },
+            StepSample {
+                step: 2_990,
+                bytes_by_subpool: map(&[("full", 9_000_000_000), ("swa", 1_800_000_000)]),
+            },
+            StepSample {
+                step: 5_980,
+                bytes_by_subpool: map(&[("full", 0), ("swa", 0)]),
+            },
+        ],
+        ..base.clone()
+    };
+    let unified = RunStats {
+        layout: Layout::Unified,
+        requests_completed: 192,
+        peak_admitted: 192,
+        retractions: 0,
+        prompt_tokens: 811_008,
+        prefix_hit_tokens: 786_432,
+        kv_hit_tokens: 786_432,
+        evictions_by_kind: map(&[("swa", 24_576)]),
+        peak_bytes_by_subpool: map(&[("full", 10_368_319_488), ("swa", 1_811_939_328)]),
+        steps: 2_180,
+        step_cpu_ns: vec![3_000, 3_500, 4_000, 4_500, 50_000],
+        samples: vec![
+            StepSample {
+                step: 0,
+                bytes_by_subpool: map(&[("full", 0), ("swa", 0)]),
+            },
+            StepSample {
+                step: 2_180,
+                bytes_by_subpool: map(&[("full", 10_368_319_488), ("swa", 1_811_939_328)]),
+            },
+        ],
+        ..base
+    };
+    vec![statik, unified]
+}
+
+/// [`sample_pair`] as a gpt-oss-20b report at 16 GiB, with timing.
+pub fn sample_report() -> Report {
+    Report {
+        model: ModelSpec::GPT_OSS_20B,
+        memory_bytes: 16 << 30,
+        seed: 1,
+        invariant_level: Level::Strict,
+        timing: true,
+        runs: sample_pair(),
+    }
+}
+
+/// A hand-made pair of runs of a model with recurrent state (qwen3-next: FULL and
+/// state slots, no SWA), shaped like a `mamba-starvation` replay at page size 1.
+pub fn sample_mamba_report() -> Report {
+    let map = |pairs: &[(&str, u64)]| -> BTreeMap<String, u64> {
+        pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+    };
+    let slot_bytes = 77_266_944;
+    let base = RunStats {
+        workload: "mamba-starvation".into(),
+        page_size: 1,
+        memory_bytes: 16 << 30,
+        requests_total: 171,
+        requests_completed: 171,
+        peak_admitted: 25,
+        steps: 219,
+        step_cpu_ns: vec![40_000, 60_000, 500_000],
+        ..RunStats::default()
+    };
+    let statik = RunStats {
+        layout: Layout::Static,
+        prompt_tokens: 713_216,
+        prefix_hit_tokens: 114_688,
+        kv_hit_tokens: 147_456,
+        recomputed_tokens: 32_768,
+        evictions_by_kind: map(&[("full", 152_107)]),
+        peak_bytes_by_subpool: map(&[("full", 8_987_000_832), ("mamba", 105 * slot_bytes)]),
+        mamba: Some(MambaStats {
+            slot_bytes,
+            slots_total: 105,
+            peak_slots: 105,
+            state_evictions: 116,
+            donor_nodes: 0,
+            recurrent_hit_tokens: 114_688,
+            peak_checkpoint_slots: 80,
+        }),
+        ..base.clone()
+    };
+    let unified = RunStats {
+        layout: Layout::Unified,
+        prompt_tokens: 713_216,
+        prefix_hit_tokens: 204_800,
+        kv_hit_tokens: 212_992,
+        recomputed_tokens: 8_192,
+        evictions_by_kind: map(&[("full", 291_881)]),
+        peak_bytes_by_subpool: map(&[("full", 7_473_233_920), ("mamba", 150 * slot_bytes)]),
+        mamba: Some(MambaStats {
+            slot_bytes,
+            slots_total: 221,
+            peak_slots: 150,
+            state_evictions: 71,
+            donor_nodes: 138,
+            recurrent_hit_tokens: 204_800,
+            peak_checkpoint_slots: 125,
+        }),
+        ..base
+    };
+    Report {
+        model: ModelSpec::QWEN3_NEXT_80B_A3B,
+        memory_bytes: 16 << 30,
+        seed: 1,
+        invariant_level: Level::Strict,
+        timing: false,
+        runs: vec![statik, unified],
+    }
+}

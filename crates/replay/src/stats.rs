@@ -1,0 +1,393 @@
+//! What a run reports: [`RunStats`] (filled by the scheduler), its Mamba part
+//! ([`MambaStats`]), the bounded per-step samples the plots draw ([`SampleRecorder`]),
+//! the CPU time summary ([`Timing`]) and why a run fails the verdict ([`Failure`]).
+
+use crate::config::{Layout, RunConfig};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::fmt;
+use unikv_workload::Workload;
+
+/// The bytes each sub-pool held at one step.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct StepSample {
+    /// The step.
+    pub step: u64,
+    /// Sub-pool name (`full`, `swa`, ...) → bytes held (live pages × page envelope).
+    pub bytes_by_subpool: BTreeMap<String, u64>,
+}
+
+/// What a run of a model with recurrent (Mamba/GDN) state did with its state slots. Slot
+/// bytes held are in [`RunStats::peak_bytes_by_subpool`] under `mamba`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MambaStats {
+    /// Bytes of one state slot (every recurrent layer's conv and temporal state).
+    pub slot_bytes: u64,
+    /// Slots the layout can hold: the static layout's fixed pool, or as many as the whole
+    /// unified buffer holds (when it holds nothing else).
+    pub slots_total: u64,
+    /// The most slots in use (held by requests or cached in the tree) at a step boundary.
+    pub peak_slots: u64,
+    /// Cached states evicted from the tree under memory pressure (alone, or with their
+    /// node).
+    pub state_evictions: u64,
+    /// Whole FULL nodes evicted to make room for state slots (FULL as the byte donor).
+    pub donor_nodes: u64,
+    /// Prompt tokens whose recurrent state was reused: each admission resumed from a
+    /// cached state after this many tokens and computed only the rest (equal to
+    /// [`RunStats::prefix_hit_tokens`], since such a model's match ends only at a state).
+    pub recurrent_hit_tokens: u64,
+    /// The most slots held as checkpoints at once, at a step boundary: every slot in use
+    /// but the live requests' running ones (states cached in the tree, and those a
+    /// request saved that the tree has not taken yet).
+    pub peak_checkpoint_slots: u64,
+}
+
+/// What one run (a workload × a layout × a page size) did.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct RunStats {
+    /// The workload's name.
+    pub workload: String,
+    /// The layout.
+    pub layout: Layout,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// The KV budget in bytes.
+    pub memory_bytes: u64,
+    /// Requests in the workload.
+    pub requests_total: u64,
+    /// Requests that produced all their output tokens.
+    pub requests_completed: u64,
+    /// The most requests holding KV at once.
+    pub peak_admitted: u64,
+    /// Requests retracted (sent back to the queue, their KV released) for memory.
+    pub retractions: u64,
+    /// Prompt tokens looked up in the prefix tree, summed over admissions (a re-admitted
+    /// request counts again).
+    pub prompt_tokens: u64,
+    /// Of `prompt_tokens`, those matched in the tree: reused, not computed again (for a
+    /// model with recurrent state, resumed from a cached state).
+    pub prefix_hit_tokens: u64,
+    /// Of `prompt_tokens`, those whose FULL (and SWA) KV the tree held at admission, at
+    /// least `prefix_hit_tokens`: the match may end before the KV does (no cached state
+    /// there, or too little live SWA behind it).
+    pub kv_hit_tokens: u64,
+    /// `kv_hit_tokens − prefix_hit_tokens`: tokens whose KV was cached but were computed
+    /// again, summed over admissions.
+    pub recomputed_tokens: u64,
+    /// Tokens evicted from the tree under memory pressure (not the clearing after the
+    /// last request), by kind: `full` (whole nodes) and `swa` (tombstoned SWA).
+    pub evictions_by_kind: BTreeMap<String, u64>,
+    /// The largest number of bytes each sub-pool held at any step boundary.
+    pub peak_bytes_by_subpool: BTreeMap<String, u64>,
+    /// The state slots of a model with recurrent state (`None` for any other).
+    pub mamba: Option<MambaStats>,
+    /// Host syncs the cache issued (must be 0).
+    pub host_syncs: u64,
+    /// Steps run.
+    pub steps: u64,
+    /// Allocator and tree CPU time of each step, in nanoseconds: the thread's CPU time
+    /// (preemption does not count), without the time the CPU backend spends executing
+    /// device ops (page moves, the mirror upload), which a GPU would run asynchronously.
+    /// The only measured field; may be empty.
+    pub step_cpu_ns: Vec<u64>,
+    /// Pages (and state slots) the allocator bound or released over the run: what the
+    /// steps' host time should be proportional to.
+    pub pages_handled: u64,
+    /// Invariant violations recorded in the run's cache's invariant scope (must be 0).
+    pub invariant_violations: u64,
+    /// Pages (and, for a model with recurrent state, state slots) neither free nor owned
+    /// by anyone once every request finished and the tree was cleared, plus requests
+    /// still live (must be 0).
+    pub leaked_pages: u64,
+    /// Bytes per sub-pool over the run (see [`SampleRecorder`]).
+    pub samples: Vec<StepSample>,
+}
+
+impl RunStats {
+    /// Empty statistics for running `workload` with `config`: the run's identity filled
+    /// in, every count 0.
+    pub fn new(workload: &Workload, config: &RunConfig) -> RunStats {
+        RunStats {
+            workload: workload.name.clone(),
+            layout: config.layout,
+            page_size: config.page_size,
+            memory_bytes: config.memory_bytes,
+            requests_total: workload.requests.len() as u64,
+            ..RunStats::default()
+        }
+    }
+
+    /// Prefix hits / prompt tokens looked up, or `None` when none was looked up.
+    pub fn prefix_hit_rate(&self) -> Option<f64> {
+        (self.prompt_tokens > 0).then(|| self.prefix_hit_tokens as f64 / self.prompt_tokens as f64)
+    }
+
+    /// Host syncs per step (0 when no step ran).
+    pub fn host_syncs_per_step(&self) -> f64 {
+        if self.steps == 0 {
+            0.0
+        } else {
+            self.host_syncs as f64 / self.steps as f64
+        }
+    }
+
+    /// Median, p99 and max of [`RunStats::step_cpu_ns`], or `None` when it is empty.
+    pub fn timing(&self) -> Option<Timing> {
+        let mut sorted = self.step_cpu_ns.clone();
+        sorted.sort_unstable();
+        Some(Timing {
+            steps_timed: sorted.len() as u64,
+            median: percentile(&sorted, 50.0)?,
+            p99: percentile(&sorted, 99.0)?,
+            max: *sorted.last()?,
+            total: sorted.iter().sum(),
+            ns_per_page: sorted.iter().sum::<u64>() / self.pages_handled.max(1),
+        })
+    }
+
+    /// Why this run fails the replay, if it does.
+    pub fn failures(&self) -> Vec<Failure> {
+        let mut failures = Vec::new();
+        if self.requests_completed < self.requests_total {
+            failures.push(Failure::Unfinished {
+                completed: self.requests_completed,
+                total: self.requests_total,
+            });
+        }
+        if self.host_syncs > 0 {
+            failures.push(Failure::HostSyncs {
+                syncs: self.host_syncs,
+            });
+        }
+        if self.invariant_violations > 0 {
+            failures.push(Failure::InvariantViolations {
+                violations: self.invariant_violations,
+            });
+        }
+        if self.leaked_pages > 0 {
+            failures.push(Failure::Leaked {
+                pages: self.leaked_pages,
+            });
+        }
+        failures
+    }
+
+    /// `workload · page size N · layout`, the run's name in reports.
+    pub fn label(&self) -> String {
+        format!(
+            "{} · page size {} · {}",
+            self.workload, self.page_size, self.layout
+        )
+    }
+}
+
+/// Why a run fails the replay's verdict.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Failure {
+    /// Some requests did not finish.
+    Unfinished {
+        /// Requests finished.
+        completed: u64,
+        /// Requests in the workload.
+        total: u64,
+    },
+    /// The cache synchronised with the device.
+    HostSyncs {
+        /// How many times.
+        syncs: u64,
+    },
+    /// Invariants were violated.
+    InvariantViolations {
+        /// How many violations.
+        violations: u64,
+    },
+    /// Pages leaked.
+    Leaked {
+        /// How many pages.
+        pages: u64,
+    },
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Unfinished { completed, total } => write!(
+                f,
+                "{} of {total} requests unfinished",
+                total.saturating_sub(*completed)
+            ),
+            Failure::HostSyncs { syncs } => write!(f, "{syncs} host syncs"),
+            Failure::InvariantViolations { violations } => {
+                write!(f, "{violations} invariant violations")
+            }
+            Failure::Leaked { pages } => write!(f, "{pages} leaked pages"),
+        }
+    }
+}
+
+/// Summary of the CPU time per step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Timing {
+    /// Steps measured.
+    pub steps_timed: u64,
+    /// Median (nearest rank), in nanoseconds.
+    pub median: u64,
+    /// 99th percentile (nearest rank), in nanoseconds.
+    pub p99: u64,
+    /// Slowest step, in nanoseconds.
+    pub max: u64,
+    /// All steps, in nanoseconds.
+    pub total: u64,
+    /// `total` per page handled ([`RunStats::pages_handled`]), in nanoseconds.
+    pub ns_per_page: u64,
+}
+
+/// The `p`-th percentile (0 < p ≤ 100) of ascending `sorted` values by the nearest-rank
+/// method: the smallest value with at least `p` % of the values at or below it, i.e.
+/// `sorted[⌈p/100 × n⌉ − 1]`. Always one of the values (no interpolation). `None` for
+/// no values or a `p` outside (0, 100].
+pub fn percentile(sorted: &[u64], p: f64) -> Option<u64> {
+    if sorted.is_empty() || !(p > 0.0 && p <= 100.0) {
+        return None;
+    }
+    let rank = (p / 100.0 * sorted.len() as f64).ceil() as usize;
+    sorted.get(rank.clamp(1, sorted.len()) - 1).copied()
+}
+
+/// Keeps a bounded, evenly spaced subset of per-step samples for the plots: it records
+/// every `stride`-th step and, when full, drops every other sample and doubles the
+/// stride. A run of any length ends with between `max / 2` and `max` samples (plus the
+/// final step, see [`SampleRecorder::finish`]), deterministically.
+#[derive(Clone, Debug)]
+pub struct SampleRecorder {
+    max: usize,
+    stride: u64,
+    samples: Vec<StepSample>,
+}
+
+impl SampleRecorder {
+    /// A recorder that keeps at most `max` samples (at least 2).
+    pub fn new(max: usize) -> SampleRecorder {
+        SampleRecorder {
+            max: max.max(2),
+            stride: 1,
+            samples: Vec::new(),
+        }
+    }
+
+    /// Whether `step` will be kept; ask before computing an expensive sample.
+    pub fn wants(&self, step: u64) -> bool {
+        step.is_multiple_of(self.stride)
+    }
+
+    /// Offers the bytes held at `step` (steps must increase); `bytes` is called only if
+    /// the sample is kept.
+    pub fn record(&mut self, step: u64, bytes: impl FnOnce() -> BTreeMap<String, u64>) {
+        if !self.wants(step) {
+            return;
+        }
+        self.samples.push(StepSample {
+            step,
+            bytes_by_subpool: bytes(),
+        });
+        if self.samples.len() > self.max {
+            self.stride *= 2;
+            let stride = self.stride;
+            self.samples.retain(|s| s.step.is_multiple_of(stride));
+        }
+    }
+
+    /// The samples, with the last step added if it was not kept (so plots end where the
+    /// run ended).
+    pub fn finish(
+        mut self,
+        last_step: u64,
+        bytes: impl FnOnce() -> BTreeMap<String, u64>,
+    ) -> Vec<StepSample> {
+        if self.samples.last().is_none_or(|s| s.step < last_step) {
+            self.samples.push(StepSample {
+                step: last_step,
+                bytes_by_subpool: bytes(),
+            });
+        }
+        self.samples
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_use_the_nearest_rank() {
+        let v: Vec<u64> = (1..=100).collect();
+        assert_eq!(percentile(&v, 50.0), Some(50));
+        assert_eq!(percentile(&v, 99.0), Some(99));
+        assert_eq!(percentile(&v, 100.0), Some(100));
+        assert_eq!(percentile(&v, 0.5), Some(1));
+        let five = [10, 20, 30, 40, 50];
+        assert_eq!(percentile(&five, 50.0), Some(30));
+        assert_eq!(percentile(&five, 99.0), Some(50));
+        assert_eq!(percentile(&five, 20.0), Some(10));
+        assert_eq!(percentile(&five, 21.0), Some(20));
+        assert_eq!(
+            percentile(&[7, 9], 50.0),
+            Some(7),
+            "lower middle, no interpolation"
+        );
+        assert_eq!(percentile(&[7], 99.0), Some(7));
+        assert_eq!(percentile(&[], 50.0), None);
+        assert_eq!(percentile(&five, 0.0), None);
+        assert_eq!(percentile(&five, 101.0), None);
+        assert_eq!(percentile(&five, f64::NAN), None);
+    }
+
+    #[test]
+    fn timing_summarises_unsorted_steps() {
+        let run = RunStats {
+            step_cpu_ns: vec![50, 10, 40, 20, 30],
+            pages_handled: 3,
+            ..RunStats::default()
+        };
+        assert_eq!(
+            run.timing(),
+            Some(Timing {
+                steps_timed: 5,
+                median: 30,
+                p99: 50,
+                max: 50,
+                total: 150,
+                ns_per_page: 50,
+            })
+        );
+        assert_eq!(RunStats::default().timing(), None);
+    }
+
+    #[test]
+    fn the_sample_recorder_stays_bounded_and_evenly_spaced() {
+        let bytes = |step: u64| BTreeMap::from([("full".to_string(), step)]);
+        let mut recorder = SampleRecorder::new(8);
+        for step in 0..1_000 {
+            recorder.record(step, || bytes(step));
+        }
+        let samples = recorder.finish(999, || bytes(999));
+        let steps: Vec<u64> = samples.iter().map(|s| s.step).collect();
+        assert!(steps.len() <= 9 && steps.len() >= 4, "{steps:?}");
+        let stride = steps[1] - steps[0];
+        assert!(
+            steps[..steps.len() - 1]
+                .windows(2)
+                .all(|w| w[1] - w[0] == stride),
+            "{steps:?}"
+        );
+        assert_eq!(*steps.last().unwrap(), 999);
+        assert!(samples.iter().all(|s| s.bytes_by_subpool["full"] == s.step));
+        // A short run keeps every step and adds nothing twice.
+        let mut short = SampleRecorder::new(8);
+        for step in 0..3 {
+            short.record(step, || bytes(step));
+        }
+        assert_eq!(short.finish(2, || bytes(2)).len(), 3);
+    }
+}
