@@ -8,9 +8,9 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use unikv::pools::{Call, ExtendRequest, FreeOp, Hooked, Hooks, IdFree, KvAllocator, Outcome};
+use unikv::pools::{Call, ExtendRequest, FreeOp, Hooks, IdFree, KvAllocator, Outcome};
 
-/// Writes a trace; [`Recorder::wrap`] puts it around an allocator.
+/// Writes a trace: the [`Hooks`] of a `Hooked` allocator, it writes every mutating call.
 #[derive(Debug)]
 pub struct Recorder {
     out: BufWriter<File>,
@@ -58,11 +58,6 @@ impl Recorder {
             let mut slot = self.error.lock().unwrap_or_else(|e| e.into_inner());
             slot.get_or_insert_with(|| format!("writing {}: {e}", self.path.display()));
         }
-    }
-
-    /// Wraps `inner`: every mutating call is forwarded, then written.
-    pub fn wrap(self, inner: Box<dyn KvAllocator>) -> Hooked<Recorder> {
-        Hooked::new(inner, self)
     }
 }
 

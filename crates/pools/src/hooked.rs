@@ -182,6 +182,9 @@ impl<A: Hooks, B: Hooks> Hooks for (A, B) {
     }
 }
 
+/// No hooks: a `Hooked<()>` only forwards (a caller with nothing to watch).
+impl Hooks for () {}
+
 /// `H` when there is one, nothing otherwise (a hook chosen at run time, such as the
 /// replay's optional op recorder).
 impl<H: Hooks> Hooks for Option<H> {

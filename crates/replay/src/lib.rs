@@ -19,8 +19,9 @@
 //! - Determinism: the same seed gives the same workloads and the same report, byte for
 //!   byte, except the CPU time per step (`--no-timing` leaves it out). No wall-clock input
 //!   reaches any decision.
-//! - The scheduler never names what wraps the allocator: the ops recorder comes in as a
-//!   closure ([`scheduler::WrapAllocator`]) from [`run`].
+//! - The scheduler never names what watches the allocator: the ops recorder comes in
+//!   from [`run`] as hooks ([`unikv::pools::Hooks`]) that the scheduler composes with its
+//!   page counter into one `Hooked` layer.
 //! - No panics on any input: bad workloads, traces and budgets are [`ReplayError`]s (one
 //!   line each), and a run that cannot finish says so instead of hanging.
 //! - It drives the facade only through its public API, as an engine would.

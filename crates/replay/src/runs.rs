@@ -9,7 +9,6 @@ use crate::error::ReplayError;
 use crate::scheduler::{self, StepProgress};
 use crate::stats::RunStats;
 use std::path::Path;
-use unikv::pools::KvAllocator;
 use unikv_ops::{Op, Recorder};
 use unikv_workload::{Workload, trace};
 
@@ -81,7 +80,7 @@ pub fn check_configs(options: &ReplayOptions) -> Result<(), ReplayError> {
 
 /// Runs `workload` with `config` through the scheduler ([`scheduler::run`]) and, with a
 /// `record_ops` path, writes every allocator operation of the run there (the ops trace
-/// `bench-ops` replays): the recorder wraps the allocator, and its write errors are the
+/// `bench-ops` replays): the recorder hooks the allocator, and its write errors are the
 /// run's once the run is over.
 pub fn run(
     workload: &Workload,
@@ -89,25 +88,27 @@ pub fn run(
     record_ops: Option<&Path>,
     progress: &dyn Fn(StepProgress),
 ) -> Result<RunStats, ReplayError> {
-    let Some(path) = record_ops else {
-        return scheduler::run(workload, config, None, progress);
+    let (recorder, status) = match record_ops {
+        Some(path) => {
+            let header = Op::Header {
+                schema: unikv_ops::SCHEMA.to_string(),
+                layout: config.layout.as_str().to_string(),
+                model: config.model.name.to_string(),
+                page_size: config.page_size,
+                memory_bytes: config.memory_bytes,
+                swa_full_ratio: config.swa_full_ratio,
+            };
+            let (recorder, status) = Recorder::create(path, header)?;
+            (Some(recorder), Some(status))
+        }
+        None => (None, None),
     };
-    let header = Op::Header {
-        schema: unikv_ops::SCHEMA.to_string(),
-        layout: config.layout.as_str().to_string(),
-        model: config.model.name.to_string(),
-        page_size: config.page_size,
-        memory_bytes: config.memory_bytes,
-        swa_full_ratio: config.swa_full_ratio,
-    };
-    let (recorder, status) = Recorder::create(path, header)?;
-    let wrap = Box::new(move |inner: Box<dyn KvAllocator>| -> Box<dyn KvAllocator> {
-        Box::new(recorder.wrap(inner))
-    });
-    let stats = scheduler::run(workload, config, Some(wrap), progress)?;
+    let stats = scheduler::run(workload, config, recorder, progress)?;
     // The cache, and the recorder in it, is dropped: the trace is flushed and its status
     // final.
-    status.check()?;
+    if let Some(status) = status {
+        status.check()?;
+    }
     Ok(stats)
 }
 

@@ -68,22 +68,18 @@ pub struct StepProgress {
     pub requests_completed: u64,
 }
 
-/// Wraps the cache's allocator before the cache is built (`HybridCacheBuilder::
-/// wrap_allocator`): the ops recorder, or any other `Hooked` layer a caller wants under
-/// the scheduler's own page counter.
-pub type WrapAllocator = Box<dyn FnOnce(Box<dyn KvAllocator>) -> Box<dyn KvAllocator>>;
-
 /// Replays `workload` through `config.layout` at `config.page_size` and reports what
-/// happened, calling `progress` after every step. `wrap`, if given, wraps the allocator
-/// (inside the scheduler's page counter). See the module documentation for the
+/// happened, calling `progress` after every step. `hooks` watch every allocator call
+/// (the ops recorder, or `()` for none) inside the scheduler's own page counter, in the
+/// one [`Hooked`] layer the cache's allocator gets. See the module documentation for the
 /// scheduling policy.
-pub fn run(
+pub fn run<H: Hooks + 'static>(
     workload: &Workload,
     config: &RunConfig,
-    wrap: Option<WrapAllocator>,
+    hooks: H,
     progress: &dyn Fn(StepProgress),
 ) -> Result<RunStats, ReplayError> {
-    Simulation::new(workload, config, wrap)?.run(progress)
+    Simulation::new(workload, config, hooks)?.run(progress)
 }
 
 /// What admission reserves for decoding, as the reference engine's scheduler does
@@ -185,22 +181,18 @@ struct Simulation<'a> {
 }
 
 impl<'a> Simulation<'a> {
-    fn new(
+    fn new<H: Hooks + 'static>(
         workload: &'a Workload,
         config: &'a RunConfig,
-        wrap: Option<WrapAllocator>,
+        hooks: H,
     ) -> Result<Self, ReplayError> {
         let ledger = config.backend.ledger();
         let mut builder = cache_builder(config, ledger.clone());
         let pages_handled = Arc::new(AtomicU64::new(0));
         let counter = PagesHandled(pages_handled.clone());
-        builder = builder.wrap_allocator(move |inner| {
-            let inner = match wrap {
-                Some(wrap) => wrap(inner),
-                None => inner,
-            };
-            Box::new(Hooked::new(inner, counter))
-        });
+        // The counter outermost, as a layer of its own would be.
+        builder =
+            builder.wrap_allocator(move |inner| Box::new(Hooked::new(inner, (counter, hooks))));
         let cache = builder.build().map_err(|e| match e {
             unikv::Error::Pool(unikv::pools::Error::BufferTooSmall { needed, .. }) => {
                 ReplayError::BudgetTooSmall {
@@ -806,7 +798,7 @@ mod tests {
 
     fn smoke(layout: Layout, page_size: u32, memory_bytes: u64) -> Result<RunStats, ReplayError> {
         let config = RunConfig::new(ModelSpec::GPT_OSS_20B, layout, page_size, memory_bytes);
-        run(&Preset::Smoke.build(3), &config, None, &|_| {})
+        run(&Preset::Smoke.build(3), &config, (), &|_| {})
     }
 
     #[test]
@@ -883,7 +875,7 @@ mod tests {
         let other = unikv::invariants::Scope::new();
         let config = RunConfig::new(ModelSpec::GPT_OSS_20B, Layout::Unified, 16, 1 << 30);
         let stats = unikv_invariants::scoped_level(Level::Warn, || {
-            run(&Preset::Smoke.build(3), &config, None, &|_| {
+            run(&Preset::Smoke.build(3), &config, (), &|_| {
                 other.expect(&unikv::pools::invariants::DOUBLE_FREE, false, || {
                     "another cache's breach".into()
                 });
@@ -912,7 +904,7 @@ mod tests {
     fn chat_run(model: ModelSpec, page_size: u32) -> RunStats {
         let mut config = RunConfig::new(model, Layout::Unified, page_size, 16 << 30);
         config.backend = Backend::None;
-        run(&small_chat(), &config, None, &|_| {}).unwrap()
+        run(&small_chat(), &config, (), &|_| {}).unwrap()
     }
 
     /// A turn arrives the step after the one before it finished: each of a client's four
@@ -990,7 +982,7 @@ mod tests {
         let w = Preset::Smoke.build(3);
         let pages = |ps| {
             let config = RunConfig::new(ModelSpec::GPT_OSS_20B, Layout::Unified, ps, 1 << 30);
-            let stats = run(&w, &config, None, &|_| {}).unwrap();
+            let stats = run(&w, &config, (), &|_| {}).unwrap();
             (stats.pages_handled, stats.prefix_hit_tokens)
         };
         let ((one, hits), (sixteen, _)) = (pages(1), pages(16));
