@@ -1,7 +1,6 @@
 //! What a seed did ([`Outcome`]), or which check it broke and how to run it again
 //! ([`Failure`]).
 
-use std::fmt;
 
 /// What a seed did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -28,8 +27,9 @@ pub struct Outcome {
     pub multi_checkpoint_forwards: u64,
 }
 
-/// A seed that broke a check.
-#[derive(Clone, Debug)]
+/// A seed that broke a check: the crate's error.
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("seed {seed} failed at step {step}: {what}\n  reproduce: cargo xtask sim --seed {seed}")]
 pub struct Failure {
     /// The seed.
     pub seed: u64,
@@ -37,14 +37,4 @@ pub struct Failure {
     pub step: usize,
     /// What broke.
     pub what: String,
-}
-
-impl fmt::Display for Failure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "seed {} failed at step {}: {}\n  reproduce: cargo xtask sim --seed {}",
-            self.seed, self.step, self.what, self.seed
-        )
-    }
 }
