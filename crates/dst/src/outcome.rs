@@ -1,7 +1,6 @@
 //! What a seed did ([`Outcome`]), or which check it broke and how to run it again
 //! ([`Failure`]).
 
-
 /// What a seed did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Outcome {
