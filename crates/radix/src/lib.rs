@@ -26,7 +26,7 @@
 //!
 //! let hit = tree.match_prefix(&key);
 //! assert_eq!(hit.len.get(), 4);
-//! assert_eq!(hit.values, row);
+//! assert_eq!(hit.values.to_vec(), row);
 //! tree.sanity_check().unwrap();
 //! ```
 //!
