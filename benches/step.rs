@@ -40,6 +40,7 @@ const SYNTHETIC_TRI_SCALED_STATE: ModelSpec = ModelSpec {
     name: "synthetic-tri (scaled state, window 128)",
     recurrent: QWEN3_NEXT_SCALED_STATE.recurrent,
     window: 128,
+    draft_layers: 0,
     ..ModelSpec::SYNTHETIC_TRI
 };
 

@@ -23,6 +23,7 @@ use unikv_radix::{
 mod builder;
 mod checkpoints;
 mod evict;
+mod spec;
 
 pub use builder::{DEFAULT_EVICTION_INTERVAL, HybridCacheBuilder, Layout, static_slot_pool};
 use checkpoints::{CheckpointPlan, Checkpoints};
@@ -163,6 +164,8 @@ pub struct HybridCache {
     step_table: Option<StepTable>,
     /// The checkpoint plan of an allocation (reused across calls).
     plan: CheckpointPlan,
+    /// What verify steps it was built for (`None`: no speculation).
+    speculation: Option<crate::Speculation>,
 }
 
 impl HybridCache {
@@ -334,7 +337,7 @@ impl HybridCache {
         let slots = self.states.map_or(0, |policy| {
             let mut at = Vec::new();
             policy.plan(cached..target, Self::marks(&hit.tokens, result), &mut at);
-            1 + at.len()
+            self.own_slots() + at.len()
         });
         let pages = target.div_ceil(self.ps) - cached / self.ps;
         let demand = PageDemand {
@@ -426,6 +429,7 @@ impl HybridCache {
             cached_at_admission: cached,
             kv_hit_at_admission: hit.result.full_hit.0,
             state,
+            verifies: Default::default(),
         })
     }
 
@@ -444,10 +448,11 @@ impl HybridCache {
         marks: PlanMarks,
         matched: Option<MambaSlot>,
     ) -> Result<RequestState, Error> {
-        self.make_room(PageDemand::slots(1))?;
-        let mut slots = Vec::with_capacity(1);
+        let own = self.own_slots();
+        self.make_room(PageDemand::slots(own))?;
+        let mut slots = Vec::with_capacity(own);
         self.alloc
-            .alloc_slots(1, &mut slots)
+            .alloc_slots(own, &mut slots)
             .map_err(|e| self.out_of_memory(e))?;
         let running = slots[0];
         if let Some(MambaSlot(src)) = matched
@@ -457,13 +462,23 @@ impl HybridCache {
             self.alloc.free_batch(&[FreeOp::Slots(&slots)]);
             return Err(e.into());
         }
-        self.held_slots += 1;
+        self.held_slots += own;
         Ok(RequestState {
             running,
+            group: if self.speculation.is_some() {
+                slots
+            } else {
+                Vec::new()
+            },
             held: Vec::new(),
             pending: Vec::new(),
             marks,
         })
+    }
+
+    /// The state slots a request runs on: its slot group with speculation, else one.
+    fn own_slots(&self) -> usize {
+        self.speculation.map_or(1, |s| s.max_width as usize)
     }
 
     /// The KV pages a demand of `pages` new pages takes: on FULL, and on SWA when the
@@ -479,6 +494,7 @@ impl HybridCache {
     /// are evicted. On error the request is as it was (see [`Error`]).
     pub fn alloc_extend(&mut self, req: &mut Request, tokens: usize) -> Result<(), Error> {
         self.check_owner(req)?;
+        Self::check_settled(req)?;
         let len = req.len();
         // `len <= tokens.len()` always holds, so this cannot overflow where `len + tokens`
         // could.
@@ -500,7 +516,7 @@ impl HybridCache {
         let pages = extend.new_pages(self.alloc.page_size());
         let mut plan = std::mem::take(&mut self.plan);
         plan.clear();
-        self.plan_checkpoints(req, len + tokens, &mut plan);
+        self.plan_checkpoints(req, len..len + tokens, &mut plan);
         let result =
             self.alloc_with_checkpoints(pages, &mut plan, Checkpoints::Required, |cache| {
                 cache.scratch.clear();
@@ -542,6 +558,7 @@ impl HybridCache {
         }
         for req in batch.iter() {
             self.check_owner(req)?;
+            Self::check_settled(req)?;
             if req.len() != req.tokens.len() {
                 return Err(Error::BadRequest {
                     request: req.id,
@@ -553,22 +570,7 @@ impl HybridCache {
                 });
             }
         }
-        // The batch's SWA that left the window, in one allocator call.
-        let released: Vec<(usize, std::ops::Range<usize>)> = batch
-            .iter()
-            .enumerate()
-            .filter_map(|(i, req)| self.out_of_window(req).map(|rows| (i, rows)))
-            .collect();
-        if !released.is_empty() {
-            let segments: Vec<Segment<'_>> = released
-                .iter()
-                .map(|(i, rows)| Segment::of_row(&batch[*i].row, rows.clone()))
-                .collect();
-            self.alloc.free_swa_segments(&segments)?;
-            for (i, rows) in released {
-                self.window_released(batch[i], rows.end)?;
-            }
-        }
+        self.release_batch_windows(batch)?;
         let mut requests = std::mem::take(&mut self.decode_scratch);
         requests.clear();
         requests.extend(batch.iter().map(|req| DecodeRequest {
@@ -583,7 +585,7 @@ impl HybridCache {
         let mut plan = std::mem::take(&mut self.plan);
         plan.clear();
         for req in batch.iter() {
-            self.plan_checkpoints(req, req.len() + 1, &mut plan);
+            self.plan_checkpoints(req, req.len()..req.len() + 1, &mut plan);
         }
         let result =
             self.alloc_with_checkpoints(pages, &mut plan, Checkpoints::BestEffort, |cache| {
@@ -632,7 +634,9 @@ impl HybridCache {
         if !self.has_swa {
             return None;
         }
-        let len = req.len();
+        // Every unsettled verify position lies past the settled rows, so a window behind
+        // them is behind every position a verify reads (`W + k` rows stay live).
+        let len = req.settled_len();
         let evicted = req.cursor.max(req.protected);
         let keep = self.window.div_ceil(self.ps) * self.ps;
         if len < evicted + keep + self.interval {
@@ -701,10 +705,13 @@ impl HybridCache {
     pub fn cache_finished(&mut self, req: Request) -> Result<(), Error> {
         self.check_owner(&req)?;
         let before = self.held(&req);
-        let len = req.len();
+        let len = req.settled_len();
         let mut checkpoints = self.held_checkpoints(&req);
-        let mut running = req.state.as_ref().map(|s| s.running);
-        if let Some(slot) = running
+        // The running state is the state at `len` only while no verify step is in flight
+        // (an unsettled verify rewrites the whole slot group).
+        let mut cached_running = None;
+        if let Some(state) = &req.state
+            && req.verifies.is_empty()
             && len > 0
             && len.is_multiple_of(self.ps)
             && checkpoints.last().is_none_or(|c| c.at.0 < len)
@@ -712,10 +719,10 @@ impl HybridCache {
             // The forward that wrote it may be this step's.
             checkpoints.push(StateCheckpoint {
                 at: Tokens(len),
-                slot: MambaSlot(slot.0),
+                slot: MambaSlot(state.running.0),
                 in_flight: true,
             });
-            running = None;
+            cached_running = Some(state.running);
         }
         let outcome = self.insert(&req, false, &checkpoints)?;
         let cached = outcome.cached_len.0;
@@ -723,15 +730,21 @@ impl HybridCache {
             row: &req.row,
             dead_lo: cached,
             cursor: req.cursor.max(cached),
-            len,
+            len: req.len(),
         }]);
         if let Some(state) = &req.state {
-            // The tree took (or handed back through its actions) every checkpoint and,
-            // unless `running` is still set, the running slot.
-            if let Some(slot) = running {
-                self.alloc.free_batch(&[FreeOp::Slots(&[slot])]);
+            // The tree took (or handed back through its actions) every checkpoint and
+            // the running slot when it was one; the rest of its own slots go back.
+            let own = state.own_slots();
+            let rest: Vec<VirtualSlot> = own
+                .iter()
+                .filter(|&&s| Some(s) != cached_running)
+                .copied()
+                .collect();
+            if !rest.is_empty() {
+                self.alloc.free_batch(&[FreeOp::Slots(&rest)]);
             }
-            self.held_slots -= 1 + state.held.len();
+            self.held_slots -= own.len() + state.held.len();
         }
         if let Some(lock) = req.lock {
             self.tree.unlock(lock)?;
@@ -802,7 +815,7 @@ impl HybridCache {
         lock: bool,
         checkpoints: &[StateCheckpoint],
     ) -> Result<unikv_radix::InsertOutcome, Error> {
-        let key_len = req.len() / self.ps * self.ps;
+        let key_len = req.settled_len() / self.ps * self.ps;
         // A request holding a lock inserts only what follows its locked node (where its
         // tree-owned prefix ends), so a chunk costs its own tokens, not the whole row.
         let from = if req.lock.is_some() { req.protected } else { 0 };
@@ -935,6 +948,17 @@ impl HybridCache {
     fn account(&mut self, before: (usize, usize), after: (usize, usize)) {
         self.held_full_pages = self.held_full_pages + after.0 - before.0;
         self.held_swa_pages = self.held_swa_pages + after.1 - before.1;
+    }
+
+    /// [`Error::Unsettled`] while `req` has unsettled verify steps.
+    fn check_settled(req: &Request) -> Result<(), Error> {
+        match req.verifies.len() {
+            0 => Ok(()),
+            in_flight => Err(Error::Unsettled {
+                request: req.id,
+                in_flight,
+            }),
+        }
     }
 
     fn check_owner(&self, req: &Request) -> Result<(), Error> {

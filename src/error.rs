@@ -89,4 +89,72 @@ pub enum Error {
     /// The device layer failed.
     #[error(transparent)]
     Device(#[from] unikv_kernels::Error),
+    /// A verify step on a cache built without [`crate::Speculation`].
+    #[error("request {request}: a verify step on a cache built without speculation")]
+    SpeculationOff {
+        /// The request's id.
+        request: u64,
+    },
+    /// A draft wider than the cache was built for (or of no position).
+    #[error(
+        "request {request}: a verify of {width} positions (the cache verifies 1 ..= {max_width})"
+    )]
+    VerifyWidth {
+        /// The request's id.
+        request: u64,
+        /// Positions asked for.
+        width: usize,
+        /// [`crate::Speculation::max_width`].
+        max_width: usize,
+    },
+    /// A draft tree whose parent array is not a tree in row order.
+    #[error(
+        "request {request}: draft tree node {node} has parent {parent} (the root's is -1, \
+         every other node's an earlier node)"
+    )]
+    BadDraftTree {
+        /// The request's id.
+        request: u64,
+        /// The node.
+        node: usize,
+        /// Its parent entry.
+        parent: i32,
+    },
+    /// More unsettled verify steps than the cache was built for.
+    #[error(
+        "request {request}: {in_flight} verify steps are unsettled, the most the cache \
+         allows (settle the oldest first)"
+    )]
+    TooManyInFlight {
+        /// The request's id.
+        request: u64,
+        /// Its unsettled verify steps.
+        in_flight: usize,
+    },
+    /// A prefill chunk or plain decode of a request whose verify steps are unsettled.
+    #[error("request {request}: {in_flight} verify steps are unsettled (settle them first)")]
+    Unsettled {
+        /// The request's id.
+        request: u64,
+        /// Its unsettled verify steps.
+        in_flight: usize,
+    },
+    /// A settle with no unsettled verify step (settled twice).
+    #[error("request {request}: no unsettled verify step to settle")]
+    NothingToSettle {
+        /// The request's id.
+        request: u64,
+    },
+    /// Accepted positions that do not fit the verify they settle.
+    #[error("request {request}: {accepted} accepted of a {width}-position verify: {reason}")]
+    BadAccepted {
+        /// The request's id.
+        request: u64,
+        /// Positions accepted.
+        accepted: usize,
+        /// The verify's positions.
+        width: usize,
+        /// What is wrong.
+        reason: crate::spec::AcceptedFault,
+    },
 }

@@ -29,6 +29,7 @@ mod error;
 mod invariants_decl;
 mod model;
 mod request;
+mod spec;
 mod stats;
 mod step;
 
@@ -39,6 +40,7 @@ pub use cache::{
 pub use error::Error;
 pub use model::{KvRows, ModelSpec, RecurrentState};
 pub use request::{PrefixMatch, Request};
+pub use spec::{Accepted, AcceptedFault, Draft, MAX_IN_FLIGHT, MAX_VERIFY_WIDTH, Speculation};
 pub use stats::{CacheStats, EvictionCounts, SideStats, StepReport};
 pub use step::{DeviceLayout, KvGeometry, RequestStep, StepCheckpoint, StepMetadata, StepView};
 pub use unikv_radix::TokenId;

@@ -85,6 +85,11 @@ pub struct ModelSpec {
     pub recurrent: RecurrentState,
     /// The sliding window of the SWA layers, in tokens (0 without SWA layers).
     pub window: u32,
+    /// Layers of a speculative draft model whose KV lives inside the target's FULL page
+    /// envelope (one EAGLE3 layer, or the target's MTP layers), with the FULL layers' row
+    /// geometry, after them: draft layer `j` is FULL layer `full_layers + j` to a kernel.
+    /// 0 without a draft model ([`ModelSpec::with_draft_layers`]).
+    pub draft_layers: u32,
 }
 
 /// bf16 rows of `kv_heads` heads of dimension `head_dim`.
@@ -110,6 +115,7 @@ impl ModelSpec {
         swa: bf16(8, 64),
         recurrent: RecurrentState::NONE,
         window: 128,
+        draft_layers: 0,
     };
 
     /// gpt-oss-120b: 36 layers alternating full and sliding attention (18 + 18), window
@@ -128,6 +134,7 @@ impl ModelSpec {
         swa: bf16(8, 64),
         recurrent: RecurrentState::NONE,
         window: 128,
+        draft_layers: 0,
     };
 
     /// Gemma 4 31B: FULL and SWA rows that **differ**. 60 layers, five sliding to one
@@ -154,6 +161,7 @@ impl ModelSpec {
         swa: bf16(16, 256),
         recurrent: RecurrentState::NONE,
         window: 1024,
+        draft_layers: 0,
     };
 
     /// Qwen3-Next-80B-A3B: full attention plus Gated DeltaNet. 48 layers, one full
@@ -188,6 +196,7 @@ impl ModelSpec {
             state_dtype_bytes: 4,
         },
         window: 0,
+        draft_layers: 0,
     };
 
     /// Nemotron-H-8B: a Mamba2 hybrid. 52 layers: 24 Mamba2, 4 attention (full, no
@@ -220,6 +229,7 @@ impl ModelSpec {
             state_dtype_bytes: 4,
         },
         window: 0,
+        draft_layers: 0,
     };
 
     /// **Synthetic** (no published model): FULL, SWA and recurrent state at once, for
@@ -241,6 +251,7 @@ impl ModelSpec {
         swa: bf16(8, 128),
         recurrent: ModelSpec::NEMOTRON_H_8B.recurrent,
         window: 1024,
+        draft_layers: 0,
     };
 
     /// Every named spec.
@@ -264,7 +275,23 @@ impl ModelSpec {
         self.mamba_layers != 0
     }
 
-    /// KV bytes of one token across every full-attention layer (K and V); `u64::MAX`
+    /// This model with a speculative draft model of `layers` layers whose KV shares the
+    /// FULL page envelope (see [`ModelSpec::draft_layers`]): EAGLE3 drafts with one
+    /// decoder layer, an MTP head with the target's `num_nextn_predict_layers`.
+    pub const fn with_draft_layers(self, layers: u32) -> ModelSpec {
+        ModelSpec {
+            draft_layers: layers,
+            ..self
+        }
+    }
+
+    /// FULL-envelope layers: the target's full-attention layers and the draft's.
+    pub const fn full_envelope_layers(&self) -> u32 {
+        self.full_layers.saturating_add(self.draft_layers)
+    }
+
+    /// KV bytes of one token across every full-attention layer (K and V), the draft
+    /// model's included; `u64::MAX`
     /// when that does not fit in 64 bits (a spec the cache builder refuses).
     pub const fn full_bytes_per_token(&self) -> u64 {
         saturated(self.checked_full_bytes_per_token())
@@ -278,7 +305,8 @@ impl ModelSpec {
 
     /// [`ModelSpec::full_bytes_per_token`], or `None` when it does not fit in 64 bits.
     pub const fn checked_full_bytes_per_token(&self) -> Option<u64> {
-        self.full.checked_bytes_per_token(self.full_layers)
+        self.full
+            .checked_bytes_per_token(self.full_envelope_layers())
     }
 
     /// [`ModelSpec::swa_bytes_per_token`], or `None` when it does not fit in 64 bits.
@@ -311,7 +339,7 @@ impl ModelSpec {
     /// The FULL and SWA sub-pools of this model's KV, each with its own rows.
     pub const fn kv_sub_pools(&self) -> (SubPoolSpec, SubPoolSpec) {
         (
-            self.full.sub_pool("full", self.full_layers),
+            self.full.sub_pool("full", self.full_envelope_layers()),
             self.swa.sub_pool("swa", self.swa_layers),
         )
     }
@@ -364,6 +392,13 @@ impl fmt::Display for ModelSpec {
                 " + {} recurrent layers of {} B state",
                 self.mamba_layers,
                 self.recurrent.state_bytes_per_layer()
+            )?;
+        }
+        if self.draft_layers != 0 {
+            write!(
+                f,
+                " + {} draft layers in the FULL envelope",
+                self.draft_layers
             )?;
         }
         Ok(())

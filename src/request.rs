@@ -72,6 +72,8 @@ pub struct Request {
     pub(crate) kv_hit_at_admission: usize,
     /// Its recurrent state slots (a model with Mamba/GDN layers).
     pub(crate) state: Option<RequestState>,
+    /// Its unsettled verify steps, oldest first; their rows follow the settled ones.
+    pub(crate) verifies: std::collections::VecDeque<crate::spec::PendingVerify>,
 }
 
 /// The Mamba state slots a request owns.
@@ -79,6 +81,9 @@ pub struct Request {
 pub(crate) struct RequestState {
     /// The running state: the recurrent kernels read and update it every step.
     pub(crate) running: VirtualSlot,
+    /// With speculation, its slot group (`running` among them): a verify writes the
+    /// state after its position `i` into `group[i]`. Empty without speculation.
+    pub(crate) group: Vec<VirtualSlot>,
     /// Checkpoints written (or being written) that the prefix tree has not taken yet, in
     /// ascending position, each with the step whose forward writes it.
     pub(crate) held: Vec<(CheckpointWrite, u64)>,
@@ -92,9 +97,18 @@ pub(crate) struct RequestState {
 impl RequestState {
     /// Every slot it owns.
     pub(crate) fn slots(&self) -> Vec<VirtualSlot> {
-        let mut slots = vec![self.running];
+        let mut slots = self.own_slots().to_vec();
         slots.extend(self.held.iter().map(|(w, _)| w.slot));
         slots
+    }
+
+    /// The slots it runs on: its group, or its running slot.
+    pub(crate) fn own_slots(&self) -> &[VirtualSlot] {
+        if self.group.is_empty() {
+            std::slice::from_ref(&self.running)
+        } else {
+            &self.group
+        }
     }
 }
 
@@ -104,9 +118,26 @@ impl Request {
         self.id
     }
 
-    /// Tokens with KV.
+    /// Rows with KV: its settled tokens' and those its unsettled verify steps reserved
+    /// ([`Request::settled_len`] without speculation).
     pub fn len(&self) -> usize {
         self.row.len()
+    }
+
+    /// Rows of settled tokens: every row but those its unsettled verify steps reserved.
+    pub fn settled_len(&self) -> usize {
+        self.row.len() - self.reserved_rows()
+    }
+
+    /// Rows its unsettled verify steps reserved (the worst case: every position of
+    /// each accepted).
+    pub fn reserved_rows(&self) -> usize {
+        self.verifies.iter().map(|v| v.width).sum()
+    }
+
+    /// Its verify steps not settled yet ([`crate::HybridCache::settle`]).
+    pub fn unsettled_verifies(&self) -> usize {
+        self.verifies.len()
     }
 
     /// Whether no token has KV yet.
@@ -114,14 +145,15 @@ impl Request {
         self.row.is_empty()
     }
 
-    /// Prompt and generated tokens (the first [`Request::len`] have KV).
+    /// Prompt and generated tokens (the first [`Request::settled_len`] have KV; with
+    /// speculation, accepted tokens join at [`crate::HybridCache::settle`]).
     pub fn tokens(&self) -> &[TokenId] {
         &self.tokens
     }
 
     /// Tokens still to prefill.
     pub fn remaining_prefill(&self) -> usize {
-        self.tokens.len() - self.row.len()
+        self.tokens.len().saturating_sub(self.row.len())
     }
 
     /// The virtual token ids of its rows (what attention metadata is built from).
@@ -168,11 +200,18 @@ impl Request {
         self.state.as_ref().map_or(&[], |s| &s.pending)
     }
 
-    /// Every state slot it owns (running first, then the checkpoints the prefix tree has
-    /// not taken yet).
+    /// Every state slot it owns: its running slot (with speculation, its slot group in
+    /// group order), then the checkpoints the prefix tree has not taken yet.
     pub fn state_slots(&self) -> Vec<VirtualSlot> {
         self.state
             .as_ref()
             .map_or_else(Vec::new, RequestState::slots)
+    }
+
+    /// With speculation on a recurrent model, its slot group: a verify step writes the
+    /// state after its position `i` into the `i`-th slot, and settling makes the last
+    /// accepted position's slot the running one. Empty otherwise.
+    pub fn state_group(&self) -> &[VirtualSlot] {
+        self.state.as_ref().map_or(&[], |s| &s.group)
     }
 }

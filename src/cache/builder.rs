@@ -91,6 +91,7 @@ pub struct HybridCacheBuilder {
     zero_on_handout: bool,
     checkpoint_interval: Option<u32>,
     checkpoints_per_step: Option<u32>,
+    speculation: Option<crate::Speculation>,
     wrap: Option<AllocatorWrapper>,
 }
 
@@ -110,6 +111,7 @@ impl std::fmt::Debug for HybridCacheBuilder {
             .field("zero_on_handout", &self.zero_on_handout)
             .field("checkpoint_interval", &self.checkpoint_interval)
             .field("checkpoints_per_step", &self.checkpoints_per_step)
+            .field("speculation", &self.speculation)
             .field("wrapped", &self.wrap.is_some())
             .finish()
     }
@@ -128,6 +130,7 @@ impl HybridCacheBuilder {
             zero_on_handout: false,
             checkpoint_interval: None,
             checkpoints_per_step: None,
+            speculation: None,
             wrap: None,
         }
     }
@@ -196,6 +199,18 @@ impl HybridCacheBuilder {
     /// which positions are saved.
     pub fn checkpoints_per_step(mut self, n: u32) -> Self {
         self.checkpoints_per_step = Some(n);
+        self
+    }
+
+    /// Builds the cache for speculative decoding: verify steps of up to
+    /// [`crate::Speculation::max_width`] positions per request
+    /// ([`HybridCache::alloc_verify`]), settled up to
+    /// [`crate::Speculation::max_in_flight`] steps late ([`HybridCache::settle`]). On
+    /// a model with recurrent layers every request then runs on a slot group of
+    /// `max_width` state slots, which admission prices. Default: none (a verify step is
+    /// [`Error::SpeculationOff`]).
+    pub fn speculation(mut self, speculation: crate::Speculation) -> Self {
+        self.speculation = Some(speculation);
         self
     }
 
@@ -287,6 +302,9 @@ impl HybridCacheBuilder {
         };
         if self.memory_bytes == 0 {
             return config_error("a memory budget of 0 bytes (set memory_bytes)".into());
+        }
+        if let Some(spec) = self.speculation {
+            spec.check().map_err(Error::Config)?;
         }
         if let Layout::Static {
             swa_full_tokens_ratio,
@@ -394,6 +412,7 @@ impl HybridCacheBuilder {
             mirror_generation: 0,
             step_table: None,
             plan: CheckpointPlan::default(),
+            speculation: self.speculation,
         })
     }
 }

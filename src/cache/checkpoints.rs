@@ -9,7 +9,8 @@ use unikv_mamba::CheckpointWrite;
 use unikv_pools::{FreeOp, PageDemand, VirtualSlot};
 
 impl HybridCache {
-    /// Plans the checkpoints of `req` growing to `new_len` rows in this step into `plan`.
+    /// Plans the checkpoints of `req` growing over `rows` (from its settled rows) in this
+    /// step into `plan`.
     /// The new writes go first into the slots of checkpoints it holds from earlier steps,
     /// oldest first (the tree never saw them, and a deeper state supersedes them), then
     /// into fresh slots; a request holds at most [`StatePolicy::checkpoints_per_step`]
@@ -19,7 +20,7 @@ impl HybridCache {
     pub(super) fn plan_checkpoints(
         &self,
         req: &Request,
-        new_len: usize,
+        rows: std::ops::Range<usize>,
         plan: &mut CheckpointPlan,
     ) {
         let fresh_start = plan.fresh;
@@ -31,7 +32,7 @@ impl HybridCache {
             return;
         };
         let first = plan.at.len();
-        policy.plan(req.len()..new_len, state.marks, &mut plan.at);
+        policy.plan(rows, state.marks, &mut plan.at);
         let cap = policy.checkpoints_per_step() as usize;
         let planned = plan.at.len() - first;
         let older = state
@@ -109,18 +110,17 @@ impl HybridCache {
             return;
         };
         state.pending.clear();
+        let writes: Vec<CheckpointWrite> = plan
+            .writes(i, &state.held)
+            .map(|(at_len, slot)| CheckpointWrite { slot, at_len })
+            .collect();
         let p = plan.requests[i];
-        let reused: Vec<VirtualSlot> = state.held.drain(..p.reuse).map(|(w, _)| w.slot).collect();
-        let fresh = &plan.slots[p.fresh_start..p.fresh_start + p.new - p.reuse];
-        for (&at_len, &slot) in plan.at[p.start..p.start + p.new]
-            .iter()
-            .zip(reused.iter().chain(fresh))
-        {
-            let write = CheckpointWrite { slot, at_len };
+        state.held.drain(..p.reuse);
+        for write in writes {
             state.held.push((write, self.step));
             state.pending.push(write);
         }
-        self.held_slots += fresh.len();
+        self.held_slots += p.new - p.reuse;
     }
 }
 
@@ -143,6 +143,37 @@ impl CheckpointPlan {
         self.requests.clear();
         self.fresh = 0;
         self.slots.clear();
+    }
+
+    /// The fresh slots the plan took.
+    pub(super) fn fresh_slots(&self) -> &[VirtualSlot] {
+        &self.slots
+    }
+
+    /// Plans nothing for the next request of the allocation.
+    pub(super) fn skip(&mut self) {
+        self.requests.push(Planned {
+            fresh_start: self.fresh,
+            ..Planned::default()
+        });
+    }
+
+    /// The `i`-th request's writes as (position, slot): into the slots of the oldest
+    /// checkpoints it holds (`held`, before the commit), then into its fresh slots.
+    pub(super) fn writes<'a>(
+        &'a self,
+        i: usize,
+        held: &'a [(CheckpointWrite, u64)],
+    ) -> impl Iterator<Item = (usize, VirtualSlot)> + 'a {
+        let p = self.requests[i];
+        let reused = held[..p.reuse].iter().map(|(w, _)| w.slot);
+        let fresh = self.slots[p.fresh_start..p.fresh_start + p.new - p.reuse]
+            .iter()
+            .copied();
+        self.at[p.start..p.start + p.new]
+            .iter()
+            .copied()
+            .zip(reused.chain(fresh))
     }
 
     /// Drops every position that needs a fresh slot: each request keeps its deepest

@@ -38,6 +38,7 @@ pub fn tiny_model(window: u32, swa_layers: u32) -> ModelSpec {
         swa: KvRows::new(1, 4, 2),
         recurrent: RecurrentState::NONE,
         window,
+        draft_layers: 0,
     }
 }
 
@@ -74,6 +75,7 @@ pub const TINY_MAMBA: ModelSpec = ModelSpec {
         state_dtype_bytes: 4,
     },
     window: 0,
+    draft_layers: 0,
 };
 
 /// A tiny model with all three kinds (the tri-pool): [`TINY_MAMBA`] plus two SWA layers
@@ -83,6 +85,7 @@ pub const TINY_TRI: ModelSpec = ModelSpec {
     swa_layers: 2,
     swa: KvRows::new(1, 4, 2),
     window: 8,
+    draft_layers: 0,
     ..TINY_MAMBA
 };
 

@@ -110,6 +110,7 @@ const FULL_SWA: ModelSpec = ModelSpec {
     swa: KvRows::new(HEADS as u32, HD as u32, 4),
     recurrent: RecurrentState::NONE,
     window: WINDOW as u32,
+    draft_layers: 0,
 };
 
 /// [`Model::Mamba`]'s spec: two FULL and two recurrent layers, no SWA.
@@ -120,6 +121,7 @@ const FULL_MAMBA: ModelSpec = ModelSpec {
     swa: KvRows::NONE,
     recurrent: RECURRENT,
     window: 0,
+    draft_layers: 0,
     ..FULL_SWA
 };
 

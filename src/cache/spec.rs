@@ -1,0 +1,290 @@
+//! Verify steps ([`HybridCache::alloc_verify`]) and their settlement
+//! ([`HybridCache::settle`]): the host reserves every position a verify may keep, and
+//! gives back what was rejected when the accepted counts arrive, whenever that is.
+
+use super::{Checkpoints, HybridCache};
+use crate::error::Error;
+use crate::request::Request;
+use crate::spec::{Accepted, Draft, PendingVerify};
+use unikv_pools::{ExtendRequest, FreeOp, VirtualSlot};
+
+impl HybridCache {
+    /// Allocates one verify step for each request of the batch: the rows of every
+    /// position its draft verifies (`1 + k` for a chain, the tree's nodes for a tree), on
+    /// FULL and SWA, for the target's verify forward and the draft model's own KV rows
+    /// (which share the FULL envelope: [`crate::ModelSpec::draft_layers`]). One
+    /// allocator call for the batch; SWA that left the window of the *settled* rows is
+    /// released first, so every position a verify reads keeps its window (`W + k` rows).
+    ///
+    /// The rows follow the request's settled rows and those its earlier unsettled
+    /// verifies reserved (when the accepted counts arrive late, the next step is
+    /// allocated for the worst case: every earlier position accepted; the kernels read
+    /// the accepted counts on the device). Draft tokens never enter the prefix tree; the
+    /// accepted ones join the request at [`HybridCache::settle`].
+    ///
+    /// On a model with recurrent layers the verify writes the state after its position
+    /// `i` into the `i`-th slot of the request's slot group ([`Request::state_group`]),
+    /// reading the running state ([`Request::state_slot`]).
+    ///
+    /// Errors, before anything changes: a cache built without speculation
+    /// ([`Error::SpeculationOff`]), a draft wider than it was built for
+    /// ([`Error::VerifyWidth`]), a bad parent array ([`Error::BadDraftTree`]), a request
+    /// still in prefill ([`Error::BadRequest`]) or with as many unsettled verifies as the
+    /// cache allows ([`Error::TooManyInFlight`]). Short of memory after eviction:
+    /// [`Error::OutOfMemory`], every request as it was.
+    pub fn alloc_verify(
+        &mut self,
+        batch: &mut [&mut Request],
+        drafts: &[Draft<'_>],
+    ) -> Result<(), Error> {
+        let first = batch.first().map_or(u64::MAX, |r| r.id);
+        if batch.len() != drafts.len() {
+            return Err(Error::BadRequest {
+                request: first,
+                reason: format!("{} requests but {} drafts", batch.len(), drafts.len()),
+            });
+        }
+        let Some(spec) = self.speculation else {
+            return Err(Error::SpeculationOff { request: first });
+        };
+        for (req, draft) in batch.iter().zip(drafts) {
+            self.check_owner(req)?;
+            let width = draft.width();
+            if width == 0 || width > spec.max_width as usize {
+                return Err(Error::VerifyWidth {
+                    request: req.id,
+                    width,
+                    max_width: spec.max_width as usize,
+                });
+            }
+            draft.check(req.id)?;
+            if req.verifies.len() >= spec.max_in_flight as usize {
+                return Err(Error::TooManyInFlight {
+                    request: req.id,
+                    in_flight: req.verifies.len(),
+                });
+            }
+            if req.settled_len() != req.tokens.len() {
+                return Err(Error::BadRequest {
+                    request: req.id,
+                    reason: format!(
+                        "verify before prefill finished ({} of {} tokens)",
+                        req.settled_len(),
+                        req.tokens.len()
+                    ),
+                });
+            }
+        }
+        self.release_batch_windows(batch)?;
+        let ps = self.alloc.page_size();
+        let extends: Vec<ExtendRequest> = batch
+            .iter()
+            .zip(drafts)
+            .map(|(req, draft)| ExtendRequest {
+                prefix_len: req.len(),
+                seq_len: req.len() + draft.width(),
+                last_token: req.row.last().copied(),
+            })
+            .collect();
+        let pages = extends.iter().map(|e| e.new_pages(ps)).sum();
+        let mut plan = std::mem::take(&mut self.plan);
+        plan.clear();
+        let result =
+            self.alloc_with_checkpoints(pages, &mut plan, Checkpoints::Required, |cache| {
+                cache.scratch.clear();
+                cache
+                    .alloc
+                    .alloc_extend(&extends, &mut cache.scratch)
+                    .map_err(|e| cache.out_of_memory(e))
+            });
+        self.plan = plan;
+        result?;
+        let mut at = 0;
+        for (req, draft) in batch.iter_mut().zip(drafts) {
+            let width = draft.width();
+            let before = self.held(req);
+            req.row.extend_from_slice(&self.scratch[at..at + width]);
+            at += width;
+            self.account(before, self.held(req));
+            req.verifies.push_back(PendingVerify {
+                width,
+                parents: draft.tree(),
+            });
+            if let Some(state) = &mut req.state {
+                // A verify saves no checkpoint in its forward (settling does).
+                state.pending.clear();
+            }
+        }
+        Ok(())
+    }
+
+    /// Settles the oldest unsettled verify step of each request of the batch with what
+    /// the target accepted: the accepted tokens join the request (and with them its
+    /// settled rows), and the rows reserved past what may still be read are freed —
+    /// whole pages only, with fixed-shape frees; a page the accepted rows (or a later
+    /// unsettled verify) partly use stays. Nothing is read from the device: the engine
+    /// passes the counts when it has them.
+    ///
+    /// A tree verify's accepted nodes become the request's next rows in path order; their
+    /// KV is moved there on the device by a fixed-shape copy that reads the accepted path
+    /// there (the verify's metadata carries what it needs), so the host moves nothing.
+    ///
+    /// On a model with recurrent layers the last accepted position's slot of the group
+    /// becomes the running state (a selection, not a copy). When no later verify of the
+    /// request is in flight, the grid points, branching point and prompt end the accepted
+    /// positions cross are saved as checkpoints, copied out of the group (best effort:
+    /// only into slots that fit without evicting the accepted KV's room); a later verify
+    /// already in flight rewrites the group, so a late-settled step saves none.
+    ///
+    /// Errors, before anything changes: a request with no unsettled verify
+    /// ([`Error::NothingToSettle`], e.g. settled twice) or accepted positions that do not
+    /// fit its verify ([`Error::BadAccepted`]: none, more than its width, a path for a
+    /// chain, a path that is not a root-to-node path of its tree). A device error while
+    /// copying checkpoints out is returned after the settlement took effect, without
+    /// those checkpoints.
+    pub fn settle(
+        &mut self,
+        batch: &mut [&mut Request],
+        accepted: &[Accepted<'_>],
+    ) -> Result<(), Error> {
+        if batch.len() != accepted.len() {
+            return Err(Error::BadRequest {
+                request: batch.first().map_or(u64::MAX, |r| r.id),
+                reason: format!(
+                    "{} requests but {} accepted lists",
+                    batch.len(),
+                    accepted.len()
+                ),
+            });
+        }
+        for (req, acc) in batch.iter().zip(accepted) {
+            self.check_owner(req)?;
+            let Some(verify) = req.verifies.front() else {
+                return Err(Error::NothingToSettle { request: req.id });
+            };
+            verify.check(req.id, acc)?;
+        }
+        // Rows each request keeps: its settled rows, the accepted ones, and what its later
+        // unsettled verifies reserved (the device may already be writing them).
+        let ps = self.ps;
+        let settled: Vec<usize> = batch.iter().map(|r| r.settled_len()).collect();
+        let keep: Vec<usize> = batch
+            .iter()
+            .zip(accepted)
+            .map(|(r, acc)| {
+                let width = r.verifies.front().map_or(0, |v| v.width);
+                r.len() - width + acc.len()
+            })
+            .collect();
+        let tails: Vec<FreeOp<'_>> = batch
+            .iter()
+            .zip(&keep)
+            .filter_map(|(r, &keep)| {
+                let dead_lo = keep.next_multiple_of(ps);
+                (dead_lo < r.len()).then_some(FreeOp::KvRow {
+                    row: &r.row,
+                    dead_lo,
+                    cursor: dead_lo,
+                    len: r.len(),
+                })
+            })
+            .collect();
+        if !tails.is_empty() {
+            self.alloc.free_batch(&tails);
+        }
+        drop(tails);
+        for ((req, acc), &keep) in batch.iter_mut().zip(accepted).zip(&keep) {
+            let before = self.held(req);
+            req.row.truncate(keep);
+            req.verifies.pop_front();
+            req.tokens.extend_from_slice(acc.tokens);
+            self.account(before, self.held(req));
+            if let Some(state) = &mut req.state
+                && !state.group.is_empty()
+            {
+                state.running = state.group[acc.node(acc.len() - 1)];
+            }
+        }
+        self.settle_checkpoints(batch, accepted, &settled)
+    }
+
+    /// Saves the checkpoints the accepted positions cross, for each request of a settled
+    /// batch with no later verify in flight: planned as a decode step's (best effort),
+    /// copied out of the slot group in one device op.
+    fn settle_checkpoints(
+        &mut self,
+        batch: &mut [&mut Request],
+        accepted: &[Accepted<'_>],
+        settled: &[usize],
+    ) -> Result<(), Error> {
+        if self.states.is_none() {
+            return Ok(());
+        }
+        let mut plan = std::mem::take(&mut self.plan);
+        plan.clear();
+        for (req, &from) in batch.iter().zip(settled) {
+            if req.verifies.is_empty() {
+                self.plan_checkpoints(req, from..req.settled_len(), &mut plan);
+            } else {
+                plan.skip();
+            }
+        }
+        let result = self
+            .alloc_with_checkpoints(0, &mut plan, Checkpoints::BestEffort, |_| Ok(()))
+            .and_then(|()| {
+                // Every write's source: the group slot of the position whose state it is.
+                let mut copies: Vec<(VirtualSlot, VirtualSlot)> = Vec::new();
+                for (i, (req, acc)) in batch.iter().zip(accepted).enumerate() {
+                    let Some(state) = &req.state else { continue };
+                    for (at_len, slot) in plan.writes(i, &state.held) {
+                        let position = at_len - settled[i] - 1;
+                        copies.push((state.group[acc.node(position)], slot));
+                    }
+                }
+                if copies.is_empty() {
+                    return Ok(());
+                }
+                self.alloc.copy_slots(&copies).map_err(|e| {
+                    // Nothing was copied: the fresh slots go back, nothing is recorded.
+                    self.alloc.free_batch(&[FreeOp::Slots(plan.fresh_slots())]);
+                    Error::from(e)
+                })
+            });
+        if result.is_ok() {
+            for (i, req) in batch.iter_mut().enumerate() {
+                self.commit_checkpoints(req, &plan, i);
+                if let Some(state) = &mut req.state {
+                    // Settling copied them; the next forward writes none of them.
+                    state.pending.clear();
+                }
+            }
+        }
+        self.plan = plan;
+        result
+    }
+
+    /// Releases the SWA of every request of the batch that left the window of its settled
+    /// rows, in one allocator call (every segment checked before any page is freed).
+    pub(super) fn release_batch_windows(
+        &mut self,
+        batch: &mut [&mut Request],
+    ) -> Result<(), Error> {
+        let released: Vec<(usize, std::ops::Range<usize>)> = batch
+            .iter()
+            .enumerate()
+            .filter_map(|(i, req)| self.out_of_window(req).map(|rows| (i, rows)))
+            .collect();
+        if released.is_empty() {
+            return Ok(());
+        }
+        let segments: Vec<unikv_pools::Segment<'_>> = released
+            .iter()
+            .map(|(i, rows)| unikv_pools::Segment::of_row(&batch[*i].row, rows.clone()))
+            .collect();
+        self.alloc.free_swa_segments(&segments)?;
+        for (i, rows) in released {
+            self.window_released(batch[i], rows.end)?;
+        }
+        Ok(())
+    }
+}

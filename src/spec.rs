@@ -1,0 +1,256 @@
+//! Speculative decoding's vocabulary: what a cache is built to verify
+//! ([`Speculation`]), the draft a verify step checks ([`Draft`]: a chain of `k` tokens
+//! or a tree with a parent array), and what the target model accepted ([`Accepted`]).
+//!
+//! A verify step gives each request the rows of every position it verifies
+//! ([`crate::HybridCache::alloc_verify`]); the accepted counts are device values, and the
+//! host learns them when it learns them (one step late under an overlap scheduler), so
+//! nothing waits for them: [`crate::HybridCache::settle`] applies them whenever they
+//! arrive, oldest verify first.
+
+use crate::error::Error;
+use unikv_radix::TokenId;
+
+/// The most positions [`Speculation::max_width`] may declare: EAGLE-2/3 trees verify up
+/// to 64 nodes (SGLang's `speculative_num_draft_tokens` defaults stay far below).
+pub const MAX_VERIFY_WIDTH: u32 = 64;
+
+/// The most verify steps of one request that may be unsettled at once
+/// ([`Speculation::max_in_flight`]): an overlap scheduler learns a step's counts one step
+/// late, so two are in flight; a deeper pipeline is allowed up to this.
+pub const MAX_IN_FLIGHT: u32 = 4;
+
+/// What a cache is built to verify ([`crate::HybridCacheBuilder::speculation`]).
+///
+/// On a model with recurrent layers every request holds a **slot group** of
+/// `max_width` state slots instead of one running slot: a verify writes the state after
+/// each of its positions into the group (position `i` into slot `i`), and settling makes
+/// the accepted position's slot the running one, by selection and without a copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Speculation {
+    /// Positions one request verifies in one step at most: `1 + k` for a chain of `k`
+    /// drafts, `n` for a draft tree of `n` nodes (1 ..= [`MAX_VERIFY_WIDTH`]).
+    pub max_width: u32,
+    /// Verify steps of one request that may be unsettled at once (1 ..=
+    /// [`MAX_IN_FLIGHT`]): 1 when the counts arrive before the next step is allocated,
+    /// 2 under an overlap scheduler.
+    pub max_in_flight: u32,
+}
+
+impl Speculation {
+    /// Chain drafts of up to `k` tokens, counts settled before the next step.
+    pub const fn chain(k: u32) -> Speculation {
+        Speculation {
+            max_width: k.saturating_add(1),
+            max_in_flight: 1,
+        }
+    }
+
+    /// Draft trees of up to `nodes` nodes, counts settled before the next step.
+    pub const fn tree(nodes: u32) -> Speculation {
+        Speculation {
+            max_width: nodes,
+            max_in_flight: 1,
+        }
+    }
+
+    /// The same with `n` verify steps of a request unsettled at once (2 for counts that
+    /// arrive one step late).
+    pub const fn in_flight(self, n: u32) -> Speculation {
+        Speculation {
+            max_in_flight: n,
+            ..self
+        }
+    }
+
+    /// Why the builder refuses it, if it does.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        if !(1..=MAX_VERIFY_WIDTH).contains(&self.max_width) {
+            return Err(format!(
+                "speculation: a verify width of {} positions (1 ..= {MAX_VERIFY_WIDTH})",
+                self.max_width
+            ));
+        }
+        if !(1..=MAX_IN_FLIGHT).contains(&self.max_in_flight) {
+            return Err(format!(
+                "speculation: {} verify steps in flight (1 ..= {MAX_IN_FLIGHT})",
+                self.max_in_flight
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The draft one request verifies in one step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Draft<'a> {
+    /// A chain (EAGLE, MTP, DSPARK): the request's next token and `k` drafted after it,
+    /// `1 + k` positions in row order.
+    Chain {
+        /// Drafted tokens.
+        k: usize,
+    },
+    /// A draft tree (EAGLE-2/3 top-k trees) of `parents.len()` nodes in row order:
+    /// node 0 is the request's next token (`parents[0] == -1`) and every other node's
+    /// parent comes before it (`0 <= parents[i] < i`).
+    Tree {
+        /// Each node's parent (`-1` for the root).
+        parents: &'a [i32],
+    },
+}
+
+impl Draft<'_> {
+    /// Positions the request verifies: `1 + k`, or the tree's nodes.
+    pub fn width(&self) -> usize {
+        match self {
+            Draft::Chain { k } => k.saturating_add(1),
+            Draft::Tree { parents } => parents.len(),
+        }
+    }
+
+    /// [`Error::BadDraftTree`] unless a tree's parent array is one (a chain always is).
+    pub(crate) fn check(&self, request: u64) -> Result<(), Error> {
+        let Draft::Tree { parents } = self else {
+            return Ok(());
+        };
+        for (node, &parent) in parents.iter().enumerate() {
+            let ok = if node == 0 {
+                parent == -1
+            } else {
+                (0..node as i64).contains(&i64::from(parent))
+            };
+            if !ok {
+                return Err(Error::BadDraftTree {
+                    request,
+                    node,
+                    parent,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The parent array a verify keeps to check the accepted path (`None` for a chain,
+    /// whose accepted positions are a prefix).
+    pub(crate) fn tree(&self) -> Option<Box<[i32]>> {
+        match self {
+            Draft::Chain { .. } => None,
+            Draft::Tree { parents } => Some((*parents).into()),
+        }
+    }
+}
+
+/// What the target model accepted of one verify step, in accepted order: for a chain,
+/// the first `tokens.len()` positions (the request's next token, then the accepted
+/// drafts); for a tree, the nodes of `path`, a root-to-node path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Accepted<'a> {
+    pub(crate) tokens: &'a [TokenId],
+    pub(crate) path: Option<&'a [u32]>,
+}
+
+impl<'a> Accepted<'a> {
+    /// A chain verify's accepted tokens (1 ..= `1 + k` of them: its first position is
+    /// always kept).
+    pub fn chain(tokens: &'a [TokenId]) -> Accepted<'a> {
+        Accepted { tokens, path: None }
+    }
+
+    /// A tree verify's accepted path (node 0 first, each next node a child of the one
+    /// before) and the tokens of those nodes.
+    pub fn tree(path: &'a [u32], tokens: &'a [TokenId]) -> Accepted<'a> {
+        Accepted {
+            tokens,
+            path: Some(path),
+        }
+    }
+
+    /// Positions accepted.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether nothing was accepted (never valid: a verify keeps its first position).
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// The verify position whose row (and state) the `i`-th accepted token has.
+    pub(crate) fn node(&self, i: usize) -> usize {
+        self.path.map_or(i, |p| p[i] as usize)
+    }
+}
+
+/// One verify step of a request that is not settled yet.
+#[derive(Clone, Debug)]
+pub(crate) struct PendingVerify {
+    /// Positions it verifies (rows it reserved).
+    pub(crate) width: usize,
+    /// A tree's parent array.
+    pub(crate) parents: Option<Box<[i32]>>,
+}
+
+impl PendingVerify {
+    /// [`Error::BadAccepted`] unless `accepted` fits this verify: 1 ..= width positions,
+    /// a chain's without a path, a tree's a root-to-node path with one token per node.
+    pub(crate) fn check(&self, request: u64, accepted: &Accepted<'_>) -> Result<(), Error> {
+        let bad = |reason: AcceptedFault| {
+            Err(Error::BadAccepted {
+                request,
+                accepted: accepted.len(),
+                width: self.width,
+                reason,
+            })
+        };
+        if accepted.is_empty() || accepted.len() > self.width {
+            return bad(AcceptedFault::Count);
+        }
+        match (&self.parents, accepted.path) {
+            (None, None) => Ok(()),
+            (None, Some(_)) => bad(AcceptedFault::PathForChain),
+            (Some(_), None) => bad(AcceptedFault::NoPath),
+            (Some(parents), Some(path)) => {
+                if path.len() != accepted.len() {
+                    return bad(AcceptedFault::PathLength { path: path.len() });
+                }
+                let mut prev = -1;
+                for (index, &node) in path.iter().enumerate() {
+                    let parent = parents.get(node as usize).copied();
+                    if parent != Some(prev) {
+                        return bad(AcceptedFault::NotAPath { index, node });
+                    }
+                    prev = node as i32;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Why [`crate::HybridCache::settle`] refused an [`Accepted`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AcceptedFault {
+    /// None, or more than the verify's positions.
+    #[error("a verify keeps 1 ..= its width positions")]
+    Count,
+    /// A path for a chain verify.
+    #[error("a chain verify's accepted positions are a prefix, not a path")]
+    PathForChain,
+    /// No path for a tree verify.
+    #[error("a tree verify needs the accepted path")]
+    NoPath,
+    /// A path whose length is not the number of tokens.
+    #[error("the path has {path} nodes")]
+    PathLength {
+        /// Nodes in the path.
+        path: usize,
+    },
+    /// A path that does not start at the root or leaves the tree.
+    #[error("node {node} at index {index} is not a child of the node before it")]
+    NotAPath {
+        /// Its index in the path.
+        index: usize,
+        /// The node.
+        node: u32,
+    },
+}

@@ -1,0 +1,571 @@
+//! Speculative decoding through `HybridCache`: verify steps reserve every position a
+//! draft may keep on FULL, SWA and the recurrent slot group, and settling gives back what
+//! was rejected (whole pages only) and selects the accepted state. Every case at
+//! invariant level Strict (a conservation breach fails the step boundary), on both
+//! layouts, a FULL + SWA, a FULL + Mamba and a tri-pool model, at page sizes 1, 16, 256
+//! and the matrix's.
+
+mod common;
+
+use common::{LAYOUTS, TINY_MAMBA, TINY_TRI, tiny_model};
+use unikv::invariants::{Level, scoped_level};
+use unikv::pools::{Side, SwaState, VirtualPage};
+use unikv::{
+    Accepted, AcceptedFault, CacheStats, Draft, Error, HybridCache, Layout, ModelSpec, Request,
+    Speculation, TokenId,
+};
+
+/// Drafted tokens per chain verify.
+const K: usize = 4;
+
+/// The models: FULL + SWA (window 8), FULL + Mamba, and FULL + SWA + Mamba.
+fn models() -> [ModelSpec; 3] {
+    [tiny_model(8, 1), TINY_MAMBA, TINY_TRI]
+}
+
+fn page_sizes() -> Vec<u32> {
+    let mut sizes = vec![1, 16, 256];
+    for ps in common::page_sizes() {
+        if !sizes.contains(&ps) {
+            sizes.push(ps);
+        }
+    }
+    sizes
+}
+
+fn cache(model: ModelSpec, layout: Layout, ps: u32, speculation: Speculation) -> HybridCache {
+    HybridCache::builder()
+        .model(model.with_draft_layers(1))
+        .page_size(ps)
+        .memory_bytes(8 << 20)
+        .layout(layout)
+        .speculation(speculation)
+        .build()
+        .unwrap()
+}
+
+fn tokens(from: u32, n: usize) -> Vec<TokenId> {
+    (from..from + n as u32).map(TokenId).collect()
+}
+
+/// Admits a prompt of `len` tokens and prefills it.
+fn prefill(c: &mut HybridCache, len: usize) -> Request {
+    let hit = c.match_prefix(tokens(0, len));
+    let mut req = c.admit(hit).unwrap();
+    c.alloc_extend(&mut req, len).unwrap();
+    req
+}
+
+/// Pages a request holds on FULL past the tree-owned prefix, by its row.
+fn held_full(req: &Request, ps: usize) -> usize {
+    req.len().div_ceil(ps) - req.protected_len() / ps
+}
+
+/// Runs `case` for every model, layout and page size at Strict, with chain drafts of
+/// `K` tokens settled before the next step, then checks that releasing the case's
+/// requests and evicting the tree frees every page and slot.
+fn each(speculation: Speculation, case: impl Fn(&mut HybridCache, &str, usize) -> Vec<Request>) {
+    scoped_level(Level::Strict, || {
+        for model in models() {
+            for layout in LAYOUTS {
+                for ps in page_sizes() {
+                    let mut c = cache(model, layout, ps, speculation);
+                    let label = format!("{} {} ps {ps}", model.name, layout.as_str());
+                    let live = case(&mut c, &label, ps as usize);
+                    for req in live {
+                        c.release(req).unwrap();
+                    }
+                    c.step_boundary().unwrap();
+                    c.evict_all().unwrap();
+                    c.step_boundary().unwrap();
+                    all_free(&c.stats(), &label);
+                }
+            }
+        }
+    });
+}
+
+fn all_free(s: &CacheStats, label: &str) {
+    assert_eq!(s.live_requests, 0, "{label}");
+    for side in [&s.full, &s.swa, &s.mamba] {
+        assert_eq!(
+            side.available_pages, side.total_pages,
+            "{label}: every {} page is free again",
+            side.name
+        );
+    }
+}
+
+/// A prompt length that leaves the verify's rows at `offset` into a page.
+fn prompt_at(ps: usize, offset: usize) -> usize {
+    3 * ps.max(8) + offset % ps
+}
+
+#[test]
+fn a_verify_reserves_every_position_and_all_rejected_keeps_only_the_first() {
+    each(Speculation::chain(K as u32), |c, label, ps| {
+        let mut req = prefill(c, prompt_at(ps, 3));
+        let len = req.len();
+        c.step_boundary().unwrap();
+        c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
+            .unwrap();
+        assert_eq!(req.len(), len + 1 + K, "{label}: 1 + k rows reserved");
+        assert_eq!(req.settled_len(), len, "{label}");
+        assert_eq!(req.unsettled_verifies(), 1, "{label}");
+        c.step_boundary().unwrap();
+        c.settle(&mut [&mut req], &[Accepted::chain(&tokens(900, 1))])
+            .unwrap();
+        assert_eq!(
+            (req.len(), req.settled_len()),
+            (len + 1, len + 1),
+            "{label}"
+        );
+        assert_eq!(req.tokens()[len], TokenId(900), "{label}");
+        c.step_boundary().unwrap();
+        assert_eq!(
+            c.stats().full.held_pages,
+            held_full(&req, ps),
+            "{label}: the rejected tail's whole pages went back"
+        );
+        vec![req]
+    });
+}
+
+#[test]
+fn all_accepted_keeps_every_row_and_frees_nothing() {
+    each(Speculation::chain(K as u32), |c, label, _| {
+        let mut req = prefill(c, 37);
+        c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
+            .unwrap();
+        let row = req.row().to_vec();
+        let before = c.stats().full.available_pages;
+        c.settle(&mut [&mut req], &[Accepted::chain(&tokens(900, 1 + K))])
+            .unwrap();
+        c.step_boundary().unwrap();
+        assert_eq!(req.row(), &row[..], "{label}");
+        assert_eq!(req.settled_len(), 37 + 1 + K, "{label}");
+        assert_eq!(c.stats().full.available_pages, before, "{label}");
+        vec![req]
+    });
+}
+
+#[test]
+fn a_partial_tail_frees_whole_pages_only_inside_one_page_and_across_a_boundary() {
+    // (offset of the verify's first row in its page, accepted): at page size 16 the
+    // first case stays inside one page, the second crosses into the next and gives it
+    // back.
+    for (offset, accepted) in [(3, 2), (13, 2)] {
+        each(Speculation::chain(K as u32), |c, label, ps| {
+            let mut req = prefill(c, prompt_at(ps, offset));
+            let len = req.len();
+            c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
+                .unwrap();
+            let reserved_pages = held_full(&req, ps);
+            c.settle(&mut [&mut req], &[Accepted::chain(&tokens(900, accepted))])
+                .unwrap();
+            c.step_boundary().unwrap();
+            let kept = (len + accepted).div_ceil(ps) - req.protected_len() / ps;
+            assert_eq!(c.stats().full.held_pages, kept, "{label} offset {offset}");
+            assert!(c.stats().swa.held_pages <= kept, "{label}");
+            assert!(kept <= reserved_pages, "{label}");
+            // The next decode fills the partly used page first.
+            c.alloc_decode(&mut [&mut req], &[TokenId(1)]).unwrap();
+            c.step_boundary().unwrap();
+            assert_eq!(req.len(), len + accepted + 1, "{label}");
+            vec![req]
+        });
+    }
+}
+
+#[test]
+fn a_tree_accepting_a_non_contiguous_path_keeps_its_nodes_in_path_order() {
+    // Node 0 → 1, 2; 1 → 3; 2 → 4. The target accepts 0 → 2 → 4.
+    let parents = [-1, 0, 0, 1, 2];
+    each(Speculation::tree(5), |c, label, _| {
+        let mut req = prefill(c, 21);
+        c.alloc_verify(&mut [&mut req], &[Draft::Tree { parents: &parents }])
+            .unwrap();
+        let row = req.row().to_vec();
+        let group = req.state_group().to_vec();
+        c.settle(
+            &mut [&mut req],
+            &[Accepted::tree(&[0, 2, 4], &tokens(900, 3))],
+        )
+        .unwrap();
+        c.step_boundary().unwrap();
+        // Accepted nodes become rows 21, 22, 23 (the device moves their KV there).
+        assert_eq!(req.row(), &row[..24], "{label}");
+        assert_eq!(&req.tokens()[21..], &tokens(900, 3)[..], "{label}");
+        if !group.is_empty() {
+            assert_eq!(
+                req.state_slot(),
+                Some(group[4]),
+                "{label}: the last accepted node's state runs"
+            );
+        }
+        vec![req]
+    });
+}
+
+#[test]
+fn swa_keeps_the_window_behind_every_verify_position_across_a_release() {
+    scoped_level(Level::Strict, || {
+        for layout in LAYOUTS {
+            for ps in page_sizes() {
+                let model = tiny_model(8, 1);
+                let spec = Speculation::chain(K as u32).in_flight(2);
+                let mut c = cache(model, layout, ps, spec);
+                let label = format!("{} ps {ps}", layout.as_str());
+                let mut req = prefill(&mut c, 3 * ps as usize + 5);
+                // Counts arrive one step late: each step is allocated with the last one's
+                // unsettled, enough steps to move the window cursor several times.
+                c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
+                    .unwrap();
+                for step in 0..40u32 {
+                    c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
+                        .unwrap();
+                    let settled = req.settled_len();
+                    let alloc = c.allocator();
+                    // Every row a verify position may read (the window behind the first
+                    // unsettled position and everything after it) is live on SWA.
+                    for i in (settled + 1).saturating_sub(8)..req.len() {
+                        let page = VirtualPage(req.row()[i].0 / ps);
+                        assert_eq!(
+                            alloc.swa_state(page),
+                            SwaState::Live,
+                            "{label}: step {step} row {i}"
+                        );
+                        assert!(alloc.physical_page(Side::Swa, page).is_some(), "{label}");
+                    }
+                    let a = 1 + (step as usize % (K + 1));
+                    c.settle(&mut [&mut req], &[Accepted::chain(&tokens(900, a))])
+                        .unwrap();
+                    c.step_boundary().unwrap();
+                }
+                assert!(req.window_cursor() > 0, "{label}: the window moved");
+                c.release(req).unwrap();
+                c.step_boundary().unwrap();
+                all_free(&c.stats(), &label);
+            }
+        }
+    });
+}
+
+#[test]
+fn an_abort_and_a_retraction_mid_verify_return_every_page_and_slot() {
+    each(Speculation::chain(K as u32).in_flight(2), |c, label, _| {
+        let mut a = prefill(c, 40);
+        let mut b = prefill(c, 50);
+        c.cache_unfinished(&mut b).unwrap();
+        c.alloc_verify(&mut [&mut a, &mut b], &[Draft::Chain { k: K }; 2])
+            .unwrap();
+        c.alloc_verify(&mut [&mut a, &mut b], &[Draft::Chain { k: 2 }; 2])
+            .unwrap();
+        // Abort one, retract the other and admit it again from its settled tokens.
+        c.release(a).unwrap();
+        let again = c.release(b).unwrap();
+        assert_eq!(again.len(), 50, "{label}: only settled tokens come back");
+        c.step_boundary().unwrap();
+        let s = c.stats();
+        assert_eq!(
+            (s.full.held_pages, s.swa.held_pages, s.mamba.held_pages),
+            (0, 0, 0)
+        );
+        let hit = c.match_prefix(again);
+        let mut b = c.admit(hit).unwrap();
+        let n = b.remaining_prefill();
+        c.alloc_extend(&mut b, n).unwrap();
+        c.step_boundary().unwrap();
+        vec![b]
+    });
+}
+
+#[test]
+fn late_counts_settle_in_order_and_free_only_what_no_verify_may_read() {
+    each(Speculation::chain(K as u32).in_flight(2), |c, label, ps| {
+        let mut req = prefill(c, 30);
+        c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
+            .unwrap();
+        c.step_boundary().unwrap();
+        // The next step is allocated before the first step's counts arrive.
+        c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
+            .unwrap();
+        assert_eq!(req.len(), 30 + 2 * (1 + K), "{label}");
+        assert_eq!(
+            c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
+                .unwrap_err()
+                .to_string(),
+            Error::TooManyInFlight {
+                request: req.id(),
+                in_flight: 2
+            }
+            .to_string(),
+            "{label}"
+        );
+        c.settle(&mut [&mut req], &[Accepted::chain(&tokens(900, 2))])
+            .unwrap();
+        // The second verify may still read up to 2 + (1 + K) rows past the settled ones.
+        assert_eq!((req.settled_len(), req.len()), (32, 32 + 1 + K), "{label}");
+        c.settle(&mut [&mut req], &[Accepted::chain(&tokens(910, 3))])
+            .unwrap();
+        assert_eq!((req.settled_len(), req.len()), (35, 35), "{label}");
+        assert_eq!(&req.tokens()[30..], &[900, 901, 910, 911, 912].map(TokenId));
+        c.step_boundary().unwrap();
+        assert_eq!(c.stats().full.held_pages, held_full(&req, ps), "{label}");
+        vec![req]
+    });
+}
+
+#[test]
+fn bad_settlements_and_drafts_are_typed_errors_that_change_nothing() {
+    each(Speculation::tree(5), |c, label, _| {
+        let t1 = tokens(1, 8);
+        let mut req = prefill(c, 25);
+        // A bad parent array, and a draft wider than the cache verifies.
+        let bad_tree = c
+            .alloc_verify(
+                &mut [&mut req],
+                &[Draft::Tree {
+                    parents: &[-1, 0, 2],
+                }],
+            )
+            .unwrap_err();
+        assert!(
+            matches!(
+                bad_tree,
+                Error::BadDraftTree {
+                    node: 2,
+                    parent: 2,
+                    ..
+                }
+            ),
+            "{label}: {bad_tree}"
+        );
+        let wide = c
+            .alloc_verify(&mut [&mut req], &[Draft::Chain { k: 5 }])
+            .unwrap_err();
+        assert!(
+            matches!(
+                wide,
+                Error::VerifyWidth {
+                    width: 6,
+                    max_width: 5,
+                    ..
+                }
+            ),
+            "{label}"
+        );
+        // Settling with nothing in flight.
+        let none = c
+            .settle(&mut [&mut req], &[Accepted::chain(&t1[..1])])
+            .unwrap_err();
+        assert!(matches!(none, Error::NothingToSettle { .. }), "{label}");
+        c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: 3 }])
+            .unwrap();
+        let before = (req.row().to_vec(), req.tokens().to_vec(), c.stats());
+        let refused = [
+            (Accepted::chain(&[]), AcceptedFault::Count),
+            (Accepted::chain(&t1[..5]), AcceptedFault::Count),
+            (
+                Accepted::tree(&[0, 1], &t1[..2]),
+                AcceptedFault::PathForChain,
+            ),
+        ];
+        for (acc, fault) in refused {
+            let e = c.settle(&mut [&mut req], &[acc]).unwrap_err();
+            assert!(
+                matches!(e, Error::BadAccepted { reason, .. } if reason == fault),
+                "{label}: {e}"
+            );
+            assert_eq!(
+                (req.row(), req.tokens(), c.stats()),
+                (&before.0[..], &before.1[..], before.2)
+            );
+        }
+        c.settle(&mut [&mut req], &[Accepted::chain(&t1[..4])])
+            .unwrap();
+        // A tree: a path that leaves it, one without a path, and settling twice.
+        c.alloc_verify(
+            &mut [&mut req],
+            &[Draft::Tree {
+                parents: &[-1, 0, 0, 1],
+            }],
+        )
+        .unwrap();
+        for (acc, fault) in [
+            (
+                Accepted::tree(&[0, 2, 3], &t1[..3]),
+                AcceptedFault::NotAPath { index: 2, node: 3 },
+            ),
+            (
+                Accepted::tree(&[1], &t1[..1]),
+                AcceptedFault::NotAPath { index: 0, node: 1 },
+            ),
+            (Accepted::chain(&t1[..2]), AcceptedFault::NoPath),
+            (
+                Accepted::tree(&[0, 1], &t1[..3]),
+                AcceptedFault::PathLength { path: 2 },
+            ),
+        ] {
+            let e = c.settle(&mut [&mut req], &[acc]).unwrap_err();
+            assert!(
+                matches!(e, Error::BadAccepted { reason, .. } if reason == fault),
+                "{label}: {e}"
+            );
+        }
+        c.settle(&mut [&mut req], &[Accepted::tree(&[0, 1, 3], &t1[..3])])
+            .unwrap();
+        let twice = c
+            .settle(&mut [&mut req], &[Accepted::tree(&[0, 1, 3], &t1[..3])])
+            .unwrap_err();
+        assert!(matches!(twice, Error::NothingToSettle { .. }), "{label}");
+        c.step_boundary().unwrap();
+        // A plain decode waits for settlement; after it, it works.
+        c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: 1 }])
+            .unwrap();
+        let unsettled = c.alloc_decode(&mut [&mut req], &[TokenId(5)]).unwrap_err();
+        assert!(
+            matches!(unsettled, Error::Unsettled { in_flight: 1, .. }),
+            "{label}"
+        );
+        c.settle(&mut [&mut req], &[Accepted::chain(&t1[..1])])
+            .unwrap();
+        c.alloc_decode(&mut [&mut req], &[TokenId(5)]).unwrap();
+        c.step_boundary().unwrap();
+        vec![req]
+    });
+}
+
+#[test]
+fn a_cache_without_speculation_refuses_a_verify() {
+    let mut c = HybridCache::builder()
+        .model(tiny_model(8, 1))
+        .memory_bytes(1 << 20)
+        .build()
+        .unwrap();
+    let mut req = prefill(&mut c, 10);
+    let e = c
+        .alloc_verify(&mut [&mut req], &[Draft::Chain { k: 1 }])
+        .unwrap_err();
+    assert!(matches!(e, Error::SpeculationOff { .. }), "{e}");
+    c.release(req).unwrap();
+}
+
+#[test]
+fn finishing_mid_verify_caches_the_settled_pages_and_frees_the_reserved_ones() {
+    each(Speculation::chain(K as u32).in_flight(2), |c, label, ps| {
+        let len = 2 * ps.max(8);
+        let mut req = prefill(c, len);
+        c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
+            .unwrap();
+        c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
+            .unwrap();
+        c.settle(&mut [&mut req], &[Accepted::chain(&tokens(900, 1 + K))])
+            .unwrap();
+        let settled = req.tokens().to_vec();
+        c.cache_finished(req).unwrap();
+        c.step_boundary().unwrap();
+        let s = c.stats();
+        assert_eq!(
+            (s.full.held_pages, s.swa.held_pages, s.mamba.held_pages),
+            (0, 0, 0)
+        );
+        // The settled whole pages are cached: a follow-up hits them.
+        let hit = c.match_prefix(settled);
+        assert!(
+            hit.kv_hit_tokens() >= len,
+            "{label}: {}",
+            hit.kv_hit_tokens()
+        );
+        vec![]
+    });
+}
+
+#[test]
+fn a_recurrent_request_runs_on_a_slot_group_and_settling_selects_the_accepted_state() {
+    scoped_level(Level::Strict, || {
+        for model in [TINY_MAMBA, TINY_TRI] {
+            for layout in LAYOUTS {
+                let mut c = cache(model, layout, 1, Speculation::chain(K as u32));
+                let label = format!("{} {}", model.name, layout.as_str());
+                let mut req = prefill(&mut c, 10);
+                let group = req.state_group().to_vec();
+                assert_eq!(group.len(), 1 + K, "{label}");
+                assert_eq!(req.state_slot(), Some(group[0]), "{label}");
+                assert_eq!(
+                    c.stats().mamba.held_pages,
+                    1 + K + req.checkpoint_writes().len()
+                );
+                for a in [3, 1, 5] {
+                    c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
+                        .unwrap();
+                    c.settle(&mut [&mut req], &[Accepted::chain(&tokens(900, a))])
+                        .unwrap();
+                    assert_eq!(
+                        req.state_slot(),
+                        Some(group[a - 1]),
+                        "{label}: accepted {a}"
+                    );
+                    c.step_boundary().unwrap();
+                }
+                c.release(req).unwrap();
+                c.step_boundary().unwrap();
+                c.evict_all().unwrap();
+                c.step_boundary().unwrap();
+                all_free(&c.stats(), &label);
+            }
+        }
+    });
+}
+
+#[test]
+fn a_settled_verify_crossing_a_grid_point_saves_its_state_there_unless_settled_late() {
+    scoped_level(Level::Strict, || {
+        for model in [TINY_MAMBA, TINY_TRI] {
+            for layout in LAYOUTS {
+                for late in [false, true] {
+                    let spec = Speculation::chain(K as u32).in_flight(2);
+                    let mut c = HybridCache::builder()
+                        .model(model)
+                        .memory_bytes(8 << 20)
+                        .layout(layout)
+                        .checkpoint_interval(16)
+                        .speculation(spec)
+                        .build()
+                        .unwrap();
+                    let label = format!("{} {} late {late}", model.name, layout.as_str());
+                    // 14 prompt tokens, then 5 accepted cross the grid point at 16.
+                    let mut req = prefill(&mut c, 14);
+                    c.cache_unfinished(&mut req).unwrap();
+                    c.step_boundary().unwrap();
+                    c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
+                        .unwrap();
+                    if late {
+                        c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
+                            .unwrap();
+                    }
+                    c.settle(&mut [&mut req], &[Accepted::chain(&tokens(900, 1 + K))])
+                        .unwrap();
+                    let checkpoints = req.state_slots().len() - req.state_group().len();
+                    assert_eq!(checkpoints, usize::from(!late), "{label}");
+                    if late {
+                        c.settle(&mut [&mut req], &[Accepted::chain(&tokens(910, 1))])
+                            .unwrap();
+                    }
+                    let conversation = req.tokens().to_vec();
+                    c.cache_finished(req).unwrap();
+                    c.step_boundary().unwrap();
+                    let hit = c.match_prefix(conversation);
+                    assert_eq!(
+                        hit.cached_tokens(),
+                        if late { 14 } else { 16 },
+                        "{label}: the grid point's state ends the match, else the prompt end's"
+                    );
+                    c.evict_all().unwrap();
+                    c.step_boundary().unwrap();
+                    all_free(&c.stats(), &label);
+                }
+            }
+        }
+    });
+}
