@@ -569,3 +569,166 @@ fn a_settled_verify_crossing_a_grid_point_saves_its_state_there_unless_settled_l
         }
     });
 }
+
+/// Every speculative path — verify steps (chain and tree, late and timely), settlement
+/// (all rejected, partial, all accepted, a tree path), checkpoints copied out of the
+/// slot group, an abort and a finish mid-verify — issues no host sync and no
+/// data-dependent shape, on the CPU backend and on the CUDA backend over its emulated
+/// driver (whose ops must not block either).
+#[test]
+fn every_speculative_path_issues_no_host_sync() {
+    use std::sync::Arc;
+    use unikv::kernels::{CpuDevice, CudaDevice, Readback, SyncLedger};
+    let devices: [fn() -> Arc<dyn Readback>; 2] = [
+        || Arc::new(CpuDevice::new()),
+        || Arc::new(CudaDevice::emulated()),
+    ];
+    for device in devices {
+        for model in models() {
+            for layout in LAYOUTS {
+                for ps in [1u32, 16] {
+                    let ledger = Arc::new(SyncLedger::new(device()));
+                    let mut c = HybridCache::builder()
+                        .model(model.with_draft_layers(1))
+                        .page_size(ps)
+                        .memory_bytes(8 << 20)
+                        .layout(layout)
+                        .checkpoint_interval(16 * ps)
+                        .speculation(Speculation::tree(5).in_flight(2))
+                        .device(ledger.clone())
+                        .build()
+                        .unwrap();
+                    let label =
+                        format!("{} {} ps {ps} on {:?}", model.name, layout.as_str(), ledger);
+                    let mut a = prefill(&mut c, 14 * ps as usize);
+                    let mut b = prefill(&mut c, 30);
+                    let mut d = prefill(&mut c, 20);
+                    c.step_boundary().unwrap();
+                    ledger.reset();
+                    let tree = [-1, 0, 0, 1, 2];
+                    for step in 0..12usize {
+                        let drafts = [
+                            Draft::Chain { k: 4 },
+                            Draft::Tree { parents: &tree },
+                            Draft::Chain { k: step % 5 },
+                        ];
+                        c.alloc_verify(&mut [&mut a, &mut b, &mut d], &drafts)
+                            .unwrap();
+                        // `a` and `b` settle a step late, `d` at once.
+                        c.settle(
+                            &mut [&mut d],
+                            &[Accepted::chain(&tokens(900, 1 + step % 5))],
+                        )
+                        .unwrap();
+                        if step > 0 {
+                            let path: &[u32] = [&[0][..], &[0, 2], &[0, 2, 4]][step % 3];
+                            c.settle(
+                                &mut [&mut a, &mut b],
+                                &[
+                                    Accepted::chain(&tokens(900, 1 + step % 5)),
+                                    Accepted::tree(path, &tokens(900, path.len())),
+                                ],
+                            )
+                            .unwrap();
+                        }
+                        c.cache_unfinished(&mut d).unwrap();
+                        c.step_boundary().unwrap();
+                    }
+                    c.release(a).unwrap();
+                    c.cache_finished(b).unwrap();
+                    c.cache_finished(d).unwrap();
+                    c.step_boundary().unwrap();
+                    ledger
+                        .check_no_syncs()
+                        .unwrap_or_else(|report| panic!("{label}: {report}"));
+                    assert_eq!(
+                        (ledger.syncs(), ledger.data_dependent_shapes()),
+                        (0, 0),
+                        "{label}"
+                    );
+                    assert!(
+                        ledger.op_count() > 0,
+                        "{label}: the steps issued device work"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// At the top of a 141 GiB buffer (an H200's memory) kernel ids and byte offsets of a
+/// verify's rows — FULL, SWA and the draft model's layer in the FULL envelope — neither
+/// wrap nor leave the buffer: in the unified layout FULL grows down from the buffer's
+/// high end, so the first request's rows are its highest pages. Bookkeeping only
+/// (`NullDevice`).
+#[test]
+fn verify_rows_at_the_top_of_a_141_gib_pool_do_not_wrap() {
+    use std::sync::Arc;
+    use unikv::kernels::NullDevice;
+    const BYTES: u64 = 141 << 30;
+    for model in [ModelSpec::GPT_OSS_120B, ModelSpec::QWEN3_NEXT_80B_A3B] {
+        let model = model.with_draft_layers(1);
+        for layout in LAYOUTS {
+            for ps in [1u32, 16, 256] {
+                let mut c = HybridCache::builder()
+                    .model(model)
+                    .page_size(ps)
+                    .memory_bytes(BYTES)
+                    .layout(layout)
+                    .speculation(Speculation::chain(K as u32))
+                    .device(Arc::new(NullDevice::new()))
+                    .build()
+                    .unwrap();
+                let label = format!("{} {} ps {ps}", model.name, layout.as_str());
+                let mut req = prefill(&mut c, 3 * ps as usize + 1);
+                c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
+                    .unwrap();
+                let g = c.kv_geometry();
+                let alloc = c.allocator();
+                let mut highest = 0u64;
+                for (side, layers) in [
+                    (Side::Full, model.full_envelope_layers()),
+                    (Side::Swa, model.swa_layers),
+                ] {
+                    if layers == 0 {
+                        continue;
+                    }
+                    let grid = alloc.grid(side);
+                    // SWA below the window cursor was released.
+                    let from = if side == Side::Swa {
+                        req.window_cursor()
+                    } else {
+                        0
+                    };
+                    for &t in &req.row()[from..] {
+                        let id = alloc.kernel_id(side, t);
+                        let page = alloc
+                            .physical_page(side, VirtualPage(t.0 / ps))
+                            .unwrap_or_else(|| panic!("{label}: {side:?} {t} unbound"));
+                        let exact = u64::from(page) * u64::from(grid.stride) + u64::from(t.0 % ps);
+                        assert_eq!(id as u64, exact, "{label}: {side:?} id of {t} wrapped");
+                        let last = g.row_offset(side, id, layers - 1, true);
+                        let end = last
+                            + if side == Side::Full {
+                                g.full_row_bytes
+                            } else {
+                                g.swa_row_bytes
+                            };
+                        assert!(end <= BYTES, "{label}: {side:?} row past the buffer: {end}");
+                        highest = highest.max(end);
+                    }
+                }
+                // The unified layout's FULL pages come from the buffer's high end (the
+                // static one's FULL pool starts about halfway up).
+                assert!(
+                    highest > BYTES / 2 || layout != Layout::Unified,
+                    "{label}: the verify's rows are near the top ({highest} of {BYTES})"
+                );
+                c.settle(&mut [&mut req], &[Accepted::chain(&tokens(900, 2))])
+                    .unwrap();
+                c.release(req).unwrap();
+                c.step_boundary().unwrap();
+            }
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! A speculative verify step's host cost against a plain decode step's, in the same run:
+//! 256 decoding requests, chain drafts of `k = 4`. A decode step is `alloc_decode`, the
+//! step metadata and the step boundary; a verify step is `alloc_verify` (5 rows a
+//! request), the step metadata of its 5 positions, `settle` (accepted counts cycling
+//! through 1..=5, so tails are freed) and the step boundary. Thread CPU time per step,
+//! median of the measured steps; prints one line per case and the ratio (issue 29's bar:
+//! at most 2). Run with `cargo bench -p unikv --bench verify`.
+
+use std::time::Duration;
+use unikv::kernels::thread_cpu_time;
+use unikv::{
+    Accepted, Draft, HybridCache, Layout, ModelSpec, RecurrentState, Request, Speculation,
+    StepMetadata, TokenId,
+};
+
+const BATCH: usize = 256;
+const PROMPT: usize = 512;
+const K: usize = 4;
+const WARMUP: usize = 10;
+const STEPS: usize = 100;
+
+/// Qwen3-Next's layers with its recurrent state scaled down (as `benches/step.rs` does),
+/// so 256 slot groups fit a CPU device's host buffer; the allocator's work is per slot.
+const QWEN3_NEXT_SCALED_STATE: ModelSpec = ModelSpec {
+    name: "qwen3-next-80b-a3b (scaled state)",
+    recurrent: RecurrentState {
+        conv_channels: 4,
+        conv_kernel: 4,
+        heads: 1,
+        head_dim: 2,
+        state_size: 3,
+        conv_dtype_bytes: 2,
+        state_dtype_bytes: 4,
+    },
+    ..ModelSpec::QWEN3_NEXT_80B_A3B
+};
+
+fn main() {
+    let layouts = [
+        (
+            "static",
+            Layout::Static {
+                swa_full_tokens_ratio: 0.8,
+            },
+        ),
+        ("unified", Layout::Unified),
+    ];
+    println!(
+        "{:<36} {:>8} {:>4} {:>12} {:>12} {:>7}",
+        "model", "layout", "ps", "decode µs", "verify µs", "ratio"
+    );
+    for (model, sizes) in [
+        (ModelSpec::GPT_OSS_20B, [1u32, 256]),
+        (QWEN3_NEXT_SCALED_STATE, [1, 64]),
+    ] {
+        for (name, layout) in layouts {
+            for ps in sizes {
+                let decode = median(decode_steps(model, layout, ps));
+                let verify = median(verify_steps(model, layout, ps));
+                println!(
+                    "{:<36} {:>8} {:>4} {:>12.1} {:>12.1} {:>7.2}",
+                    model.name,
+                    name,
+                    ps,
+                    decode.as_secs_f64() * 1e6,
+                    verify.as_secs_f64() * 1e6,
+                    verify.as_secs_f64() / decode.as_secs_f64()
+                );
+            }
+        }
+    }
+}
+
+fn median(mut samples: Vec<Duration>) -> Duration {
+    samples.sort_unstable();
+    samples[samples.len() / 2]
+}
+
+/// A cache with `BATCH` requests past prefill.
+fn decoding(model: ModelSpec, layout: Layout, ps: u32) -> (HybridCache, Vec<Request>) {
+    let mut cache = HybridCache::builder()
+        .model(model.with_draft_layers(1))
+        .page_size(ps)
+        .memory_bytes(16 << 30)
+        .layout(layout)
+        .speculation(Speculation::chain(K as u32))
+        .build()
+        .expect("the cache builds");
+    let mut requests = Vec::with_capacity(BATCH);
+    for r in 0..BATCH as u32 {
+        let prompt: Vec<TokenId> = (0..PROMPT as u32)
+            .map(|t| TokenId(r * 1_000_000 + t))
+            .collect();
+        let hit = cache.match_prefix(prompt);
+        let mut req = cache.admit(hit).expect("admitted");
+        cache.alloc_extend(&mut req, PROMPT).expect("prefilled");
+        requests.push(req);
+    }
+    cache.step_boundary().expect("a clean step");
+    (cache, requests)
+}
+
+fn decode_steps(model: ModelSpec, layout: Layout, ps: u32) -> Vec<Duration> {
+    let (mut cache, mut requests) = decoding(model, layout, ps);
+    let tokens = vec![TokenId(7); BATCH];
+    let mut meta = StepMetadata::new();
+    let mut times = Vec::with_capacity(STEPS);
+    for step in 0..WARMUP + STEPS {
+        let start = thread_cpu_time();
+        let mut batch: Vec<&mut Request> = requests.iter_mut().collect();
+        cache.alloc_decode(&mut batch, &tokens).expect("decoded");
+        let shape: Vec<(&Request, usize)> = requests.iter().map(|r| (r, 1)).collect();
+        cache.build_step_metadata(&mut meta, &shape).expect("built");
+        cache.step_boundary().expect("a clean step");
+        if step >= WARMUP {
+            times.push(thread_cpu_time() - start);
+        }
+    }
+    release(cache, requests);
+    times
+}
+
+fn verify_steps(model: ModelSpec, layout: Layout, ps: u32) -> Vec<Duration> {
+    let (mut cache, mut requests) = decoding(model, layout, ps);
+    let drafts = vec![Draft::Chain { k: K }; BATCH];
+    let accepted_tokens: Vec<TokenId> = (0..=K as u32).map(TokenId).collect();
+    let mut meta = StepMetadata::new();
+    let mut times = Vec::with_capacity(STEPS);
+    for step in 0..WARMUP + STEPS {
+        let accepted: Vec<Accepted<'_>> = (0..BATCH)
+            .map(|r| Accepted::chain(&accepted_tokens[..1 + (r + step) % (K + 1)]))
+            .collect();
+        let start = thread_cpu_time();
+        let mut batch: Vec<&mut Request> = requests.iter_mut().collect();
+        cache.alloc_verify(&mut batch, &drafts).expect("allocated");
+        let shape: Vec<(&Request, usize)> = requests.iter().map(|r| (r, 1 + K)).collect();
+        cache.build_step_metadata(&mut meta, &shape).expect("built");
+        let mut batch: Vec<&mut Request> = requests.iter_mut().collect();
+        cache.settle(&mut batch, &accepted).expect("settled");
+        cache.step_boundary().expect("a clean step");
+        if step >= WARMUP {
+            times.push(thread_cpu_time() - start);
+        }
+    }
+    release(cache, requests);
+    times
+}
+
+fn release(mut cache: HybridCache, requests: Vec<Request>) {
+    for req in requests {
+        cache.release(req).expect("released");
+    }
+}
