@@ -259,9 +259,13 @@ impl HybridCache {
             old => {
                 let len = image.len().max(old.map_or(0, |t| 2 * t.len)).max(1024);
                 let id = self.device.alloc_table(len, 0)?;
-                if let Some(old) = old {
-                    // Set-up work, off the steady state: a table only grows.
-                    self.device.free_table(old.id)?;
+                // Set-up work, off the steady state: a table only grows.
+                if let Some(old) = old
+                    && let Err(e) = self.device.free_table(old.id)
+                {
+                    // Nothing changes: the new table goes back, the old one stays in use.
+                    let _ = self.device.free_table(id);
+                    return Err(e.into());
                 }
                 let t = StepTable { id, len };
                 self.step_table = Some(t);

@@ -161,3 +161,59 @@ fn a_dropped_cache_frees_its_step_table() {
         assert_eq!(cpu.live_allocations(), 0, "ps {ps}");
     }
 }
+
+#[test]
+fn a_refused_table_growth_leaks_nothing_and_keeps_the_old_table() {
+    for ps in page_sizes() {
+        let cpu = Arc::new(CpuDevice::new());
+        let dev = Arc::new(FaultInjector::new(cpu.clone()));
+        let mut cache = HybridCache::builder()
+            .model(TINY_TRI)
+            .page_size(ps)
+            .memory_bytes(64 << 20)
+            .device(dev.clone())
+            .build()
+            .unwrap();
+        let admit = |cache: &mut HybridCache, from: u32, n: usize| {
+            let tokens = (from..from + n as u32).map(unikv::TokenId).collect();
+            let hit = cache.match_prefix(tokens);
+            let mut req = cache.admit(hit).unwrap();
+            cache.alloc_extend(&mut req, n).unwrap();
+            req
+        };
+        let short = admit(&mut cache, 0, 40);
+        let mut meta = unikv::StepMetadata::new();
+        cache
+            .build_step_metadata(&mut meta, &[(&short, 40)])
+            .unwrap();
+        // A step whose metadata outgrows the table: freeing the old one is refused.
+        let long = admit(&mut cache, 10_000, 3_000);
+        // Uploads the mirror, so the attempts below differ only in the op refused.
+        cache
+            .build_step_metadata(&mut meta, &[(&short, 40)])
+            .unwrap();
+        // Each op of the build fails in turn (allocating the bigger table, freeing the
+        // old one, the uploads) until it succeeds: none leaks a table.
+        let mut n = 0;
+        loop {
+            let live = cpu.live_allocations();
+            dev.fail_at(n);
+            match cache.build_step_metadata(&mut meta, &[(&long, 3_000)]) {
+                Ok(()) => break,
+                Err(e) => assert!(e.to_string().contains("injected fault"), "ps {ps}: {e}"),
+            }
+            assert_eq!(cpu.live_allocations(), live, "ps {ps}: op {n} refused");
+            n += 1;
+        }
+        dev.clear();
+        let refused: Vec<_> = dev.injected().iter().map(|f| f.op).collect();
+        assert!(
+            refused.contains(&unikv::kernels::DeviceOp::FreeTable),
+            "ps {ps}: {refused:?}"
+        );
+        cache.release(short).unwrap();
+        cache.release(long).unwrap();
+        drop(cache);
+        assert_eq!(cpu.live_allocations(), 0, "ps {ps}");
+    }
+}
