@@ -154,3 +154,57 @@ extern "C" __global__ void unikv_fill_spans(
         unikv_each_single_byte(s, len, [&](unsigned long long b) { buf[offset + b] = value; });
     }
 }
+
+// A tree verify's accepted rows moved to consecutive positions (the CUDA twin of
+// CpuDevice::gather_rows). Request r has `width` kernel ids ids[r * width ..] and path
+// entries path[r * width ..]; for i = 0, 1, ... while node = path[i] is in 0..width,
+// the token rows of position `node` are copied to those of position i (row l of kernel
+// id k: row_bytes bytes at (k + l * page_size) * row_bytes), skipping equal or
+// non-positive ids and rows past the buffer.
+//
+// blockIdx.y strides over the requests, x over the byte offsets of a token's rows: a
+// thread owns one offset and walks the path in order. Rows of distinct tokens are
+// disjoint and a byte is at the same offset in every row it is copied between, so each
+// byte has one thread, which keeps the path's order (a node's index is at least its
+// position, so its rows are read before a later step overwrites them) without a
+// barrier. The host checks the tables' ranges and that no offset wraps.
+extern "C" __global__ void unikv_gather_rows(
+    unsigned char* buf,
+    unsigned long long buf_len,
+    const int* ids,
+    const int* path,
+    unsigned long long batch,
+    unsigned long long width,
+    unsigned long long page_size,
+    unsigned long long rows_per_token,
+    unsigned long long row_bytes)
+{
+    unsigned long long token_bytes = rows_per_token * row_bytes;
+    unsigned long long step = (unsigned long long)blockDim.x * gridDim.x;
+    for (unsigned long long r = blockIdx.y; r < batch; r += gridDim.y) {
+        const int* id = ids + r * width;
+        const int* nodes = path + r * width;
+        for (unsigned long long o = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+             o < token_bytes; o += step) {
+            unsigned long long row = (o / row_bytes) * page_size;
+            unsigned long long b = o % row_bytes;
+            for (unsigned long long i = 0; i < width; ++i) {
+                int node = nodes[i];
+                if (node < 0 || (unsigned long long)node >= width) {
+                    break;
+                }
+                int src = id[node];
+                int dst = id[i];
+                if (src == dst || src <= 0 || dst <= 0) {
+                    continue;
+                }
+                unsigned long long s = ((unsigned long long)src + row) * row_bytes;
+                unsigned long long d = ((unsigned long long)dst + row) * row_bytes;
+                if (s + row_bytes > buf_len || d + row_bytes > buf_len) {
+                    continue;
+                }
+                buf[d + b] = buf[s + b];
+            }
+        }
+    }
+}

@@ -1,10 +1,13 @@
 //! Host-side argument checks shared by every backend, and the scalar rules (translate,
-//! gather) that the CPU backend applies and the CUDA kernels mirror.
+//! gather, windows, row gathers) that the CPU backend applies and the CUDA kernels mirror.
 //!
 //! Every check here uses only host-known values (handles, lengths, offsets), so a
 //! backend runs them all before issuing any work: an op that fails has changed nothing.
 
-use crate::{ByteSpan, BytesId, Error, SpanMove, TableId, TableScatter, TableSpans, Translate};
+use crate::{
+    ByteSpan, BytesId, Error, RowGather, SpanMove, TableId, TableScatter, TableSpans, Translate,
+    WindowTranslate,
+};
 
 /// `[start, start + len)` lies inside `[0, total)`; `kind`/`id` name the buffer.
 fn range(
@@ -287,17 +290,7 @@ pub(crate) fn translate(
         args.out,
         &[("v2p", args.v2p), ("ids", args.ids)],
     )?;
-    let page_size = i32::try_from(args.page_size)
-        .ok()
-        .filter(|&ps| ps > 0)
-        .ok_or_else(|| {
-            bad(format!(
-                "page size {} is not in 1..=i32::MAX",
-                args.page_size
-            ))
-        })?;
-    let stride = i32::try_from(args.stride)
-        .map_err(|_| bad(format!("stride {} does not fit in i32", args.stride)))?;
+    let (page_size, stride) = translation_scalars("translate", args.page_size, args.stride)?;
     if args.n > args.out_width {
         return Err(bad(format!(
             "n = {} is larger than out_width = {}",
@@ -319,5 +312,178 @@ pub(crate) fn translate_one(v2p: &[i32], id: i32, page_size: i32, stride: i32) -
     match v2p.get((id / page_size) as usize) {
         Some(&phys) if phys > 0 => phys.wrapping_mul(stride).wrapping_add(id % page_size),
         _ => 0,
+    }
+}
+
+/// `page_size` and `stride` as the `i32`s the translation arithmetic uses.
+fn translation_scalars(op: &'static str, page_size: u32, stride: u32) -> Result<(i32, i32), Error> {
+    let bad = |reason: String| Error::BadArguments { op, reason };
+    let page_size = i32::try_from(page_size)
+        .ok()
+        .filter(|&ps| ps > 0)
+        .ok_or_else(|| bad(format!("page size {page_size} is not in 1..=i32::MAX")))?;
+    let stride =
+        i32::try_from(stride).map_err(|_| bad(format!("stride {stride} does not fit in i32")))?;
+    Ok((page_size, stride))
+}
+
+/// `count × each` entries, or a refusal naming the product that overflows.
+fn entries(op: &'static str, count: usize, each: usize) -> Result<usize, Error> {
+    count.checked_mul(each).ok_or_else(|| Error::BadArguments {
+        op,
+        reason: format!("{count} × {each} entries overflow"),
+    })
+}
+
+/// Every window's arguments (see [`WindowTranslate`]), with the table lengths `len`
+/// gives: its tables are long enough, no output is an input table of the call, and no
+/// two outputs overlap. Returns each one's `(page_size, stride)`, in order.
+pub(crate) fn windows(
+    all: &[WindowTranslate],
+    len: impl Fn(TableId) -> Result<usize, Error>,
+) -> Result<Vec<(i32, i32)>, Error> {
+    const OP: &str = "translate_windows";
+    let mut scalars = Vec::with_capacity(all.len());
+    for w in all {
+        len(w.v2p)?;
+        scalars.push(translation_scalars(OP, w.page_size, w.stride)?);
+        table_range(
+            OP,
+            w.ids,
+            w.ids_at,
+            entries(OP, w.batch, w.rows)?,
+            len(w.ids)?,
+        )?;
+        table_range(OP, w.starts, w.starts_at, w.batch, len(w.starts)?)?;
+        table_range(
+            OP,
+            w.out,
+            w.out_at,
+            entries(OP, w.batch, w.width)?,
+            len(w.out)?,
+        )?;
+    }
+    let out = |w: &WindowTranslate| (w.out_at, w.out_at + w.batch * w.width); // checked above
+    for (i, w) in all.iter().enumerate() {
+        for (j, other) in all.iter().enumerate() {
+            let input = [
+                ("v2p", other.v2p),
+                ("ids", other.ids),
+                ("starts", other.starts),
+            ];
+            if let Some((name, _)) = input.iter().find(|(_, t)| *t == w.out) {
+                return Err(Error::BadArguments {
+                    op: OP,
+                    reason: format!(
+                        "the output table {} of window {i} is the `{name}` input of window {j}",
+                        w.out.0
+                    ),
+                });
+            }
+            let (a, b) = (out(w), out(other));
+            if j > i && w.out == other.out && a.0 < a.1 && b.0 < b.1 && a.0 < b.1 && b.0 < a.1 {
+                return Err(Error::BadArguments {
+                    op: OP,
+                    reason: format!(
+                        "the outputs of windows {i} ({}..{}) and {j} ({}..{}) overlap in table {}",
+                        a.0, a.1, b.0, b.1, w.out.0
+                    ),
+                });
+            }
+        }
+    }
+    Ok(scalars)
+}
+
+/// The kernel id a window writes at `j` for one request (see [`WindowTranslate`]): the
+/// translation of `row[start + bias + j]`, or the sink when that is outside `row`.
+pub(crate) fn window_one(
+    v2p: &[i32],
+    row: &[i32],
+    start: i32,
+    bias: i32,
+    j: usize,
+    (page_size, stride): (i32, i32),
+) -> i32 {
+    let s = i64::from(start) + i64::from(bias) + j as i64;
+    usize::try_from(s)
+        .ok()
+        .and_then(|s| row.get(s))
+        .map_or(0, |&id| translate_one(v2p, id, page_size, stride))
+}
+
+/// `gather_rows`' host-known arguments (see [`RowGather`]), given the lengths of `ids`
+/// and `path`.
+pub(crate) fn row_gather(args: &RowGather, ids_len: usize, path_len: usize) -> Result<(), Error> {
+    const OP: &str = "gather_rows";
+    if args.page_size == 0 {
+        return Err(Error::BadArguments {
+            op: OP,
+            reason: "page size 0".to_string(),
+        });
+    }
+    // The highest row offset a kernel id may name: exact in u64, so no kernel wraps.
+    let highest = (u64::from(args.rows_per_token) * u64::from(args.page_size))
+        .checked_add(1 << 31)
+        .and_then(|rows| rows.checked_mul(args.row_bytes));
+    if highest.is_none() {
+        return Err(Error::BadArguments {
+            op: OP,
+            reason: format!(
+                "{} rows of {} bytes, {} tokens per page: a row's offset overflows u64",
+                args.rows_per_token, args.row_bytes, args.page_size
+            ),
+        });
+    }
+    let n = entries(OP, args.batch, args.width)?;
+    table_range(OP, args.ids, args.ids_at, n, ids_len)?;
+    table_range(OP, args.path, args.path_at, n, path_len)
+}
+
+/// Where a token's rows lie (the geometry of a [`RowGather`]): row `l < per_token` of
+/// kernel id `k` is the `row_bytes` bytes at `(k + l × page_size) × row_bytes`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TokenRows {
+    pub(crate) page_size: u64,
+    pub(crate) per_token: u64,
+    pub(crate) row_bytes: u64,
+}
+
+impl From<&RowGather> for TokenRows {
+    fn from(args: &RowGather) -> TokenRows {
+        TokenRows {
+            page_size: u64::from(args.page_size),
+            per_token: u64::from(args.rows_per_token),
+            row_bytes: args.row_bytes,
+        }
+    }
+}
+
+/// One request's copies of a [`RowGather`], in the order they must run: `(src, dst, len)`
+/// byte ranges of a buffer of `total` bytes, given its `width` kernel ids and path.
+pub(crate) fn gathered_rows(
+    rows: TokenRows,
+    ids: &[i32],
+    path: &[i32],
+    total: u64,
+    mut copy: impl FnMut(u64, u64, u64),
+) {
+    let row = |id: i32, l: u64| {
+        let at = (id as u64 + l * rows.page_size) * rows.row_bytes;
+        Some(at).filter(|at| at + rows.row_bytes <= total)
+    };
+    for (i, &p) in path.iter().enumerate() {
+        let Some(&src) = usize::try_from(p).ok().and_then(|p| ids.get(p)) else {
+            break;
+        };
+        let dst = ids[i];
+        if dst == src || dst <= 0 || src <= 0 {
+            continue;
+        }
+        for l in 0..rows.per_token {
+            if let (Some(s), Some(d)) = (row(src, l), row(dst, l)) {
+                copy(s, d, rows.row_bytes);
+            }
+        }
     }
 }

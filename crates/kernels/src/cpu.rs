@@ -7,8 +7,8 @@ use crate::check;
 use crate::handles::Handles;
 use crate::sparse::Buffer;
 use crate::{
-    ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, TableScatter,
-    TableSpans, Translate,
+    ByteSpan, BytesId, Device, Error, HostSync, Readback, RowGather, SpanMove, TableId,
+    TableScatter, TableSpans, Translate, WindowTranslate,
 };
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -242,6 +242,45 @@ impl Device for CpuDevice {
             let out = st.table_mut(args.out)?;
             out[..args.n].copy_from_slice(&kernel_ids);
             out[args.n..args.out_width].fill(0);
+        }
+        Ok(())
+    }
+
+    fn translate_windows(&self, all: &[WindowTranslate]) -> Result<(), Error> {
+        let mut st = self.state();
+        let scalars = check::windows(all, |t| Ok(st.table(t)?.len()))?;
+        for (w, &scalars) in all.iter().zip(&scalars) {
+            let values: Vec<i32> = {
+                let (v2p, ids, starts) = (st.table(w.v2p)?, st.table(w.ids)?, st.table(w.starts)?);
+                (0..w.batch * w.width)
+                    .map(|i| {
+                        let (r, j) = (i / w.width, i % w.width);
+                        let row = &ids[w.ids_at + r * w.rows..][..w.rows];
+                        check::window_one(v2p, row, starts[w.starts_at + r], w.bias, j, scalars)
+                    })
+                    .collect()
+            };
+            st.table_mut(w.out)?[w.out_at..][..values.len()].copy_from_slice(&values);
+        }
+        Ok(())
+    }
+
+    fn gather_rows(&self, args: &RowGather) -> Result<(), Error> {
+        let mut st = self.state();
+        let (ids, path) = (st.table(args.ids)?.len(), st.table(args.path)?.len());
+        check::row_gather(args, ids, path)?;
+        let n = args.batch * args.width; // checked
+        let ids = st.table(args.ids)?[args.ids_at..][..n].to_vec();
+        let path = st.table(args.path)?[args.path_at..][..n].to_vec();
+        let b = st.bytes_mut(args.buf)?;
+        let total = b.len();
+        if n == 0 {
+            return Ok(());
+        }
+        for (ids, path) in ids.chunks(args.width).zip(path.chunks(args.width)) {
+            check::gathered_rows(args.into(), ids, path, total, |src, dst, len| {
+                b.copy(src, dst, len)
+            });
         }
         Ok(())
     }
@@ -795,5 +834,140 @@ mod tests {
             dev.run_kernel(b, |_| ()),
             Err(Error::UnknownHandle { .. })
         ));
+    }
+
+    fn window(v2p: TableId, ids: TableId, starts: TableId, out: TableId) -> WindowTranslate {
+        WindowTranslate {
+            v2p,
+            ids,
+            ids_at: 0,
+            rows: 5,
+            starts,
+            starts_at: 0,
+            bias: 0,
+            batch: 2,
+            width: 3,
+            page_size: 2,
+            stride: 10,
+            out,
+            out_at: 1,
+        }
+    }
+
+    #[test]
+    fn windows_translate_from_device_starts_and_write_the_sink_outside_the_row() {
+        let dev = CpuDevice::new();
+        let v2p = table(&dev, &[0, 5, -1, 3]);
+        let ids = table(&dev, &[2, 3, 4, 5, 7, 6, 0, 1, 2, 3]);
+        let starts = table(&dev, &[1, 3]);
+        let (out, shifted) = (table(&dev, &[9; 8]), table(&dev, &[9; 8]));
+        let w = window(v2p, ids, starts, out);
+        dev.translate_windows(&[
+            w,
+            WindowTranslate {
+                bias: -2,
+                out: shifted,
+                ..w
+            },
+        ])
+        .unwrap();
+        // Request 0 reads ids 3, 4, 5 (page 1 → 5, page 2 tombstoned); request 1 reads
+        // 2, 3 and then past its row.
+        assert_eq!(read(&dev, out), [9, 51, 0, 0, 50, 51, 0, 9]);
+        // Two earlier: before request 0's row, then ids 2 and 3; request 1's 0, 1 (page
+        // 0 unbound) and 2.
+        assert_eq!(read(&dev, shifted), [9, 0, 50, 51, 0, 0, 50, 9]);
+    }
+
+    #[test]
+    fn a_malformed_window_call_is_refused_before_anything_is_written() {
+        let dev = CpuDevice::new();
+        let v2p = table(&dev, &[0, 5, -1, 3]);
+        let ids = table(&dev, &[2, 3, 4, 5, 7, 6, 0, 1, 2, 3]);
+        let starts = table(&dev, &[1, 3]);
+        let out = table(&dev, &[9; 8]);
+        let w = window(v2p, ids, starts, out);
+        for (bad, what) in [
+            (
+                vec![w, WindowTranslate { out: starts, ..w }],
+                "an output is an input",
+            ),
+            (
+                vec![w, WindowTranslate { out_at: 2, ..w }],
+                "two outputs overlap",
+            ),
+            (
+                vec![w, WindowTranslate { batch: 3, ..w }],
+                "the rows are short",
+            ),
+            (
+                vec![w, WindowTranslate { out_at: 3, ..w }],
+                "the output is short",
+            ),
+            (
+                vec![w, WindowTranslate { page_size: 0, ..w }],
+                "page size 0",
+            ),
+        ] {
+            let e = dev.translate_windows(&bad).expect_err(what);
+            assert!(
+                matches!(e, Error::BadArguments { .. } | Error::OutOfBounds { .. }),
+                "{what}: {e:?}"
+            );
+            assert_eq!(read(&dev, out), [9; 8], "{what}: nothing written");
+            assert_eq!(read(&dev, starts), [1, 3], "{what}: nothing written");
+        }
+    }
+
+    #[test]
+    fn row_gathers_follow_the_path_in_order_and_skip_the_sink_and_rows_past_the_buffer() {
+        let dev = CpuDevice::new();
+        let b = dev.alloc_bytes(20, 0).unwrap();
+        dev.run_kernel(b, |bytes| {
+            for (i, v) in bytes.iter_mut().enumerate() {
+                *v = i as u8;
+            }
+        })
+        .unwrap();
+        // Page size 2, two rows a token of one byte: kernel id k's rows are bytes k, k + 2.
+        let ids = table(&dev, &[4, 5, 8, 9, 12, 13, 0, 0, 16, 18, 0, -1]);
+        let path = table(&dev, &[0, 2, 3, -1, 1, -1, 0, 0, 1, 7, 0, 0]);
+        let args = RowGather {
+            buf: b,
+            ids,
+            ids_at: 0,
+            path,
+            path_at: 0,
+            batch: 3,
+            width: 4,
+            page_size: 2,
+            rows_per_token: 2,
+            row_bytes: 1,
+        };
+        dev.gather_rows(&args).unwrap();
+        let mut want: Vec<u8> = (0..20).collect();
+        // Request 0: position 2 → 1 (bytes 8, 10 → 5, 7), then 3 → 2 (9, 11 → 8, 10),
+        // reading 8 and 10 before the second step overwrites them.
+        (want[5], want[7], want[8], want[10]) = (8, 10, 9, 11);
+        // Request 1: position 1 → 0 (13, 15 → 12, 14); its −1 ends the path.
+        (want[12], want[14]) = (13, 15);
+        // Request 2: 18 → 16; the second row, byte 20, is past the buffer.
+        want[16] = 18;
+        assert_eq!(bytes(&dev, b), want);
+        for bad in [
+            RowGather { width: 5, ..args },
+            RowGather { path_at: 1, ..args },
+            RowGather {
+                page_size: 0,
+                ..args
+            },
+            RowGather {
+                row_bytes: u64::MAX,
+                ..args
+            },
+        ] {
+            assert!(dev.gather_rows(&bad).is_err(), "{bad:?}");
+            assert_eq!(bytes(&dev, b), want, "{bad:?}: nothing written");
+        }
     }
 }

@@ -41,8 +41,8 @@ use crate::driver::{
 use crate::emulated::EmulatedDriver;
 use crate::handles::Handles;
 use crate::{
-    ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, TableScatter,
-    TableSpans, Translate,
+    ByteSpan, BytesId, Device, Error, HostSync, Readback, RowGather, SpanMove, TableId,
+    TableScatter, TableSpans, Translate, WindowTranslate,
 };
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -58,6 +58,8 @@ pub type RawEvent = *mut std::ffi::c_void;
 pub(crate) const BLOCK: u32 = 256;
 /// Most blocks of one grid dimension; the kernels use grid-stride loops, so any size works.
 const MAX_BLOCKS: u64 = 65_535;
+/// `u64` words per window in `unikv_translate_windows`' list (`cu/translate.cu`).
+pub(crate) const WINDOW_WORDS: usize = 11;
 /// Bytes of a span one block handles at a time (`UNIKV_CHUNK` of `cu/spans.cu`: 16
 /// 16-byte words per thread).
 const CHUNK: u64 = 16 * 16 * BLOCK as u64;
@@ -890,6 +892,101 @@ impl Device for CudaDevice {
             grid,
             |list| vec![Arg::U64(list), Arg::U64(count)],
         )
+    }
+
+    fn translate_windows(&self, all: &[WindowTranslate]) -> Result<(), Error> {
+        let mut st = self.state();
+        let scalars = check::windows(all, |t| Ok(st.tables.get(t.0)?.len))?;
+        let State { tables, pack, .. } = &mut *st;
+        pack.clear();
+        let mut widest = 0;
+        for (w, &(page_size, stride)) in all.iter().zip(&scalars) {
+            let items = (w.batch * w.width) as u64; // checked
+            if items == 0 {
+                continue;
+            }
+            widest = widest.max(items);
+            let v2p = tables.get(w.v2p.0)?;
+            let at = |t: TableId, i: usize| Ok::<_, Error>(tables.get(t.0)?.ptr + 4 * i as u64);
+            pack_u64s(
+                pack,
+                [
+                    v2p.ptr,
+                    v2p.len as u64,
+                    at(w.ids, w.ids_at)?,
+                    w.rows as u64,
+                    at(w.starts, w.starts_at)?,
+                    i64::from(w.bias) as u64,
+                    w.batch as u64,
+                    w.width as u64,
+                    page_size as u64,
+                    stride as u64,
+                    at(w.out, w.out_at)?,
+                ],
+            );
+        }
+        let count = (pack.len() / (8 * WINDOW_WORDS)) as u64;
+        if count == 0 {
+            return Ok(());
+        }
+        // Kernel `unikv_translate_windows(const unsigned long long* list, unsigned long
+        // long count)`: each window's tables hold its ranges and no output is an input
+        // of the call or overlaps another output (checked), so each slot has one writer.
+        let grid = Grid {
+            blocks: (
+                widest.div_ceil(u64::from(BLOCK)).clamp(1, MAX_BLOCKS) as u32,
+                count.clamp(1, MAX_BLOCKS) as u32,
+                1,
+            ),
+            threads: BLOCK,
+        };
+        self.launch_with_list(
+            &mut st,
+            "translate_windows",
+            Kernel::TranslateWindows,
+            grid,
+            |list| vec![Arg::U64(list), Arg::U64(count)],
+        )
+    }
+
+    fn gather_rows(&self, args: &RowGather) -> Result<(), Error> {
+        let st = self.state();
+        let (buf, ids, path) = (
+            st.bytes.get(args.buf.0)?,
+            st.tables.get(args.ids.0)?,
+            st.tables.get(args.path.0)?,
+        );
+        check::row_gather(args, ids.len, path.len)?;
+        let token_bytes = u64::from(args.rows_per_token) * args.row_bytes; // checked
+        if args.batch == 0 || args.width == 0 || token_bytes == 0 {
+            return Ok(());
+        }
+        // Kernel `unikv_gather_rows(unsigned char* buf, unsigned long long buf_len, const
+        // int* ids, const int* path, unsigned long long batch, unsigned long long width,
+        // unsigned long long page_size, unsigned long long rows_per_token, unsigned long
+        // long row_bytes)`: the tables hold batch × width entries from the pointers and no
+        // row offset wraps (checked); a thread owns one byte offset of a token's rows and
+        // walks the path in order, so every byte has one thread and the order is kept.
+        let launch = [
+            Arg::U64(buf.ptr),
+            Arg::U64(buf.len as u64),
+            Arg::U64(ids.ptr + 4 * args.ids_at as u64),
+            Arg::U64(path.ptr + 4 * args.path_at as u64),
+            Arg::U64(args.batch as u64),
+            Arg::U64(args.width as u64),
+            Arg::U64(u64::from(args.page_size)),
+            Arg::U64(u64::from(args.rows_per_token)),
+            Arg::U64(args.row_bytes),
+        ];
+        let grid = Grid {
+            blocks: (
+                token_bytes.div_ceil(u64::from(BLOCK)).clamp(1, MAX_BLOCKS) as u32,
+                (args.batch as u64).clamp(1, MAX_BLOCKS) as u32,
+                1,
+            ),
+            threads: BLOCK,
+        };
+        self.launch("gather_rows", Kernel::GatherRows, grid, &launch)
     }
 }
 

@@ -70,6 +70,92 @@ pub struct Translate {
     pub out_width: usize,
 }
 
+/// One window of a [`Device::translate_windows`] call: for each of `batch` requests, a
+/// window of `width` consecutive entries of the request's row of virtual ids, starting at
+/// a device-side offset, translated into kernel ids (a verify step's write ids: the
+/// start is the accepted count of the request's earlier verify, known only on the device).
+///
+/// For `r < batch`, `j < width`: `s = starts[starts_at + r] + bias + j` (exact, in
+/// `i64`) and `out[out_at + r * width + j]` is the translation of
+/// `ids[ids_at + r * rows + s]` by the rule of [`Translate`], or `0` (the sink) when `s`
+/// is outside `0..rows` (device data, so not an error).
+///
+/// `page_size > 0`, `page_size` and `stride` fit in `i32`, the tables are long enough
+/// (`ids` for `batch × rows` entries from `ids_at`, `starts` for `batch` from
+/// `starts_at`, `out` for `batch × width` from `out_at`), and `out` is none of the call's
+/// input tables, or the op fails before writing anything.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WindowTranslate {
+    /// The `v2p` mirror (physical page per virtual page).
+    pub v2p: TableId,
+    /// Each request's row of virtual ids, `rows` entries per request.
+    pub ids: TableId,
+    /// Where request 0's row starts in `ids`.
+    pub ids_at: usize,
+    /// Entries per request's row.
+    pub rows: usize,
+    /// Each request's window start (device values).
+    pub starts: TableId,
+    /// Where request 0's start is in `starts`.
+    pub starts_at: usize,
+    /// Added to every start (host-known).
+    pub bias: i32,
+    /// Requests.
+    pub batch: usize,
+    /// Entries of each request's window.
+    pub width: usize,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// Rows per page envelope across all layers (page-major layout).
+    pub stride: u32,
+    /// Output table.
+    pub out: TableId,
+    /// Where request 0's window is written in `out`.
+    pub out_at: usize,
+}
+
+/// Arguments of [`Device::gather_rows`]: moves the rows of each request's accepted draft
+/// tree path to consecutive positions, driven by device values (a tree verify's
+/// settlement: the host never learns the path).
+///
+/// Request `r` has `width` kernel ids `ids[ids_at + r * width ..]` (its verify positions,
+/// translated) and `width` path entries `path[path_at + r * width ..]`: the accepted
+/// nodes in order, ended by the first entry outside `0..width`. For `i = 0, 1, …` in
+/// order while `p = path[i]` is in `0..width`, the token rows of position `p` are copied
+/// to those of position `i`: rows `l < rows_per_token` of a token with kernel id `k` are
+/// the `row_bytes` bytes at `(k + l × page_size) × row_bytes` of `buf`. A step whose ids
+/// are equal or not positive (the sink, padding) copies nothing, nor does a row that
+/// reaches past `buf` (device data, so not an error). The order is the path's: a node of
+/// a root-to-node path has an index at least its position, so a source is read before a
+/// later step overwrites it.
+///
+/// `page_size > 0`, the tables are long enough (`batch × width` entries from `ids_at` and
+/// from `path_at`) and a row's byte offset fits in `u64` for every `i32` kernel id, or
+/// the op fails before writing anything.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowGather {
+    /// The buffer holding the rows.
+    pub buf: BytesId,
+    /// Kernel ids of every request's positions, `width` per request.
+    pub ids: TableId,
+    /// Where request 0's ids start in `ids`.
+    pub ids_at: usize,
+    /// Accepted paths, `width` entries per request (device values).
+    pub path: TableId,
+    /// Where request 0's path starts in `path`.
+    pub path_at: usize,
+    /// Requests.
+    pub batch: usize,
+    /// Positions per request.
+    pub width: usize,
+    /// Tokens per page (the distance, in rows, between a token's rows of two layers).
+    pub page_size: u32,
+    /// Rows per token (every layer's K and V rows on this side).
+    pub rows_per_token: u32,
+    /// Bytes per row.
+    pub row_bytes: u64,
+}
+
 /// One table's entries of a [`Device::scatter_tables`] call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TableScatter<'a> {
@@ -125,6 +211,10 @@ pub enum DeviceOp {
     TranslateMany,
     /// [`Device::copy_table_spans`].
     CopyTableSpans,
+    /// [`Device::translate_windows`].
+    TranslateWindows,
+    /// [`Device::gather_rows`].
+    GatherRows,
     /// [`Readback::read_table`].
     ReadTable,
     /// [`Readback::read_bytes`].
@@ -150,6 +240,8 @@ impl DeviceOp {
             DeviceOp::ScatterTables => "scatter_tables",
             DeviceOp::TranslateMany => "translate_many",
             DeviceOp::CopyTableSpans => "copy_table_spans",
+            DeviceOp::TranslateWindows => "translate_windows",
+            DeviceOp::GatherRows => "gather_rows",
             DeviceOp::ReadTable => "read_table",
             DeviceOp::ReadBytes => "read_bytes",
             DeviceOp::Synchronize => "synchronize",
@@ -258,6 +350,17 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     /// input of another or another's output.
     #[track_caller]
     fn translate_many(&self, all: &[Translate]) -> Result<(), Error>;
+
+    /// Translates windows of virtual ids that start at device-side offsets (see
+    /// [`WindowTranslate`]), several in one op (a verify step's write ids and state
+    /// slots: one launch on a GPU). Every one is checked before any is written; no
+    /// output may be an input table of the call or overlap another's output.
+    #[track_caller]
+    fn translate_windows(&self, all: &[WindowTranslate]) -> Result<(), Error>;
+
+    /// Moves accepted draft-tree rows to consecutive positions (see [`RowGather`]).
+    #[track_caller]
+    fn gather_rows(&self, args: &RowGather) -> Result<(), Error>;
 
     /// The driver calls that may have made the host wait (allocation, free, pageable
     /// copy, synchronize, the legacy default stream) this device has issued so far, for

@@ -71,12 +71,16 @@ pub enum Kernel {
     Gather,
     /// `unikv_spin` (`cu/diag.cu`): keeps the stream busy, for no-sync proofs.
     Spin,
+    /// `unikv_translate_windows` (`cu/translate.cu`).
+    TranslateWindows,
+    /// `unikv_gather_rows` (`cu/spans.cu`).
+    GatherRows,
 }
 
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // ALL and file: the real driver's
 impl Kernel {
     /// Every kernel, in the order a driver loads them.
-    pub(crate) const ALL: [Kernel; 7] = [
+    pub(crate) const ALL: [Kernel; 9] = [
         Kernel::Translate,
         Kernel::MoveSpans,
         Kernel::FillSpans,
@@ -84,6 +88,8 @@ impl Kernel {
         Kernel::ScatterTables,
         Kernel::Gather,
         Kernel::Spin,
+        Kernel::TranslateWindows,
+        Kernel::GatherRows,
     ];
 
     /// The `extern "C"` name in its `.cu` file.
@@ -96,14 +102,16 @@ impl Kernel {
             Kernel::ScatterTables => "unikv_scatter_tables",
             Kernel::Gather => "unikv_gather",
             Kernel::Spin => "unikv_spin",
+            Kernel::TranslateWindows => "unikv_translate_windows",
+            Kernel::GatherRows => "unikv_gather_rows",
         }
     }
 
     /// The `.cu` file of `cu/` that defines it.
     pub(crate) fn file(self) -> &'static str {
         match self {
-            Kernel::Translate | Kernel::TranslateMany => "translate.cu",
-            Kernel::MoveSpans | Kernel::FillSpans => "spans.cu",
+            Kernel::Translate | Kernel::TranslateMany | Kernel::TranslateWindows => "translate.cu",
+            Kernel::MoveSpans | Kernel::FillSpans | Kernel::GatherRows => "spans.cu",
             Kernel::ScatterTables | Kernel::Gather => "tables.cu",
             Kernel::Spin => "diag.cu",
         }

@@ -329,6 +329,48 @@ impl Emulation {
                 Ok(())
             }
             Kernel::Spin => Ok(()),
+            Kernel::TranslateWindows => {
+                let (list, count) = (u(0)?, u(1)?);
+                let words = crate::cuda::WINDOW_WORDS;
+                for a in self.u64s(list, words as u64 * count)?.chunks_exact(words) {
+                    let (rows, batch, width) = (a[3], a[6], a[7]);
+                    let v2p = self.i32s(a[0], a[1])?;
+                    let ids = self.i32s(a[2], batch * rows)?;
+                    let starts = self.i32s(a[4], batch)?;
+                    let scalars = (a[8] as i32, a[9] as i32);
+                    let values: Vec<i32> = (0..batch * width)
+                        .map(|i| {
+                            let r = (i / width) as usize;
+                            let row = &ids[r * rows as usize..][..rows as usize];
+                            let j = (i % width) as usize;
+                            check::window_one(&v2p, row, starts[r], a[5] as i32, j, scalars)
+                        })
+                        .collect();
+                    self.write_i32s(a[10], &values)?;
+                }
+                Ok(())
+            }
+            Kernel::GatherRows => {
+                let (buf, total, batch, width) = (u(0)?, u(1)?, u(4)?, u(5)?);
+                let ids = self.i32s(u(2)?, batch * width)?;
+                let path = self.i32s(u(3)?, batch * width)?;
+                let rows = check::TokenRows {
+                    page_size: u(6)?,
+                    per_token: u(7)?,
+                    row_bytes: u(8)?,
+                };
+                let mut copies = Vec::new();
+                let width = (width as usize).max(1); // 0: no launch
+                for (ids, path) in ids.chunks(width).zip(path.chunks(width)) {
+                    check::gathered_rows(rows, ids, path, total, |s, d, n| copies.push((s, d, n)));
+                    // In order: a later copy may read what an earlier one wrote.
+                    for (src, dst, len) in copies.drain(..) {
+                        let data = self.read(buf + src, len)?;
+                        self.write(buf + dst, &data)?;
+                    }
+                }
+                Ok(())
+            }
             Kernel::Gather => {
                 let (src, src_len, indices, n, out) = (u(0)?, u(1)?, u(2)?, u(3)?, u(4)?);
                 let src = self.i32s(src, src_len)?;

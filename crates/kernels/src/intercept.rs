@@ -13,8 +13,8 @@
 //! line that called the op, through `dyn Device` and through nested wrappers too.
 
 use crate::{
-    ByteSpan, BytesId, Device, DeviceOp, Error, HostSync, Readback, SpanMove, SyncHazards, TableId,
-    TableScatter, TableSpans, Translate,
+    ByteSpan, BytesId, Device, DeviceOp, Error, HostSync, Readback, RowGather, SpanMove,
+    SyncHazards, TableId, TableScatter, TableSpans, Translate, WindowTranslate,
 };
 use std::fmt;
 use std::panic::Location;
@@ -30,7 +30,8 @@ pub struct DeviceCall<'a> {
     /// How many items it carries: the length of its slice argument (the moves of a
     /// `move_spans`, the spans of a `fill_spans`, the entries of a `scatter_table`, the
     /// values of an `upload_table`, the tables of a `scatter_tables` or
-    /// `copy_table_spans`, the translations of a `translate_many`), 1 for an op with none.
+    /// `copy_table_spans`, the translations of a `translate_many`, the windows of a
+    /// `translate_windows`), 1 for an op with none.
     pub items: usize,
     /// The permit of a [`Readback`] op ([`DeviceOp::waits`]); `None` for the others.
     pub permit: Option<&'a HostSync>,
@@ -308,6 +309,16 @@ impl<D: Device + ?Sized, H: DeviceHooks> Device for Intercepted<D, H> {
     fn translate_many(&self, all: &[Translate]) -> Result<(), Error> {
         let call = self.before(DeviceOp::TranslateMany, all.len(), None)?;
         self.after(call, self.inner.translate_many(all))
+    }
+
+    fn translate_windows(&self, all: &[WindowTranslate]) -> Result<(), Error> {
+        let call = self.before(DeviceOp::TranslateWindows, all.len(), None)?;
+        self.after(call, self.inner.translate_windows(all))
+    }
+
+    fn gather_rows(&self, args: &RowGather) -> Result<(), Error> {
+        let call = self.before(DeviceOp::GatherRows, 1, None)?;
+        self.after(call, self.inner.gather_rows(args))
     }
 }
 

@@ -3,8 +3,8 @@
 use crate::check;
 use crate::handles::Handles;
 use crate::{
-    ByteSpan, BytesId, Device, Error, HostSync, Readback, SpanMove, TableId, TableScatter,
-    TableSpans, Translate,
+    ByteSpan, BytesId, Device, Error, HostSync, Readback, RowGather, SpanMove, TableId,
+    TableScatter, TableSpans, Translate, WindowTranslate,
 };
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -140,6 +140,15 @@ impl Device for NullDevice {
     fn translate_many(&self, all: &[Translate]) -> Result<(), Error> {
         check::translates(all, |t| self.table_len(t), |_, _| {})
     }
+
+    fn translate_windows(&self, all: &[WindowTranslate]) -> Result<(), Error> {
+        check::windows(all, |t| self.table_len(t)).map(drop)
+    }
+
+    fn gather_rows(&self, args: &RowGather) -> Result<(), Error> {
+        self.bytes_len(args.buf)?;
+        check::row_gather(args, self.table_len(args.ids)?, self.table_len(args.path)?)
+    }
 }
 
 impl Readback for NullDevice {
@@ -250,6 +259,62 @@ mod tests {
             Box::new(move |d| d.upload_table(table, 4, &[1, 2, 3, 4, 5])),
             Box::new(move |d| d.free_table(TableId(9))),
         ];
+        // A verify step's window translations and row gather, well-formed and not.
+        let window = WindowTranslate {
+            v2p: table,
+            ids: table,
+            ids_at: 0,
+            rows: 4,
+            starts: table,
+            starts_at: 6,
+            bias: 0,
+            batch: 2,
+            width: 2,
+            page_size: 1,
+            stride: 1,
+            out: table,
+            out_at: 0,
+        };
+        let out = devs.map(|d| d.alloc_table(8, 0).unwrap())[0];
+        let gather = RowGather {
+            buf,
+            ids: table,
+            ids_at: 0,
+            path: table,
+            path_at: 4,
+            batch: 2,
+            width: 2,
+            page_size: 4,
+            rows_per_token: 2,
+            row_bytes: 4,
+        };
+        let verify: [Op; 7] = [
+            Box::new(move |d| d.translate_windows(&[WindowTranslate { out, ..window }])),
+            Box::new(move |d| d.translate_windows(&[window])),
+            Box::new(move |d| {
+                d.translate_windows(&[WindowTranslate {
+                    out,
+                    batch: 3,
+                    ..window
+                }])
+            }),
+            Box::new(move |d| {
+                d.translate_windows(&[WindowTranslate {
+                    out,
+                    out_at: 5,
+                    ..window
+                }])
+            }),
+            Box::new(move |d| d.gather_rows(&gather)),
+            Box::new(move |d| d.gather_rows(&RowGather { width: 3, ..gather })),
+            Box::new(move |d| {
+                d.gather_rows(&RowGather {
+                    page_size: 0,
+                    ..gather
+                })
+            }),
+        ];
+        let ops: Vec<Op> = ops.into_iter().chain(verify).collect();
         for op in &ops {
             let [a, b] = verdicts(op);
             assert_eq!(a, b);

@@ -6,8 +6,8 @@
 use proptest::prelude::*;
 use std::sync::Arc;
 use unikv_kernels::{
-    ByteSpan, BytesId, CpuDevice, CudaDevice, Device, DriverCall, HostSync, Readback, SpanMove,
-    StreamKind, SyncHazard, SyncLedger, TableId, Translate,
+    ByteSpan, BytesId, CpuDevice, CudaDevice, Device, DriverCall, HostSync, Readback, RowGather,
+    SpanMove, StreamKind, SyncHazard, SyncLedger, TableId, Translate, WindowTranslate,
 };
 
 /// The tables and buffer of a step, allocated at set-up.
@@ -16,15 +16,26 @@ struct Fixture {
     ids: TableId,
     out: TableId,
     buf: BytesId,
+    /// A verify's device-side starts and accepted paths, and its window output.
+    starts: TableId,
+    paths: TableId,
+    windows: TableId,
 }
 
 fn set_up(dev: &dyn Device) -> Fixture {
-    Fixture {
+    let f = Fixture {
         v2p: dev.alloc_table(64, 0).unwrap(),
         ids: dev.alloc_table(32, 0).unwrap(),
         out: dev.alloc_table(40, -1).unwrap(),
         buf: dev.alloc_bytes(1 << 16, 7).unwrap(),
-    }
+        starts: dev.alloc_table(2, 0).unwrap(),
+        paths: dev.alloc_table(8, 0).unwrap(),
+        windows: dev.alloc_table(16, 0).unwrap(),
+    };
+    dev.upload_table(f.starts, 0, &[2, 1]).unwrap();
+    dev.upload_table(f.paths, 0, &[0, 2, 3, -1, 1, -1, -1, -1])
+        .unwrap();
+    f
 }
 
 /// Every scheduling-path op of [`Device`], the way a decode step issues them.
@@ -45,6 +56,44 @@ fn step(dev: &dyn Device, f: &Fixture, k: u32) {
     })
     .unwrap();
     dev.gather_table(f.v2p, f.ids, 5, f.out).unwrap();
+    // A verify step: write windows from device-side starts, then a tree's row gather.
+    let window = WindowTranslate {
+        v2p: f.v2p,
+        ids: f.ids,
+        ids_at: 0,
+        rows: 8,
+        starts: f.starts,
+        starts_at: 0,
+        bias: 0,
+        batch: 2,
+        width: 4,
+        page_size: 4,
+        stride: 8,
+        out: f.windows,
+        out_at: 0,
+    };
+    dev.translate_windows(&[
+        window,
+        WindowTranslate {
+            bias: 1,
+            out_at: 8,
+            ..window
+        },
+    ])
+    .unwrap();
+    dev.gather_rows(&RowGather {
+        buf: f.buf,
+        ids: f.windows,
+        ids_at: 0,
+        path: f.paths,
+        path_at: 0,
+        batch: 2,
+        width: 4,
+        page_size: 4,
+        rows_per_token: 2,
+        row_bytes: 64,
+    })
+    .unwrap();
     let page = 4096;
     dev.move_spans(
         f.buf,
@@ -78,7 +127,11 @@ fn assert_matches_the_cpu_after(dev: &CudaDevice, f: &Fixture, steps: u32) {
         step(&cpu, &g, k);
     }
     let s = sync();
-    for (a, b, len) in [(f.out, g.out, 40), (f.v2p, g.v2p, 64)] {
+    for (a, b, len) in [
+        (f.out, g.out, 40),
+        (f.v2p, g.v2p, 64),
+        (f.windows, g.windows, 16),
+    ] {
         assert_eq!(
             dev.read_table(&s, a, 0, len).unwrap(),
             cpu.read_table(&s, b, 0, len).unwrap()
@@ -153,7 +206,13 @@ fn a_blocking_backend_is_caught_by_the_ledger_with_the_op_and_the_hazard() {
     let ops: Vec<&str> = report.offenders.iter().map(|r| r.op).collect();
     assert_eq!(
         ops,
-        ["scatter_table", "upload_table", "move_spans", "fill_spans"],
+        [
+            "scatter_table",
+            "upload_table",
+            "translate_windows",
+            "move_spans",
+            "fill_spans"
+        ],
         "the ops that stage a list, and only those: {report}"
     );
     for r in &report.offenders {

@@ -10,8 +10,8 @@
 
 use unikv_invariants::testing::page_sizes;
 use unikv_kernels::{
-    ByteSpan, CpuDevice, CudaDevice, Device, Error, HostSync, Readback, SpanMove, TableId,
-    TableScatter, TableSpans, Translate,
+    ByteSpan, BytesId, CpuDevice, CudaDevice, Device, Error, HostSync, Readback, RowGather,
+    SpanMove, TableId, TableScatter, TableSpans, Translate, WindowTranslate,
 };
 
 fn gpu_required() -> bool {
@@ -103,6 +103,23 @@ fn table(dev: &dyn Readback, values: &[i32]) -> Result<TableId, Error> {
     Ok(t)
 }
 
+/// A buffer holding `pattern`. The trait has no byte upload: one fill per byte value,
+/// each over the single-byte spans that hold that value.
+fn bytes(dev: &dyn Readback, pattern: &[u8]) -> Result<BytesId, Error> {
+    let buf = dev.alloc_bytes(pattern.len() as u64, 0)?;
+    let mut by_value: Vec<Vec<ByteSpan>> = vec![Vec::new(); 256];
+    for (i, &b) in pattern.iter().enumerate() {
+        by_value[b as usize].push(ByteSpan {
+            offset: i as u64,
+            len: 1,
+        });
+    }
+    for (value, spans) in by_value.iter().enumerate() {
+        dev.fill_spans(buf, spans, value as u8)?;
+    }
+    Ok(buf)
+}
+
 #[test]
 fn translate_matches_cpu() {
     for ps in page_sizes() {
@@ -174,19 +191,7 @@ fn move_spans_matches_cpu() {
     let mut rng = Rng(7);
     let pattern: Vec<u8> = (0..16 * envelope).map(|_| rng.next() as u8).collect();
     check_parity("move_spans", |dev| {
-        let buf = dev.alloc_bytes(pattern.len() as u64, 0)?;
-        // The trait has no byte upload: write the random pattern with one fill per
-        // byte value, each over the single-byte spans that hold that value.
-        let mut by_value: Vec<Vec<ByteSpan>> = vec![Vec::new(); 256];
-        for (i, &b) in pattern.iter().enumerate() {
-            by_value[b as usize].push(ByteSpan {
-                offset: i as u64,
-                len: 1,
-            });
-        }
-        for (value, spans) in by_value.iter().enumerate() {
-            dev.fill_spans(buf, spans, value as u8)?;
-        }
+        let buf = bytes(dev, &pattern)?;
         let e = envelope as u64;
         // A compaction 9 → 5, 12 → 6 and a slide 0 → 14, a source read twice (0 → 15),
         // a move to a byte offset that is not a multiple of the envelope, and an empty
@@ -320,6 +325,154 @@ fn scatter_and_gather_match_cpu() {
             dev.read_table(&sync(), out, 0, indices.len() + 3)?,
         ))
     });
+}
+
+/// A verify step's device work: its write windows (two sides and a state window in one
+/// table, from device-side starts) and a tree verify's row gather, at every page size;
+/// then each malformed call refused the same way, before it writes anything.
+#[test]
+fn verify_windows_and_row_gathers_match_cpu() {
+    for ps in page_sizes() {
+        let ps = ps as u64;
+        let mut rng = Rng(7 + ps);
+        let (batch, rows, width) = (40usize, 16usize, 5usize);
+        let pages = 48u64;
+        let v2p: Vec<i32> = (0..pages)
+            .map(|_| match rng.below(5) {
+                0 => 0,
+                1 => -1,
+                _ => rng.below(pages) as i32 + 1,
+            })
+            .collect();
+        let ids: Vec<i32> = (0..batch * rows)
+            .map(|_| rng.below(pages * ps + 4) as i32 - 2)
+            .collect();
+        let starts: Vec<i32> = (0..batch)
+            .map(|_| rng.below(rows as u64 + 4) as i32 - 1)
+            .collect();
+        // Gather: distinct kernel ids per position, page-major rows of 3 layers' K and V.
+        let (rows_per_token, row_bytes) = (6u32, 16u64);
+        let stride = u64::from(rows_per_token) * ps;
+        let mut free: Vec<i32> = (stride..9 * stride)
+            .filter(|k| k % stride < ps)
+            .map(|k| k as i32)
+            .collect();
+        let kernel_ids: Vec<i32> = (0..batch * width)
+            .map(|_| match free.len() {
+                0 => 0,
+                n => free.swap_remove(rng.below(n as u64) as usize),
+            })
+            .collect();
+        let paths: Vec<i32> = (0..batch)
+            .flat_map(|_| {
+                let mut path = vec![0];
+                let mut at = 0;
+                while at + 1 < width as i32 && rng.below(4) != 0 {
+                    at += 1 + rng.below(2) as i32;
+                    path.push(at.min(width as i32 - 1));
+                }
+                path.dedup();
+                path.resize(width, -1);
+                path
+            })
+            .collect();
+        let total = 9 * stride * row_bytes;
+        let pattern: Vec<u8> = (0..total).map(|_| rng.next() as u8).collect();
+        check_parity("verify windows and row gathers", |dev| {
+            let (t_v2p, t_ids, t_starts) =
+                (table(dev, &v2p)?, table(dev, &ids)?, table(dev, &starts)?);
+            let out = dev.alloc_table(3 * batch * width + 2, 9)?;
+            let window = WindowTranslate {
+                v2p: t_v2p,
+                ids: t_ids,
+                ids_at: 0,
+                rows,
+                starts: t_starts,
+                starts_at: 0,
+                bias: 0,
+                batch,
+                width,
+                page_size: ps as u32,
+                stride: (2 * ps) as u32,
+                out,
+                out_at: 1,
+            };
+            let windows = [
+                window,
+                WindowTranslate {
+                    bias: 1,
+                    stride: 3,
+                    out_at: 1 + batch * width,
+                    ..window
+                },
+                WindowTranslate {
+                    bias: -3,
+                    width: 1,
+                    page_size: 1,
+                    stride: 1,
+                    out_at: 1 + 2 * batch * width,
+                    ..window
+                },
+            ];
+            dev.translate_windows(&windows)?;
+            let buf = bytes(dev, &pattern)?;
+            let (t_kernel, t_paths) = (table(dev, &kernel_ids)?, table(dev, &paths)?);
+            let gather = RowGather {
+                buf,
+                ids: t_kernel,
+                ids_at: 0,
+                path: t_paths,
+                path_at: 0,
+                batch,
+                width,
+                page_size: ps as u32,
+                rows_per_token,
+                row_bytes,
+            };
+            dev.gather_rows(&gather)?;
+            let refused: Vec<String> = [
+                dev.translate_windows(&[WindowTranslate {
+                    out: t_starts,
+                    ..window
+                }]),
+                dev.translate_windows(&[
+                    window,
+                    WindowTranslate {
+                        out_at: 2,
+                        ..window
+                    },
+                ]),
+                dev.translate_windows(&[WindowTranslate {
+                    batch: batch + 1,
+                    ..window
+                }]),
+                dev.translate_windows(&[WindowTranslate {
+                    page_size: 0,
+                    ..window
+                }]),
+                dev.gather_rows(&RowGather {
+                    width: width + 1,
+                    ..gather
+                }),
+                dev.gather_rows(&RowGather {
+                    page_size: 0,
+                    ..gather
+                }),
+                dev.gather_rows(&RowGather {
+                    row_bytes: u64::MAX / 2,
+                    ..gather
+                }),
+            ]
+            .into_iter()
+            .map(|r| format!("{:?}", r.expect_err("a malformed verify op is refused")))
+            .collect();
+            Ok((
+                refused,
+                dev.read_table(&sync(), out, 0, 3 * batch * width + 2)?,
+                dev.read_bytes(&sync(), buf, 0, total)?,
+            ))
+        });
+    }
 }
 
 #[test]

@@ -14,7 +14,8 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use unikv_kernels::nvrtc::KERNEL_SOURCES;
 use unikv_kernels::{
-    ByteSpan, CpuDevice, Device, HostSync, Readback, SpanMove, TableScatter, Translate,
+    ByteSpan, CpuDevice, Device, HostSync, Readback, RowGather, SpanMove, TableScatter, Translate,
+    WindowTranslate,
 };
 
 /// Threads per block and most blocks of the CUDA backend's launches (`cuda.rs`).
@@ -427,5 +428,185 @@ fn translate_matches_the_cpu_twin_at_every_page_size() {
     for shape in [(1, 1, 1), (3, 2, 7), (rows, 3, BLOCK)] {
         let got = from_i32s(&run("translate_many", shape, &inputs));
         assert_eq!(got, want, "translate_many, shape {shape:?}");
+    }
+}
+
+/// A random draft tree of `width` nodes (parents before children) and one of its
+/// root-to-node paths, padded with −1 to `width` entries; now and then a path of random
+/// entries instead (device data: the kernels take whatever they are given).
+fn random_path(rng: &mut Rng, width: usize) -> Vec<i32> {
+    if rng.below(5) == 0 {
+        return (0..width)
+            .map(|_| rng.below(width as u64 + 2) as i32 - 1)
+            .collect();
+    }
+    let parents: Vec<usize> = (1..width).map(|i| rng.below(i as u64) as usize).collect();
+    let mut path = vec![0i32];
+    while let Some(child) = (1..width)
+        .filter(|&c| parents[c - 1] == *path.last().unwrap() as usize)
+        .find(|_| rng.below(3) != 0)
+    {
+        path.push(child as i32);
+    }
+    path.resize(width, -1);
+    path
+}
+
+#[test]
+fn verify_windows_and_row_gathers_match_the_cpu_twin_at_every_page_size() {
+    if harness().is_none() {
+        return;
+    }
+    let mut rng = Rng(0x5EED_7A1E);
+    for ps in [1u64, 16, 256] {
+        // Windows: each request's row of virtual ids read from a device-side start (some
+        // outside the row), in one launch for two windows.
+        let (batch, rows, width) = (37usize, 24usize, 5usize);
+        let pages = 64usize;
+        let v2p: Vec<i32> = (0..pages)
+            .map(|_| match rng.below(6) {
+                0 => 0,
+                1 => -1,
+                _ => rng.below(1 << 20) as i32,
+            })
+            .collect();
+        let mut windows = Vec::new();
+        let (mut arrays, mut outs) = (vec![(2u64).to_le_bytes().to_vec()], Vec::new());
+        let dev = CpuDevice::new();
+        let table = |values: &[i32]| {
+            let t = dev.alloc_table(values.len(), 0).unwrap();
+            dev.upload_table(t, 0, values).unwrap();
+            t
+        };
+        for bias in [0i32, -2] {
+            let ids: Vec<i32> = (0..batch * rows)
+                .map(|_| rng.below(pages as u64 * ps + 8) as i32 - 4)
+                .collect();
+            let starts: Vec<i32> = (0..batch)
+                .map(|_| rng.below(rows as u64 + 6) as i32 - 2)
+                .collect();
+            let out = vec![7; batch * width + 3];
+            let stride = (ps * 3) as u32;
+            windows.push(WindowTranslate {
+                v2p: table(&v2p),
+                ids: table(&ids),
+                ids_at: 0,
+                rows,
+                starts: table(&starts),
+                starts_at: 0,
+                bias,
+                batch,
+                width,
+                page_size: ps as u32,
+                stride,
+                out: table(&out),
+                out_at: 1,
+            });
+            let args = [
+                rows as i64,
+                i64::from(bias),
+                batch as i64,
+                width as i64,
+                ps as i64,
+                i64::from(stride),
+            ];
+            arrays.extend([
+                i32s(&v2p),
+                i32s(&ids),
+                i32s(&starts),
+                bytes_of(&args, |x| x.to_le_bytes().to_vec()),
+                i32s(&out[1..1 + batch * width]),
+            ]);
+            outs.push(out.len());
+        }
+        dev.translate_windows(&windows).unwrap();
+        let want: Vec<i32> = windows
+            .iter()
+            .flat_map(|w| dev.read_table(&sync(), w.out, 1, batch * width).unwrap())
+            .collect();
+        let inputs: Vec<&[u8]> = arrays.iter().map(Vec::as_slice).collect();
+        for shape in [(1, 1, 1), (3, 2, 7), (1, 2, BLOCK)] {
+            let got = from_i32s(&run("translate_windows", shape, &inputs));
+            assert_eq!(got, want, "translate_windows at ps {ps}, shape {shape:?}");
+        }
+
+        // Row gathers: distinct kernel ids per position (some the sink or padding, some
+        // whose rows reach past the buffer), random paths.
+        let (rows_per_token, row_bytes) = (4u32, 24u64);
+        let stride = u64::from(rows_per_token) * ps;
+        let phys = 6u64;
+        let total = (phys + 1) * stride * row_bytes - 2 * row_bytes; // the last rows are cut
+        let mut free: Vec<i32> = (stride..(phys + 1) * stride)
+            .filter(|k| k % stride < ps)
+            .map(|k| k as i32)
+            .collect();
+        let (batch, width) = (5usize, 6usize);
+        let ids: Vec<i32> = (0..batch * width)
+            .map(|_| match rng.below(8) {
+                0 => 0,
+                1 => -3,
+                _ if !free.is_empty() => free.swap_remove(rng.below(free.len() as u64) as usize),
+                _ => 0,
+            })
+            .collect();
+        let path: Vec<i32> = (0..batch)
+            .flat_map(|_| random_path(&mut rng, width))
+            .collect();
+        let pattern = rng.bytes(total as usize);
+        let args = RowGather {
+            buf: unikv_kernels::BytesId(0),
+            ids: unikv_kernels::TableId(0),
+            ids_at: 0,
+            path: unikv_kernels::TableId(0),
+            path_at: 0,
+            batch,
+            width,
+            page_size: ps as u32,
+            rows_per_token,
+            row_bytes,
+        };
+        let want = cpu_bytes(&pattern, |dev, buf| {
+            let (t_ids, t_path) = (
+                dev.alloc_table(ids.len(), 0).unwrap(),
+                dev.alloc_table(path.len(), 0).unwrap(),
+            );
+            dev.upload_table(t_ids, 0, &ids).unwrap();
+            dev.upload_table(t_path, 0, &path).unwrap();
+            dev.gather_rows(&RowGather {
+                buf,
+                ids: t_ids,
+                path: t_path,
+                ..args
+            })
+            .unwrap();
+        });
+        assert_ne!(want, pattern, "the gather at ps {ps} moves something");
+        let geometry = bytes_of(
+            &[
+                batch as u64,
+                width as u64,
+                ps,
+                u64::from(rows_per_token),
+                row_bytes,
+            ],
+            |x| x.to_le_bytes().to_vec(),
+        );
+        let token_bytes = u64::from(rows_per_token) * row_bytes;
+        for shape in [
+            (1, 1, 1),
+            (3, 2, 7),
+            (
+                token_bytes.div_ceil(u64::from(BLOCK)) as u32,
+                batch as u32,
+                BLOCK,
+            ),
+        ] {
+            let got = run(
+                "gather_rows",
+                shape,
+                &[&pattern, &i32s(&ids), &i32s(&path), &geometry],
+            );
+            assert!(got == want, "gather_rows at ps {ps}, shape {shape:?}");
+        }
     }
 }

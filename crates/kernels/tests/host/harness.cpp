@@ -164,6 +164,52 @@ int main() {
             all.insert(all.end(), o.begin(), o.end());
         }
         write_array(all);
+    } else if (name == "translate_windows") {
+        // count, then per window: v2p, ids, starts, (rows, bias, batch, width, page size,
+        // stride) as 6 x i64, out. Output: the outs, concatenated.
+        auto count_bytes = read_array();
+        unsigned long long count = as<unsigned long long>(count_bytes)[0];
+        std::vector<std::vector<unsigned char>> v2ps, idss, startss, outs;
+        std::vector<unsigned long long> list;
+        for (unsigned long long t = 0; t < count; ++t) {
+            v2ps.push_back(read_array());
+            idss.push_back(read_array());
+            startss.push_back(read_array());
+            auto args = read_array();
+            outs.push_back(read_array());
+            long long* a = as<long long>(args);
+            unsigned long long words[11] = {0, v2ps.back().size() / 4, 0,
+                                            (unsigned long long)a[0], 0,
+                                            (unsigned long long)a[1], (unsigned long long)a[2],
+                                            (unsigned long long)a[3], (unsigned long long)a[4],
+                                            (unsigned long long)a[5], 0};
+            list.insert(list.end(), words, words + 11);
+        }
+        for (unsigned long long t = 0; t < count; ++t) {  // the vectors no longer move
+            list[11 * t] = (unsigned long long)(uintptr_t)v2ps[t].data();
+            list[11 * t + 2] = (unsigned long long)(uintptr_t)idss[t].data();
+            list[11 * t + 4] = (unsigned long long)(uintptr_t)startss[t].data();
+            list[11 * t + 10] = (unsigned long long)(uintptr_t)outs[t].data();
+        }
+        launch(grid_x, grid_y, block, [&] { unikv_translate_windows(list.data(), count); });
+        std::vector<unsigned char> all;
+        for (auto& o : outs) {
+            all.insert(all.end(), o.begin(), o.end());
+        }
+        write_array(all);
+    } else if (name == "gather_rows") {
+        // buf, ids, path, then (batch, width, page size, rows per token, row bytes) as
+        // 5 x u64. Output: the buffer.
+        auto buf = read_array();
+        auto ids = read_array();
+        auto path = read_array();
+        auto args = read_array();
+        unsigned long long* a = as<unsigned long long>(args);
+        launch(grid_x, grid_y, block, [&] {
+            unikv_gather_rows(buf.data(), buf.size(), as<int>(ids), as<int>(path), a[0], a[1],
+                              a[2], a[3], a[4]);
+        });
+        write_array(buf);
     } else {
         fprintf(stderr, "harness: unknown kernel %s\n", name.c_str());
         return 2;
