@@ -1,8 +1,9 @@
 //! A speculative verify step's host cost against a plain decode step's, in the same run:
 //! 256 decoding requests, chain drafts of `k = 4`. A decode step is `alloc_decode`, the
 //! step metadata and the step boundary; a verify step is `alloc_verify` (5 rows a
-//! request), the step metadata of its 5 positions, `settle` (accepted counts cycling
-//! through 1..=5, so tails are freed) and the step boundary. Thread CPU time per step,
+//! request), the step metadata of its 5 positions (the rows attention reads), the verify
+//! metadata (built and translated: write ids, draft window, states), `settle` (accepted
+//! counts cycling through 1..=5, so tails are freed) and the step boundary. Thread CPU time per step,
 //! median of the measured steps; prints one line per case and the ratio (issue 29's bar:
 //! at most 2). Run with `cargo bench -p unikv --bench verify`.
 
@@ -10,7 +11,7 @@ use std::time::Duration;
 use unikv::kernels::thread_cpu_time;
 use unikv::{
     Accepted, Draft, HybridCache, Layout, ModelSpec, RecurrentState, Request, Speculation,
-    StepMetadata, TokenId,
+    StepMetadata, TokenId, VerifyMetadata,
 };
 
 const BATCH: usize = 256;
@@ -125,6 +126,8 @@ fn verify_steps(model: ModelSpec, layout: Layout, ps: u32) -> Vec<Duration> {
     let drafts = vec![Draft::Chain { k: K }; BATCH];
     let accepted_tokens: Vec<TokenId> = (0..=K as u32).map(TokenId).collect();
     let mut meta = StepMetadata::new();
+    let mut vmeta = VerifyMetadata::new(BATCH);
+    cache.reserve_verify_metadata(&vmeta).unwrap();
     let mut times = Vec::with_capacity(STEPS);
     for step in 0..WARMUP + STEPS {
         let accepted: Vec<Accepted<'_>> = (0..BATCH)
@@ -135,6 +138,13 @@ fn verify_steps(model: ModelSpec, layout: Layout, ps: u32) -> Vec<Duration> {
         cache.alloc_verify(&mut batch, &drafts).expect("allocated");
         let shape: Vec<(&Request, usize)> = requests.iter().map(|r| (r, 1 + K)).collect();
         cache.build_step_metadata(&mut meta, &shape).expect("built");
+        let batch: Vec<&Request> = requests.iter().collect();
+        cache
+            .build_verify_metadata(&mut vmeta, &batch)
+            .expect("built");
+        cache
+            .translate_verify(&mut vmeta, None)
+            .expect("translated");
         let mut batch: Vec<&mut Request> = requests.iter_mut().collect();
         cache.settle(&mut batch, &accepted).expect("settled");
         cache.step_boundary().expect("a clean step");

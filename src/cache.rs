@@ -166,6 +166,10 @@ pub struct HybridCache {
     plan: CheckpointPlan,
     /// What verify steps it was built for (`None`: no speculation).
     speculation: Option<crate::Speculation>,
+    /// The device tables of verify metadata: inputs uploaded, outputs translated on the
+    /// device (reused, grown when short).
+    verify_inputs: Option<StepTable>,
+    verify_outputs: Option<StepTable>,
 }
 
 impl HybridCache {
@@ -254,12 +258,46 @@ impl HybridCache {
     /// Uploads a step's metadata image into the step table (one op), growing the table
     /// first when it is too short. A failed upload leaves the table as it was.
     pub(crate) fn upload_step_table(&mut self, image: &[i32]) -> Result<TableId, Error> {
-        let table = match self.step_table {
-            Some(t) if t.len >= image.len() => t,
+        let table = self.grown(self.step_table, image.len())?;
+        self.step_table = Some(table);
+        self.device.upload_table(table.id, 0, image)?;
+        Ok(table.id)
+    }
+
+    /// Makes sure the verify tables hold `layout`'s inputs and outputs (growing them is
+    /// an allocation: set-up work); returns both tables.
+    pub(crate) fn verify_tables(
+        &mut self,
+        layout: crate::verify::VerifyLayout,
+    ) -> Result<(TableId, TableId), Error> {
+        let inputs = self.grown(self.verify_inputs, layout.inputs_len)?;
+        // Kept at once, so a failure below leaks nothing.
+        self.verify_inputs = Some(inputs);
+        let outputs = self.grown(self.verify_outputs, layout.outputs_len)?;
+        self.verify_outputs = Some(outputs);
+        Ok((inputs.id, outputs.id))
+    }
+
+    /// Uploads verify metadata's inputs (`layout`'s image) into the verify tables, grown
+    /// first when they are short; returns both tables.
+    pub(crate) fn upload_verify_tables(
+        &mut self,
+        layout: crate::verify::VerifyLayout,
+        image: &[i32],
+    ) -> Result<(TableId, TableId), Error> {
+        let (inputs, outputs) = self.verify_tables(layout)?;
+        self.device.upload_table(inputs, 0, image)?;
+        Ok((inputs, outputs))
+    }
+
+    /// `table` when it holds `len` entries, else a new one of at least twice its length
+    /// (the old one freed: set-up work, off the steady state, as a table only grows).
+    fn grown(&self, table: Option<StepTable>, len: usize) -> Result<StepTable, Error> {
+        match table {
+            Some(t) if t.len >= len => Ok(t),
             old => {
-                let len = image.len().max(old.map_or(0, |t| 2 * t.len)).max(1024);
+                let len = len.max(old.map_or(0, |t| 2 * t.len)).max(1024);
                 let id = self.device.alloc_table(len, 0)?;
-                // Set-up work, off the steady state: a table only grows.
                 if let Some(old) = old
                     && let Err(e) = self.device.free_table(old.id)
                 {
@@ -267,13 +305,19 @@ impl HybridCache {
                     let _ = self.device.free_table(id);
                     return Err(e.into());
                 }
-                let t = StepTable { id, len };
-                self.step_table = Some(t);
-                t
+                Ok(StepTable { id, len })
             }
-        };
-        self.device.upload_table(table.id, 0, image)?;
-        Ok(table.id)
+        }
+    }
+
+    /// What verify steps it was built for.
+    pub(crate) fn speculation(&self) -> Option<crate::Speculation> {
+        self.speculation
+    }
+
+    /// The device its buffer lives on.
+    pub(crate) fn device(&self) -> &dyn Device {
+        self.device.as_ref()
     }
 
     /// The prefix tree, for read-only inspection (sizes, dumps).
@@ -1034,10 +1078,15 @@ impl HybridCache {
 }
 
 impl Drop for HybridCache {
-    /// Frees the step table (the allocator frees its own memory when it drops next), so a
+    /// Frees the step and verify tables (the allocator frees its own memory when it drops next), so a
     /// dropped cache leaves the device as it found it.
     fn drop(&mut self) {
-        if let Some(table) = self.step_table.take() {
+        let tables = [
+            self.step_table.take(),
+            self.verify_inputs.take(),
+            self.verify_outputs.take(),
+        ];
+        for table in tables.into_iter().flatten() {
             // Nothing to report to: a failed free of a table no one reads only leaks it.
             let _ = self.device.free_table(table.id);
         }

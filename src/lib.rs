@@ -32,6 +32,7 @@ mod request;
 mod spec;
 mod stats;
 mod step;
+mod verify;
 
 pub use cache::{
     DEFAULT_EVICTION_INTERVAL, HybridCache, HybridCacheBuilder, Layout, TREE_SANITY_INTERVAL,
@@ -44,6 +45,7 @@ pub use spec::{Accepted, AcceptedFault, Draft, MAX_IN_FLIGHT, MAX_VERIFY_WIDTH, 
 pub use stats::{CacheStats, EvictionCounts, SideStats, StepReport};
 pub use step::{DeviceLayout, KvGeometry, RequestStep, StepCheckpoint, StepMetadata, StepView};
 pub use unikv_radix::TokenId;
+pub use verify::{DeviceValues, VerifyLayout, VerifyMetadata, VerifyOffsets};
 
 pub use unikv_invariants as invariants;
 pub use unikv_kernels as kernels;

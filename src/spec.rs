@@ -17,8 +17,9 @@ pub const MAX_VERIFY_WIDTH: u32 = 64;
 
 /// The most verify steps of one request that may be unsettled at once
 /// ([`Speculation::max_in_flight`]): an overlap scheduler learns a step's counts one step
-/// late, so two are in flight; a deeper pipeline is allowed up to this.
-pub const MAX_IN_FLIGHT: u32 = 4;
+/// late, so two are in flight (the verify metadata's device offsets name one earlier
+/// verify).
+pub const MAX_IN_FLIGHT: u32 = 2;
 
 /// What a cache is built to verify ([`crate::HybridCacheBuilder::speculation`]).
 ///

@@ -570,7 +570,8 @@ fn a_settled_verify_crossing_a_grid_point_saves_its_state_there_unless_settled_l
     });
 }
 
-/// Every speculative path — verify steps (chain and tree, late and timely), settlement
+/// Every speculative path — verify steps (chain and tree, late and timely), their
+/// metadata (built, translated from device-side offsets, a tree's compaction), settlement
 /// (all rejected, partial, all accepted, a tree path), checkpoints copied out of the
 /// slot group, an abort and a finish mid-verify — issues no host sync and no
 /// data-dependent shape, on the CPU backend and on the CUDA backend over its emulated
@@ -578,7 +579,8 @@ fn a_settled_verify_crossing_a_grid_point_saves_its_state_there_unless_settled_l
 #[test]
 fn every_speculative_path_issues_no_host_sync() {
     use std::sync::Arc;
-    use unikv::kernels::{CpuDevice, CudaDevice, Readback, SyncLedger};
+    use unikv::kernels::{CpuDevice, CudaDevice, Device, Readback, SyncLedger};
+    use unikv::{DeviceValues, VerifyMetadata, VerifyOffsets};
     let devices: [fn() -> Arc<dyn Readback>; 2] = [
         || Arc::new(CpuDevice::new()),
         || Arc::new(CudaDevice::emulated()),
@@ -604,6 +606,12 @@ fn every_speculative_path_issues_no_host_sync() {
                     let mut b = prefill(&mut c, 30);
                     let mut d = prefill(&mut c, 20);
                     c.step_boundary().unwrap();
+                    // The engine's device values: offsets, then accepted paths (all
+                    // empty: −1).
+                    let values = ledger.alloc_table(6 + 4 * 5, -1).unwrap();
+                    let at = |at| DeviceValues { table: values, at };
+                    let mut meta = VerifyMetadata::new(4);
+                    c.reserve_verify_metadata(&meta).unwrap();
                     ledger.reset();
                     let tree = [-1, 0, 0, 1, 2];
                     for step in 0..12usize {
@@ -614,6 +622,22 @@ fn every_speculative_path_issues_no_host_sync() {
                         ];
                         c.alloc_verify(&mut [&mut a, &mut b, &mut d], &drafts)
                             .unwrap();
+                        // The verify's metadata, translated from the device-side
+                        // offsets of the earlier verifies, and a tree's compaction.
+                        c.build_verify_metadata(&mut meta, &[&a, &b, &d]).unwrap();
+                        let late = (step > 0) as i32;
+                        ledger
+                            .upload_table(values, 0, &[late * 2, late * 3, 0, late, late * 2, 0])
+                            .unwrap();
+                        c.translate_verify(
+                            &mut meta,
+                            Some(VerifyOffsets {
+                                accepted: at(0),
+                                last_node: at(3),
+                            }),
+                        )
+                        .unwrap();
+                        c.compact_accepted(&meta, at(6)).unwrap();
                         // `a` and `b` settle a step late, `d` at once.
                         c.settle(
                             &mut [&mut d],
@@ -731,4 +755,130 @@ fn verify_rows_at_the_top_of_a_141_gib_pool_do_not_wrap() {
             }
         }
     }
+}
+
+/// The verify metadata has one shape for every batch up to its maximum (what a CUDA
+/// graph captured once replays): the same two tables, the same layout, and every
+/// request past the batch and every position past a request's draft names the sink.
+#[test]
+fn verify_metadata_is_fixed_shape_and_pads_to_the_sink() {
+    use std::sync::Arc;
+    use unikv::VerifyMetadata;
+    use unikv::kernels::{CpuDevice, HostSync, Readback};
+    for model in models() {
+        for layout in LAYOUTS {
+            let cpu = Arc::new(CpuDevice::new());
+            let mut c = HybridCache::builder()
+                .model(model.with_draft_layers(1))
+                .page_size(16)
+                .memory_bytes(8 << 20)
+                .layout(layout)
+                .speculation(Speculation::chain(K as u32))
+                .device(cpu.clone())
+                .build()
+                .unwrap();
+            let label = format!("{} {}", model.name, layout.as_str());
+            let mut reqs: Vec<Request> = (0..3).map(|_| prefill(&mut c, 20)).collect();
+            let mut meta = VerifyMetadata::new(4);
+            let mut shapes = Vec::new();
+            for (batch, k) in [(3, K), (1, 1)] {
+                let mut b: Vec<&mut Request> = reqs.iter_mut().take(batch).collect();
+                c.alloc_verify(&mut b, &vec![Draft::Chain { k }; batch])
+                    .unwrap();
+                let b: Vec<&Request> = reqs.iter().take(batch).collect();
+                c.build_verify_metadata(&mut meta, &b).unwrap();
+                c.translate_verify(&mut meta, None).unwrap();
+                shapes.push((meta.tables(), meta.layout()));
+                let l = meta.layout();
+                let (_, outputs) = meta.tables().unwrap();
+                let sync = HostSync::acquire("test: reading the verify metadata back");
+                let out = cpu.read_table(&sync, outputs, 0, l.outputs_len).unwrap();
+                for r in 0..l.max_batch {
+                    for j in 0..l.width {
+                        let id = out[l.write_full + r * l.width + j];
+                        let live = r < batch && j <= k;
+                        assert_eq!(
+                            id > 0,
+                            live,
+                            "{label}: batch {batch} request {r} position {j}"
+                        );
+                    }
+                }
+                let mut b: Vec<&mut Request> = reqs.iter_mut().take(batch).collect();
+                let accepted = tokens(500, 1);
+                c.settle(&mut b, &vec![Accepted::chain(&accepted); batch])
+                    .unwrap();
+                c.step_boundary().unwrap();
+            }
+            assert_eq!(shapes[0], shapes[1], "{label}: one shape for both batches");
+            for req in reqs {
+                c.release(req).unwrap();
+            }
+            drop(c);
+            assert_eq!(cpu.live_allocations(), 0, "{label}: the verify tables freed too");
+        }
+    }
+}
+
+/// Admission prices a request's whole slot group: with trees of 5 nodes a recurrent
+/// request takes 5 slots, and `can_admit` refuses one only when its group does not fit
+/// where a request without speculation would still be admitted (the KV has room to
+/// spare).
+#[test]
+fn admission_prices_the_whole_slot_group() {
+    /// Admits 2-token prompts until `can_admit` refuses: (admitted, slots free then).
+    fn fill(layout: Layout, speculation: Option<Speculation>) -> (usize, usize) {
+        let slot = TINY_MAMBA.slot_pool().unwrap().bytes_per_slot;
+        let mut b = HybridCache::builder()
+            .model(TINY_MAMBA.with_draft_layers(1))
+            .page_size(1)
+            .memory_bytes(64 * slot + (1 << 20))
+            .layout(layout);
+        if let Some(s) = speculation {
+            b = b.speculation(s);
+        }
+        let mut c = b.build().unwrap();
+        let width = speculation.map_or(1, |s| s.max_width as usize);
+        let mut admitted = Vec::new();
+        loop {
+            let hit = c.match_prefix(tokens(1000 * admitted.len() as u32, 2));
+            if !c.can_admit(&hit, 0) {
+                break;
+            }
+            let req = c.admit(hit).unwrap();
+            assert_eq!(req.state_slots().len(), width, "{}", layout.as_str());
+            admitted.push(req);
+        }
+        let s = c.stats();
+        assert!(
+            s.full.available_pages > 100,
+            "{}: KV ran out",
+            layout.as_str()
+        );
+        assert_eq!(
+            s.mamba.held_pages,
+            width * admitted.len(),
+            "{}",
+            layout.as_str()
+        );
+        for req in admitted.drain(..).rev() {
+            c.release(req).unwrap();
+        }
+        (s.mamba.held_pages / width, s.mamba.available_pages)
+    }
+    scoped_level(Level::Strict, || {
+        for layout in LAYOUTS {
+            let label = layout.as_str();
+            let (plain, plain_free) = fill(layout, None);
+            let (spec, spec_free) = fill(layout, Some(Speculation::tree(5)));
+            assert!(
+                spec > 0 && spec < plain,
+                "{label}: {spec} vs {plain} admitted"
+            );
+            assert!(
+                spec_free < plain_free + 5,
+                "{label}: refused with {spec_free} slots free ({plain_free} without speculation)"
+            );
+        }
+    });
 }

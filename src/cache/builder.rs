@@ -413,6 +413,8 @@ impl HybridCacheBuilder {
             step_table: None,
             plan: CheckpointPlan::default(),
             speculation: self.speculation,
+            verify_inputs: None,
+            verify_outputs: None,
         })
     }
 }

@@ -1,0 +1,461 @@
+//! Verify metadata: what the kernels of one verify step consume, in two fixed-shape
+//! device tables sized for a declared maximum batch and the cache's
+//! [`Speculation`](crate::Speculation), so a CUDA graph captured once replays for any
+//! batch up to it (padding requests and positions name the sink).
+//!
+//! The **inputs** are host data in virtual ids (they survive compaction): per request
+//! the newest verify's width, its settled length, its tree (parents, depths and the tree
+//! mask of the positions each one attends to; a chain is the tree `i − 1`), the virtual
+//! ids of every row its unsettled verifies reserved, and its state slots. The **outputs** are translated on the device, against the current
+//! mirror, by [`HybridCache::translate_verify`]: one pass per side gathers each
+//! request's rows at a **device** offset — where the accepted counts of its earlier
+//! unsettled verify put the newest one — and translates them into kernel ids: the write
+//! ids of every verify position on FULL and SWA (the first `k` of the FULL ones are the
+//! draft model's write window: its layers share the FULL envelope), the physical input
+//! state (the running slot, or the accepted position's slot of the earlier verify's
+//! group: the replay index translation) and the group the verify writes. So nothing on
+//! the host waits for an accepted count.
+//!
+//! After the verify forward, [`HybridCache::compact_accepted`] moves a tree verify's
+//! accepted nodes' KV to consecutive rows with one fixed-shape device copy that reads
+//! the accepted paths on the device.
+
+use crate::cache::HybridCache;
+use crate::error::Error;
+use crate::request::Request;
+use unikv_kernels::{RowGather, TableId, WindowTranslate};
+use unikv_pools::Side;
+
+/// Device values an engine's kernels wrote (accepted counts, accepted paths): entries of
+/// `table` from `at`, in batch order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceValues {
+    /// The device table.
+    pub table: TableId,
+    /// The first entry.
+    pub at: usize,
+}
+
+/// Where the newest verify of each request of the batch starts on the device, when its
+/// earlier verify is unsettled on the host (device values the engine's accept kernel
+/// wrote; 0 for a request with nothing unsettled).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VerifyOffsets {
+    /// The earlier verify's accepted count: its positions start that many rows past the
+    /// settled ones.
+    pub accepted: DeviceValues,
+    /// One past the earlier verify's last accepted node: its state there is the one the
+    /// newest verify starts from (for a chain, the accepted count: pass the same values).
+    pub last_node: DeviceValues,
+}
+
+/// Where each section of the two verify tables starts, in `i32` entries. `B` is the
+/// declared maximum batch, `W` the cache's [`Speculation::max_width`](crate::Speculation),
+/// `R = max_in_flight × W` the rows a request may have reserved, `S = W + 1` state ids
+/// (0 without recurrent layers). Requests past the batch and positions past a request's
+/// width are padding (0: the sink; −1 for parents).
+///
+/// | table | section | entries | what |
+/// |---|---|---|---|
+/// | inputs | `widths` | `B` | positions of the request's newest verify |
+/// | inputs | `settled` | `B` | its settled rows (its positions start here plus the device offset) |
+/// | inputs | `parents` | `B × W` | each position's parent (−1: the root) |
+/// | inputs | `depths` | `B × W` | each position's depth (its RoPE position is the start plus it) |
+/// | inputs | `masks` | `B × W × 2` | the tree mask: the positions each one attends to among the verify's (itself and its ancestors), bits 0–31 then 32–63 |
+/// | inputs | `rows` | `B × R` | virtual ids of the rows its unsettled verifies reserved |
+/// | inputs | `slots` | `B × S` | virtual state slots: the running one, then the group |
+/// | inputs | `zeros` | `B` | zeros: the device offset of a batch with nothing unsettled |
+/// | outputs | `write_full` | `B × W` | FULL kernel ids of its positions (the first `k`: the draft window) |
+/// | outputs | `write_swa` | `B × W` | SWA kernel ids of its positions |
+/// | outputs | `state_in` | `B` | physical slot of the state the verify starts from |
+/// | outputs | `state_out` | `B × W` | physical slot of the state after each position |
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VerifyLayout {
+    /// Requests the tables are sized for.
+    pub max_batch: usize,
+    /// Positions per request (`W`).
+    pub width: usize,
+    /// Reserved rows per request (`R`).
+    pub rows_per_request: usize,
+    /// State ids per request (`S`).
+    pub slots_per_request: usize,
+    /// Offset of `widths` (inputs).
+    pub widths: usize,
+    /// Offset of `settled` (inputs).
+    pub settled: usize,
+    /// Offset of `parents` (inputs).
+    pub parents: usize,
+    /// Offset of `depths` (inputs).
+    pub depths: usize,
+    /// Offset of `masks` (inputs).
+    pub masks: usize,
+    /// Offset of `rows` (inputs).
+    pub rows: usize,
+    /// Offset of `slots` (inputs).
+    pub slots: usize,
+    /// Offset of `zeros` (inputs).
+    pub zeros: usize,
+    /// Entries of the inputs table.
+    pub inputs_len: usize,
+    /// Offset of `write_full` (outputs).
+    pub write_full: usize,
+    /// Offset of `write_swa` (outputs).
+    pub write_swa: usize,
+    /// Offset of `state_in` (outputs).
+    pub state_in: usize,
+    /// Offset of `state_out` (outputs).
+    pub state_out: usize,
+    /// Entries of the outputs table.
+    pub outputs_len: usize,
+}
+
+impl VerifyLayout {
+    fn new(max_batch: usize, width: usize, in_flight: usize, states: bool) -> VerifyLayout {
+        let b = max_batch;
+        let r = in_flight * width;
+        let s = if states { width + 1 } else { 0 };
+        let mut l = VerifyLayout {
+            max_batch,
+            width,
+            rows_per_request: r,
+            slots_per_request: s,
+            ..VerifyLayout::default()
+        };
+        let mut at = 0;
+        let mut section = |n: usize| {
+            let start = at;
+            at += n;
+            start
+        };
+        l.widths = section(b);
+        l.settled = section(b);
+        l.parents = section(b * width);
+        l.depths = section(b * width);
+        l.masks = section(b * width * 2);
+        l.rows = section(b * r);
+        l.slots = section(b * s);
+        l.zeros = section(b);
+        l.inputs_len = at;
+        let mut at = 0;
+        let mut section = |n: usize| {
+            let start = at;
+            at += n;
+            start
+        };
+        l.write_full = section(b * width);
+        l.write_swa = section(b * width);
+        l.state_in = section(b);
+        l.state_out = section(b * width);
+        l.outputs_len = at;
+        l
+    }
+}
+
+/// The metadata of one verify step for up to `max_batch` requests, reused across
+/// steps: build it with [`HybridCache::build_verify_metadata`] after the step's
+/// allocations, translate it with [`HybridCache::translate_verify`].
+#[derive(Debug)]
+pub struct VerifyMetadata {
+    max_batch: usize,
+    /// The cache it was built by, and the batch.
+    built: Option<(u64, usize)>,
+    /// The mirror generation its outputs were translated at.
+    translated: Option<u64>,
+    layout: VerifyLayout,
+    image: Vec<i32>,
+    tables: Option<(TableId, TableId)>,
+}
+
+impl VerifyMetadata {
+    /// Empty metadata for batches of up to `max_batch` requests (the batch a CUDA graph is
+    /// captured for).
+    pub fn new(max_batch: usize) -> VerifyMetadata {
+        VerifyMetadata {
+            max_batch,
+            built: None,
+            translated: None,
+            layout: VerifyLayout::default(),
+            image: Vec::new(),
+            tables: None,
+        }
+    }
+
+    /// Where each section starts.
+    pub fn layout(&self) -> VerifyLayout {
+        self.layout
+    }
+
+    /// The device tables (inputs, outputs), once built.
+    pub fn tables(&self) -> Option<(TableId, TableId)> {
+        self.tables
+    }
+
+    /// The host image of the inputs table.
+    pub fn inputs(&self) -> &[i32] {
+        &self.image
+    }
+}
+
+impl HybridCache {
+    /// Sizes the device tables verify metadata for `meta`'s maximum batch needs, so that
+    /// no later [`HybridCache::build_verify_metadata`] allocates: an allocation may make
+    /// the host wait on a GPU, so call this once at set-up (where an engine captures its
+    /// CUDA graphs), not on the scheduling path. Without it the first build allocates.
+    ///
+    /// Errors: a cache built without speculation ([`Error::SpeculationOff`]) or a device
+    /// error (the tables as they were).
+    pub fn reserve_verify_metadata(&mut self, meta: &VerifyMetadata) -> Result<(), Error> {
+        let layout = self.verify_layout(meta.max_batch, u64::MAX)?;
+        self.verify_tables(layout).map(drop)
+    }
+
+    /// The verify layout of batches of up to `max_batch` requests on this cache.
+    fn verify_layout(&self, max_batch: usize, request: u64) -> Result<VerifyLayout, Error> {
+        let spec = self
+            .speculation()
+            .ok_or(Error::SpeculationOff { request })?;
+        Ok(VerifyLayout::new(
+            max_batch,
+            spec.max_width as usize,
+            spec.max_in_flight as usize,
+            self.model().has_recurrent_state(),
+        ))
+    }
+
+    /// Builds the verify metadata of `batch` (each request's newest verify, allocated by
+    /// [`HybridCache::alloc_verify`]) into `meta` and uploads its inputs in one
+    /// asynchronous op. Host work is O(batch × width); nothing waits for the device once
+    /// the tables are sized ([`HybridCache::reserve_verify_metadata`]).
+    ///
+    /// Errors: a cache built without speculation ([`Error::SpeculationOff`]), a batch
+    /// larger than `meta`'s maximum, a request of another cache or with no unsettled
+    /// verify ([`Error::BadRequest`]), a device error; then `meta` is not translatable
+    /// until the next successful build.
+    pub fn build_verify_metadata(
+        &mut self,
+        meta: &mut VerifyMetadata,
+        batch: &[&Request],
+    ) -> Result<(), Error> {
+        meta.built = None;
+        meta.translated = None;
+        let first = batch.first().map_or(u64::MAX, |r| r.id);
+        let l = self.verify_layout(meta.max_batch, first)?;
+        if batch.len() > meta.max_batch {
+            return Err(Error::BadRequest {
+                request: first,
+                reason: format!(
+                    "a verify batch of {} requests, metadata for {}",
+                    batch.len(),
+                    meta.max_batch
+                ),
+            });
+        }
+        for req in batch {
+            self.check_request(req)?;
+            if req.verifies.is_empty() {
+                return Err(Error::BadRequest {
+                    request: req.id,
+                    reason: "verify metadata for a request with no unsettled verify".into(),
+                });
+            }
+        }
+        let width = l.width;
+        meta.layout = l;
+        meta.image.clear();
+        meta.image.resize(l.inputs_len, 0);
+        let img = &mut meta.image;
+        img[l.parents..l.parents + l.max_batch * width].fill(-1);
+        for (r, req) in batch.iter().enumerate() {
+            let newest = req.verifies.back().expect("checked above");
+            let settled = req.settled_len();
+            img[l.widths + r] = newest.width as i32;
+            img[l.settled + r] = to_i32(req.id, "settled length", settled)?;
+            let tree = &mut img[l.parents + r * width..l.parents + (r + 1) * width];
+            for i in 0..newest.width {
+                tree[i] = match &newest.parents {
+                    Some(p) => p[i],
+                    None => i as i32 - 1,
+                };
+            }
+            let mut masks = [0u64; crate::spec::MAX_VERIFY_WIDTH as usize];
+            for i in 0..newest.width {
+                let parent = img[l.parents + r * width + i];
+                (img[l.depths + r * width + i], masks[i]) = if parent < 0 {
+                    (0, 1)
+                } else {
+                    let p = parent as usize;
+                    (img[l.depths + r * width + p] + 1, masks[p] | 1 << i)
+                };
+                let at = l.masks + 2 * (r * width + i);
+                // The words' bits, reinterpreted: a kernel reads them as unsigned.
+                img[at] = masks[i] as u32 as i32;
+                img[at + 1] = (masks[i] >> 32) as u32 as i32;
+            }
+            let reserved = &req.row[settled..];
+            for (slot, v) in img[l.rows + r * l.rows_per_request..]
+                .iter_mut()
+                .zip(reserved)
+            {
+                *slot = v.0 as i32;
+            }
+            if let Some(state) = &req.state {
+                let s = &mut img[l.slots + r * l.slots_per_request..];
+                s[0] = state.running.0 as i32;
+                for (slot, v) in s[1..].iter_mut().zip(&state.group) {
+                    *slot = v.0 as i32;
+                }
+            }
+        }
+        let tables = self.upload_verify_tables(l, &meta.image)?;
+        meta.tables = Some(tables);
+        meta.built = Some((self.cache_id(), batch.len()));
+        Ok(())
+    }
+
+    /// Translates `meta`'s outputs on the device: each request's positions start at its
+    /// settled rows plus `offsets.accepted` — device values: the accepted count of the
+    /// request's earlier unsettled verify, 0 when it has none (`None`: no request of the
+    /// batch has one) — and its state at `offsets.last_node` of `[running, group…]`.
+    /// Uploads the mirror first when it is behind (so call it after the step's
+    /// last allocation); then one [`unikv_kernels::Device::translate_windows`] for every
+    /// side (FULL and SWA write ids, input state and the state group): one launch. Host-known shapes, no
+    /// wait.
+    pub fn translate_verify(
+        &mut self,
+        meta: &mut VerifyMetadata,
+        offsets: Option<VerifyOffsets>,
+    ) -> Result<(), Error> {
+        let (inputs, outputs) = self.built_tables(meta)?;
+        self.sync_mirror()?;
+        let l = meta.layout;
+        let zeros = DeviceValues {
+            table: inputs,
+            at: l.zeros,
+        };
+        let starts = offsets.map_or(zeros, |o| o.accepted);
+        let state_index = offsets.map_or(zeros, |o| o.last_node);
+        let alloc = self.allocator();
+        let ps = alloc.page_size().get();
+        let window = |side: Side, out_at: usize| -> Option<WindowTranslate> {
+            Some(WindowTranslate {
+                v2p: alloc.mirror_table(side)?,
+                ids: inputs,
+                ids_at: l.rows,
+                rows: l.rows_per_request,
+                starts: starts.table,
+                starts_at: starts.at,
+                bias: 0,
+                batch: l.max_batch,
+                width: l.width,
+                page_size: ps,
+                stride: alloc.stride(side),
+                out: outputs,
+                out_at,
+            })
+        };
+        let mut all: Vec<WindowTranslate> = Vec::with_capacity(4);
+        all.extend(window(Side::Full, l.write_full));
+        if self.model().swa_layers > 0 {
+            all.extend(window(Side::Swa, l.write_swa));
+        }
+        if l.slots_per_request > 0
+            && let Some(v2p) = alloc.mirror_table(Side::Mamba)
+        {
+            let slots = WindowTranslate {
+                v2p,
+                ids: inputs,
+                ids_at: l.slots,
+                rows: l.slots_per_request,
+                starts: state_index.table,
+                starts_at: state_index.at,
+                bias: 0,
+                batch: l.max_batch,
+                width: 1,
+                page_size: 1,
+                stride: 1,
+                out: outputs,
+                out_at: l.state_in,
+            };
+            // The group the verify writes: slots 1 ..= W, whatever the offset.
+            let group = WindowTranslate {
+                starts: inputs,
+                starts_at: l.zeros,
+                bias: 1,
+                width: l.width,
+                out_at: l.state_out,
+                ..slots
+            };
+            all.extend([slots, group]);
+        }
+        self.device().translate_windows(&all)?;
+        meta.translated = Some(self.mirror_generation());
+        Ok(())
+    }
+
+    /// Moves each tree verify's accepted nodes' KV (FULL, the draft layer's with it, and
+    /// SWA) to consecutive rows from its first position, on the device: `paths` holds, per
+    /// request, `W` entries — the accepted path's nodes in order, then −1 (a chain's path
+    /// is `0, 1, …`, which moves nothing). One fixed-shape
+    /// [`unikv_kernels::Device::gather_rows`] per side, reading the write ids
+    /// [`HybridCache::translate_verify`] produced; call it after the verify forward and
+    /// before anything compacts (an allocation), so those ids still name the rows.
+    pub fn compact_accepted(
+        &self,
+        meta: &VerifyMetadata,
+        paths: DeviceValues,
+    ) -> Result<(), Error> {
+        let (_, outputs) = self.built_tables(meta)?;
+        let current = self.mirror_generation();
+        match meta.translated {
+            Some(at) if at == current && self.allocator().mirror_current() => {}
+            built => {
+                return Err(Error::StaleStepMetadata {
+                    built: built.unwrap_or(0),
+                    current,
+                    tables_changed: !self.allocator().mirror_current(),
+                });
+            }
+        }
+        let l = meta.layout;
+        let g = self.kv_geometry();
+        let model = self.model();
+        let mut sides = vec![(
+            l.write_full,
+            2 * model.full_envelope_layers(),
+            g.full_row_bytes,
+        )];
+        if model.swa_layers > 0 {
+            sides.push((l.write_swa, 2 * model.swa_layers, g.swa_row_bytes));
+        }
+        for (ids_at, rows_per_token, row_bytes) in sides {
+            self.device().gather_rows(&RowGather {
+                buf: self.allocator().buffer(),
+                ids: outputs,
+                ids_at,
+                path: paths.table,
+                path_at: paths.at,
+                batch: l.max_batch,
+                width: l.width,
+                page_size: g.page_size as u32,
+                rows_per_token,
+                row_bytes,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// `meta`'s device tables if this cache built it.
+    fn built_tables(&self, meta: &VerifyMetadata) -> Result<(TableId, TableId), Error> {
+        match (meta.built, meta.tables) {
+            (Some((cache, _)), Some(tables)) if cache == self.cache_id() => Ok(tables),
+            _ => Err(Error::UnbuiltStepMetadata),
+        }
+    }
+}
+
+fn to_i32(request: u64, what: &str, n: usize) -> Result<i32, Error> {
+    i32::try_from(n).map_err(|_| Error::BadRequest {
+        request,
+        reason: format!("{what} {n} does not fit the verify table's i32 entries"),
+    })
+}
