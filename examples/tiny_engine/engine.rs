@@ -17,6 +17,11 @@
 //! checks catch it. Plain loops instead of a tensor crate: the model is a few hundred
 //! weights, and CI compiles and runs it on 2 cores many times over.
 //!
+//! With speculative decoding ([`serve_speculative`], module `spec`) a draft model
+//! proposes chains or trees of tokens that the target verifies in one step through
+//! unikv's verify metadata; greedy acceptance keeps the output the plain decode's, token
+//! for token, with the counts settled at once or one step late ([`SpecMode`]).
+//!
 //! The modules: `model` (the decoder and its one forward), `reference` (contiguous K/V),
 //! `workload` (the jobs and their arrivals), `serve` (the serving loop on unikv, over
 //! `buffer`: rows and states in unikv's buffer) and `check` (the comparisons). Used by
@@ -37,6 +42,8 @@ mod model;
 mod reference;
 #[path = "engine/serve.rs"]
 mod serve;
+#[path = "engine/spec.rs"]
+mod spec;
 #[path = "engine/workload.rs"]
 mod workload;
 
@@ -47,5 +54,6 @@ pub use {
     model::{Model, Weights},
     reference::{Output, reference, reference_outputs, reference_state},
     serve::{Fault, Reuse, RunConfig, RunStats, checkpoint_grid, serve},
+    spec::{Counts, Drafting, SpecMode, SpecStats, TREE, serve_speculative},
     workload::{Arrival, Job, Workload},
 };

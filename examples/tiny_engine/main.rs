@@ -8,6 +8,14 @@
 //!   tri-pool, with reuse off and on: each run against the first (reuse off, static) and
 //!   the reference, and every resumed state against a contiguous recompute of its prefix.
 //!
+//! `cargo run --release --example tiny_engine -- --spec K` decodes speculatively instead:
+//! a draft model (the target's first layer) proposes chains of `K` tokens and the draft
+//! tree `TREE`, the target verifies them through unikv's verify metadata, and the counts
+//! settle at once or one step late — for the three models at page sizes 1, 16 and 256,
+//! both layouts, on the shared-prefix workload. Each row gives the acceptance rate and
+//! the tokens a verify gains; every request's output must be the reference's plain
+//! greedy decode, token for token and bit for bit.
+//!
 //! Each row gives both implementations' tokens/s, the states (or prefixes) resumed and
 //! the prompt tokens they reused, and what the run went through (compaction moves,
 //! window releases, evictions, retractions, aborts). It ends with `outputs identical:
@@ -17,8 +25,8 @@
 mod engine;
 
 use engine::{
-    Fault, Job, Model, Reuse, RunConfig, RunStats, Workload, check_reuse, compare,
-    reference_outputs, serve,
+    Counts, Drafting, Fault, Job, Model, Reuse, RunConfig, RunStats, SpecMode, Workload,
+    check_reuse, compare, reference_outputs, serve, serve_speculative,
 };
 use std::time::Duration;
 use unikv::Layout;
@@ -37,6 +45,85 @@ fn main() {
         eprintln!("tiny_engine: {e}");
         std::process::exit(2);
     }
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let all_identical = match args.as_slice() {
+        [] => plain(),
+        [flag, k] if flag == "--spec" => match k.parse::<usize>() {
+            Ok(k) if (1..=8).contains(&k) => speculative(k),
+            _ => usage(&format!(
+                "--spec takes a draft length of 1 ..= 8, not {k:?}"
+            )),
+        },
+        _ => usage(&format!("unexpected arguments {args:?}")),
+    };
+    println!(
+        "outputs identical: {}",
+        if all_identical { "yes" } else { "no" }
+    );
+    if !all_identical {
+        std::process::exit(1);
+    }
+}
+
+/// The usage line and status 2.
+fn usage(error: &str) -> ! {
+    eprintln!("tiny_engine: {error}\nusage: tiny_engine [--spec K]");
+    std::process::exit(2);
+}
+
+/// The speculative matrix; whether every output was identical.
+fn speculative(k: usize) -> bool {
+    let mut all_identical = true;
+    for ps in [1u32, 16, 256] {
+        println!("page size {ps}");
+        for model in Model::ALL {
+            for layout in LAYOUTS {
+                for drafting in [Drafting::Chain { k }, Drafting::Tree] {
+                    for counts in [Counts::Timely, Counts::Late] {
+                        let mode = SpecMode { drafting, counts };
+                        let cfg = RunConfig::scripted(
+                            ps,
+                            layout,
+                            model,
+                            Workload::SharedPrefix,
+                            Reuse::On,
+                        );
+                        let (jobs, stats) = serve_speculative(&cfg, mode).unwrap_or_else(|e| {
+                            eprintln!(
+                                "tiny_engine: page size {ps} {} {} {}: {e}",
+                                layout.as_str(),
+                                model.as_str(),
+                                mode.label()
+                            );
+                            std::process::exit(1);
+                        });
+                        let (want, _, _) = reference_outputs(&cfg, &jobs);
+                        println!(
+                            "  {:<12} {:<7} {:<14} acceptance {:>5.1} %  tokens/verify {:>4.2}  \
+                             verifies {:>3}  settled late {:>3}  finished mid-verify {:>2}  \
+                             prefix hits {:>2}  requests {:>2}",
+                            model.as_str(),
+                            layout.as_str(),
+                            mode.label(),
+                            100.0 * stats.acceptance(),
+                            stats.tokens_per_verify(),
+                            stats.verifies,
+                            stats.late_settles,
+                            stats.finished_mid_verify,
+                            stats.prefix_hits,
+                            jobs.len(),
+                        );
+                        all_identical &= report(compare(&jobs, &want));
+                    }
+                }
+            }
+        }
+    }
+    all_identical
+}
+
+/// The plain matrix; whether every output was identical.
+fn plain() -> bool {
     let mut all_identical = true;
     for ps in [1u32, 16, 256] {
         println!("page size {ps}");
@@ -83,13 +170,7 @@ fn main() {
             }
         }
     }
-    println!(
-        "outputs identical: {}",
-        if all_identical { "yes" } else { "no" }
-    );
-    if !all_identical {
-        std::process::exit(1);
-    }
+    all_identical
 }
 
 /// Serves `cfg`, or exits with status 1 when the cache refuses.

@@ -74,6 +74,44 @@ impl KvStore for BufferKv<'_> {
     }
 }
 
+/// K/V in unikv's buffer addressed by position: row `pos` of FULL (and SWA) layers at
+/// kernel id `full[pos]` (`swa[pos]`), for reads and writes alike. A verify position's
+/// ids are the settled rows' then its ancestors' in the draft tree, its own last.
+pub(super) struct IdKv<'a> {
+    pub(super) bytes: &'a mut [u8],
+    pub(super) geo: KvGeometry,
+    pub(super) full: &'a [i32],
+    pub(super) swa: &'a [i32],
+}
+
+impl IdKv<'_> {
+    fn id(&self, layer: LayerKind, pos: usize) -> (Side, u32, i32) {
+        let (side, l) = BufferKv::side(layer);
+        let ids = if side == Side::Full {
+            self.full
+        } else {
+            self.swa
+        };
+        let id = ids[pos];
+        assert!(id > 0, "{side:?} position {pos} has no row");
+        (side, l, id)
+    }
+}
+
+impl KvStore for IdKv<'_> {
+    fn write(&mut self, layer: LayerKind, pos: usize, k: &[f32], v: &[f32]) {
+        let (side, l, id) = self.id(layer, pos);
+        write_f32s(self.bytes, self.geo.row_offset(side, id, l, false), k);
+        write_f32s(self.bytes, self.geo.row_offset(side, id, l, true), v);
+    }
+
+    fn read(&self, layer: LayerKind, pos: usize, k: &mut [f32], v: &mut [f32]) {
+        let (side, l, id) = self.id(layer, pos);
+        read_f32s(self.bytes, self.geo.row_offset(side, id, l, false), k);
+        read_f32s(self.bytes, self.geo.row_offset(side, id, l, true), v);
+    }
+}
+
 /// Reads every recurrent layer's conv and temporal state from physical slot `slot`.
 pub(super) fn load_states(
     bytes: &[u8],

@@ -266,6 +266,22 @@ impl Weights {
         }
     }
 
+    /// The draft model of speculative decoding: the target's first layer (full
+    /// attention) alone, with the target's embedding and unembedding — a cheaper model
+    /// that guesses the target's next tokens, often but not always right. Its K/V is FULL
+    /// layer `index` (the draft's rows in the FULL envelope, past the target's layers).
+    pub fn draft(&self, index: u32) -> Weights {
+        assert!(
+            matches!(self.kinds[0], LayerKind::Full(_)),
+            "every tiny model starts with full attention"
+        );
+        Weights {
+            kinds: vec![LayerKind::Full(index)],
+            layers: vec![self.layers[0].clone()],
+            ..self.clone()
+        }
+    }
+
     /// The first `n` layers' weights (a forward through them stops there).
     pub fn first_layers(&self, n: usize) -> Weights {
         Weights {

@@ -180,7 +180,7 @@ struct Running {
 }
 
 /// The budget in bytes for `tokens` tokens of FULL and SWA KV, state slots on top.
-fn memory_bytes(cfg: &RunConfig, spec: &ModelSpec) -> u64 {
+pub(super) fn memory_bytes(cfg: &RunConfig, spec: &ModelSpec) -> u64 {
     let per_token = spec.full_bytes_per_token() + spec.swa_bytes_per_token();
     let kv = cfg.budget_tokens * per_token;
     let slots = if spec.has_recurrent_state() {
