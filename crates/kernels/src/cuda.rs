@@ -411,9 +411,10 @@ impl CudaDevice {
 
     /// Captures the ops `record` issues into a CUDA graph instead of running them (an
     /// engine capturing its forward captures the step's translation with it). Ops whose
-    /// argument list is staged per call (scatter, upload, fill, move) are refused during
-    /// the capture with [`Error::NotCapturable`]; `translate` and `gather_table` read
-    /// only device tables, so a replay sees the tables as they are at that time.
+    /// argument list is staged per call (scatter, upload, fill, move, the fused
+    /// translations) are refused during the capture with [`Error::NotCapturable`];
+    /// `translate`, `gather_table` and `gather_rows` read only device tables, so a replay
+    /// sees the tables as they are at that time.
     ///
     /// Errors: what `record` returns (the capture is ended either way), or the driver's.
     pub fn capture(

@@ -687,6 +687,91 @@ fn a_captured_translation_replays_with_the_tables_of_its_launch() {
     }
 }
 
+/// A tree verify's row gather captured into a CUDA graph (with the forward that writes
+/// the rows, in an engine) replays with the paths and ids as they are at its launch: a
+/// graph captured once serves every step. The window translation stages its list per
+/// call, so it runs eagerly before the graph and is refused during the capture.
+#[test]
+fn a_captured_row_gather_replays_with_the_paths_of_its_launch() {
+    for (label, dev) in backends("a_captured_row_gather_replays_with_the_paths_of_its_launch") {
+        let pattern: Vec<u8> = (0..64).collect();
+        let buf = bytes(&dev, &pattern).unwrap();
+        let (ids, path) = (table_of(&dev, 4), table_of(&dev, 4));
+        let gather = RowGather {
+            buf,
+            ids,
+            ids_at: 0,
+            path,
+            path_at: 0,
+            batch: 1,
+            width: 4,
+            page_size: 4,
+            rows_per_token: 2,
+            row_bytes: 2,
+        };
+        let window = WindowTranslate {
+            v2p: ids,
+            ids,
+            ids_at: 0,
+            rows: 4,
+            starts: ids,
+            starts_at: 0,
+            bias: 0,
+            batch: 1,
+            width: 1,
+            page_size: 1,
+            stride: 1,
+            out: path,
+            out_at: 0,
+        };
+        let graph = dev
+            .capture(|d| {
+                assert!(matches!(
+                    d.translate_windows(&[window]),
+                    Err(Error::NotCapturable { .. })
+                ));
+                d.gather_rows(&gather)
+            })
+            .unwrap();
+        let s = sync();
+        assert_eq!(
+            dev.read_bytes(&s, buf, 0, 64).unwrap(),
+            pattern,
+            "{label}: captured, not run"
+        );
+        let cpu = CpuDevice::new();
+        let cpu_buf = bytes(&cpu, &pattern).unwrap();
+        let (cpu_ids, cpu_path) = (table_of(&cpu, 4), table_of(&cpu, 4));
+        for (step, (kernel_ids, accepted)) in [
+            ([1, 2, 3, 8], [0, 2, -1, -1]),
+            ([9, 10, 11, 16], [0, 1, 3, -1]),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let both: [(&dyn Device, TableId, TableId); 2] =
+                [(&dev, ids, path), (&cpu, cpu_ids, cpu_path)];
+            for (d, i, p) in both {
+                d.upload_table(i, 0, kernel_ids).unwrap();
+                d.upload_table(p, 0, accepted).unwrap();
+            }
+            dev.launch_graph(&graph).unwrap();
+            cpu.gather_rows(&RowGather {
+                buf: cpu_buf,
+                ids: cpu_ids,
+                path: cpu_path,
+                ..gather
+            })
+            .unwrap();
+            assert_eq!(
+                dev.read_bytes(&s, buf, 0, 64).unwrap(),
+                cpu.read_bytes(&s, cpu_buf, 0, 64).unwrap(),
+                "{label}: replay {step}"
+            );
+        }
+    }
+}
+
 fn table_of(dev: &dyn Device, len: usize) -> TableId {
     dev.alloc_table(len, 0).unwrap()
 }
