@@ -550,6 +550,29 @@ impl CudaDevice {
         })
     }
 
+    /// Launches `kernel(list, count)` over the staged list of `count` entries: a row of
+    /// blocks (y) per entry, enough blocks along x for the widest entry's `widest` items.
+    fn launch_list_rows(
+        &self,
+        st: &mut State,
+        op: &'static str,
+        kernel: Kernel,
+        count: u64,
+        widest: u64,
+    ) -> Result<(), Error> {
+        let grid = Grid {
+            blocks: (
+                widest.div_ceil(u64::from(BLOCK)).clamp(1, MAX_BLOCKS) as u32,
+                count.clamp(1, MAX_BLOCKS) as u32,
+                1,
+            ),
+            threads: BLOCK,
+        };
+        self.launch_with_list(st, op, kernel, grid, |list| {
+            vec![Arg::U64(list), Arg::U64(count)]
+        })
+    }
+
     /// Waits for the stream and copies `len` `T`-sized elements from `src`.
     fn read<T: Copy>(
         &self,
@@ -878,20 +901,12 @@ impl Device for CudaDevice {
         // Kernel `unikv_translate_many(const unsigned long long* list, unsigned long long
         // count)`: each translation checked as for `translate`, and no output is another
         // one's table (checked), so each output slot has one writer.
-        let grid = Grid {
-            blocks: (
-                widest.div_ceil(u64::from(BLOCK)).clamp(1, MAX_BLOCKS) as u32,
-                count.clamp(1, MAX_BLOCKS) as u32,
-                1,
-            ),
-            threads: BLOCK,
-        };
-        self.launch_with_list(
+        self.launch_list_rows(
             &mut st,
             "translate_many",
             Kernel::TranslateMany,
-            grid,
-            |list| vec![Arg::U64(list), Arg::U64(count)],
+            count,
+            widest,
         )
     }
 
@@ -933,20 +948,12 @@ impl Device for CudaDevice {
         // Kernel `unikv_translate_windows(const unsigned long long* list, unsigned long
         // long count)`: each window's tables hold its ranges and no output is an input
         // of the call or overlaps another output (checked), so each slot has one writer.
-        let grid = Grid {
-            blocks: (
-                widest.div_ceil(u64::from(BLOCK)).clamp(1, MAX_BLOCKS) as u32,
-                count.clamp(1, MAX_BLOCKS) as u32,
-                1,
-            ),
-            threads: BLOCK,
-        };
-        self.launch_with_list(
+        self.launch_list_rows(
             &mut st,
             "translate_windows",
             Kernel::TranslateWindows,
-            grid,
-            |list| vec![Arg::U64(list), Arg::U64(count)],
+            count,
+            widest,
         )
     }
 
