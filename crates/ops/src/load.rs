@@ -3,7 +3,7 @@
 //! before anything runs.
 
 use crate::error::{OpsError, OpsProblem};
-use crate::format::{MAX_OPS, Op, check, check_header};
+use crate::format::{MAX_OPS, Op, SCHEMA_V2, check, check_header};
 use std::fs::File;
 use std::io::BufReader;
 use std::path::Path;
@@ -41,8 +41,8 @@ fn load_limited(path: &Path, max_ops: usize) -> Result<Trace, OpsError> {
         line,
         problem,
     };
-    // (the header, its page size, its line)
-    let mut header: Option<(Op, u32, usize)> = None;
+    // (the header, its page size, its line, whether it is v2)
+    let mut header: Option<(Op, u32, usize, bool)> = None;
     let mut ops = Vec::new();
     let mut lines = BoundedLines::new(BufReader::new(file));
     while let Some(next) = lines.next_line() {
@@ -72,20 +72,24 @@ fn load_limited(path: &Path, max_ops: usize) -> Result<Trace, OpsError> {
         match (&header, op) {
             (None, op @ Op::Header { .. }) => {
                 let page_size = check_header(&op).map_err(|p| at(line, p))?;
-                header = Some((op, page_size, line));
+                let v2 = matches!(&op, Op::Header { schema, .. } if schema == SCHEMA_V2);
+                header = Some((op, page_size, line, v2));
             }
             (None, _) => return Err(at(line, OpsProblem::NoHeader)),
             (Some(_), Op::Header { .. }) => return Err(at(line, OpsProblem::SecondHeader)),
-            (Some((_, page_size, _)), op) => {
+            (Some((_, page_size, _, v2)), op) => {
                 if ops.len() == max_ops {
                     return Err(at(line, OpsProblem::TooManyOps { limit: max_ops }));
+                }
+                if op.is_speculative() && !*v2 {
+                    return Err(at(line, OpsProblem::SpeculativeInV1 { op: op.name() }));
                 }
                 check(&op, *page_size).map_err(|p| at(line, p))?;
                 ops.push((line, op));
             }
         }
     }
-    let (header, _, header_line) = header.ok_or_else(|| OpsError::OpsTrace {
+    let (header, _, header_line, _) = header.ok_or_else(|| OpsError::OpsTrace {
         reason: format!("{source_name}: empty trace"),
     })?;
     Ok(Trace {
