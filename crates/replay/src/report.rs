@@ -642,7 +642,7 @@ fn union_keys<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::samples::{sample_mamba_report, sample_pair, sample_report};
+    use crate::samples::{sample_mamba_report, sample_pair, sample_report, sample_spec_report};
 
     #[test]
     fn a_model_with_recurrent_state_gets_mamba_rows_and_no_swa_rows() {
@@ -693,7 +693,9 @@ mod tests {
     #[test]
     fn every_row_of_the_table_is_explained_by_the_replay_help() {
         let rows = ROWS_HELP;
-        for table in [sample_report(), sample_mamba_report()].map(|r| r.render_table()) {
+        for table in
+            [sample_report(), sample_mamba_report(), sample_spec_report()].map(|r| r.render_table())
+        {
             // Rows start with two spaces; the column header with more.
             for line in table
                 .lines()
@@ -783,6 +785,34 @@ mod tests {
             .to_string(),
             "2 of 3 requests unfinished"
         );
+    }
+
+    /// A speculative report adds its rows and a line saying what was drafted; the JSON
+    /// run carries a `speculative` object that a plain run does not have.
+    #[test]
+    fn a_speculative_report_adds_its_rows_and_json_object() {
+        let table = sample_spec_report().render_table();
+        for row in [
+            "speculative decoding: chain of 4 drafts, verify width 5",
+            "verify steps",
+            "accepted per verify                 3.71            3.71",
+            "no-spec steps",
+            "no-spec retractions",
+            "no-spec peak (full)",
+            "no-spec peak (mamba)",
+        ] {
+            assert!(table.contains(row), "{row}: {table}");
+            assert!(!sample_mamba_report().render_table().contains(row), "{row}");
+        }
+        let value: serde_json::Value =
+            serde_json::from_str(&sample_spec_report().to_json().unwrap()).unwrap();
+        let spec = &value["runs"][0]["speculative"];
+        assert_eq!(spec["accepted_per_step"], 3.71);
+        assert_eq!(spec["width"], 5);
+        assert_eq!(spec["baseline_failures"], serde_json::json!([]));
+        let plain: serde_json::Value =
+            serde_json::from_str(&sample_mamba_report().to_json().unwrap()).unwrap();
+        assert!(plain["runs"][0].get("speculative").is_none());
     }
 
     #[test]
