@@ -458,11 +458,65 @@ fn add(
 mod tests {
     use super::*;
     use crate::load::load;
-    use crate::load::tests::{line_and_message, load_lines};
+    use crate::load::tests::{line_and_message, load_lines, load_lines_of};
 
     /// A CPU device behind a fresh ledger.
     fn cpu() -> Arc<SyncLedger> {
         Arc::new(SyncLedger::new(Arc::new(unikv::kernels::CpuDevice::new())))
+    }
+
+    /// A span line claims the allocator lines before it: more than came since the last
+    /// span is an error on its line, as is a verify without the alloc_extend of its
+    /// drafts; one that claims its alloc_extend is timed as a verify.
+    #[test]
+    fn a_verify_is_timed_over_the_lines_it_claims() {
+        let v2 = |trace: Result<Trace, OpsError>| trace.unwrap();
+        let alloc = r#"{"op":"alloc_extend","requests":[{"prefix_len":0,"seq_len":8,"last_token":null}],"out":[[4,8]]}"#;
+        let grow = r#"{"op":"alloc_extend","requests":[{"prefix_len":8,"seq_len":13,"last_token":11}],"out":[[12,5]]}"#;
+        let verify = r#"{"op":"verify","drafts":[{"k":4}],"ops":1}"#;
+        let trace = v2(load_lines_of(
+            crate::format::SCHEMA_V2,
+            "verify-ok",
+            &[alloc, grow, verify],
+            9,
+        ));
+        let by_kind = replay(&trace, cpu()).unwrap();
+        assert_eq!((by_kind["verify"].calls, by_kind["verify"].tokens), (1, 5));
+        assert_eq!(
+            by_kind["all"].calls, 2,
+            "a span is not counted again in all"
+        );
+        let trace = v2(load_lines_of(
+            crate::format::SCHEMA_V2,
+            "verify-long",
+            &[
+                alloc,
+                r#"{"op":"settle","accepted":[1],"ops":0}"#,
+                grow,
+                r#"{"op":"verify","drafts":[{"k":4}],"ops":2}"#,
+            ],
+            9,
+        ));
+        let (line, message) = line_and_message(&replay(&trace, cpu()).unwrap_err());
+        assert_eq!(line, 5);
+        assert!(
+            message.starts_with("verify: it claims the 2 allocator lines before it, but only 1"),
+            "{message}"
+        );
+        let trace = v2(load_lines_of(
+            crate::format::SCHEMA_V2,
+            "verify-other",
+            &[alloc, grow, r#"{"op":"verify","drafts":[{"k":3}],"ops":1}"#],
+            9,
+        ));
+        let (line, message) = line_and_message(&replay(&trace, cpu()).unwrap_err());
+        assert_eq!(line, 4);
+        assert!(
+            message.contains(
+                "none of its 1 allocator lines is an alloc_extend of its drafts' 4 positions"
+            ),
+            "{message}"
+        );
     }
 
     #[test]

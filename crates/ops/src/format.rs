@@ -768,6 +768,72 @@ mod tests {
     }
 
     #[test]
+    fn speculative_lines_parse_and_check_their_drafts_and_counts() {
+        let verify = r#"{"op":"verify","drafts":[{"k":4},{"parents":[-1,0,0,1]}],"ops":2}"#;
+        let op: Op = serde_json::from_str(verify).unwrap();
+        assert_eq!(
+            op,
+            Op::Verify {
+                drafts: vec![
+                    DraftLine::Chain { k: 4 },
+                    DraftLine::Tree {
+                        parents: vec![-1, 0, 0, 1]
+                    }
+                ],
+                ops: 2
+            }
+        );
+        assert_eq!(serde_json::to_string(&op).unwrap(), verify, "round trip");
+        assert!(op.is_speculative() && op.name() == "verify");
+        assert_eq!(problem(verify), None);
+        let chain_settle = r#"{"op":"settle","accepted":[3,1],"ops":1}"#;
+        let op: Op = serde_json::from_str(chain_settle).unwrap();
+        assert_eq!(serde_json::to_string(&op).unwrap(), chain_settle);
+        assert_eq!(problem(chain_settle), None);
+        assert_eq!(
+            problem(r#"{"op":"settle","accepted":[3],"paths":[[0,2,5]],"ops":0}"#),
+            None
+        );
+        for (line, expected) in [
+            (
+                r#"{"op":"verify","drafts":[{"k":64}],"ops":1}"#,
+                "verify: entry 0: a draft of 65 positions (1 to 64)",
+            ),
+            (
+                r#"{"op":"verify","drafts":[{"k":1},{"parents":[-1,0,2]}],"ops":1}"#,
+                "verify: entry 1: node 2's parent is 2",
+            ),
+            (
+                r#"{"op":"verify","drafts":[{"parents":[0]}],"ops":1}"#,
+                "verify: entry 0: node 0's parent is 0",
+            ),
+            (
+                r#"{"op":"settle","accepted":[2,0],"ops":1}"#,
+                "settle: entry 1: 0 positions accepted (1 to 64)",
+            ),
+            (
+                r#"{"op":"settle","accepted":[2],"paths":[[0,1],[0]],"ops":1}"#,
+                "settle: entry 1: 2 paths for 1 requests",
+            ),
+            (
+                r#"{"op":"settle","accepted":[2],"paths":[[0]],"ops":1}"#,
+                "settle: entry 0: a path of 1 nodes for 2 accepted positions",
+            ),
+            (
+                r#"{"op":"settle","accepted":[2],"paths":[[1,3]],"ops":1}"#,
+                "settle: entry 0: a path of 2 nodes for 2 accepted positions (it starts at node 0",
+            ),
+            (
+                r#"{"op":"settle","accepted":[1],"ops":4294967297}"#,
+                "ops is 4294967297",
+            ),
+        ] {
+            let got = problem(line).unwrap_or_else(|| panic!("{line}: accepted"));
+            assert!(got.starts_with(expected), "{line}: {got}");
+        }
+    }
+
+    #[test]
     fn ops_serialise_with_their_names() {
         let line = serde_json::to_string(&Op::FreeSwaSegment(Seg {
             start: 8,

@@ -112,8 +112,18 @@ pub(crate) mod tests {
         lines: &[&str],
         max_ops: usize,
     ) -> Result<Trace, OpsError> {
+        load_lines_of(SCHEMA, name, lines, max_ops)
+    }
+
+    /// [`load_lines`] under the header of `schema`.
+    pub(crate) fn load_lines_of(
+        schema: &str,
+        name: &str,
+        lines: &[&str],
+        max_ops: usize,
+    ) -> Result<Trace, OpsError> {
         let header = serde_json::to_string(&Op::Header {
-            schema: SCHEMA.into(),
+            schema: schema.into(),
             layout: "unified".into(),
             model: "gpt-oss-20b".into(),
             page_size: 4,
@@ -168,6 +178,38 @@ pub(crate) mod tests {
                 && message.ends_with("(column 12)"),
             "{message}"
         );
+    }
+
+    /// A v1 trace (every trace written before speculation) loads as before, and refuses
+    /// the speculative lines that came with v2; a v2 trace takes them.
+    #[test]
+    fn speculative_lines_need_a_v2_header() {
+        let settle = r#"{"op":"settle","accepted":[1],"ops":0}"#;
+        let err = load_lines("v1-settle", &[r#"{"op":"flush"}"#, settle], 9).unwrap_err();
+        assert_eq!(
+            line_and_message(&err),
+            (
+                3,
+                "settle in a unikv.ops.v1 trace (speculative operations need schema \
+                 unikv.ops.v2)"
+                    .into()
+            )
+        );
+        let path = std::env::temp_dir().join(format!("unikv-sim-{}-v2", std::process::id()));
+        let header = serde_json::to_string(&Op::Header {
+            schema: crate::format::SCHEMA_V2.into(),
+            layout: "unified".into(),
+            model: "gpt-oss-20b".into(),
+            page_size: 4,
+            memory_bytes: 1 << 30,
+            swa_full_ratio: 0.8,
+        })
+        .unwrap();
+        std::fs::write(&path, format!("{header}\n{settle}\n")).unwrap();
+        let trace = load(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(trace.ops.len(), 1);
+        assert!(trace.ops[0].1.is_speculative());
     }
 
     #[test]

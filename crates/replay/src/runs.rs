@@ -148,7 +148,6 @@ fn run_one(
         }
     };
     let stats = scheduler::run_noted(workload, config, recorder, &mut notes, progress);
-    drop(notes);
     drop(marks);
     let stats = stats?;
     // The cache, the recorder in it and its marks are dropped: the trace is flushed and
