@@ -22,7 +22,7 @@ use unikv::ModelSpec;
 use unikv_dst::SimArgs;
 use unikv_invariants::Level;
 use unikv_replay::scale::BenchScaleArgs;
-use unikv_replay::{Backend, Layout, ReplayOptions};
+use unikv_replay::{Backend, Layout, ReplayOptions, SpecMode};
 use unikv_workload::Preset;
 use unikv_workload::units::MAX_PAGE_SIZE;
 
@@ -120,6 +120,25 @@ pub struct ReplayCli {
     /// kept), for real budgets in megabytes of memory
     #[arg(long, value_name = "D", default_value = "cpu", value_parser = parse_backend)]
     pub device: Backend,
+    /// Speculative decoding: every decode step verifies the next token and a chain of K
+    /// drafts (1 to 63), each accepted with p = 0.85 (seeded); each run is also replayed
+    /// without speculation for comparison
+    #[arg(long = "spec", value_name = "K", value_parser = parse_spec_chain)]
+    pub spec: Option<SpecMode>,
+    /// Speculative decoding with a draft tree of N nodes (2 to 64): node i's parent is
+    /// (i-1)/2, the same tree for every request
+    #[arg(
+        long = "spec-tree",
+        value_name = "N",
+        value_parser = parse_spec_tree,
+        conflicts_with = "spec"
+    )]
+    pub spec_tree: Option<SpecMode>,
+    /// With --spec or --spec-tree: accepted counts arrive one step late (each step's
+    /// verify is allocated before the one before it is settled, as an overlap scheduler
+    /// does)
+    #[arg(long = "spec-late")]
+    pub spec_late: bool,
 }
 
 /// `unikv bench-ops`'s arguments.
@@ -268,6 +287,11 @@ impl ReplayCli {
                     .join(", "),
             });
         }
+        let speculation = match (self.spec.or(self.spec_tree), self.spec_late) {
+            (Some(mode), late) => Some(if late { mode.late() } else { mode }),
+            (None, true) => return Err(CliError::SpecLateAlone),
+            (None, false) => None,
+        };
         let options = ReplayOptions {
             workloads,
             trace: self.trace,
@@ -280,6 +304,7 @@ impl ReplayCli {
             timing: !self.no_timing,
             record_ops: self.record_ops,
             backend: self.device,
+            speculation,
         };
         if options.record_ops.is_some() && options.runs() != 1 {
             return Err(CliError::RecordOpsNeedsOneRun {
@@ -451,6 +476,30 @@ fn parse_level(value: &str) -> Result<Level, String> {
     Level::parse(value).map_err(|_| {
         format!("unknown invariant level {value:?} (expected off, warn, strict, 0, 1, 2)")
     })
+}
+
+/// `--spec K` or `--spec-tree N`: a whole number, in the range [`SpecMode`] checks.
+fn parse_spec(
+    value: &str,
+    what: &str,
+    mode: fn(u64) -> Result<SpecMode, unikv_replay::ReplayError>,
+) -> Result<SpecMode, String> {
+    let n: u64 = value
+        .trim()
+        .parse()
+        .map_err(|_| format!("expected a whole number of {what}"))?;
+    mode(n).map_err(|e| match e {
+        unikv_replay::ReplayError::BadSpeculation { reason, .. } => reason,
+        other => other.to_string(),
+    })
+}
+
+fn parse_spec_chain(value: &str) -> Result<SpecMode, String> {
+    parse_spec(value, "drafted tokens", SpecMode::chain)
+}
+
+fn parse_spec_tree(value: &str) -> Result<SpecMode, String> {
+    parse_spec(value, "tree nodes", SpecMode::tree)
 }
 
 fn parse_backend(value: &str) -> Result<Backend, String> {
@@ -761,6 +810,51 @@ mod tests {
                     assert!(err.ends_with("(try `unikv replay --help`)"), "{err}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn speculation_takes_a_chain_or_a_tree_and_late_counts() {
+        assert_eq!(replay(&[]).unwrap().options.speculation, None);
+        let r = replay(&["--spec", "4"]).unwrap();
+        assert_eq!(r.options.speculation, Some(SpecMode::chain(4).unwrap()));
+        let r = replay(&["--spec-tree", "6", "--spec-late"]).unwrap();
+        assert_eq!(
+            r.options.speculation,
+            Some(SpecMode::tree(6).unwrap().late())
+        );
+        let r = replay(&["--spec-late", "--spec=63"]).unwrap();
+        assert_eq!(
+            r.options.speculation,
+            Some(SpecMode::chain(63).unwrap().late())
+        );
+        for (args, needle) in [
+            (&["--spec", "0"][..], "a chain drafts 1 to 63 tokens"),
+            (&["--spec", "64"], "a chain drafts 1 to 63 tokens"),
+            (&["--spec=-1"], "expected a whole number of drafted tokens"),
+            (
+                &["--spec", "four"],
+                "expected a whole number of drafted tokens",
+            ),
+            (&["--spec-tree", "1"], "a draft tree has 2 to 64 nodes"),
+            (&["--spec-tree", "65"], "a draft tree has 2 to 64 nodes"),
+            (
+                &["--spec-tree", "x"],
+                "expected a whole number of tree nodes",
+            ),
+            (&["--spec", "4", "--spec-tree", "6"], "cannot be used with"),
+            (
+                &["--spec", "4", "--spec", "4"],
+                "cannot be used multiple times",
+            ),
+            (
+                &["--spec-late"],
+                "--spec-late needs --spec K or --spec-tree N",
+            ),
+        ] {
+            let err = replay(args).unwrap_err();
+            assert!(err.contains(needle), "{args:?}: {err}");
+            assert_eq!(err.lines().count(), 1, "{err}");
         }
     }
 

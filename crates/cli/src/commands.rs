@@ -142,7 +142,10 @@ pub fn replay(args: &ReplayArgs, out: &mut dyn Write) -> Result<Outcome, CliErro
 ///
 /// Reads the trace once, then at each level replays it `passes` times, each against a
 /// fresh allocator, and prints the ops/s and tokens/s per op kind of the pass whose total
-/// time is the median (a table, or one JSON object with `--json`). A single pass is
+/// time is the median (a table, or one JSON object with `--json`). A speculative trace's
+/// `verify` and `settle` lines are kinds of their own: the time of the allocator calls
+/// each made, so the table's time per call is the allocator's time per verify step and
+/// per settlement. A single pass is
 /// mostly cold caches and first touches; the median pass is the steady state a server
 /// runs in, and robust to a preempted pass on a shared machine.
 pub fn bench_ops(args: &BenchOpsArgs, out: &mut dyn Write) -> Result<(), CliError> {
@@ -182,20 +185,21 @@ pub fn bench_ops(args: &BenchOpsArgs, out: &mut dyn Write) -> Result<(), CliErro
         writeln!(out, "\ninvariants {level}").map_err(write)?;
         writeln!(
             out,
-            "{:<22} {:>10} {:>13} {:>12} {:>14} {:>14}",
-            "op", "calls", "tokens", "time", "ops/s", "tokens/s"
+            "{:<22} {:>10} {:>13} {:>12} {:>14} {:>14} {:>12}",
+            "op", "calls", "tokens", "time", "ops/s", "tokens/s", "time/call"
         )
         .map_err(write)?;
         for (name, t) in by_kind {
             writeln!(
                 out,
-                "{:<22} {:>10} {:>13} {:>12} {:>14.3e} {:>14.3e}",
+                "{:<22} {:>10} {:>13} {:>12} {:>14.3e} {:>14.3e} {:>12}",
                 name,
                 t.calls,
                 t.tokens,
                 unikv_workload::units::format_ns(t.nanos),
                 t.ops_per_second(),
-                t.tokens_per_second()
+                t.tokens_per_second(),
+                unikv_workload::units::format_ns(t.nanos / t.calls.max(1))
             )
             .map_err(write)?;
         }

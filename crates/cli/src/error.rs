@@ -45,6 +45,9 @@ pub enum CliError {
         /// How many runs the options give.
         runs: usize,
     },
+    /// `--spec-late` without a draft to settle late.
+    #[error("--spec-late needs --spec K or --spec-tree N (it delays their accepted counts)")]
+    SpecLateAlone,
     /// A file could not be read or written.
     #[error("{path}: {source}")]
     Io {

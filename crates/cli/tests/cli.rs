@@ -901,3 +901,187 @@ fn recurrent_models_hit_shared_prompts_nearly_as_gpt_oss_does() {
         }
     }
 }
+
+/// A speculative replay's table (`--spec 4`, a small workload, `--no-timing`) is
+/// deterministic: the same rows as a plain one, and the speculative rows and their
+/// no-spec comparison.
+#[test]
+fn the_speculative_smoke_report_is_stable() {
+    let (status, stdout, stderr) = unikv(&[
+        "replay",
+        "--workload",
+        "smoke",
+        "--page-size",
+        "16",
+        "--spec",
+        "4",
+        "--no-timing",
+    ]);
+    assert_eq!(status, Some(0), "{stderr}");
+    insta::assert_snapshot!(stdout);
+}
+
+/// `--spec 4`, `--spec-tree 6` and either with `--spec-late` replay a FULL+SWA model and
+/// a recurrent one on both layouts: every run passes with 0 syncs, accepts at least one
+/// position per verify step and needs fewer steps than its no-spec run.
+#[test]
+fn speculative_replays_pass_chain_tree_and_late() {
+    for model in ["gpt-oss-20b", "qwen3-next-80b-a3b"] {
+        for spec in [
+            &["--spec", "4"][..],
+            &["--spec-tree", "6"],
+            &["--spec", "4", "--spec-late"],
+            &["--spec-tree", "6", "--spec-late"],
+        ] {
+            let mut args = vec![
+                "--model",
+                model,
+                "--workload",
+                "smoke",
+                "--page-size",
+                "1,256",
+                "--memory",
+                "4GiB",
+            ];
+            args.extend_from_slice(spec);
+            let doc = replay_json(&args);
+            for run in passing_runs(&doc) {
+                let s = &run["speculative"];
+                let (settled, accepted) = (
+                    s["settled_steps"].as_u64().unwrap(),
+                    s["accepted_tokens"].as_u64().unwrap(),
+                );
+                let width = s["width"].as_u64().unwrap();
+                assert!(settled > 0 && accepted >= settled, "{spec:?}: {run}");
+                assert!(accepted <= settled * width, "{spec:?}: {run}");
+                assert_eq!(s["late"], spec.contains(&"--spec-late"), "{run}");
+                assert!(s["baseline_failures"].as_array().unwrap().is_empty());
+                assert!(
+                    run["steps"].as_u64().unwrap() < s["baseline_steps"].as_u64().unwrap(),
+                    "{spec:?}: {run}"
+                );
+            }
+        }
+    }
+    // Without speculation a run's JSON has no speculative field.
+    let doc = replay_json(&["--workload", "smoke", "--page-size", "16"]);
+    assert!(doc["runs"][0].get("speculative").is_none(), "{doc}");
+}
+
+#[test]
+fn bad_speculative_values_are_one_line_errors_with_status_2() {
+    for (args, needle) in [
+        (
+            &["replay", "--spec", "0"][..],
+            "a chain drafts 1 to 63 tokens",
+        ),
+        (&["replay", "--spec", "64"], "a chain drafts 1 to 63 tokens"),
+        (
+            &["replay", "--spec", "k"],
+            "expected a whole number of drafted tokens",
+        ),
+        (
+            &["replay", "--spec-tree", "1"],
+            "a draft tree has 2 to 64 nodes",
+        ),
+        (
+            &["replay", "--spec-tree", "100"],
+            "a draft tree has 2 to 64 nodes",
+        ),
+        (
+            &["replay", "--spec", "4", "--spec-tree", "6"],
+            "cannot be used with",
+        ),
+        (
+            &["replay", "--spec-late"],
+            "--spec-late needs --spec K or --spec-tree N",
+        ),
+    ] {
+        assert_one_line_error(args, needle);
+    }
+}
+
+/// A speculative run's ops trace (schema v2) holds a verify and a settle line per
+/// batch, and `bench-ops` replays it: the same ids handed out, and a time per verify
+/// and settle.
+#[test]
+fn a_recorded_speculative_trace_reruns_under_bench_ops() {
+    let dir = scratch("spec-ops");
+    for (model, spec) in [
+        ("gpt-oss-20b", &["--spec", "4"][..]),
+        ("nemotron-h-8b", &["--spec-tree", "6", "--spec-late"]),
+    ] {
+        let ops = dir.join(format!("{model}.jsonl"));
+        let mut args = vec![
+            "replay",
+            "--model",
+            model,
+            "--workload",
+            "smoke",
+            "--page-size",
+            "4",
+            "--layout",
+            "unified",
+            "--memory",
+            "2GiB",
+            "--json",
+            "--no-timing",
+            "--record-ops",
+            ops.to_str().unwrap(),
+        ];
+        args.extend_from_slice(spec);
+        let (status, json, stderr) = unikv(&args);
+        assert_eq!(status, Some(0), "{stderr}");
+        let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
+        let run = &doc["runs"][0]["speculative"];
+        let trace = std::fs::read_to_string(&ops).unwrap();
+        assert!(
+            trace.starts_with("{\"op\":\"header\",\"schema\":\"unikv.ops.v2\""),
+            "{}",
+            &trace[..200]
+        );
+        let settles = trace.matches("\"op\":\"settle\"").count();
+        assert!(trace.matches("\"op\":\"verify\"").count() > 0 && settles > 0);
+        // Every settled position is on a settle line.
+        let accepted: u64 = trace
+            .lines()
+            .filter(|l| l.contains("\"op\":\"settle\""))
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                v["accepted"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|a| a.as_u64().unwrap())
+                    .sum::<u64>()
+            })
+            .sum();
+        assert_eq!(
+            accepted,
+            run["accepted_tokens"].as_u64().unwrap(),
+            "{model}"
+        );
+        let (status, table, stderr) = unikv(&[
+            "bench-ops",
+            ops.to_str().unwrap(),
+            "--json",
+            "--passes",
+            "1",
+        ]);
+        assert_eq!(status, Some(0), "{model}: {stderr}");
+        let bench: serde_json::Value = serde_json::from_str(&table).unwrap();
+        for level in ["off", "strict"] {
+            assert_eq!(
+                bench[level]["settle"]["calls"].as_u64().unwrap() as usize,
+                settles,
+                "{model} {level}: {table}"
+            );
+            assert_eq!(bench[level]["settle"]["tokens"].as_u64().unwrap(), accepted);
+            assert!(bench[level]["verify"]["calls"].as_u64().unwrap() > 0);
+        }
+        let (status, text, _) = unikv(&["bench-ops", ops.to_str().unwrap(), "--passes", "1"]);
+        assert_eq!(status, Some(0));
+        assert!(text.contains("verify") && text.contains("settle"), "{text}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -117,7 +117,11 @@ impl OpThroughput {
 }
 
 /// Replays `trace` against a fresh allocator and times every op. Returns the throughput
-/// per op kind (plus `all`). The ids each alloc returns are checked against the trace, so
+/// per op kind (plus `all`). A speculative trace's `verify` and `settle` lines are
+/// counted as kinds of their own, each with the time of the allocator lines it claims
+/// (its call's, also counted under their own kinds, so not again in `all`) and the
+/// positions it verified or accepted as its tokens; a `verify` must claim the
+/// `alloc_extend` of its drafts. The ids each alloc returns are checked against the trace, so
 /// a replay that diverged is an error, not a number.
 ///
 /// The allocator runs on the device behind `ledger` (a fresh one per replay), and the
@@ -150,6 +154,9 @@ pub fn replay(
         nanos
     };
     let mut by_kind: BTreeMap<&'static str, OpThroughput> = BTreeMap::new();
+    // The allocator lines since the last `verify` or `settle` line: each one's time and,
+    // for an `alloc_extend`, how much each of its requests grew.
+    let mut span: Vec<(u64, Option<Vec<usize>>)> = Vec::new();
     let mut out = Vec::new();
     let mut scratch_slots: Vec<VirtualSlot> = Vec::new();
     for (line, op) in &trace.ops {
@@ -169,6 +176,42 @@ pub fn replay(
         let started;
         match op {
             Op::Header { .. } => return Err(at(OpsProblem::SecondHeader)),
+            Op::Verify { ops, .. } | Op::Settle { ops, .. } => {
+                let bad_span = |reason| {
+                    at(OpsProblem::BadSpan {
+                        op: op.name(),
+                        reason,
+                    })
+                };
+                if *ops > span.len() {
+                    return Err(bad_span(format!(
+                        "it claims the {ops} allocator lines before it, but only {} came \
+                         after the last verify or settle",
+                        span.len()
+                    )));
+                }
+                let own = &span[span.len() - ops..];
+                let nanos = own.iter().map(|(nanos, _)| nanos).sum();
+                let positions = match op {
+                    Op::Verify { drafts, .. } => {
+                        // Its rows: one alloc_extend growing each request by its draft.
+                        let widths: Vec<usize> = drafts.iter().map(|d| d.width()).collect();
+                        if !own.iter().any(|(_, grew)| grew.as_ref() == Some(&widths)) {
+                            return Err(bad_span(format!(
+                                "none of its {ops} allocator lines is an alloc_extend of its \
+                                 drafts' {} positions",
+                                widths.iter().sum::<usize>()
+                            )));
+                        }
+                        widths.iter().sum::<usize>() as u64
+                    }
+                    Op::Settle { accepted, .. } => accepted.iter().sum::<usize>() as u64,
+                    _ => 0,
+                };
+                add(&mut by_kind, op.name(), positions, nanos);
+                span.clear();
+                continue;
+            }
             Op::AllocExtend {
                 requests,
                 out: expected,
@@ -208,6 +251,8 @@ pub fn replay(
                     return Err(at(OpsProblem::Diverged { op: op.name() }));
                 }
                 add(&mut by_kind, op.name(), tokens, nanos);
+                let grew = reqs.iter().map(|r| r.seq_len - r.prefix_len).collect();
+                span.push((nanos, decode.is_none().then_some(grew)));
                 continue;
             }
             Op::Free { ids } | Op::FreeSwa { ids } | Op::FreeFull { ids } => {
@@ -363,6 +408,7 @@ pub fn replay(
                     return Err(at(OpsProblem::Diverged { op: op.name() }));
                 }
                 add(&mut by_kind, op.name(), 0, nanos);
+                span.push((nanos, None));
                 continue;
             }
             Op::FreeSlots { slots } => {
@@ -377,10 +423,15 @@ pub fn replay(
                 alloc.upload_mirror().map_err(pool)?;
             }
         }
-        add(&mut by_kind, op.name(), tokens, host_nanos(started));
+        let nanos = host_nanos(started);
+        add(&mut by_kind, op.name(), tokens, nanos);
+        span.push((nanos, None));
     }
+    // `verify` and `settle` are spans over the allocator calls counted above.
     let all = by_kind
-        .values()
+        .iter()
+        .filter(|(name, _)| !matches!(**name, "verify" | "settle"))
+        .map(|(_, t)| t)
         .fold(OpThroughput::default(), |mut acc, t| {
             acc.calls += t.calls;
             acc.tokens += t.tokens;
@@ -407,11 +458,65 @@ fn add(
 mod tests {
     use super::*;
     use crate::load::load;
-    use crate::load::tests::{line_and_message, load_lines};
+    use crate::load::tests::{line_and_message, load_lines, load_lines_of};
 
     /// A CPU device behind a fresh ledger.
     fn cpu() -> Arc<SyncLedger> {
         Arc::new(SyncLedger::new(Arc::new(unikv::kernels::CpuDevice::new())))
+    }
+
+    /// A span line claims the allocator lines before it: more than came since the last
+    /// span is an error on its line, as is a verify without the alloc_extend of its
+    /// drafts; one that claims its alloc_extend is timed as a verify.
+    #[test]
+    fn a_verify_is_timed_over_the_lines_it_claims() {
+        let v2 = |trace: Result<Trace, OpsError>| trace.unwrap();
+        let alloc = r#"{"op":"alloc_extend","requests":[{"prefix_len":0,"seq_len":8,"last_token":null}],"out":[[4,8]]}"#;
+        let grow = r#"{"op":"alloc_extend","requests":[{"prefix_len":8,"seq_len":13,"last_token":11}],"out":[[12,5]]}"#;
+        let verify = r#"{"op":"verify","drafts":[{"k":4}],"ops":1}"#;
+        let trace = v2(load_lines_of(
+            crate::format::SCHEMA_V2,
+            "verify-ok",
+            &[alloc, grow, verify],
+            9,
+        ));
+        let by_kind = replay(&trace, cpu()).unwrap();
+        assert_eq!((by_kind["verify"].calls, by_kind["verify"].tokens), (1, 5));
+        assert_eq!(
+            by_kind["all"].calls, 2,
+            "a span is not counted again in all"
+        );
+        let trace = v2(load_lines_of(
+            crate::format::SCHEMA_V2,
+            "verify-long",
+            &[
+                alloc,
+                r#"{"op":"settle","accepted":[1],"ops":0}"#,
+                grow,
+                r#"{"op":"verify","drafts":[{"k":4}],"ops":2}"#,
+            ],
+            9,
+        ));
+        let (line, message) = line_and_message(&replay(&trace, cpu()).unwrap_err());
+        assert_eq!(line, 5);
+        assert!(
+            message.starts_with("verify: it claims the 2 allocator lines before it, but only 1"),
+            "{message}"
+        );
+        let trace = v2(load_lines_of(
+            crate::format::SCHEMA_V2,
+            "verify-other",
+            &[alloc, grow, r#"{"op":"verify","drafts":[{"k":3}],"ops":1}"#],
+            9,
+        ));
+        let (line, message) = line_and_message(&replay(&trace, cpu()).unwrap_err());
+        assert_eq!(line, 4);
+        assert!(
+            message.contains(
+                "none of its 1 allocator lines is an alloc_extend of its drafts' 4 positions"
+            ),
+            "{message}"
+        );
     }
 
     #[test]

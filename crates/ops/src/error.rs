@@ -142,6 +142,30 @@ pub enum OpsProblem {
         /// The operation.
         op: &'static str,
     },
+    /// A `verify` or `settle` line in a trace whose header declares `unikv.ops.v1`
+    /// (speculative lines came with `unikv.ops.v2`).
+    SpeculativeInV1 {
+        /// The operation.
+        op: &'static str,
+    },
+    /// A `verify` or `settle` line whose drafts or accepted positions are not ones the
+    /// cache takes.
+    BadSpeculative {
+        /// The operation.
+        op: &'static str,
+        /// Which entry (request of the batch).
+        index: usize,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A `verify` or `settle` line that claims more allocator lines than came after the
+    /// line before it, or a `verify` whose lines hold no `alloc_extend` of its drafts.
+    BadSpan {
+        /// The operation.
+        op: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
 }
 
 impl fmt::Display for OpsProblem {
@@ -214,6 +238,15 @@ impl fmt::Display for OpsProblem {
                 f,
                 "{op}: replay diverged: the allocator returned other ids than recorded"
             ),
+            OpsProblem::SpeculativeInV1 { op } => write!(
+                f,
+                "{op} in a unikv.ops.v1 trace (speculative operations need schema \
+                 unikv.ops.v2)"
+            ),
+            OpsProblem::BadSpeculative { op, index, reason } => {
+                write!(f, "{op}: entry {index}: {reason}")
+            }
+            OpsProblem::BadSpan { op, reason } => write!(f, "{op}: {reason}"),
         }
     }
 }

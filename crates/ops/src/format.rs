@@ -5,11 +5,18 @@
 
 use crate::error::OpsProblem;
 use serde::{Deserialize, Serialize};
+use unikv::MAX_VERIFY_WIDTH;
 use unikv::pools::{Segment, VirtualToken};
 use unikv_workload::units::MAX_PAGE_SIZE;
 
-/// The schema name in the header line.
+/// The schema name in the header line of a run without speculation (a trace written as
+/// before speculative operations existed).
 pub const SCHEMA: &str = "unikv.ops.v1";
+
+/// The schema name in the header line of a speculative run's trace: `unikv.ops.v1` with
+/// the `verify` and `settle` lines. A loader reads both; `verify` and `settle` in a v1
+/// trace are an error.
+pub const SCHEMA_V2: &str = "unikv.ops.v2";
 
 /// Virtual token ids as runs `[first, count]` of consecutive ids.
 pub type Runs = Vec<[u32; 2]>;
@@ -97,6 +104,43 @@ impl Seg {
         Seg {
             start: s.start,
             ids: to_runs(s.tokens),
+        }
+    }
+}
+
+/// One request's draft in a `verify` line: `{"k": K}` (a chain of `K` drafts, `1 + K`
+/// positions) or `{"parents": [-1, 0, ...]}` (a tree, one parent per node).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum DraftLine {
+    /// A chain.
+    Chain {
+        /// Drafted tokens.
+        k: usize,
+    },
+    /// A tree.
+    Tree {
+        /// Each node's parent (`-1` for the root).
+        parents: Vec<i32>,
+    },
+}
+
+impl DraftLine {
+    /// The line of `draft`.
+    pub fn of(draft: &unikv::Draft<'_>) -> DraftLine {
+        match draft {
+            unikv::Draft::Chain { k } => DraftLine::Chain { k: *k },
+            unikv::Draft::Tree { parents } => DraftLine::Tree {
+                parents: parents.to_vec(),
+            },
+        }
+    }
+
+    /// Positions it verifies.
+    pub fn width(&self) -> usize {
+        match self {
+            DraftLine::Chain { k } => k.saturating_add(1),
+            DraftLine::Tree { parents } => parents.len(),
         }
     }
 }
@@ -232,6 +276,26 @@ pub enum Op {
     },
     /// The per-step mirror upload.
     UploadMirror,
+    /// A verify step of one batch (`HybridCache::alloc_verify`), written after the
+    /// allocator calls it made: they are the `ops` lines before it (schema v2).
+    Verify {
+        /// Each request's draft.
+        drafts: Vec<DraftLine>,
+        /// Allocator lines the call wrote, right before this one.
+        ops: usize,
+    },
+    /// The settlement of one verify step of each request of a batch
+    /// (`HybridCache::settle`), written after the allocator calls it made: the `ops`
+    /// lines before it (schema v2).
+    Settle {
+        /// Positions each request accepted.
+        accepted: Vec<usize>,
+        /// A tree verify's accepted root-to-node paths (absent for chains).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        paths: Option<Vec<Vec<u32>>>,
+        /// Allocator lines the call wrote, right before this one.
+        ops: usize,
+    },
 }
 
 /// Whether a count is 0 (serde's `skip_serializing_if`: a FULL/SWA trace's lines carry no
@@ -266,7 +330,15 @@ impl Op {
             Op::EnsureCapacity { .. } => "ensure_capacity",
             Op::ReclaimPlan { .. } => "reclaim_plan",
             Op::UploadMirror => "upload_mirror",
+            Op::Verify { .. } => "verify",
+            Op::Settle { .. } => "settle",
         }
+    }
+
+    /// Whether it is a speculative line (`verify`, `settle`): a span over the
+    /// allocator lines before it, not an allocator call.
+    pub fn is_speculative(&self) -> bool {
+        matches!(self, Op::Verify { .. } | Op::Settle { .. })
     }
 }
 
@@ -288,8 +360,12 @@ pub(crate) fn check_header(header: &Op) -> Result<u32, OpsProblem> {
         value: format!("{value:?}"),
         expected,
     };
-    if schema != SCHEMA {
-        return Err(wrong("schema", schema, "\"unikv.ops.v1\""));
+    if schema != SCHEMA && schema != SCHEMA_V2 {
+        return Err(wrong(
+            "schema",
+            schema,
+            "\"unikv.ops.v1\" or \"unikv.ops.v2\"",
+        ));
     }
     if !matches!(layout.as_str(), "static" | "unified") {
         return Err(wrong("layout", layout, "\"static\" or \"unified\""));
@@ -452,6 +528,84 @@ pub fn check(op: &Op, page_size: u32) -> Result<(), OpsProblem> {
             total(slots.len() as u64)?;
         }
         Op::GroupBegin | Op::GroupEnd | Op::FlushDeferred | Op::Flush | Op::UploadMirror => {}
+        Op::Verify { drafts, ops } => {
+            number("ops", *ops)?;
+            let bad = |index, reason: String| OpsProblem::BadSpeculative {
+                op: "verify",
+                index,
+                reason,
+            };
+            let mut positions = 0;
+            for (index, draft) in drafts.iter().enumerate() {
+                let width = draft.width();
+                if !(1..=MAX_VERIFY_WIDTH as usize).contains(&width) {
+                    return Err(bad(
+                        index,
+                        format!("a draft of {width} positions (1 to {MAX_VERIFY_WIDTH})"),
+                    ));
+                }
+                if let DraftLine::Tree { parents } = draft {
+                    for (node, &parent) in parents.iter().enumerate() {
+                        let ok = if node == 0 {
+                            parent == -1
+                        } else {
+                            (0..node as i64).contains(&i64::from(parent))
+                        };
+                        if !ok {
+                            return Err(bad(
+                                index,
+                                format!(
+                                    "node {node}'s parent is {parent} (the root's is -1, \
+                                     every other node's an earlier node)"
+                                ),
+                            ));
+                        }
+                    }
+                }
+                positions = total(positions + width as u64)?;
+            }
+        }
+        Op::Settle {
+            accepted,
+            paths,
+            ops,
+        } => {
+            number("ops", *ops)?;
+            total(accepted.len() as u64)?;
+            let bad = |index, reason: String| OpsProblem::BadSpeculative {
+                op: "settle",
+                index,
+                reason,
+            };
+            for (index, &count) in accepted.iter().enumerate() {
+                if !(1..=MAX_VERIFY_WIDTH as usize).contains(&count) {
+                    return Err(bad(
+                        index,
+                        format!("{count} positions accepted (1 to {MAX_VERIFY_WIDTH})"),
+                    ));
+                }
+            }
+            if let Some(paths) = paths {
+                if paths.len() != accepted.len() {
+                    return Err(bad(
+                        paths.len().min(accepted.len()),
+                        format!("{} paths for {} requests", paths.len(), accepted.len()),
+                    ));
+                }
+                for (index, (path, &count)) in paths.iter().zip(accepted).enumerate() {
+                    if path.len() != count || path.first() != Some(&0) {
+                        return Err(bad(
+                            index,
+                            format!(
+                                "a path of {} nodes for {count} accepted positions (it \
+                                 starts at node 0 and has one node per position)",
+                                path.len()
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
     }
     Ok(())
 }
@@ -611,6 +765,72 @@ mod tests {
         );
         // ...and a FULL/SWA trace is written exactly as before.
         assert_eq!(serde_json::to_string(&op).unwrap(), line);
+    }
+
+    #[test]
+    fn speculative_lines_parse_and_check_their_drafts_and_counts() {
+        let verify = r#"{"op":"verify","drafts":[{"k":4},{"parents":[-1,0,0,1]}],"ops":2}"#;
+        let op: Op = serde_json::from_str(verify).unwrap();
+        assert_eq!(
+            op,
+            Op::Verify {
+                drafts: vec![
+                    DraftLine::Chain { k: 4 },
+                    DraftLine::Tree {
+                        parents: vec![-1, 0, 0, 1]
+                    }
+                ],
+                ops: 2
+            }
+        );
+        assert_eq!(serde_json::to_string(&op).unwrap(), verify, "round trip");
+        assert!(op.is_speculative() && op.name() == "verify");
+        assert_eq!(problem(verify), None);
+        let chain_settle = r#"{"op":"settle","accepted":[3,1],"ops":1}"#;
+        let op: Op = serde_json::from_str(chain_settle).unwrap();
+        assert_eq!(serde_json::to_string(&op).unwrap(), chain_settle);
+        assert_eq!(problem(chain_settle), None);
+        assert_eq!(
+            problem(r#"{"op":"settle","accepted":[3],"paths":[[0,2,5]],"ops":0}"#),
+            None
+        );
+        for (line, expected) in [
+            (
+                r#"{"op":"verify","drafts":[{"k":64}],"ops":1}"#,
+                "verify: entry 0: a draft of 65 positions (1 to 64)",
+            ),
+            (
+                r#"{"op":"verify","drafts":[{"k":1},{"parents":[-1,0,2]}],"ops":1}"#,
+                "verify: entry 1: node 2's parent is 2",
+            ),
+            (
+                r#"{"op":"verify","drafts":[{"parents":[0]}],"ops":1}"#,
+                "verify: entry 0: node 0's parent is 0",
+            ),
+            (
+                r#"{"op":"settle","accepted":[2,0],"ops":1}"#,
+                "settle: entry 1: 0 positions accepted (1 to 64)",
+            ),
+            (
+                r#"{"op":"settle","accepted":[2],"paths":[[0,1],[0]],"ops":1}"#,
+                "settle: entry 1: 2 paths for 1 requests",
+            ),
+            (
+                r#"{"op":"settle","accepted":[2],"paths":[[0]],"ops":1}"#,
+                "settle: entry 0: a path of 1 nodes for 2 accepted positions",
+            ),
+            (
+                r#"{"op":"settle","accepted":[2],"paths":[[1,3]],"ops":1}"#,
+                "settle: entry 0: a path of 2 nodes for 2 accepted positions (it starts at node 0",
+            ),
+            (
+                r#"{"op":"settle","accepted":[1],"ops":4294967297}"#,
+                "ops is 4294967297",
+            ),
+        ] {
+            let got = problem(line).unwrap_or_else(|| panic!("{line}: accepted"));
+            assert!(got.starts_with(expected), "{line}: {got}");
+        }
     }
 
     #[test]

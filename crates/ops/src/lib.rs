@@ -26,6 +26,6 @@ pub mod load;
 pub mod record;
 
 pub use error::{OpsError, OpsProblem};
-pub use format::{Op, SCHEMA};
+pub use format::{Op, SCHEMA, SCHEMA_V2};
 pub use load::Trace;
-pub use record::{RecordStatus, Recorder};
+pub use record::{Marks, RecordStatus, Recorder};

@@ -3,7 +3,7 @@
 //! before anything runs.
 
 use crate::error::{OpsError, OpsProblem};
-use crate::format::{MAX_OPS, Op, check, check_header};
+use crate::format::{MAX_OPS, Op, SCHEMA_V2, check, check_header};
 use std::fs::File;
 use std::io::BufReader;
 use std::path::Path;
@@ -41,8 +41,8 @@ fn load_limited(path: &Path, max_ops: usize) -> Result<Trace, OpsError> {
         line,
         problem,
     };
-    // (the header, its page size, its line)
-    let mut header: Option<(Op, u32, usize)> = None;
+    // (the header, its page size, its line, whether it is v2)
+    let mut header: Option<(Op, u32, usize, bool)> = None;
     let mut ops = Vec::new();
     let mut lines = BoundedLines::new(BufReader::new(file));
     while let Some(next) = lines.next_line() {
@@ -72,20 +72,24 @@ fn load_limited(path: &Path, max_ops: usize) -> Result<Trace, OpsError> {
         match (&header, op) {
             (None, op @ Op::Header { .. }) => {
                 let page_size = check_header(&op).map_err(|p| at(line, p))?;
-                header = Some((op, page_size, line));
+                let v2 = matches!(&op, Op::Header { schema, .. } if schema == SCHEMA_V2);
+                header = Some((op, page_size, line, v2));
             }
             (None, _) => return Err(at(line, OpsProblem::NoHeader)),
             (Some(_), Op::Header { .. }) => return Err(at(line, OpsProblem::SecondHeader)),
-            (Some((_, page_size, _)), op) => {
+            (Some((_, page_size, _, v2)), op) => {
                 if ops.len() == max_ops {
                     return Err(at(line, OpsProblem::TooManyOps { limit: max_ops }));
+                }
+                if op.is_speculative() && !*v2 {
+                    return Err(at(line, OpsProblem::SpeculativeInV1 { op: op.name() }));
                 }
                 check(&op, *page_size).map_err(|p| at(line, p))?;
                 ops.push((line, op));
             }
         }
     }
-    let (header, _, header_line) = header.ok_or_else(|| OpsError::OpsTrace {
+    let (header, _, header_line, _) = header.ok_or_else(|| OpsError::OpsTrace {
         reason: format!("{source_name}: empty trace"),
     })?;
     Ok(Trace {
@@ -108,8 +112,18 @@ pub(crate) mod tests {
         lines: &[&str],
         max_ops: usize,
     ) -> Result<Trace, OpsError> {
+        load_lines_of(SCHEMA, name, lines, max_ops)
+    }
+
+    /// [`load_lines`] under the header of `schema`.
+    pub(crate) fn load_lines_of(
+        schema: &str,
+        name: &str,
+        lines: &[&str],
+        max_ops: usize,
+    ) -> Result<Trace, OpsError> {
         let header = serde_json::to_string(&Op::Header {
-            schema: SCHEMA.into(),
+            schema: schema.into(),
             layout: "unified".into(),
             model: "gpt-oss-20b".into(),
             page_size: 4,
@@ -164,6 +178,38 @@ pub(crate) mod tests {
                 && message.ends_with("(column 12)"),
             "{message}"
         );
+    }
+
+    /// A v1 trace (every trace written before speculation) loads as before, and refuses
+    /// the speculative lines that came with v2; a v2 trace takes them.
+    #[test]
+    fn speculative_lines_need_a_v2_header() {
+        let settle = r#"{"op":"settle","accepted":[1],"ops":0}"#;
+        let err = load_lines("v1-settle", &[r#"{"op":"flush"}"#, settle], 9).unwrap_err();
+        assert_eq!(
+            line_and_message(&err),
+            (
+                3,
+                "settle in a unikv.ops.v1 trace (speculative operations need schema \
+                 unikv.ops.v2)"
+                    .into()
+            )
+        );
+        let path = std::env::temp_dir().join(format!("unikv-sim-{}-v2", std::process::id()));
+        let header = serde_json::to_string(&Op::Header {
+            schema: crate::format::SCHEMA_V2.into(),
+            layout: "unified".into(),
+            model: "gpt-oss-20b".into(),
+            page_size: 4,
+            memory_bytes: 1 << 30,
+            swa_full_ratio: 0.8,
+        })
+        .unwrap();
+        std::fs::write(&path, format!("{header}\n{settle}\n")).unwrap();
+        let trace = load(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(trace.ops.len(), 1);
+        assert!(trace.ops[0].1.is_speculative());
     }
 
     #[test]

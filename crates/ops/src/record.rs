@@ -1,9 +1,10 @@
 //! The recorder: `unikv replay --record-ops FILE` writes every operation the run made on
 //! its allocator through a [`Recorder`], the [`Hooks`] of a `Hooked` allocator around the
-//! cache's own.
+//! cache's own, and a speculative run's verify and settle calls through its [`Marks`],
+//! into the same file.
 
 use crate::error::OpsError;
-use crate::format::{Extend, Op, Seg, to_runs};
+use crate::format::{DraftLine, Extend, Op, Seg, to_runs};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -13,9 +14,61 @@ use unikv::pools::{Call, ExtendRequest, FreeOp, Hooks, IdFree, KvAllocator, Outc
 /// Writes a trace: the [`Hooks`] of a `Hooked` allocator, it writes every mutating call.
 #[derive(Debug)]
 pub struct Recorder {
+    sink: Arc<Mutex<Sink>>,
+}
+
+/// The trace file, shared by the recorder and its [`Marks`]: flushed when the last of
+/// them is dropped.
+#[derive(Debug)]
+struct Sink {
     out: BufWriter<File>,
     path: PathBuf,
     error: Arc<Mutex<Option<String>>>,
+    /// Operation lines written (the header not counted).
+    lines: usize,
+}
+
+/// Writes a speculative run's `verify` and `settle` lines into a [`Recorder`]'s trace,
+/// each after the allocator lines its call wrote ([`Recorder::marks`]).
+#[derive(Debug)]
+pub struct Marks {
+    sink: Arc<Mutex<Sink>>,
+    /// The trace's line count when the call began.
+    begun_at: usize,
+}
+
+impl Marks {
+    /// A verify or settle call begins: the allocator lines from here on are its own.
+    pub fn begin(&mut self) {
+        self.begun_at = lock(&self.sink).lines;
+    }
+
+    /// `alloc_verify` allocated `drafts`: writes the `verify` line.
+    pub fn verify(&mut self, drafts: &[unikv::Draft<'_>]) {
+        let mut sink = lock(&self.sink);
+        let ops = sink.lines.saturating_sub(self.begun_at);
+        sink.write(&Op::Verify {
+            drafts: drafts.iter().map(DraftLine::of).collect(),
+            ops,
+        });
+    }
+
+    /// `settle` settled one verify of each request with `accepted` positions (and, for
+    /// trees, `paths`): writes the `settle` line.
+    pub fn settle(&mut self, accepted: &[usize], paths: Option<&[Vec<u32>]>) {
+        let mut sink = lock(&self.sink);
+        let ops = sink.lines.saturating_sub(self.begun_at);
+        sink.write(&Op::Settle {
+            accepted: accepted.to_vec(),
+            paths: paths.map(<[Vec<u32>]>::to_vec),
+            ops,
+        });
+    }
+}
+
+/// The sink, whatever a panic elsewhere left in it.
+fn lock(sink: &Mutex<Sink>) -> std::sync::MutexGuard<'_, Sink> {
+    sink.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Reports, after the run, whether writing the trace failed.
@@ -41,16 +94,38 @@ impl Recorder {
             reason: format!("cannot create {}: {e}", path.display()),
         })?;
         let error = Arc::new(Mutex::new(None));
-        let mut recorder = Recorder {
+        let mut sink = Sink {
             out: BufWriter::new(file),
             path: path.to_path_buf(),
             error: error.clone(),
+            lines: 0,
         };
-        recorder.write(&header);
+        sink.write(&header);
+        sink.lines = 0;
+        let recorder = Recorder {
+            sink: Arc::new(Mutex::new(sink)),
+        };
         Ok((recorder, RecordStatus { error }))
     }
 
+    /// The handle that writes a speculative run's `verify` and `settle` lines into this
+    /// trace (drop it before checking the [`RecordStatus`]: the file is flushed when the
+    /// recorder and every handle are gone).
+    pub fn marks(&self) -> Marks {
+        Marks {
+            sink: self.sink.clone(),
+            begun_at: 0,
+        }
+    }
+
     fn write(&mut self, op: &Op) {
+        lock(&self.sink).write(op);
+    }
+}
+
+impl Sink {
+    fn write(&mut self, op: &Op) {
+        self.lines += 1;
         let result = serde_json::to_writer(&mut self.out, op)
             .map_err(|e| e.to_string())
             .and_then(|()| self.out.write_all(b"\n").map_err(|e| e.to_string()));
@@ -61,7 +136,7 @@ impl Recorder {
     }
 }
 
-impl Drop for Recorder {
+impl Drop for Sink {
     fn drop(&mut self) {
         if let Err(e) = self.out.flush() {
             let mut slot = self.error.lock().unwrap_or_else(|e| e.into_inner());

@@ -2,6 +2,7 @@
 //! ([`Backend`]), one run's settings ([`RunConfig`]) and a replay's grid of runs
 //! ([`ReplayOptions`]), with the defaults `unikv replay` documents.
 
+use crate::spec::SpecMode;
 use serde::Serialize;
 use std::fmt;
 use std::path::PathBuf;
@@ -142,6 +143,9 @@ pub struct RunConfig {
     pub max_steps: u64,
     /// The device the buffer lives on (`--device`).
     pub backend: Backend,
+    /// Speculative decoding (`--spec`, `--spec-tree`, `--spec-late`): every decode step
+    /// is a verify step. `None` decodes one token per step.
+    pub speculation: Option<SpecMode>,
 }
 
 impl RunConfig {
@@ -170,6 +174,7 @@ impl RunConfig {
             max_samples: RunConfig::DEFAULT_MAX_SAMPLES,
             max_steps: RunConfig::DEFAULT_MAX_STEPS,
             backend: Backend::Cpu,
+            speculation: None,
         }
     }
 }
@@ -201,6 +206,9 @@ pub struct ReplayOptions {
     pub timing: bool,
     /// The device of the runs (`--device`, default cpu).
     pub backend: Backend,
+    /// Speculative decoding in every run (`--spec K`, `--spec-tree N`, `--spec-late`);
+    /// each run is then also replayed without it, for the report's comparison.
+    pub speculation: Option<SpecMode>,
 }
 
 impl Default for ReplayOptions {
@@ -218,6 +226,7 @@ impl Default for ReplayOptions {
             record_ops: None,
             timing: true,
             backend: Backend::Cpu,
+            speculation: None,
         }
     }
 }
@@ -242,12 +251,16 @@ pub(crate) fn cache_builder(
         },
         Layout::Unified => unikv::Layout::Unified,
     };
-    HybridCache::builder()
+    let builder = HybridCache::builder()
         .model(config.model)
         .page_size(config.page_size)
         .memory_bytes(config.memory_bytes)
         .layout(layout)
-        .device(device)
+        .device(device);
+    match config.speculation {
+        Some(mode) => builder.speculation(mode.speculation()),
+        None => builder,
+    }
 }
 
 #[cfg(test)]

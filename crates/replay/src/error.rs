@@ -53,6 +53,16 @@ pub enum ReplayError {
         /// Which request or sub-pool does not fit.
         reason: String,
     },
+    /// A speculative option's value is out of range (`--spec 0`, `--spec-tree 65`).
+    #[error("{option} {value}: {reason}")]
+    BadSpeculation {
+        /// The option.
+        option: &'static str,
+        /// The value given.
+        value: u64,
+        /// The range it must be in, and why.
+        reason: String,
+    },
     /// A run made no progress for too long or exceeded its step limit (a scheduler bug,
     /// reported instead of hanging).
     #[error("{workload} ({layout}, page size {page_size}): stopped after {steps} steps: {reason}")]

@@ -11,6 +11,7 @@
 //! | [`stats`] | [`RunStats`], [`MambaStats`], samples, timing, why a run fails |
 //! | [`report`] | [`Report`]: the table, the JSON object, the verdict |
 //! | [`scale`] | `bench-scale`: the runs at growing pool and request counts |
+//! | [`spec`] | speculative runs: [`SpecMode`], the draft tree, the seeded acceptance |
 //!
 //! It owns no command line, progress bar or plot: those are the `unikv` binary's
 //! (`crates/cli`), and this crate builds without them.
@@ -34,6 +35,7 @@ pub mod runs;
 pub mod samples;
 pub mod scale;
 pub mod scheduler;
+pub mod spec;
 pub mod stats;
 
 pub use config::{Backend, Layout, ReplayOptions, RunConfig};
@@ -41,4 +43,5 @@ pub use error::ReplayError;
 pub use report::Report;
 pub use runs::run;
 pub use scheduler::StepProgress;
+pub use spec::SpecMode;
 pub use stats::{MambaStats, RunStats, StepSample};

@@ -60,7 +60,18 @@
 //!                                   allocator + tree CPU time per step (null with
 //!                                   --no-timing or when nothing was timed)
 //!     "pass": bool,
-//!     "failures": [ str ]           why the run failed, one sentence each
+//!     "failures": [ str ],          why the run failed, one sentence each
+//!     "speculative": {              only in a speculative run (--spec, --spec-tree)
+//!       "draft": str, "width": u32, "late": bool,
+//!       "verify_steps": u64,        verify steps allocated, one per request and step
+//!       "settled_steps": u64,       of those, settled (the rest were dropped with their
+//!                                   finished or retracted request)
+//!       "accepted_tokens": u64,     positions the settled steps accepted
+//!       "accepted_per_step": f64 | null,
+//!       "baseline_peak_bytes_by_subpool": { name: u64 },  the same run without
+//!       "baseline_steps": u64, "baseline_retractions": u64,  speculation
+//!       "baseline_failures": [ str ]
+//!     }
 //!   } ]
 //! }
 //! ```
@@ -69,7 +80,8 @@
 
 use crate::config::Layout;
 use crate::error::ReplayError;
-use crate::stats::{Failure, MambaStats, RunStats, Timing};
+use crate::spec::ACCEPT_PROBABILITY;
+use crate::stats::{Failure, MambaStats, RunStats, SpecStats, Timing};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -106,6 +118,13 @@ REPORT ROWS (a column per layout, then unified/static):
   step CPU time, p99          excluded; thread CPU time, so preemption does not count)
   step CPU per page         all steps' host time per page (or state slot) bound or
                             released (--no-timing drops these three rows)
+  verify steps              speculative runs (--spec, --spec-tree): verify steps,
+                            one per request and step
+  accepted per verify       positions accepted per settled verify step, the
+                            request's next token included (mean)
+  no-spec steps             the same run decoding one token per step: its steps,
+  no-spec retractions         its retractions
+  no-spec peak (SIDE)         and its peak bytes on each sub-pool
   invariant violations      breaches recorded at the run's level (must be 0)
   leaked pages              pages and slots still held after releasing and evicting
                             everything (must be 0)
@@ -170,6 +189,15 @@ impl Report {
             self.invariant_level,
             self.model
         );
+        if let Some(spec) = self.runs.iter().find_map(|r| r.speculative.as_ref()) {
+            let _ = writeln!(
+                out,
+                "speculative decoding: {}, verify width {}, each draft accepted with p = \
+                 {ACCEPT_PROBABILITY} (seeded); no-spec rows: the same run decoding one token \
+                 per step",
+                spec.draft, spec.width
+            );
+        }
         for (workload, page_size, runs) in self.groups() {
             let _ = writeln!(out, "\n{workload} · page size {page_size}");
             out.push_str(&self.render_group(&runs));
@@ -272,6 +300,56 @@ impl Report {
                 None => Cell::Text("—".into(), None),
             });
         }
+        if runs.iter().any(|r| r.speculative.is_some()) {
+            let spec = |field: fn(&SpecStats) -> u64| {
+                move |r: &RunStats| match &r.speculative {
+                    Some(s) => count(field(s)),
+                    None => Cell::Text("—".into(), None),
+                }
+            };
+            table.row("verify steps", runs, spec(|s| s.verify_steps));
+            table.row("accepted per verify", runs, |r| {
+                match r
+                    .speculative
+                    .as_ref()
+                    .and_then(SpecStats::accepted_per_step)
+                {
+                    Some(mean) => Cell::Text(format!("{mean:.2}"), Some(mean)),
+                    None => Cell::Text("—".into(), None),
+                }
+            });
+            table.row("no-spec steps", runs, spec(|s| s.baseline_steps));
+            table.row(
+                "no-spec retractions",
+                runs,
+                spec(|s| s.baseline_retractions),
+            );
+            let pools: Vec<String> = {
+                let mut keys: Vec<String> = runs
+                    .iter()
+                    .filter_map(|r| r.speculative.as_ref())
+                    .flat_map(|s| s.baseline_peak_bytes_by_subpool.keys().cloned())
+                    .collect();
+                keys.sort();
+                keys.dedup();
+                keys
+            };
+            for pool in pools {
+                table.row(&format!("no-spec peak ({pool})"), runs, |r| {
+                    match &r.speculative {
+                        Some(s) => {
+                            let bytes = s
+                                .baseline_peak_bytes_by_subpool
+                                .get(&pool)
+                                .copied()
+                                .unwrap_or(0);
+                            Cell::Text(format_bytes(bytes), Some(bytes as f64))
+                        }
+                        None => Cell::Text("—".into(), None),
+                    }
+                });
+            }
+        }
         table.row("invariant violations", runs, |r| {
             count(r.invariant_violations)
         });
@@ -368,6 +446,10 @@ impl Report {
                         step_cpu_ns: if self.timing { r.timing() } else { None },
                         pass: failures.is_empty(),
                         failures,
+                        speculative: r.speculative.as_ref().map(|s| JsonSpec {
+                            stats: s,
+                            accepted_per_step: s.accepted_per_step(),
+                        }),
                     }
                 })
                 .collect(),
@@ -447,6 +529,16 @@ struct JsonRun<'a> {
     step_cpu_ns: Option<Timing>,
     pass: bool,
     failures: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    speculative: Option<JsonSpec<'a>>,
+}
+
+/// A speculative run's part of its JSON object.
+#[derive(Serialize)]
+struct JsonSpec<'a> {
+    #[serde(flatten)]
+    stats: &'a SpecStats,
+    accepted_per_step: Option<f64>,
 }
 
 /// One cell of the table: its text and, for the ratio column, its value.
@@ -550,7 +642,7 @@ fn union_keys<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::samples::{sample_mamba_report, sample_pair, sample_report};
+    use crate::samples::{sample_mamba_report, sample_pair, sample_report, sample_spec_report};
 
     #[test]
     fn a_model_with_recurrent_state_gets_mamba_rows_and_no_swa_rows() {
@@ -601,7 +693,9 @@ mod tests {
     #[test]
     fn every_row_of_the_table_is_explained_by_the_replay_help() {
         let rows = ROWS_HELP;
-        for table in [sample_report(), sample_mamba_report()].map(|r| r.render_table()) {
+        for table in
+            [sample_report(), sample_mamba_report(), sample_spec_report()].map(|r| r.render_table())
+        {
             // Rows start with two spaces; the column header with more.
             for line in table
                 .lines()
@@ -691,6 +785,34 @@ mod tests {
             .to_string(),
             "2 of 3 requests unfinished"
         );
+    }
+
+    /// A speculative report adds its rows and a line saying what was drafted; the JSON
+    /// run carries a `speculative` object that a plain run does not have.
+    #[test]
+    fn a_speculative_report_adds_its_rows_and_json_object() {
+        let table = sample_spec_report().render_table();
+        for row in [
+            "speculative decoding: chain of 4 drafts, verify width 5",
+            "verify steps",
+            "accepted per verify                 3.71            3.71",
+            "no-spec steps",
+            "no-spec retractions",
+            "no-spec peak (full)",
+            "no-spec peak (mamba)",
+        ] {
+            assert!(table.contains(row), "{row}: {table}");
+            assert!(!sample_mamba_report().render_table().contains(row), "{row}");
+        }
+        let value: serde_json::Value =
+            serde_json::from_str(&sample_spec_report().to_json().unwrap()).unwrap();
+        let spec = &value["runs"][0]["speculative"];
+        assert_eq!(spec["accepted_per_step"], 3.71);
+        assert_eq!(spec["width"], 5);
+        assert_eq!(spec["baseline_failures"], serde_json::json!([]));
+        let plain: serde_json::Value =
+            serde_json::from_str(&sample_mamba_report().to_json().unwrap()).unwrap();
+        assert!(plain["runs"][0].get("speculative").is_none());
     }
 
     #[test]

@@ -6,7 +6,7 @@
 
 use crate::config::{Backend, ReplayOptions, RunConfig, cache_builder};
 use crate::error::ReplayError;
-use crate::scheduler::{self, StepProgress};
+use crate::scheduler::{self, SpecNote, StepProgress};
 use crate::stats::RunStats;
 use std::path::Path;
 use unikv_ops::{Op, Recorder};
@@ -42,6 +42,7 @@ pub fn plan(options: &ReplayOptions, workloads: &[Workload]) -> Vec<(usize, RunC
                 config.seed = options.seed;
                 config.invariant_level = options.invariant_level;
                 config.backend = options.backend;
+                config.speculation = options.speculation;
                 runs.push((w, config));
             }
         }
@@ -67,12 +68,9 @@ pub fn check_config(config: &RunConfig) -> Result<(), ReplayError> {
 pub fn check_configs(options: &ReplayOptions) -> Result<(), ReplayError> {
     for &layout in &options.layouts {
         for &page_size in &options.page_sizes {
-            check_config(&RunConfig::new(
-                options.model,
-                layout,
-                page_size,
-                options.memory_bytes,
-            ))?;
+            let mut config = RunConfig::new(options.model, layout, page_size, options.memory_bytes);
+            config.speculation = options.speculation;
+            check_config(&config)?;
         }
     }
     Ok(())
@@ -82,7 +80,40 @@ pub fn check_configs(options: &ReplayOptions) -> Result<(), ReplayError> {
 /// `record_ops` path, writes every allocator operation of the run there (the ops trace
 /// `bench-ops` replays): the recorder hooks the allocator, and its write errors are the
 /// run's once the run is over.
+///
+/// A speculative run (`config.speculation`) is run twice: first without speculation (the
+/// baseline, not recorded, without progress), then speculating, its statistics carrying
+/// the baseline's peaks ([`crate::stats::SpecStats`]); its trace (schema
+/// `unikv.ops.v2`) also holds a `verify` and a `settle` line after the allocator calls of
+/// each verify and settle.
 pub fn run(
+    workload: &Workload,
+    config: &RunConfig,
+    record_ops: Option<&Path>,
+    progress: &dyn Fn(StepProgress),
+) -> Result<RunStats, ReplayError> {
+    let baseline = match config.speculation {
+        Some(_) => {
+            let plain = RunConfig {
+                speculation: None,
+                ..config.clone()
+            };
+            Some(scheduler::run(workload, &plain, (), &|_| {})?)
+        }
+        None => None,
+    };
+    let mut stats = run_one(workload, config, record_ops, progress)?;
+    if let (Some(base), Some(spec)) = (baseline, &mut stats.speculative) {
+        spec.baseline_failures = base.failures().iter().map(ToString::to_string).collect();
+        spec.baseline_peak_bytes_by_subpool = base.peak_bytes_by_subpool;
+        spec.baseline_steps = base.steps;
+        spec.baseline_retractions = base.retractions;
+    }
+    Ok(stats)
+}
+
+/// One run of `config` as it is, recorded when asked.
+fn run_one(
     workload: &Workload,
     config: &RunConfig,
     record_ops: Option<&Path>,
@@ -90,8 +121,12 @@ pub fn run(
 ) -> Result<RunStats, ReplayError> {
     let (recorder, status) = match record_ops {
         Some(path) => {
+            let schema = match config.speculation {
+                Some(_) => unikv_ops::SCHEMA_V2,
+                None => unikv_ops::SCHEMA,
+            };
             let header = Op::Header {
-                schema: unikv_ops::SCHEMA.to_string(),
+                schema: schema.to_string(),
                 layout: config.layout.as_str().to_string(),
                 model: config.model.name.to_string(),
                 page_size: config.page_size,
@@ -103,9 +138,20 @@ pub fn run(
         }
         None => (None, None),
     };
-    let stats = scheduler::run(workload, config, recorder, progress)?;
-    // The cache, and the recorder in it, is dropped: the trace is flushed and its status
-    // final.
+    let mut marks = recorder.as_ref().map(Recorder::marks);
+    let mut notes = |note: SpecNote<'_>| {
+        let Some(marks) = &mut marks else { return };
+        match note {
+            SpecNote::Begin => marks.begin(),
+            SpecNote::Verified { drafts } => marks.verify(drafts),
+            SpecNote::Settled { accepted, paths } => marks.settle(accepted, paths),
+        }
+    };
+    let stats = scheduler::run_noted(workload, config, recorder, &mut notes, progress);
+    drop(marks);
+    let stats = stats?;
+    // The cache, the recorder in it and its marks are dropped: the trace is flushed and
+    // its status final.
     if let Some(status) = status {
         status.check()?;
     }

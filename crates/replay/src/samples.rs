@@ -3,7 +3,7 @@
 
 use crate::config::Layout;
 use crate::report::Report;
-use crate::stats::{MambaStats, RunStats, StepSample};
+use crate::stats::{MambaStats, RunStats, SpecStats, StepSample};
 use std::collections::BTreeMap;
 use unikv::ModelSpec;
 use unikv_invariants::Level;
@@ -87,6 +87,27 @@ pub fn sample_report() -> Report {
         timing: true,
         runs: sample_pair(),
     }
+}
+
+/// [`sample_mamba_report`] as a speculative replay (`--spec 4`): the same runs with
+/// hand-made verify steps and a no-spec baseline.
+pub fn sample_spec_report() -> Report {
+    let mut report = sample_mamba_report();
+    for run in &mut report.runs {
+        run.speculative = Some(SpecStats {
+            draft: "chain of 4 drafts".into(),
+            width: 5,
+            late: false,
+            verify_steps: 1_000,
+            settled_steps: 1_000,
+            accepted_tokens: 3_710,
+            baseline_peak_bytes_by_subpool: run.peak_bytes_by_subpool.clone(),
+            baseline_steps: run.steps * 3,
+            baseline_retractions: run.retractions,
+            baseline_failures: Vec::new(),
+        });
+    }
+    report
 }
 
 /// A hand-made pair of runs of a model with recurrent state (qwen3-next: FULL and

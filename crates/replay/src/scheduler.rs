@@ -15,6 +15,15 @@
 //! - Every request that was decoding when the step began decodes one token
 //!   (`alloc_decode`, one call for the batch; SWA that left the window is released on
 //!   the way). A prefill's last chunk samples the first output token.
+//! - Speculating ([`RunConfig::speculation`]), that decode is a verify step instead: one
+//!   `alloc_verify` for the batch (each request's next token and its drafts), then one
+//!   `settle` with the positions each request accepted, drawn from the seed
+//!   ([`crate::spec::Acceptance`]) and capped by the output left; the accepted tokens are
+//!   the workload's next output tokens, so the token stream is the one decoding gives,
+//!   several tokens a step. With counts a step late (`SpecMode::late`), a request's
+//!   verify is settled in the step after it, once that step's verify is allocated; a
+//!   request finished (or retracted) with a verify in flight drops it, as an overlap
+//!   scheduler drops the step it launched for a request that had already finished.
 //! - Out of memory, the most recently admitted request is retracted (its KV released, its
 //!   tokens back at the front of the queue) and the allocation retried; a request that
 //!   cannot fit alone is [`ReplayError::BudgetTooSmall`].
@@ -44,15 +53,16 @@
 
 use crate::config::{RunConfig, cache_builder};
 use crate::error::ReplayError;
-use crate::stats::{MambaStats, RunStats, SampleRecorder};
+use crate::spec::{Acceptance, DraftShape, SpecMode, tree_parents};
+use crate::stats::{MambaStats, RunStats, SampleRecorder, SpecStats};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use unikv::kernels::{SyncLedger, thread_cpu_time, thread_cpu_time_overhead};
 use unikv::pools::{Call, FreeOp, Hooked, Hooks, KvAllocator, Outcome, PageSize};
-use unikv::{HybridCache, ModelSpec, Request, TokenId};
-use unikv_workload::Workload;
+use unikv::{Accepted, Draft, HybridCache, ModelSpec, Request, TokenId};
 use unikv_workload::rng::SplitMix64;
+use unikv_workload::{RequestSpec, Workload};
 
 /// Where a run stands, reported to the progress callback after every step. All counts
 /// are cumulative and never decrease.
@@ -79,7 +89,39 @@ pub fn run<H: Hooks + 'static>(
     hooks: H,
     progress: &dyn Fn(StepProgress),
 ) -> Result<RunStats, ReplayError> {
-    Simulation::new(workload, config, hooks)?.run(progress)
+    run_noted(workload, config, hooks, &mut |_| {}, progress)
+}
+
+/// What a speculative run tells `notes` around its verify and settle calls (the ops
+/// recorder writes them into the trace, [`crate::run`]): nothing else about the run.
+#[derive(Clone, Copy, Debug)]
+pub enum SpecNote<'a> {
+    /// A verify or settle call is about to be made (the allocator calls it makes come
+    /// next; a call that fails is followed by another `Begin`).
+    Begin,
+    /// `alloc_verify` allocated these drafts, one per request of the batch.
+    Verified {
+        /// Each request's draft.
+        drafts: &'a [Draft<'a>],
+    },
+    /// `settle` settled the oldest verify of each request of the batch.
+    Settled {
+        /// Positions each request accepted.
+        accepted: &'a [usize],
+        /// A tree verify's accepted paths (`None` for chains).
+        paths: Option<&'a [Vec<u32>]>,
+    },
+}
+
+/// [`run`], telling `notes` about each verify and settle call ([`SpecNote`]).
+pub fn run_noted<H: Hooks + 'static>(
+    workload: &Workload,
+    config: &RunConfig,
+    hooks: H,
+    notes: &mut dyn FnMut(SpecNote<'_>),
+    progress: &dyn Fn(StepProgress),
+) -> Result<RunStats, ReplayError> {
+    Simulation::new(workload, config, hooks, notes)?.run(progress)
 }
 
 /// What admission reserves for decoding, as the reference engine's scheduler does
@@ -152,6 +194,15 @@ struct Running {
     sampled: u32,
 }
 
+/// A speculative run's state.
+struct Speculating {
+    mode: SpecMode,
+    /// The draft tree's parent array (empty for chains).
+    parents: Vec<i32>,
+    acceptance: Acceptance,
+    stats: SpecStats,
+}
+
 /// One run's state.
 struct Simulation<'a> {
     workload: &'a Workload,
@@ -178,6 +229,10 @@ struct Simulation<'a> {
     pages_handled: Arc<AtomicU64>,
     /// The decode admission reserves for.
     estimate: DecodeEstimate,
+    /// Speculative decoding, when the run speculates.
+    spec: Option<Speculating>,
+    /// Told about verify and settle calls.
+    notes: &'a mut dyn FnMut(SpecNote<'_>),
 }
 
 impl<'a> Simulation<'a> {
@@ -185,6 +240,7 @@ impl<'a> Simulation<'a> {
         workload: &'a Workload,
         config: &'a RunConfig,
         hooks: H,
+        notes: &'a mut dyn FnMut(SpecNote<'_>),
     ) -> Result<Self, ReplayError> {
         let ledger = config.backend.ledger();
         let mut builder = cache_builder(config, ledger.clone());
@@ -241,6 +297,21 @@ impl<'a> Simulation<'a> {
             tokens_done: 0,
             pages_handled,
             estimate: DecodeEstimate::new(),
+            spec: config.speculation.map(|mode| Speculating {
+                mode,
+                parents: match mode.draft {
+                    DraftShape::Chain { .. } => Vec::new(),
+                    DraftShape::Tree { nodes } => tree_parents(nodes),
+                },
+                acceptance: Acceptance::new(config.seed, &mode),
+                stats: SpecStats {
+                    draft: mode.to_string(),
+                    width: mode.width(),
+                    late: mode.late,
+                    ..SpecStats::default()
+                },
+            }),
+            notes,
         })
     }
 
@@ -344,7 +415,11 @@ impl<'a> Simulation<'a> {
             i += 1;
         }
         moved |= self.admit(&mut budget)?;
-        moved |= self.decode(decoders)?;
+        moved |= if self.spec.is_some() {
+            self.verify(decoders)?
+        } else {
+            self.decode(decoders)?
+        };
         moved |= self.finish_requests()?;
         Ok(moved)
     }
@@ -458,13 +533,8 @@ impl<'a> Simulation<'a> {
                 .iter()
                 .map(|&i| {
                     let r = &self.running[i];
-                    let spec = &self.workload.requests[r.spec];
                     // The token fed back is the last one sampled, the `sampled`-th.
-                    let index = (r.sampled as usize).saturating_sub(1);
-                    match spec.output.as_ref().and_then(|output| output.get(index)) {
-                        Some(&token) => TokenId(token),
-                        None => generated_token(self.config.seed, spec.id, r.sampled),
-                    }
+                    fed_back(self.config.seed, &self.workload.requests[r.spec], r.sampled)
                 })
                 .collect();
             let mut in_batch = vec![false; self.running.len()];
@@ -502,6 +572,118 @@ impl<'a> Simulation<'a> {
                 Err(e) => return Err(e.into()),
             }
         }
+    }
+
+    /// One verify step for each request that had finished prefill when the step began
+    /// (`decoders`, ascending indices into `running`): `alloc_verify` for the batch (out
+    /// of memory, the newest request is retracted and the rest retried, as for a decode),
+    /// then `settle` of each request's oldest verify once as many are in flight as the
+    /// mode keeps (1, or 2 with counts a step late).
+    fn verify(&mut self, mut decoders: Vec<usize>) -> Result<bool, ReplayError> {
+        let Some(spec) = &self.spec else {
+            return Ok(false);
+        };
+        let mode = spec.mode;
+        let parents = spec.parents.clone();
+        let draft = match mode.draft {
+            DraftShape::Chain { k } => Draft::Chain { k: k as usize },
+            DraftShape::Tree { .. } => Draft::Tree { parents: &parents },
+        };
+        let mut retracted_any = false;
+        loop {
+            decoders.retain(|&i| {
+                let r = &self.running[i];
+                r.sampled < self.workload.requests[r.spec].output_len
+            });
+            if decoders.is_empty() {
+                return Ok(false);
+            }
+            let drafts = vec![draft; decoders.len()];
+            let mut batch = requests(&mut self.running, &decoders);
+            (self.notes)(SpecNote::Begin);
+            match self.cache.alloc_verify(&mut batch, &drafts) {
+                Ok(()) => {
+                    (self.notes)(SpecNote::Verified { drafts: &drafts });
+                    // The verify's forward holds every reserved row: the step's peak,
+                    // before the rejected ones go back.
+                    self.observe_peaks();
+                    break;
+                }
+                Err(unikv::Error::OutOfMemory { .. }) => {
+                    let need = self.running[decoders[0]].req.len() + draft.width();
+                    match self.retract_newest()? {
+                        Some(retracted) => {
+                            retracted_any = true;
+                            decoders.retain(|&i| i != retracted);
+                        }
+                        None => return Err(self.too_small(need)),
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let in_flight = if mode.late { 2 } else { 1 };
+        let settling: Vec<usize> = decoders
+            .iter()
+            .copied()
+            .filter(|&i| self.running[i].req.unsettled_verifies() == in_flight)
+            .collect();
+        let Some(spec) = &mut self.spec else {
+            return Ok(false);
+        };
+        spec.stats.verify_steps += decoders.len() as u64;
+        if !settling.is_empty() {
+            // What the target accepted: drawn, capped by the output left (at least 1).
+            let mut counts = Vec::with_capacity(settling.len());
+            let mut paths: Vec<Vec<u32>> = Vec::new();
+            let mut tokens: Vec<Vec<TokenId>> = Vec::with_capacity(settling.len());
+            for &i in &settling {
+                let r = &self.running[i];
+                let request = &self.workload.requests[r.spec];
+                let cap = (request.output_len - r.sampled) as usize;
+                let count = match mode.draft {
+                    DraftShape::Chain { k } => spec.acceptance.chain(k, cap),
+                    DraftShape::Tree { .. } => {
+                        let mut path = Vec::new();
+                        spec.acceptance.tree_path(cap, &mut path);
+                        let n = path.len();
+                        paths.push(path);
+                        n
+                    }
+                };
+                tokens.push(
+                    (0..count as u32)
+                        .map(|j| fed_back(self.config.seed, request, r.sampled + j))
+                        .collect(),
+                );
+                counts.push(count);
+            }
+            let accepted: Vec<Accepted<'_>> = match mode.draft {
+                DraftShape::Chain { .. } => tokens.iter().map(|t| Accepted::chain(t)).collect(),
+                DraftShape::Tree { .. } => paths
+                    .iter()
+                    .zip(&tokens)
+                    .map(|(p, t)| Accepted::tree(p, t))
+                    .collect(),
+            };
+            let mut batch = requests(&mut self.running, &settling);
+            (self.notes)(SpecNote::Begin);
+            self.cache.settle(&mut batch, &accepted)?;
+            (self.notes)(SpecNote::Settled {
+                accepted: &counts,
+                paths: (!paths.is_empty()).then_some(&paths[..]),
+            });
+            for (&i, &count) in settling.iter().zip(&counts) {
+                self.running[i].sampled += count as u32;
+                self.tokens_done += count as u64;
+            }
+            spec.stats.settled_steps += settling.len() as u64;
+            spec.stats.accepted_tokens += counts.iter().sum::<usize>() as u64;
+        }
+        if !retracted_any {
+            self.estimate.decay();
+        }
+        Ok(true)
     }
 
     /// Output tokens a running request has still to decode.
@@ -578,6 +760,20 @@ impl<'a> Simulation<'a> {
         }
     }
 
+    /// Tracks the peak bytes per sub-pool within a step (a verify's reserved rows, freed
+    /// again when it settles, count while its forward runs).
+    fn observe_peaks(&mut self) {
+        let stats = self.cache.stats();
+        for (name, b) in subpool_bytes(&self.config.model, &stats) {
+            let peak = self
+                .stats
+                .peak_bytes_by_subpool
+                .entry(name.to_string())
+                .or_insert(0);
+            *peak = (*peak).max(b);
+        }
+    }
+
     /// Samples bytes per sub-pool and tracks their peaks (and the peak of state slots in
     /// use).
     fn observe(&mut self, step: u64) {
@@ -594,9 +790,11 @@ impl<'a> Simulation<'a> {
         if let Some(mamba) = &mut self.stats.mamba {
             let in_use = (stats.mamba.total_pages - stats.mamba.available_pages) as u64;
             mamba.peak_slots = mamba.peak_slots.max(in_use);
-            // Every live request holds one running slot; every other slot in use is a
-            // checkpoint (held by its request until the tree takes it, or cached there).
-            let checkpoints = in_use.saturating_sub(stats.live_requests as u64);
+            // Every live request holds one running slot (a slot group of the verify width
+            // when speculating); every other slot in use is a checkpoint (held by its
+            // request until the tree takes it, or cached there).
+            let own = self.spec.as_ref().map_or(1, |s| u64::from(s.mode.width()));
+            let checkpoints = in_use.saturating_sub(stats.live_requests as u64 * own);
             mamba.peak_checkpoint_slots = mamba.peak_checkpoint_slots.max(checkpoints);
         }
         self.samples.record(step, || {
@@ -631,6 +829,7 @@ impl<'a> Simulation<'a> {
         }
         self.stats.host_syncs += self.ledger.syncs() as u64;
         self.stats.invariant_violations = violations(&self.cache);
+        self.stats.speculative = self.spec.take().map(|s| s.stats);
         let model = self.config.model;
         let Simulation {
             samples,
@@ -747,6 +946,31 @@ fn bs1_floor(model: &ModelSpec) -> &'static str {
     }
 }
 
+/// The token a request with `sampled` output tokens sampled feeds back at its next
+/// forward: its `sampled`-th output token, the workload's where it fixes them, else drawn
+/// from the seed.
+fn fed_back(seed: u64, request: &RequestSpec, sampled: u32) -> TokenId {
+    let index = (sampled as usize).saturating_sub(1);
+    match request.output.as_ref().and_then(|output| output.get(index)) {
+        Some(&token) => TokenId(token),
+        None => generated_token(seed, request.id, sampled),
+    }
+}
+
+/// The requests of `running` at `indices` (ascending), as a batch.
+fn requests<'r>(running: &'r mut [Running], indices: &[usize]) -> Vec<&'r mut Request> {
+    let mut in_batch = vec![false; running.len()];
+    for &i in indices {
+        in_batch[i] = true;
+    }
+    running
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, _)| in_batch[*i])
+        .map(|(_, r)| &mut r.req)
+        .collect()
+}
+
 /// The token a request samples as its `index`-th output: deterministic in the seed.
 fn generated_token(seed: u64, request: u32, index: u32) -> TokenId {
     let mut rng = SplitMix64::new(
@@ -793,6 +1017,7 @@ mod tests {
         assert_eq!(e.ratio, 1.0);
     }
     use crate::config::{Backend, Layout};
+    use crate::spec::SpecMode;
     use unikv_invariants::Level;
     use unikv_workload::Preset;
 
@@ -973,6 +1198,99 @@ mod tests {
             (2 * (48 + 112), 2 * (48 + 112), 0)
         );
         assert!(plain.mamba.is_none());
+    }
+
+    /// Chain, tree and late speculation on both layouts and the test page sizes, for a
+    /// FULL+SWA model and a recurrent one: every request finishes with no sync, violation
+    /// or leak, every verify step accepts at least its first position and at most its
+    /// width, and fewer steps are needed than decoding one token per step.
+    #[test]
+    fn speculative_runs_finish_clean_on_every_layout_and_page_size() {
+        let modes = [
+            SpecMode::chain(4).unwrap(),
+            SpecMode::tree(6).unwrap(),
+            SpecMode::chain(4).unwrap().late(),
+            SpecMode::tree(6).unwrap().late(),
+        ];
+        for model in [ModelSpec::GPT_OSS_20B, ModelSpec::NEMOTRON_H_8B] {
+            for layout in Layout::BOTH {
+                for ps in unikv_invariants::testing::page_sizes() {
+                    for mode in modes {
+                        let label = format!("{model} {layout} ps {ps} {mode}");
+                        // The static layout's fixed slot pool holds a slot group of the
+                        // verify width per request: 1 GiB is too small for Nemotron-H's.
+                        let mut config = RunConfig::new(model, layout, ps, 4 << 30);
+                        config.speculation = Some(mode);
+                        let stats = run(&Preset::Smoke.build(3), &config, (), &|_| {})
+                            .unwrap_or_else(|e| panic!("{label}: {e}"));
+                        assert_eq!(stats.requests_completed, stats.requests_total, "{label}");
+                        assert_eq!(
+                            (
+                                stats.host_syncs,
+                                stats.invariant_violations,
+                                stats.leaked_pages
+                            ),
+                            (0, 0, 0),
+                            "{label}"
+                        );
+                        let spec = stats.speculative.as_ref().unwrap();
+                        assert!(spec.settled_steps > 0, "{label}");
+                        assert!(spec.accepted_tokens >= spec.settled_steps, "{label}");
+                        assert!(
+                            spec.accepted_tokens <= spec.settled_steps * u64::from(mode.width()),
+                            "{label}"
+                        );
+                        let plain = RunConfig {
+                            speculation: None,
+                            ..config.clone()
+                        };
+                        let base = run(&Preset::Smoke.build(3), &plain, (), &|_| {}).unwrap();
+                        assert!(
+                            stats.steps < base.steps,
+                            "{label}: {} vs {}",
+                            stats.steps,
+                            base.steps
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Speculation changes how many tokens a step adds, not which: a chat's next turn
+    /// finds exactly the same KV cached as without speculation, settled in the step or a
+    /// step late. A recurrent model resumes from the same states when settled in the
+    /// step; settled a step late, a request finishes with a verify in flight, whose
+    /// slot group holds no settled state to cache, and late-settled steps save no
+    /// checkpoints (the facade's rule), so it resumes from fewer.
+    #[test]
+    fn speculation_generates_the_same_tokens_as_decoding() {
+        for model in [ModelSpec::GPT_OSS_20B, ModelSpec::QWEN3_NEXT_80B_A3B] {
+            let plain = chat_run(model, 1);
+            for mode in [
+                SpecMode::chain(4).unwrap(),
+                SpecMode::tree(6).unwrap().late(),
+            ] {
+                let mut config = RunConfig::new(model, Layout::Unified, 1, 16 << 30);
+                config.backend = Backend::None;
+                config.speculation = Some(mode);
+                let spec = run(&small_chat(), &config, (), &|_| {}).unwrap();
+                assert_eq!(
+                    (spec.prompt_tokens, spec.kv_hit_tokens),
+                    (plain.prompt_tokens, plain.kv_hit_tokens),
+                    "{model} {mode}"
+                );
+                if mode.late && model.has_recurrent_state() {
+                    assert!(spec.prefix_hit_tokens < plain.prefix_hit_tokens, "{model}");
+                } else {
+                    assert_eq!(spec.prefix_hit_tokens, plain.prefix_hit_tokens, "{model}");
+                }
+                let s = spec.speculative.unwrap();
+                // 8 requests of 24 output tokens: the first comes from prefill, the rest
+                // from verify steps.
+                assert_eq!(s.accepted_tokens, 8 * 23, "{model} {mode}");
+            }
+        }
     }
 
     /// At page size 1 every token allocated is a page bound, so the count is at least the

@@ -43,6 +43,43 @@ pub struct MambaStats {
     pub peak_checkpoint_slots: u64,
 }
 
+/// What a speculative run's verify steps did, and what the same run did without
+/// speculation (the baseline the report compares with).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct SpecStats {
+    /// What each verify step drafted (`chain of 4 drafts`, `tree of 6 nodes`, with
+    /// `, counts a step late`).
+    pub draft: String,
+    /// Positions one verify step checks (`1 + k`, or the tree's nodes).
+    pub width: u32,
+    /// Whether the counts were settled a step late.
+    pub late: bool,
+    /// Verify steps allocated, one per request and step (`alloc_verify` batches count
+    /// each request).
+    pub verify_steps: u64,
+    /// Verify steps settled (the rest were in flight when their request finished or was
+    /// retracted, and were dropped with it, as an overlap scheduler drops them).
+    pub settled_steps: u64,
+    /// Positions the settled steps accepted (each at least 1: the request's next token).
+    pub accepted_tokens: u64,
+    /// The baseline's peak bytes per sub-pool: the same workload, layout and page size
+    /// decoding one token per step.
+    pub baseline_peak_bytes_by_subpool: BTreeMap<String, u64>,
+    /// The baseline's steps.
+    pub baseline_steps: u64,
+    /// The baseline's retractions.
+    pub baseline_retractions: u64,
+    /// Why the baseline failed its checks (empty when it passed).
+    pub baseline_failures: Vec<String>,
+}
+
+impl SpecStats {
+    /// Mean positions accepted per settled verify step (`None` before any).
+    pub fn accepted_per_step(&self) -> Option<f64> {
+        (self.settled_steps > 0).then(|| self.accepted_tokens as f64 / self.settled_steps as f64)
+    }
+}
+
 /// What one run (a workload × a layout × a page size) did.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct RunStats {
@@ -78,7 +115,9 @@ pub struct RunStats {
     /// Tokens evicted from the tree under memory pressure (not the clearing after the
     /// last request), by kind: `full` (whole nodes) and `swa` (tombstoned SWA).
     pub evictions_by_kind: BTreeMap<String, u64>,
-    /// The largest number of bytes each sub-pool held at any step boundary.
+    /// The largest number of bytes each sub-pool held at any step boundary (and, in a
+    /// speculative run, right after each verify step's allocation, while its rejected
+    /// rows are still held).
     pub peak_bytes_by_subpool: BTreeMap<String, u64>,
     /// The state slots of a model with recurrent state (`None` for any other).
     pub mamba: Option<MambaStats>,
@@ -102,6 +141,8 @@ pub struct RunStats {
     pub leaked_pages: u64,
     /// Bytes per sub-pool over the run (see [`SampleRecorder`]).
     pub samples: Vec<StepSample>,
+    /// A speculative run's verify steps and its baseline (`None` without speculation).
+    pub speculative: Option<SpecStats>,
 }
 
 impl RunStats {
@@ -170,6 +211,13 @@ impl RunStats {
                 pages: self.leaked_pages,
             });
         }
+        if let Some(spec) = &self.speculative
+            && !spec.baseline_failures.is_empty()
+        {
+            failures.push(Failure::Baseline {
+                reasons: spec.baseline_failures.join("; "),
+            });
+        }
         failures
     }
 
@@ -207,6 +255,11 @@ pub enum Failure {
         /// How many pages.
         pages: u64,
     },
+    /// A speculative run's baseline (the same run without speculation) failed.
+    Baseline {
+        /// Its failures, `; `-separated.
+        reasons: String,
+    },
 }
 
 impl fmt::Display for Failure {
@@ -222,6 +275,7 @@ impl fmt::Display for Failure {
                 write!(f, "{violations} invariant violations")
             }
             Failure::Leaked { pages } => write!(f, "{pages} leaked pages"),
+            Failure::Baseline { reasons } => write!(f, "without speculation: {reasons}"),
         }
     }
 }
