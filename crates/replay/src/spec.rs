@@ -18,9 +18,8 @@ use unikv_workload::rng::SplitMix64;
 
 /// The probability that a draft token is accepted given that the one before it was:
 /// **0.85**. DeepSeek-V3 Technical Report (arXiv:2412.19437), §5.4.3: the acceptance rate
-/// of the second token, predicted by the MTP module, is 85–90 % across generation topics
-/// (EAGLE-3, arXiv:2503.01840, reports draft acceptance of the same order). The low end
-/// is taken, and the same rate is assumed at every depth
+/// of the second token, predicted by the MTP module, is 85–90 % across generation topics.
+/// The low end is taken, and the same rate is assumed at every depth
 /// (a geometric accepted length), so a chain of `k` drafts keeps on average
 /// `1 + p + p² + … + p^k` positions (3.71 for `k = 4`).
 pub const ACCEPT_PROBABILITY: f64 = 0.85;
