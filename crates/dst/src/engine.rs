@@ -567,6 +567,9 @@ impl Sim {
             let r = &self.running[i];
             if r.req.remaining_prefill() == 0 && r.to_decode == 0 {
                 let r = self.running.remove(i);
+                // On a speculative seed it may finish with a verify step in flight: its
+                // settled pages are cached, the reserved ones freed.
+                self.out.finished_mid_verify += u64::from(!r.verifies.is_empty());
                 self.cache
                     .cache_finished(r.req)
                     .map_err(|e| self.fail(format!("cache_finished: {e}")))?;

@@ -157,7 +157,7 @@ pub fn run_command(args: &SimArgs, out: &mut impl std::io::Write) -> std::io::Re
             .and_then(|()| {
                 writeln!(
                     out,
-                    "sim: speculative: {} verify steps ({} requests verified, {} draft trees), {} settled ({} a step late), {} tokens accepted, {} aborts and {} retractions mid-verify, {} wrong calls refused, {} settlements struck by a fault after taking effect",
+                    "sim: speculative: {} verify steps ({} requests verified, {} draft trees), {} settled ({} a step late), {} tokens accepted, {} aborts, {} retractions and {} finishes mid-verify, {} wrong calls refused, {} settlements struck by a fault after taking effect",
                     total.verify_steps,
                     total.verifies,
                     total.tree_verifies,
@@ -166,6 +166,7 @@ pub fn run_command(args: &SimArgs, out: &mut impl std::io::Write) -> std::io::Re
                     total.accepted_tokens,
                     total.mid_verify_aborts,
                     total.mid_verify_retractions,
+                    total.finished_mid_verify,
                     total.refused_calls,
                     total.settle_faults_after_effect
                 )
@@ -261,6 +262,7 @@ mod tests {
                 "mid-verify aborts and retractions",
                 total.mid_verify_aborts.min(total.mid_verify_retractions),
             ),
+            ("finishes mid-verify", total.finished_mid_verify),
             ("refused wrong calls", total.refused_calls),
         ] {
             assert!(n > 0, "no {what}: {total:?}");

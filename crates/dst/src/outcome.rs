@@ -41,6 +41,8 @@ pub struct Outcome {
     pub mid_verify_aborts: u64,
     /// Requests retracted (and queued again) with a verify step in flight.
     pub mid_verify_retractions: u64,
+    /// Requests finished into the prefix cache with a verify step in flight.
+    pub finished_mid_verify: u64,
     /// Wrong speculative calls (settling twice, accepting more than a verify's width, a
     /// bad parent array) refused with their typed error, changing nothing.
     pub refused_calls: u64,
@@ -69,6 +71,7 @@ impl Outcome {
         self.accepted_tokens += o.accepted_tokens;
         self.mid_verify_aborts += o.mid_verify_aborts;
         self.mid_verify_retractions += o.mid_verify_retractions;
+        self.finished_mid_verify += o.finished_mid_verify;
         self.refused_calls += o.refused_calls;
         self.settle_faults_after_effect += o.settle_faults_after_effect;
     }

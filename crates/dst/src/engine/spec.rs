@@ -103,11 +103,16 @@ impl Sim {
                     None => Draft::Chain { k },
                 })
                 .collect();
+            let before = self.engine_view();
             let done = self.call("alloc_verify", |s| {
                 let mut reqs = batch_reqs(&mut s.running, &batch);
                 s.cache.alloc_verify(&mut reqs, &drafts)
             })?;
             if done.is_none() {
+                // Short of memory after eviction: every request as it was.
+                if self.engine_view() != before {
+                    return Err(self.fail("alloc_verify ran short and changed a request"));
+                }
                 if self.running.len() <= 1 {
                     break;
                 }
