@@ -1,14 +1,16 @@
 //! The random engine of one seed ([`Sim`]): arrivals sharing prefixes of a few prompt
 //! families, admission checked against the oracle, aborts, chunked prefill, batched
 //! decode, retraction, finishing, and faults armed at random; every injected fault is
-//! retried and checked. What it checks after each step is in [`checks`].
+//! retried and checked. On a speculative seed decode steps are verify steps ([`spec`]).
+//! What it checks after each step is in [`checks`].
 
 mod checks;
+mod spec;
 
 use crate::outcome::{Failure, Outcome};
 use crate::scenario::Scenario;
 use crate::stamps::{hash_at, kv_stamp, prefix_hashes, state_stamp};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::panic::Location;
 use std::sync::{Arc, Mutex, PoisonError};
 use unikv::kernels::{ByteSpan, CpuDevice, Device, Error as DeviceError, FaultInjector, TableId};
@@ -28,6 +30,21 @@ struct Running {
     state_len: usize,
     /// Whether the engine aborts it when its prefill is done.
     abort_after_prefill: bool,
+    /// Its verify steps not settled yet, oldest first (speculative seeds).
+    verifies: VecDeque<spec::InFlight>,
+}
+
+impl Running {
+    /// The tokens whose KV its rows hold as the device knows them: the settled tokens,
+    /// then what each unsettled verify step accepted (a device value the host learns
+    /// when it settles).
+    fn device_tokens(&self) -> Vec<TokenId> {
+        let mut tokens = self.req.tokens()[..self.req.settled_len()].to_vec();
+        for v in &self.verifies {
+            tokens.extend_from_slice(&v.accepted);
+        }
+        tokens
+    }
 }
 
 /// The engine of one seed.
@@ -128,6 +145,9 @@ impl Sim {
             .zero_on_handout(true)
             .device(device)
             .wrap_allocator(move |inner| Box::new(Hooked::new(inner, AllocFaultHooks(hooks))));
+        if let Some(spec) = sc.speculation {
+            builder = builder.speculation(spec);
+        }
         if sc.model.has_recurrent_state() {
             let ps = sc.page_size;
             builder = builder
@@ -243,7 +263,11 @@ impl Sim {
         self.arrivals();
         self.admit()?;
         self.prefill()?;
-        self.decode()?;
+        if self.sc.speculation.is_some() {
+            self.verify()?;
+        } else {
+            self.decode()?;
+        }
         self.finish()?;
         if self.chance(60) {
             let pages = self.rng.below(6) as usize;
@@ -300,11 +324,19 @@ impl Sim {
         }
     }
 
-    /// What the engine holds of its running requests.
-    fn engine_view(&self) -> Vec<(u64, Vec<VirtualToken>, usize)> {
+    /// What the engine holds of its running requests: id, row, tokens, unsettled
+    /// verify steps.
+    fn engine_view(&self) -> Vec<(u64, Vec<VirtualToken>, usize, usize)> {
         self.running
             .iter()
-            .map(|r| (r.req.id(), r.req.row().to_vec(), r.req.tokens().len()))
+            .map(|r| {
+                (
+                    r.req.id(),
+                    r.req.row().to_vec(),
+                    r.req.tokens().len(),
+                    r.req.unsettled_verifies(),
+                )
+            })
             .collect()
     }
 
@@ -416,6 +448,7 @@ impl Sim {
                 to_decode: output,
                 state_len: cached,
                 abort_after_prefill: self.chance(60),
+                verifies: VecDeque::new(),
             };
             self.check_request(&r, "at admission")?;
             if self.chance(30) {
@@ -534,6 +567,9 @@ impl Sim {
             let r = &self.running[i];
             if r.req.remaining_prefill() == 0 && r.to_decode == 0 {
                 let r = self.running.remove(i);
+                // On a speculative seed it may finish with a verify step in flight: its
+                // settled pages are cached, the reserved ones freed.
+                self.out.finished_mid_verify += u64::from(!r.verifies.is_empty());
                 self.cache
                     .cache_finished(r.req)
                     .map_err(|e| self.fail(format!("cache_finished: {e}")))?;

@@ -10,12 +10,23 @@
 //! time another window), a page size (1 to 64, often larger than the window or not
 //! dividing it), a budget from the batch-size-1 floor to a few times it, a fault rate and,
 //! for a recurrent model, how many states a request may save in one step (1 to 4).
+//! Half the seeds speculate: the cache is built with a [`Speculation`](unikv::Speculation)
+//! (verify width 1 to 8, 1 to 3 verify steps of a request in flight), the model gets
+//! 0 to 2 draft layers in its FULL envelope, and two seeds in three draft trees as well
+//! as chains.
 //! The engine ([`run`]) then steps: arrivals sharing prefixes of a few prompt families,
 //! admission priced by `can_admit` and matched against the prefix cache, aborts at every
 //! point of a lifecycle (a dropped match, a release after admission, mid-prefill,
 //! mid-decode, after `cache_unfinished`), chunked prefill with `cache_unfinished`, batched
 //! decode, retraction when memory is short (and re-admission of the prompt), explicit
 //! `evict_to_free`, finishing with `cache_finished`, and `step_boundary`.
+//! On a speculative seed a decode step is (mostly) a verify step: a random chain `k` or
+//! draft tree per request, the device's forward (every node's KV, the state after each
+//! node into the slot group, and the copy of a tree's accepted nodes to consecutive
+//! rows), settlement with random accepted counts or paths, on time or a step late with
+//! the next verify already allocated (finishing mid-verify too), aborts and retractions
+//! mid-verify, and wrong calls (settling twice, accepting more than the width, a bad
+//! parent array) that must be their typed error and change nothing.
 //!
 //! # What it checks
 //! - Faults are of two kinds: a device op refused by a [`FaultInjector`](unikv::kernels::FaultInjector) under the cache,
@@ -32,6 +43,12 @@
 //!   and checkpoint; it then reads every running request's KV back **through the device
 //!   translation** (the mirror and the translate kernel) and every cached prefix and state
 //!   through the host tables, after compaction moves, relays, SWA hand-overs and hits.
+//!   Mid-verify, the rows the device knows the tokens of (the settled ones, then each
+//!   unsettled step's accepted ones) and the slot group's state after each node of the
+//!   newest step are checked; after settlement, every accepted row (a tree's after its
+//!   copy) and the selected running state. A fault in `settle` either changed nothing
+//!   (retried) or struck after the settlement took effect (copying checkpoints out, as
+//!   `settle` documents), never in between.
 //! - Every match equals an **independent oracle**: the longest page-aligned prefix of the
 //!   prompt (its last token excluded) that the tree's nodes hold, whose last window of
 //!   tokens is SWA-live (or has no tombstone before it) and, for a recurrent model, that
@@ -84,16 +101,7 @@ pub fn run_many(
     let mut total = Outcome::default();
     for seed in first..first.saturating_add(count) {
         let o = run(seed)?;
-        total.steps += o.steps;
-        total.admitted += o.admitted;
-        total.finished += o.finished;
-        total.released += o.released;
-        total.hit_tokens += o.hit_tokens;
-        total.faults += o.faults;
-        total.allocator_faults += o.allocator_faults;
-        total.stamps_checked += o.stamps_checked;
-        total.checkpoint_writes += o.checkpoint_writes;
-        total.multi_checkpoint_forwards += o.multi_checkpoint_forwards;
+        total.add(&o);
         progress(seed, &o);
     }
     Ok(total)
@@ -146,6 +154,23 @@ pub fn run_command(args: &SimArgs, out: &mut impl std::io::Write) -> std::io::Re
                 total.checkpoint_writes,
                 total.multi_checkpoint_forwards
             )
+            .and_then(|()| {
+                writeln!(
+                    out,
+                    "sim: speculative: {} verify steps ({} requests verified, {} draft trees), {} settled ({} a step late), {} tokens accepted, {} aborts, {} retractions and {} finishes mid-verify, {} wrong calls refused, {} settlements struck by a fault after taking effect",
+                    total.verify_steps,
+                    total.verifies,
+                    total.tree_verifies,
+                    total.settles,
+                    total.late_settles,
+                    total.accepted_tokens,
+                    total.mid_verify_aborts,
+                    total.mid_verify_retractions,
+                    total.finished_mid_verify,
+                    total.refused_calls,
+                    total.settle_faults_after_effect
+                )
+            })
             .and_then(|()| writeln!(out, "sim: {} passed, 0 failed", args.seeds))?;
             Ok(true)
         }
@@ -202,6 +227,46 @@ mod tests {
             "{bounds:?}"
         );
         assert!(total.multi_checkpoint_forwards > 0, "{total:?}");
+    }
+
+    /// Speculative seeds cover every kind of model on both layouts, with chains and
+    /// trees, and drive every speculative operation the engine knows.
+    #[test]
+    fn speculative_seeds_drive_every_speculative_operation_on_every_kind_of_model() {
+        let mut kinds = std::collections::BTreeSet::new();
+        let mut total = Outcome::default();
+        let mut ran = 0;
+        for seed in 0..96 {
+            let sc = Scenario::from_seed(seed);
+            let Some(spec) = sc.speculation else { continue };
+            kinds.insert((
+                sc.model.swa_layers > 0,
+                sc.model.has_recurrent_state(),
+                matches!(sc.layout, Layout::Unified),
+            ));
+            if ran < 24 {
+                ran += 1;
+                total.add(&run(seed).unwrap_or_else(|f| panic!("{f}")));
+                assert!((1..=8).contains(&spec.max_width), "{spec:?}");
+            }
+        }
+        assert_eq!(kinds.len(), 6, "{kinds:?}");
+        for (what, n) in [
+            ("verify steps", total.verify_steps),
+            ("draft trees", total.tree_verifies),
+            ("chains", total.verifies - total.tree_verifies),
+            ("late settles", total.late_settles),
+            ("settles on time", total.settles - total.late_settles),
+            ("accepted tokens", total.accepted_tokens),
+            (
+                "mid-verify aborts and retractions",
+                total.mid_verify_aborts.min(total.mid_verify_retractions),
+            ),
+            ("finishes mid-verify", total.finished_mid_verify),
+            ("refused wrong calls", total.refused_calls),
+        ] {
+            assert!(n > 0, "no {what}: {total:?}");
+        }
     }
 
     #[test]

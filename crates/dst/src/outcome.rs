@@ -24,6 +24,57 @@ pub struct Outcome {
     pub checkpoint_writes: u64,
     /// Forwards that saved more than one checkpoint of one request.
     pub multi_checkpoint_forwards: u64,
+    /// Verify steps (`alloc_verify` calls that succeeded, each for a batch).
+    pub verify_steps: u64,
+    /// Requests verified in those steps.
+    pub verifies: u64,
+    /// Of those, draft trees (the rest chains).
+    pub tree_verifies: u64,
+    /// Verify steps of a request settled.
+    pub settles: u64,
+    /// Of those, settled a step late: with a later verify of the request already
+    /// allocated.
+    pub late_settles: u64,
+    /// Tokens accepted by the settled steps.
+    pub accepted_tokens: u64,
+    /// Requests aborted with a verify step in flight.
+    pub mid_verify_aborts: u64,
+    /// Requests retracted (and queued again) with a verify step in flight.
+    pub mid_verify_retractions: u64,
+    /// Requests finished into the prefix cache with a verify step in flight.
+    pub finished_mid_verify: u64,
+    /// Wrong speculative calls (settling twice, accepting more than a verify's width, a
+    /// bad parent array) refused with their typed error, changing nothing.
+    pub refused_calls: u64,
+    /// Settlements a fault struck after they took effect (copying checkpoints out).
+    pub settle_faults_after_effect: u64,
+}
+
+impl Outcome {
+    /// Adds `o`'s counts to these.
+    pub fn add(&mut self, o: &Outcome) {
+        self.steps += o.steps;
+        self.admitted += o.admitted;
+        self.finished += o.finished;
+        self.released += o.released;
+        self.hit_tokens += o.hit_tokens;
+        self.faults += o.faults;
+        self.allocator_faults += o.allocator_faults;
+        self.stamps_checked += o.stamps_checked;
+        self.checkpoint_writes += o.checkpoint_writes;
+        self.multi_checkpoint_forwards += o.multi_checkpoint_forwards;
+        self.verify_steps += o.verify_steps;
+        self.verifies += o.verifies;
+        self.tree_verifies += o.tree_verifies;
+        self.settles += o.settles;
+        self.late_settles += o.late_settles;
+        self.accepted_tokens += o.accepted_tokens;
+        self.mid_verify_aborts += o.mid_verify_aborts;
+        self.mid_verify_retractions += o.mid_verify_retractions;
+        self.finished_mid_verify += o.finished_mid_verify;
+        self.refused_calls += o.refused_calls;
+        self.settle_faults_after_effect += o.settle_faults_after_effect;
+    }
 }
 
 /// A seed that broke a check: the crate's error.

@@ -1,9 +1,10 @@
 //! One seed's configuration ([`Scenario`]): a scaled named model ([`scaled`]), a layout,
-//! a page size, a budget from the batch-size-1 floor and a fault rate, all drawn from
-//! the seed alone.
+//! a page size, a budget from the batch-size-1 floor, a fault rate and, for half the
+//! seeds, speculative decoding (verify width, steps in flight, chain or tree drafts, the
+//! draft model's layers), all drawn from the seed alone.
 
 use unikv::mamba::MAX_CHECKPOINTS_PER_STEP;
-use unikv::{Error, HybridCache, KvRows, Layout, ModelSpec, RecurrentState};
+use unikv::{Error, HybridCache, KvRows, Layout, ModelSpec, RecurrentState, Speculation};
 use unikv_workload::rng::SplitMix64;
 
 /// One seed's configuration, derived from the seed alone.
@@ -26,6 +27,12 @@ pub struct Scenario {
     /// Recurrent states a request may save in one step (1 to the most the cache allows),
     /// so seeds drive single- and multi-checkpoint steps.
     pub checkpoints_per_step: u32,
+    /// Speculative decoding, for half the seeds: the cache verifies drafts of up to
+    /// `max_width` positions with up to `max_in_flight` verify steps of a request
+    /// unsettled, and decode steps become verify steps.
+    pub speculation: Option<Speculation>,
+    /// Whether verify steps may draft trees (parent arrays) as well as chains.
+    pub draft_trees: bool,
 }
 
 /// The named models with their KV rows and recurrent state scaled down (head dims / 32,
@@ -69,6 +76,16 @@ impl Scenario {
         if model.swa_layers > 0 && rng.below(2) == 0 {
             model.window = rng.in_range(2, 48) as u32;
         }
+        // Speculation from a stream of its own, so every draw of `rng` stays what it was.
+        let mut spec_rng = SplitMix64::for_stream(seed, "dst.speculation");
+        let speculation = (spec_rng.below(2) == 0).then(|| {
+            model = model.with_draft_layers(spec_rng.below(3) as u32);
+            Speculation {
+                max_width: spec_rng.in_range(1, 8) as u32,
+                max_in_flight: [1, 2, 2, 3][spec_rng.below(4) as usize],
+            }
+        });
+        let draft_trees = speculation.is_some() && spec_rng.below(3) != 0;
         let page_size = [1, 1, 2, 3, 4, 8, 16, 64][rng.below(8) as usize];
         let layout = if rng.below(2) == 0 {
             Layout::Unified
@@ -78,9 +95,15 @@ impl Scenario {
             }
         };
         // The batch-size-1 floor.
-        let floor = buildable(model, layout, page_size, 1);
+        let floor = buildable(model, layout, page_size, speculation, 1);
         // From the floor (every admission a struggle) to a few times it.
-        let memory_bytes = buildable(model, layout, page_size, floor + floor * rng.below(64) / 16);
+        let memory_bytes = buildable(
+            model,
+            layout,
+            page_size,
+            speculation,
+            floor + floor * rng.below(64) / 16,
+        );
         Scenario {
             seed,
             model,
@@ -91,6 +114,8 @@ impl Scenario {
             faults_per_mille: [0, 5, 20, 60][rng.below(4) as usize],
             // From the seed, not the stream, so every earlier draw stays what it was.
             checkpoints_per_step: 1 + (seed / 3 % u64::from(MAX_CHECKPOINTS_PER_STEP)) as u32,
+            speculation,
+            draft_trees,
         }
     }
 }
@@ -99,15 +124,24 @@ impl Scenario {
 /// the builder states, asked again until a size builds. (The static layout's slot pool
 /// is a share of the budget, so its stated need grows with the budget, and at a few pages
 /// a larger budget can leave its KV pools short of one request.)
-fn buildable(model: ModelSpec, layout: Layout, page_size: u32, bytes: u64) -> u64 {
+fn buildable(
+    model: ModelSpec,
+    layout: Layout,
+    page_size: u32,
+    speculation: Option<Speculation>,
+    bytes: u64,
+) -> u64 {
     let mut bytes = bytes.max(1);
     for _ in 0..64 {
-        let built = HybridCache::builder()
+        let mut builder = HybridCache::builder()
             .model(model)
             .layout(layout)
             .page_size(page_size)
-            .memory_bytes(bytes)
-            .build();
+            .memory_bytes(bytes);
+        if let Some(spec) = speculation {
+            builder = builder.speculation(spec);
+        }
+        let built = builder.build();
         match built {
             Ok(_) => return bytes,
             Err(Error::Pool(unikv::pools::Error::BufferTooSmall { needed, .. })) => {

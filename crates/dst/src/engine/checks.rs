@@ -82,10 +82,17 @@ impl Sim {
         r: &Running,
         when: &str,
     ) -> Result<(), Failure> {
-        let hashes = prefix_hashes(&r.req.tokens()[..r.req.len()]);
-        // Attention reads every token's FULL KV and the last window's SWA KV (and the
-        // cache promises SWA from the cursor on).
-        let window_start = r.req.len().saturating_sub(self.sc.model.window as usize);
+        // The tokens whose KV the rows hold: the settled ones, then (mid-verify) what
+        // each unsettled verify step accepted, which the device knows; the rows past
+        // them are reserved and unchecked (rejected nodes, or room for a worst case).
+        let hashes = prefix_hashes(&r.device_tokens());
+        // Attention reads every token's FULL KV and the last window's SWA KV behind the
+        // settled rows (every verify position's window starts there or later), and the
+        // cache promises SWA from the cursor on.
+        let window_start = r
+            .req
+            .settled_len()
+            .saturating_sub(self.sc.model.window as usize);
         let swa_from = r.req.window_cursor().min(window_start);
         for (pos, t) in r.req.row().iter().enumerate() {
             for side in self.kv_sides() {
@@ -99,6 +106,7 @@ impl Sim {
                         )));
                     }
                     None => {}
+                    Some(_) if pos >= hashes.len() => {}
                     Some(span) => {
                         self.out.stamps_checked += 1;
                         if !Self::check(bytes, span, kv_stamp(hashes[pos], side)) {
@@ -112,7 +120,21 @@ impl Sim {
                 }
             }
         }
-        if let Some(slot) = r.req.state_slot() {
+        if let Some(v) = r.verifies.back() {
+            // Mid-verify the group holds the newest step's state after each of its
+            // nodes (settling a step early only selects a slot the later one rewrote).
+            let group = r.req.state_group().to_vec();
+            for (j, (&slot, &want)) in group.iter().zip(&v.group_stamps).enumerate() {
+                let span = self.slot_span(slot)?;
+                self.out.stamps_checked += 1;
+                if !Self::check(bytes, span, want) {
+                    return Err(self.fail(format!(
+                        "{when}: request {}'s state after verify node {j} is not in its group slot",
+                        r.req.id()
+                    )));
+                }
+            }
+        } else if let Some(slot) = r.req.state_slot() {
             let span = self.slot_span(slot)?;
             let want = if r.state_len == 0 {
                 0
