@@ -82,7 +82,8 @@ impl Scenario {
             model = model.with_draft_layers(spec_rng.below(3) as u32);
             Speculation {
                 max_width: spec_rng.in_range(1, 8) as u32,
-                max_in_flight: [1, 2, 2, 3][spec_rng.below(4) as usize],
+                // Late counts: the step after the verify (the most the cache allows).
+                max_in_flight: [1, 2, 2, unikv::MAX_IN_FLIGHT][spec_rng.below(4) as usize],
             }
         });
         let draft_trees = speculation.is_some() && spec_rng.below(3) != 0;
