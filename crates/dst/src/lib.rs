@@ -11,7 +11,7 @@
 //! dividing it), a budget from the batch-size-1 floor to a few times it, a fault rate and,
 //! for a recurrent model, how many states a request may save in one step (1 to 4).
 //! Half the seeds speculate: the cache is built with a [`Speculation`](unikv::Speculation)
-//! (verify width 1 to 8, 1 to 3 verify steps of a request in flight), the model gets
+//! (verify width 1 to 8, 1 or 2 verify steps of a request in flight), the model gets
 //! 0 to 2 draft layers in its FULL envelope, and two seeds in three draft trees as well
 //! as chains.
 //! The engine ([`run`]) then steps: arrivals sharing prefixes of a few prompt families,
