@@ -396,7 +396,8 @@ impl HybridCache {
     /// SWA) to consecutive rows from its first position, on the device: `paths` holds, per
     /// request, `W` entries — the accepted path's nodes in order, then −1 (a chain's path
     /// is `0, 1, …`, which moves nothing). One fixed-shape
-    /// [`unikv_kernels::Device::gather_rows`] per side, reading the write ids
+    /// [`unikv_kernels::Device::gather_rows`] for every side (refused whole or issued
+    /// whole, so a failed call moved nothing and may be retried), reading the write ids
     /// [`HybridCache::translate_verify`] produced; call it after the verify forward and
     /// before anything compacts (an allocation), so those ids still name the rows.
     pub fn compact_accepted(
@@ -427,8 +428,9 @@ impl HybridCache {
         if model.swa_layers > 0 {
             sides.push((l.write_swa, 2 * model.swa_layers, g.swa_row_bytes));
         }
-        for (ids_at, rows_per_token, row_bytes) in sides {
-            self.device().gather_rows(&RowGather {
+        let gathers: Vec<RowGather> = sides
+            .into_iter()
+            .map(|(ids_at, rows_per_token, row_bytes)| RowGather {
                 buf: self.allocator().buffer(),
                 ids: outputs,
                 ids_at,
@@ -439,8 +441,10 @@ impl HybridCache {
                 page_size: g.page_size as u32,
                 rows_per_token,
                 row_bytes,
-            })?;
-        }
+            })
+            .collect();
+        // One op for every side: refused whole, or issued whole.
+        self.device().gather_rows(&gathers)?;
         Ok(())
     }
 

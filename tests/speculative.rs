@@ -815,7 +815,11 @@ fn verify_metadata_is_fixed_shape_and_pads_to_the_sink() {
                 c.release(req).unwrap();
             }
             drop(c);
-            assert_eq!(cpu.live_allocations(), 0, "{label}: the verify tables freed too");
+            assert_eq!(
+                cpu.live_allocations(),
+                0,
+                "{label}: the verify tables freed too"
+            );
         }
     }
 }

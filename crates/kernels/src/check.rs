@@ -440,6 +440,18 @@ pub(crate) fn row_gather(args: &RowGather, ids_len: usize, path_len: usize) -> R
     table_range(OP, args.path, args.path_at, n, path_len)
 }
 
+/// Every gather of a call (as [`row_gather`]), with the lengths `bytes` and `table` give.
+pub(crate) fn row_gathers(
+    all: &[RowGather],
+    bytes: impl Fn(BytesId) -> Result<u64, Error>,
+    table: impl Fn(TableId) -> Result<usize, Error>,
+) -> Result<(), Error> {
+    all.iter().try_for_each(|g| {
+        bytes(g.buf)?;
+        row_gather(g, table(g.ids)?, table(g.path)?)
+    })
+}
+
 /// Where a token's rows lie (the geometry of a [`RowGather`]): row `l < per_token` of
 /// kernel id `k` is the `row_bytes` bytes at `(k + l × page_size) × row_bytes`.
 #[derive(Clone, Copy, Debug)]

@@ -265,22 +265,23 @@ impl Device for CpuDevice {
         Ok(())
     }
 
-    fn gather_rows(&self, args: &RowGather) -> Result<(), Error> {
+    fn gather_rows(&self, all: &[RowGather]) -> Result<(), Error> {
         let mut st = self.state();
-        let (ids, path) = (st.table(args.ids)?.len(), st.table(args.path)?.len());
-        check::row_gather(args, ids, path)?;
-        let n = args.batch * args.width; // checked
-        let ids = st.table(args.ids)?[args.ids_at..][..n].to_vec();
-        let path = st.table(args.path)?[args.path_at..][..n].to_vec();
-        let b = st.bytes_mut(args.buf)?;
-        let total = b.len();
-        if n == 0 {
-            return Ok(());
-        }
-        for (ids, path) in ids.chunks(args.width).zip(path.chunks(args.width)) {
-            check::gathered_rows(args.into(), ids, path, total, |src, dst, len| {
-                b.copy(src, dst, len)
-            });
+        check::row_gathers(all, |b| Ok(st.bytes(b)?.len()), |t| Ok(st.table(t)?.len()))?;
+        for args in all {
+            let n = args.batch * args.width; // checked
+            if n == 0 {
+                continue;
+            }
+            let ids = st.table(args.ids)?[args.ids_at..][..n].to_vec();
+            let path = st.table(args.path)?[args.path_at..][..n].to_vec();
+            let b = st.bytes_mut(args.buf)?;
+            let total = b.len();
+            for (ids, path) in ids.chunks(args.width).zip(path.chunks(args.width)) {
+                check::gathered_rows(args.into(), ids, path, total, |src, dst, len| {
+                    b.copy(src, dst, len)
+                });
+            }
         }
         Ok(())
     }
@@ -944,7 +945,7 @@ mod tests {
             rows_per_token: 2,
             row_bytes: 1,
         };
-        dev.gather_rows(&args).unwrap();
+        dev.gather_rows(&[args]).unwrap();
         let mut want: Vec<u8> = (0..20).collect();
         // Request 0: position 2 → 1 (bytes 8, 10 → 5, 7), then 3 → 2 (9, 11 → 8, 10),
         // reading 8 and 10 before the second step overwrites them.
@@ -966,7 +967,8 @@ mod tests {
                 ..args
             },
         ] {
-            assert!(dev.gather_rows(&bad).is_err(), "{bad:?}");
+            // The good gather first: refused whole, it copies nothing either.
+            assert!(dev.gather_rows(&[args, bad]).is_err(), "{bad:?}");
             assert_eq!(bytes(&dev, b), want, "{bad:?}: nothing written");
         }
     }

@@ -957,14 +957,30 @@ impl Device for CudaDevice {
         )
     }
 
-    fn gather_rows(&self, args: &RowGather) -> Result<(), Error> {
+    fn gather_rows(&self, all: &[RowGather]) -> Result<(), Error> {
         let st = self.state();
+        check::row_gathers(
+            all,
+            |b| Ok(st.bytes.get(b.0)?.len as u64),
+            |t| Ok(st.tables.get(t.0)?.len),
+        )?;
+        // One launch per gather, in call order, each with its arguments by value (so a
+        // captured graph replays them).
+        for args in all {
+            self.gather_rows_one(&st, args)?;
+        }
+        Ok(())
+    }
+}
+
+impl CudaDevice {
+    /// Launches one checked gather of [`Device::gather_rows`].
+    fn gather_rows_one(&self, st: &State, args: &RowGather) -> Result<(), Error> {
         let (buf, ids, path) = (
             st.bytes.get(args.buf.0)?,
             st.tables.get(args.ids.0)?,
             st.tables.get(args.path.0)?,
         );
-        check::row_gather(args, ids.len, path.len)?;
         let token_bytes = u64::from(args.rows_per_token) * args.row_bytes; // checked
         if args.batch == 0 || args.width == 0 || token_bytes == 0 {
             return Ok(());

@@ -114,7 +114,7 @@ pub struct WindowTranslate {
     pub out_at: usize,
 }
 
-/// Arguments of [`Device::gather_rows`]: moves the rows of each request's accepted draft
+/// One gather of a [`Device::gather_rows`] call: moves the rows of each request's accepted draft
 /// tree path to consecutive positions, driven by device values (a tree verify's
 /// settlement: the host never learns the path).
 ///
@@ -358,9 +358,11 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     #[track_caller]
     fn translate_windows(&self, all: &[WindowTranslate]) -> Result<(), Error>;
 
-    /// Moves accepted draft-tree rows to consecutive positions (see [`RowGather`]).
+    /// Moves accepted draft-tree rows to consecutive positions (see [`RowGather`]),
+    /// several gathers in one op (a verify's FULL and SWA rows), applied in call order.
+    /// Every one is checked before any is issued, so a refused call copies nothing.
     #[track_caller]
-    fn gather_rows(&self, args: &RowGather) -> Result<(), Error>;
+    fn gather_rows(&self, all: &[RowGather]) -> Result<(), Error>;
 
     /// The driver calls that may have made the host wait (allocation, free, pageable
     /// copy, synchronize, the legacy default stream) this device has issued so far, for

@@ -31,7 +31,7 @@ pub struct DeviceCall<'a> {
     /// `move_spans`, the spans of a `fill_spans`, the entries of a `scatter_table`, the
     /// values of an `upload_table`, the tables of a `scatter_tables` or
     /// `copy_table_spans`, the translations of a `translate_many`, the windows of a
-    /// `translate_windows`), 1 for an op with none.
+    /// `translate_windows`, the gathers of a `gather_rows`), 1 for an op with none.
     pub items: usize,
     /// The permit of a [`Readback`] op ([`DeviceOp::waits`]); `None` for the others.
     pub permit: Option<&'a HostSync>,
@@ -316,9 +316,9 @@ impl<D: Device + ?Sized, H: DeviceHooks> Device for Intercepted<D, H> {
         self.after(call, self.inner.translate_windows(all))
     }
 
-    fn gather_rows(&self, args: &RowGather) -> Result<(), Error> {
-        let call = self.before(DeviceOp::GatherRows, 1, None)?;
-        self.after(call, self.inner.gather_rows(args))
+    fn gather_rows(&self, all: &[RowGather]) -> Result<(), Error> {
+        let call = self.before(DeviceOp::GatherRows, all.len(), None)?;
+        self.after(call, self.inner.gather_rows(all))
     }
 }
 

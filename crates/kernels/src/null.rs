@@ -145,9 +145,8 @@ impl Device for NullDevice {
         check::windows(all, |t| self.table_len(t)).map(drop)
     }
 
-    fn gather_rows(&self, args: &RowGather) -> Result<(), Error> {
-        self.bytes_len(args.buf)?;
-        check::row_gather(args, self.table_len(args.ids)?, self.table_len(args.path)?)
+    fn gather_rows(&self, all: &[RowGather]) -> Result<(), Error> {
+        check::row_gathers(all, |b| self.bytes_len(b), |t| self.table_len(t))
     }
 }
 
@@ -305,13 +304,13 @@ mod tests {
                     ..window
                 }])
             }),
-            Box::new(move |d| d.gather_rows(&gather)),
-            Box::new(move |d| d.gather_rows(&RowGather { width: 3, ..gather })),
+            Box::new(move |d| d.gather_rows(&[gather])),
+            Box::new(move |d| d.gather_rows(&[RowGather { width: 3, ..gather }])),
             Box::new(move |d| {
-                d.gather_rows(&RowGather {
+                d.gather_rows(&[RowGather {
                     page_size: 0,
                     ..gather
-                })
+                }])
             }),
         ];
         let ops: Vec<Op> = ops.into_iter().chain(verify).collect();

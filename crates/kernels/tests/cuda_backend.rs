@@ -81,7 +81,7 @@ fn step(dev: &dyn Device, f: &Fixture, k: u32) {
         },
     ])
     .unwrap();
-    dev.gather_rows(&RowGather {
+    dev.gather_rows(&[RowGather {
         buf: f.buf,
         ids: f.windows,
         ids_at: 0,
@@ -92,7 +92,7 @@ fn step(dev: &dyn Device, f: &Fixture, k: u32) {
         page_size: 4,
         rows_per_token: 2,
         row_bytes: 64,
-    })
+    }])
     .unwrap();
     let page = 4096;
     dev.move_spans(

@@ -429,7 +429,13 @@ fn verify_windows_and_row_gathers_match_cpu() {
                 rows_per_token,
                 row_bytes,
             };
-            dev.gather_rows(&gather)?;
+            // Two gathers in one op apply in call order (the second re-gathers a part).
+            let narrow = RowGather {
+                rows_per_token: 1,
+                row_bytes: 8,
+                ..gather
+            };
+            dev.gather_rows(&[gather, narrow])?;
             let refused: Vec<String> = [
                 dev.translate_windows(&[WindowTranslate {
                     out: t_starts,
@@ -450,18 +456,21 @@ fn verify_windows_and_row_gathers_match_cpu() {
                     page_size: 0,
                     ..window
                 }]),
-                dev.gather_rows(&RowGather {
-                    width: width + 1,
-                    ..gather
-                }),
-                dev.gather_rows(&RowGather {
+                dev.gather_rows(&[
+                    gather,
+                    RowGather {
+                        width: width + 1,
+                        ..gather
+                    },
+                ]),
+                dev.gather_rows(&[RowGather {
                     page_size: 0,
                     ..gather
-                }),
-                dev.gather_rows(&RowGather {
+                }]),
+                dev.gather_rows(&[RowGather {
                     row_bytes: u64::MAX / 2,
                     ..gather
-                }),
+                }]),
             ]
             .into_iter()
             .map(|r| format!("{:?}", r.expect_err("a malformed verify op is refused")))
@@ -730,7 +739,7 @@ fn a_captured_row_gather_replays_with_the_paths_of_its_launch() {
                     d.translate_windows(&[window]),
                     Err(Error::NotCapturable { .. })
                 ));
-                d.gather_rows(&gather)
+                d.gather_rows(&[gather])
             })
             .unwrap();
         let s = sync();
@@ -756,12 +765,12 @@ fn a_captured_row_gather_replays_with_the_paths_of_its_launch() {
                 d.upload_table(p, 0, accepted).unwrap();
             }
             dev.launch_graph(&graph).unwrap();
-            cpu.gather_rows(&RowGather {
+            cpu.gather_rows(&[RowGather {
                 buf: cpu_buf,
                 ids: cpu_ids,
                 path: cpu_path,
                 ..gather
-            })
+            }])
             .unwrap();
             assert_eq!(
                 dev.read_bytes(&s, buf, 0, 64).unwrap(),

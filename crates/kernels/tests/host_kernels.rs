@@ -572,12 +572,12 @@ fn verify_windows_and_row_gathers_match_the_cpu_twin_at_every_page_size() {
             );
             dev.upload_table(t_ids, 0, &ids).unwrap();
             dev.upload_table(t_path, 0, &path).unwrap();
-            dev.gather_rows(&RowGather {
+            dev.gather_rows(&[RowGather {
                 buf,
                 ids: t_ids,
                 path: t_path,
                 ..args
-            })
+            }])
             .unwrap();
         });
         assert_ne!(want, pattern, "the gather at ps {ps} moves something");
