@@ -662,17 +662,29 @@ fn run(model: ModelSpec, layout: Layout, ps: u32, kv_tokens: u64, late: bool, op
         // Room for the sink, a few requests' slot groups and `kv_tokens` of KV.
         let memory = slot * 40 + token * (kv_tokens + 2 * ps as u64) + 4096;
         let spec = Speculation::tree(WIDTH as u32).in_flight(if late { 2 } else { 1 });
-        let cache = HybridCache::builder()
-            .model(model)
-            .page_size(ps)
-            .memory_bytes(memory)
-            .layout(layout)
-            .checkpoint_interval(8 * ps)
-            .zero_on_handout(true)
-            .speculation(spec)
-            .device(device.clone())
-            .build()
-            .unwrap();
+        let build = |memory: u64| {
+            HybridCache::builder()
+                .model(model)
+                .page_size(ps)
+                .memory_bytes(memory)
+                .layout(layout)
+                .checkpoint_interval(8 * ps)
+                .zero_on_handout(true)
+                .speculation(spec)
+                .device(device.clone())
+                .build()
+        };
+        // At large pages one request's floor (a page per side and its slots) may be more
+        // (and what it needs moves with the split of the buffer): grow until it fits.
+        let mut memory = memory;
+        let cache = loop {
+            match build(memory) {
+                Err(unikv::Error::Pool(unikv::pools::Error::BufferTooSmall { needed, .. })) => {
+                    memory = needed.0.max(memory) + memory / 4;
+                }
+                built => break built.unwrap(),
+            }
+        };
         let values = device.alloc_table(8 * WIDTH * 2, 0).unwrap();
         let mut d = Driver {
             cache,
