@@ -21,7 +21,6 @@ use unikv::invariants::{Level, scoped_level};
 use unikv::{Error, Layout, Request, TokenId};
 
 const W: u32 = 8;
-const BASE_LEN: usize = 40;
 
 /// One step of the driver. Indices pick among the running or retracted requests, modulo
 /// their count.
@@ -58,7 +57,7 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     let token = 0u8..4;
     prop_oneof![
-        4 => (0u8..3, 8u8..BASE_LEN as u8, prop::collection::vec(token.clone(), 0..12), prop::bool::weighted(0.15), prop::bool::weighted(0.2))
+        4 => (0u8..3, 8u8..common::BASE_LEN as u8, prop::collection::vec(token.clone(), 0..12), prop::bool::weighted(0.15), prop::bool::weighted(0.2))
             .prop_map(|(base, prefix, suffix, abort, eager)| Op::Arrive { base, prefix, suffix, abort, eager }),
         1 => any::<u8>().prop_map(|pick| Op::Readmit { pick }),
         4 => (any::<u8>(), 1u8..24).prop_map(|(pick, chunk)| Op::Prefill { pick, chunk }),
@@ -101,20 +100,6 @@ fn config(layout: Layout) -> impl Strategy<Value = Config> {
             config.interval = [None, Some(1), Some(3 * ps + 1)][interval as usize];
             config
         })
-}
-
-/// The three base texts: tokens of a four-word vocabulary, so prompts share prefixes at
-/// every length.
-fn base_text(base: u8) -> Vec<TokenId> {
-    let mut x = 0x9e37_79b9u32.wrapping_mul(base as u32 + 1);
-    (0..BASE_LEN)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            TokenId(x % 4)
-        })
-        .collect()
 }
 
 /// A running request with what the driver remembers about it.
@@ -200,7 +185,7 @@ impl Driver {
                 abort,
                 eager,
             } => {
-                let mut prompt = base_text(base)[..prefix as usize].to_vec();
+                let mut prompt = common::base_text(base, 4)[..prefix as usize].to_vec();
                 prompt.extend(suffix.iter().map(|&t| TokenId(t as u32)));
                 if prompt.is_empty() {
                     prompt.push(TokenId(0));

@@ -20,29 +20,6 @@ use unikv::kernels::{ByteSpan, CpuDevice, Device, HostSync, Readback};
 use unikv::pools::{Side, VirtualSlot};
 use unikv::{Error, HybridCache, Layout, ModelSpec, Request, TokenId};
 
-const BASE_LEN: usize = 40;
-
-/// The state after processing `tokens` (never 0, the zeroed slot).
-fn state_of(tokens: &[TokenId]) -> u8 {
-    let mut h = 0x811c_9dc5u32;
-    for t in tokens {
-        h = (h ^ t.0).wrapping_mul(0x0100_0193);
-    }
-    (h % 255) as u8 + 1
-}
-
-fn base_text(base: u8) -> Vec<TokenId> {
-    let mut x = 0x9e37_79b9u32.wrapping_mul(base as u32 + 1);
-    (0..BASE_LEN)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            TokenId(x % 4)
-        })
-        .collect()
-}
-
 #[derive(Clone, Debug)]
 enum Op {
     Arrive {
@@ -71,7 +48,7 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0u8..3, 4u8..BASE_LEN as u8, prop::collection::vec(0u8..4, 0..8), prop::bool::weighted(0.1))
+        4 => (0u8..3, 4u8..common::BASE_LEN as u8, prop::collection::vec(0u8..4, 0..8), prop::bool::weighted(0.1))
             .prop_map(|(base, prefix, suffix, abort)| Op::Arrive { base, prefix, suffix, abort }),
         4 => (any::<u8>(), 1u8..24).prop_map(|(pick, chunk)| Op::Prefill { pick, chunk }),
         6 => (0u8..4).prop_map(|token| Op::Decode { token }),
@@ -128,10 +105,10 @@ impl Driver {
         let slot = req
             .state_slot()
             .expect("a recurrent model's request has a state");
-        self.write(slot, state_of(&req.tokens()[..req.len()]));
+        self.write(slot, common::state_of(&req.tokens()[..req.len()]));
         for w in req.checkpoint_writes() {
             assert!(w.at_len <= req.len() && w.at_len > 0, "{}", self.label);
-            self.write(w.slot, state_of(&req.tokens()[..w.at_len]));
+            self.write(w.slot, common::state_of(&req.tokens()[..w.at_len]));
         }
     }
 
@@ -155,7 +132,7 @@ impl Driver {
                 ref suffix,
                 abort,
             } => {
-                let mut prompt = base_text(base)[..prefix as usize].to_vec();
+                let mut prompt = common::base_text(base, 4)[..prefix as usize].to_vec();
                 prompt.extend(suffix.iter().map(|&t| TokenId(t as u32)));
                 let hit = self.cache.match_prefix(prompt);
                 if abort || !self.cache.can_admit(&hit, 0) {
@@ -170,7 +147,7 @@ impl Driver {
                 let want = if cached == 0 {
                     0
                 } else {
-                    state_of(&req.tokens()[..cached])
+                    common::state_of(&req.tokens()[..cached])
                 };
                 self.running.push(req);
                 let bytes = self.read(running);
@@ -259,7 +236,7 @@ impl Driver {
             if r.is_empty() {
                 continue;
             }
-            let want = state_of(&r.tokens()[..r.len()]);
+            let want = common::state_of(&r.tokens()[..r.len()]);
             let slot = r.state_slot().unwrap();
             if r.len() > r.cached_at_admission() {
                 assert!(

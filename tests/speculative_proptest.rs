@@ -35,35 +35,12 @@ use unikv::{
     TokenId, VerifyMetadata, VerifyOffsets,
 };
 
-const BASE_LEN: usize = 40;
 /// The widest verify: chains of up to 4 drafts, trees of up to 5 nodes.
 const WIDTH: usize = 5;
 /// The draft trees a verify may use (parents in row order).
 const TREES: [&[i32]; 3] = [&[-1, 0, 0, 1, 2], &[-1, 0, 1, 1], &[-1, 0, 0, 0]];
 /// Tokens a rejected draft position carries (never an accepted token: tokens are < 8).
 const REJECTED: u32 = 1_000;
-
-/// The bytes after processing `tokens`: a KV row's (its token and everything before) or
-/// a state's. Never 0, the zeroed page.
-fn state_of(tokens: &[TokenId]) -> u8 {
-    let mut h = 0x811c_9dc5u32;
-    for t in tokens {
-        h = (h ^ t.0).wrapping_mul(0x0100_0193);
-    }
-    (h % 255) as u8 + 1
-}
-
-fn base_text(base: u8) -> Vec<TokenId> {
-    let mut x = 0x9e37_79b9u32.wrapping_mul(base as u32 + 1);
-    (0..BASE_LEN)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            TokenId(x % 8)
-        })
-        .collect()
-}
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -107,7 +84,7 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => (0u8..3, 0u8..=BASE_LEN as u8, prop::collection::vec(0u8..8, 1..12))
+        3 => (0u8..3, 0u8..=common::BASE_LEN as u8, prop::collection::vec(0u8..8, 1..12))
             .prop_map(|(base, prefix, suffix)| Op::Arrive { base, prefix, suffix }),
         6 => (any::<u8>(), any::<u8>(), any::<u8>())
             .prop_map(|(mask, shape, accept)| Op::Verify { mask, shape, accept }),
@@ -222,17 +199,23 @@ impl Driver {
         let r = &self.running[i].req;
         let tokens = r.tokens();
         for p in r.len() - new_rows..r.len() {
-            let value = state_of(&tokens[..=p]);
+            let value = common::state_of(&tokens[..=p]);
             self.fill(&self.row_spans(Side::Full, r.row()[p]), value);
             if self.has_swa() {
                 self.fill(&self.row_spans(Side::Swa, r.row()[p]), value);
             }
         }
         if let Some(slot) = r.state_slot() {
-            self.fill(&[self.slot_span(slot)], state_of(&tokens[..r.len()]));
+            self.fill(
+                &[self.slot_span(slot)],
+                common::state_of(&tokens[..r.len()]),
+            );
         }
         for w in r.checkpoint_writes() {
-            self.fill(&[self.slot_span(w.slot)], state_of(&tokens[..w.at_len]));
+            self.fill(
+                &[self.slot_span(w.slot)],
+                common::state_of(&tokens[..w.at_len]),
+            );
         }
     }
 
@@ -265,7 +248,7 @@ impl Driver {
         if l.slots_per_request > 0 {
             let slot = out[l.state_in + m] as u32;
             let got = self.read(self.slot_span_physical(slot));
-            let want = state_of(&before);
+            let want = common::state_of(&before);
             assert!(
                 got.iter().all(|&b| b == want) || before.len() <= run.req.cached_at_admission(),
                 "{}: request {} starts its verify from state {} not {want}",
@@ -282,7 +265,7 @@ impl Driver {
             }
             let mut seq = before.clone();
             seq.extend(path.iter().rev().map(|&m| nodes[m]));
-            let value = state_of(&seq);
+            let value = common::state_of(&seq);
             self.fill(
                 &self.id_spans(Side::Full, out[l.write_full + m * w + n]),
                 value,
@@ -316,7 +299,7 @@ impl Driver {
         let settled = r.settled_len();
         let window = self.cache.model().window as usize;
         for p in 0..settled {
-            let want = state_of(&tokens[..=p]);
+            let want = common::state_of(&tokens[..=p]);
             let mut sides = vec![Side::Full];
             // SWA is live from the cursor on (a window behind the settled rows).
             if self.has_swa() && p >= r.window_cursor().max(settled.saturating_sub(window)) {
@@ -339,7 +322,7 @@ impl Driver {
             && settled > r.cached_at_admission()
             && run.unsettled.is_empty()
         {
-            let want = state_of(&tokens[..settled]);
+            let want = common::state_of(&tokens[..settled]);
             let got = self.read(self.slot_span(slot));
             assert!(
                 got.iter().all(|&b| b == want),
@@ -380,7 +363,7 @@ impl Driver {
                 prefix,
                 ref suffix,
             } => {
-                let mut prompt = base_text(base)[..prefix as usize].to_vec();
+                let mut prompt = common::base_text(base, 8)[..prefix as usize].to_vec();
                 prompt.extend(suffix.iter().map(|&t| TokenId(t as u32)));
                 let hit = self.cache.match_prefix(prompt);
                 if !self.cache.can_admit(&hit, 0) {
@@ -394,7 +377,7 @@ impl Driver {
                 if let Some(slot) = req.state_slot()
                     && cached > 0
                 {
-                    let want = state_of(&req.tokens()[..cached]);
+                    let want = common::state_of(&req.tokens()[..cached]);
                     let got = self.read(self.slot_span(slot));
                     assert!(
                         got.iter().all(|&b| b == want),

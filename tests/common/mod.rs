@@ -569,3 +569,30 @@ pub fn proptest_cases(default: u32) -> u32 {
             .unwrap_or_else(|_| panic!("PROPTEST_CASES={v:?} is not a number of cases")),
     }
 }
+
+/// Tokens of the property tests' base texts.
+pub const BASE_LEN: usize = 40;
+
+/// Base text `base`: [`BASE_LEN`] tokens of a `vocab`-word vocabulary (xorshift), so
+/// prompts cut from the same base share prefixes at every length.
+pub fn base_text(base: u8, vocab: u32) -> Vec<TokenId> {
+    let mut x = 0x9e37_79b9u32.wrapping_mul(base as u32 + 1);
+    (0..BASE_LEN)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            TokenId(x % vocab)
+        })
+        .collect()
+}
+
+/// The bytes a simulated forward leaves after processing `tokens` (a KV row's, of its
+/// token and everything before, or a state's): an FNV-1a hash, never 0 (the zeroed page).
+pub fn state_of(tokens: &[TokenId]) -> u8 {
+    let mut h = 0x811c_9dc5u32;
+    for t in tokens {
+        h = (h ^ t.0).wrapping_mul(0x0100_0193);
+    }
+    (h % 255) as u8 + 1
+}
