@@ -109,26 +109,32 @@ impl Draft<'_> {
         }
     }
 
+    /// The first node of a tree whose parent breaks the rule — the root's (node 0) is
+    /// −1, every other node's an earlier node — with that parent; `None` for a chain or a
+    /// well-formed tree.
+    pub fn bad_parent(&self) -> Option<(usize, i32)> {
+        let Draft::Tree { parents } = self else {
+            return None;
+        };
+        parents.iter().copied().enumerate().find(|&(node, parent)| {
+            if node == 0 {
+                parent != -1
+            } else {
+                !(0..node as i64).contains(&i64::from(parent))
+            }
+        })
+    }
+
     /// [`Error::BadDraftTree`] unless a tree's parent array is one (a chain always is).
     pub(crate) fn check(&self, request: u64) -> Result<(), Error> {
-        let Draft::Tree { parents } = self else {
-            return Ok(());
-        };
-        for (node, &parent) in parents.iter().enumerate() {
-            let ok = if node == 0 {
-                parent == -1
-            } else {
-                (0..node as i64).contains(&i64::from(parent))
-            };
-            if !ok {
-                return Err(Error::BadDraftTree {
-                    request,
-                    node,
-                    parent,
-                });
-            }
+        match self.bad_parent() {
+            Some((node, parent)) => Err(Error::BadDraftTree {
+                request,
+                node,
+                parent,
+            }),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// The parent array a verify keeps to check the accepted path (`None` for a chain,

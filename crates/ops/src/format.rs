@@ -5,8 +5,8 @@
 
 use crate::error::OpsProblem;
 use serde::{Deserialize, Serialize};
-use unikv::MAX_VERIFY_WIDTH;
 use unikv::pools::{Segment, VirtualToken};
+use unikv::{Draft, MAX_VERIFY_WIDTH};
 use unikv_workload::units::MAX_PAGE_SIZE;
 
 /// The schema name in the header line of a run without speculation (a trace written as
@@ -544,23 +544,16 @@ pub fn check(op: &Op, page_size: u32) -> Result<(), OpsProblem> {
                         format!("a draft of {width} positions (1 to {MAX_VERIFY_WIDTH})"),
                     ));
                 }
-                if let DraftLine::Tree { parents } = draft {
-                    for (node, &parent) in parents.iter().enumerate() {
-                        let ok = if node == 0 {
-                            parent == -1
-                        } else {
-                            (0..node as i64).contains(&i64::from(parent))
-                        };
-                        if !ok {
-                            return Err(bad(
-                                index,
-                                format!(
-                                    "node {node}'s parent is {parent} (the root's is -1, \
-                                     every other node's an earlier node)"
-                                ),
-                            ));
-                        }
-                    }
+                if let DraftLine::Tree { parents } = draft
+                    && let Some((node, parent)) = (Draft::Tree { parents }).bad_parent()
+                {
+                    return Err(bad(
+                        index,
+                        format!(
+                            "node {node}'s parent is {parent} (the root's is -1, every other \
+                             node's an earlier node)"
+                        ),
+                    ));
                 }
                 positions = total(positions + width as u64)?;
             }
