@@ -517,9 +517,17 @@ impl<'a> Simulation<'a> {
         }
     }
 
-    /// One decode token for each request that had finished prefill when the step began
-    /// (`decoders`, ascending indices into `running`).
-    fn decode(&mut self, mut decoders: Vec<usize>) -> Result<bool, ReplayError> {
+    /// Runs `alloc` on the requests of `decoders` (ascending indices into `running`) with
+    /// output still to go; while memory is short, retracts the newest running request and
+    /// retries without it. `Ok(None)`: no request was left to allocate for; else whether
+    /// a request was retracted. `extra` is the rows one request needs past its length
+    /// (for the error when even one request alone does not fit).
+    fn alloc_retracting(
+        &mut self,
+        decoders: &mut Vec<usize>,
+        extra: usize,
+        mut alloc: impl FnMut(&mut Self, &[usize]) -> Result<(), unikv::Error>,
+    ) -> Result<Option<bool>, ReplayError> {
         let mut retracted_any = false;
         loop {
             decoders.retain(|&i| {
@@ -527,40 +535,12 @@ impl<'a> Simulation<'a> {
                 r.sampled < self.workload.requests[r.spec].output_len
             });
             if decoders.is_empty() {
-                return Ok(false);
+                return Ok(None);
             }
-            let tokens: Vec<TokenId> = decoders
-                .iter()
-                .map(|&i| {
-                    let r = &self.running[i];
-                    // The token fed back is the last one sampled, the `sampled`-th.
-                    fed_back(self.config.seed, &self.workload.requests[r.spec], r.sampled)
-                })
-                .collect();
-            let mut in_batch = vec![false; self.running.len()];
-            for &i in &decoders {
-                in_batch[i] = true;
-            }
-            let mut batch: Vec<&mut Request> = self
-                .running
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| in_batch[*i])
-                .map(|(_, r)| &mut r.req)
-                .collect();
-            match self.cache.alloc_decode(&mut batch, &tokens) {
-                Ok(()) => {
-                    for &i in &decoders {
-                        self.running[i].sampled += 1;
-                    }
-                    self.tokens_done += decoders.len() as u64;
-                    if !retracted_any {
-                        self.estimate.decay();
-                    }
-                    return Ok(true);
-                }
+            match alloc(self, decoders) {
+                Ok(()) => return Ok(Some(retracted_any)),
                 Err(unikv::Error::OutOfMemory { .. }) => {
-                    let need = self.running[decoders[0]].req.len() + 1;
+                    let need = self.running[decoders[0]].req.len() + extra;
                     match self.retract_newest()? {
                         Some(retracted) => {
                             retracted_any = true;
@@ -572,6 +552,34 @@ impl<'a> Simulation<'a> {
                 Err(e) => return Err(e.into()),
             }
         }
+    }
+
+    /// One decode token for each request that had finished prefill when the step began
+    /// (`decoders`, ascending indices into `running`).
+    fn decode(&mut self, mut decoders: Vec<usize>) -> Result<bool, ReplayError> {
+        let allocated = self.alloc_retracting(&mut decoders, 1, |s, decoders| {
+            let tokens: Vec<TokenId> = decoders
+                .iter()
+                .map(|&i| {
+                    let r = &s.running[i];
+                    // The token fed back is the last one sampled, the `sampled`-th.
+                    fed_back(s.config.seed, &s.workload.requests[r.spec], r.sampled)
+                })
+                .collect();
+            let mut batch = requests(&mut s.running, decoders);
+            s.cache.alloc_decode(&mut batch, &tokens)
+        })?;
+        let Some(retracted_any) = allocated else {
+            return Ok(false);
+        };
+        for &i in &decoders {
+            self.running[i].sampled += 1;
+        }
+        self.tokens_done += decoders.len() as u64;
+        if !retracted_any {
+            self.estimate.decay();
+        }
+        Ok(true)
     }
 
     /// One verify step for each request that had finished prefill when the step began
@@ -589,39 +597,20 @@ impl<'a> Simulation<'a> {
             DraftShape::Chain { k } => Draft::Chain { k: k as usize },
             DraftShape::Tree { .. } => Draft::Tree { parents: &parents },
         };
-        let mut retracted_any = false;
-        loop {
-            decoders.retain(|&i| {
-                let r = &self.running[i];
-                r.sampled < self.workload.requests[r.spec].output_len
-            });
-            if decoders.is_empty() {
-                return Ok(false);
-            }
+        let allocated = self.alloc_retracting(&mut decoders, draft.width(), |s, decoders| {
             let drafts = vec![draft; decoders.len()];
-            let mut batch = requests(&mut self.running, &decoders);
-            (self.notes)(SpecNote::Begin);
-            match self.cache.alloc_verify(&mut batch, &drafts) {
-                Ok(()) => {
-                    (self.notes)(SpecNote::Verified { drafts: &drafts });
-                    // The verify's forward holds every reserved row: the step's peak,
-                    // before the rejected ones go back.
-                    self.observe_peaks();
-                    break;
-                }
-                Err(unikv::Error::OutOfMemory { .. }) => {
-                    let need = self.running[decoders[0]].req.len() + draft.width();
-                    match self.retract_newest()? {
-                        Some(retracted) => {
-                            retracted_any = true;
-                            decoders.retain(|&i| i != retracted);
-                        }
-                        None => return Err(self.too_small(need)),
-                    }
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
+            let mut batch = requests(&mut s.running, decoders);
+            (s.notes)(SpecNote::Begin);
+            s.cache.alloc_verify(&mut batch, &drafts)?;
+            (s.notes)(SpecNote::Verified { drafts: &drafts });
+            Ok(())
+        })?;
+        let Some(retracted_any) = allocated else {
+            return Ok(false);
+        };
+        // The verify's forward holds every reserved row: the step's peak, before the
+        // rejected ones go back.
+        self.observe_peaks();
         let in_flight = if mode.late { 2 } else { 1 };
         let settling: Vec<usize> = decoders
             .iter()
