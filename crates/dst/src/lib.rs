@@ -39,7 +39,9 @@
 //!   boundary's conservation of every side (the run is at `Strict`), and **data
 //!   integrity**: like an engine, the driver stamps every token's KV on every side when it
 //!   is written (a byte derived from the token and everything before it, so a prefix hit
-//!   must read the same bytes) and every running request's state slot after each forward
+//!   must read the same bytes) at its rows as kernels address them (every layer's K and V
+//!   row of [`KvGeometry`](unikv::KvGeometry), page-major, so at page size > 1 a token's
+//!   bytes are `2 × layers` spans a page of rows apart) and every running request's state slot after each forward
 //!   and checkpoint; it then reads every running request's KV back **through the device
 //!   translation** (the mirror and the translate kernel) and every cached prefix and state
 //!   through the host tables, after compaction moves, relays, SWA hand-overs and hits.

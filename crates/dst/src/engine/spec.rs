@@ -10,7 +10,7 @@
 use super::{Running, Sim, injected};
 use crate::outcome::Failure;
 use crate::stamps::{HASH_START, hash_next, kv_stamp, prefix_hashes, state_stamp};
-use unikv::kernels::{Device, SpanMove};
+use unikv::kernels::{ByteSpan, Device, SpanMove};
 use unikv::{Accepted, AcceptedFault, Draft, Error, Request, TokenId};
 
 /// One verify step of a request in flight, as the engine (and its device) knows it.
@@ -201,13 +201,13 @@ impl Sim {
         let alloc = self.cache.allocator();
         let buffer = alloc.buffer();
         let row = r.req.row()[base..base + width].to_vec();
-        let mut fills = Vec::new();
+        let mut fills: Vec<(Vec<ByteSpan>, u8)> = Vec::new();
         for (&t, &h) in row.iter().zip(&hashes) {
             for side in self.kv_sides() {
-                let span = self.token_span(side, t).ok_or_else(|| {
+                let rows = self.token_rows(side, t).ok_or_else(|| {
                     self.fail(format!("a verify row t{} has no {side:?} page", t.0))
                 })?;
-                fills.push((span, kv_stamp(h, side)));
+                fills.push((rows.spans().collect(), kv_stamp(h, side)));
             }
         }
         let group = r.req.state_group().to_vec();
@@ -221,12 +221,12 @@ impl Sim {
             }
             for (&slot, &h) in group.iter().zip(&hashes) {
                 group_stamps.push(state_stamp(h));
-                fills.push((self.slot_span(slot)?, state_stamp(h)));
+                fills.push((vec![self.slot_span(slot)?], state_stamp(h)));
             }
         }
-        for (span, value) in fills {
+        for (spans, value) in fills {
             self.dev
-                .fill_spans(buffer, &[span], value)
+                .fill_spans(buffer, &spans, value)
                 .map_err(|e| self.fail(format!("stamping a verify: {e}")))?;
         }
         // What the target accepts: a chain's prefix (all rejected, all accepted or
@@ -263,20 +263,22 @@ impl Sim {
                     }
                     for side in self.kv_sides() {
                         let (Some(src), Some(dst)) = (
-                            self.token_span(side, row[n as usize]),
-                            self.token_span(side, row[j]),
+                            self.token_rows(side, row[n as usize]),
+                            self.token_rows(side, row[j]),
                         ) else {
                             return Err(self.fail("a tree node's row has no page"));
                         };
+                        let moves: Vec<SpanMove> = src
+                            .spans()
+                            .zip(dst.spans())
+                            .map(|(s, d)| SpanMove {
+                                src: s.offset,
+                                dst: d.offset,
+                                len: s.len,
+                            })
+                            .collect();
                         self.dev
-                            .move_spans(
-                                buffer,
-                                &[SpanMove {
-                                    src: src.offset,
-                                    dst: dst.offset,
-                                    len: src.len,
-                                }],
-                            )
+                            .move_spans(buffer, &moves)
                             .map_err(|e| self.fail(format!("moving a tree node: {e}")))?;
                     }
                 }
