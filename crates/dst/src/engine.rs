@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use unikv::kernels::{ByteSpan, CpuDevice, Device, Error as DeviceError, FaultInjector, TableId};
 use unikv::pools::{Call, Hooked, Hooks, KvAllocator, VirtualToken};
 use unikv::radix::RadixTree;
-use unikv::{Error, HybridCache, KvGeometry, Request, TokenId};
+use unikv::{Error, HybridCache, KvGeometry, Request, TokenId, VerifyMetadata};
 use unikv_workload::rng::SplitMix64;
 
 /// A running request as the engine holds it.
@@ -68,6 +68,12 @@ pub(crate) struct Sim {
     step: usize,
     /// Device tables for the translation check (ids in, kernel ids out), grown as needed.
     tables: Option<(TableId, TableId, usize)>,
+    /// Speculative seeds: the verify metadata, its tables reserved when the cache is
+    /// built.
+    verify_meta: Option<VerifyMetadata>,
+    /// Speculative seeds: the engine's device table of what its kernels write for the
+    /// verify (offsets: accepted counts, then last nodes; then the accepted paths).
+    values: Option<TableId>,
 }
 
 /// The allocator fault armed, shared by the engine and its [`AllocFaultHooks`].
@@ -156,11 +162,30 @@ impl Sim {
                 .checkpoint_interval(ps * (1 + (sc.seed % 3) as u32) * 8u32.div_ceil(ps))
                 .checkpoints_per_step(sc.checkpoints_per_step);
         }
-        let cache = builder.build().map_err(|e| Failure {
+        let mut cache = builder.build().map_err(|e| Failure {
             seed: sc.seed,
             step: 0,
             what: format!("the cache did not build for {sc:?}: {e}"),
         })?;
+        let fail = |what: String| Failure {
+            seed: sc.seed,
+            step: 0,
+            what,
+        };
+        let (verify_meta, values) = match sc.speculation {
+            Some(spec) => {
+                let meta = VerifyMetadata::new(spec::VERIFY_BATCH);
+                cache
+                    .reserve_verify_metadata(&meta)
+                    .map_err(|e| fail(format!("reserving the verify metadata: {e}")))?;
+                let b = spec::VERIFY_BATCH;
+                let values = dev
+                    .alloc_table(2 * b + b * spec.max_width as usize, 0)
+                    .map_err(|e| fail(format!("the verify value table: {e}")))?;
+                (Some(meta), Some(values))
+            }
+            None => (None, None),
+        };
         let mut rng = SplitMix64::for_stream(sc.seed, "dst.engine");
         let families = (0..3)
             .map(|f| {
@@ -186,6 +211,8 @@ impl Sim {
             out: Outcome::default(),
             step: 0,
             tables: None,
+            verify_meta,
+            values,
         })
     }
 

@@ -89,6 +89,14 @@ impl Sim {
         }
     }
 
+    /// The bytes of physical state slot `p`.
+    pub(super) fn physical_slot_span(&self, p: u32) -> ByteSpan {
+        ByteSpan {
+            offset: self.geometry.slot_offset(p),
+            len: self.geometry.slot_bytes,
+        }
+    }
+
     pub(super) fn slot_span(&self, slot: VirtualSlot) -> Result<ByteSpan, Failure> {
         let alloc = self.cache.allocator();
         let p = alloc
@@ -175,6 +183,29 @@ impl Sim {
                                 t.0
                             )));
                         }
+                    }
+                }
+            }
+        }
+        if let Some(u) = r.verifies.back().and_then(|v| v.uncompacted.as_ref()) {
+            // Between the newest verify's forward and its compaction, every node's KV is
+            // at the row of its own position, after what the device knows.
+            for (j, &h) in u.hashes.iter().enumerate() {
+                let pos = hashes.len() + j;
+                for side in self.kv_sides() {
+                    let Some(rows) = r.req.row().get(pos).and_then(|&t| self.token_rows(side, t))
+                    else {
+                        return Err(self.fail(format!(
+                            "{when}: request {} verify row {pos} has no {side:?} page",
+                            r.req.id()
+                        )));
+                    };
+                    self.out.stamps_checked += 1;
+                    if !Self::check(bytes, rows, kv_stamp(h, side)) {
+                        return Err(self.fail(format!(
+                            "{when}: request {}'s verify node {j} (row {pos}) lost its {side:?} bytes before its compaction",
+                            r.req.id()
+                        )));
                     }
                 }
             }
