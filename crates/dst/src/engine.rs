@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use unikv::kernels::{ByteSpan, CpuDevice, Device, Error as DeviceError, FaultInjector, TableId};
 use unikv::pools::{Call, Hooked, Hooks, KvAllocator, VirtualToken};
 use unikv::radix::RadixTree;
-use unikv::{Error, HybridCache, Request, TokenId};
+use unikv::{Error, HybridCache, KvGeometry, Request, TokenId, VerifyMetadata};
 use unikv_workload::rng::SplitMix64;
 
 /// A running request as the engine holds it.
@@ -51,6 +51,8 @@ impl Running {
 pub(crate) struct Sim {
     sc: Scenario,
     cache: HybridCache,
+    /// The byte geometry the cache's kernels address the buffer with.
+    geometry: KvGeometry,
     faults: Arc<FaultInjector<CpuDevice>>,
     /// The allocator calls to refuse.
     alloc_faults: Arc<Mutex<AllocFaults>>,
@@ -66,6 +68,12 @@ pub(crate) struct Sim {
     step: usize,
     /// Device tables for the translation check (ids in, kernel ids out), grown as needed.
     tables: Option<(TableId, TableId, usize)>,
+    /// Speculative seeds: the verify metadata, its tables reserved when the cache is
+    /// built.
+    verify_meta: Option<VerifyMetadata>,
+    /// Speculative seeds: the engine's device table of what its kernels write for the
+    /// verify (offsets: accepted counts, then last nodes; then the accepted paths).
+    values: Option<TableId>,
 }
 
 /// The allocator fault armed, shared by the engine and its [`AllocFaultHooks`].
@@ -154,11 +162,30 @@ impl Sim {
                 .checkpoint_interval(ps * (1 + (sc.seed % 3) as u32) * 8u32.div_ceil(ps))
                 .checkpoints_per_step(sc.checkpoints_per_step);
         }
-        let cache = builder.build().map_err(|e| Failure {
+        let mut cache = builder.build().map_err(|e| Failure {
             seed: sc.seed,
             step: 0,
             what: format!("the cache did not build for {sc:?}: {e}"),
         })?;
+        let fail = |what: String| Failure {
+            seed: sc.seed,
+            step: 0,
+            what,
+        };
+        let (verify_meta, values) = match sc.speculation {
+            Some(spec) => {
+                let meta = VerifyMetadata::new(spec::VERIFY_BATCH);
+                cache
+                    .reserve_verify_metadata(&meta)
+                    .map_err(|e| fail(format!("reserving the verify metadata: {e}")))?;
+                let b = spec::VERIFY_BATCH;
+                let values = dev
+                    .alloc_table(2 * b + b * spec.max_width as usize, 0)
+                    .map_err(|e| fail(format!("the verify value table: {e}")))?;
+                (Some(meta), Some(values))
+            }
+            None => (None, None),
+        };
         let mut rng = SplitMix64::for_stream(sc.seed, "dst.engine");
         let families = (0..3)
             .map(|f| {
@@ -170,6 +197,7 @@ impl Sim {
             .collect();
         Ok(Sim {
             ps: sc.page_size as usize,
+            geometry: cache.kv_geometry(),
             sc,
             cache,
             faults,
@@ -183,6 +211,8 @@ impl Sim {
             out: Outcome::default(),
             step: 0,
             tables: None,
+            verify_meta,
+            values,
         })
     }
 
@@ -588,31 +618,34 @@ impl Sim {
         let hashes = prefix_hashes(&r.req.tokens()[..r.req.len()]);
         let alloc = self.cache.allocator();
         let buffer = alloc.buffer();
-        let mut spans: Vec<(ByteSpan, u8)> = Vec::new();
+        let mut fills: Vec<(Vec<ByteSpan>, u8)> = Vec::new();
         for (&t, &hash) in r.req.row()[old..].iter().zip(&hashes[old..]) {
             for side in self.kv_sides() {
-                let Some(span) = self.token_span(side, t) else {
+                let Some(rows) = self.token_rows(side, t) else {
                     return Err(self.fail(format!("a new token t{} has no {side:?} page", t.0)));
                 };
-                spans.push((span, kv_stamp(hash, side)));
+                fills.push((rows.spans().collect(), kv_stamp(hash, side)));
             }
         }
         if let Some(slot) = r.req.state_slot() {
             let len = r.req.len();
-            spans.push((self.slot_span(slot)?, state_stamp(hash_at(&hashes, len))));
+            fills.push((
+                vec![self.slot_span(slot)?],
+                state_stamp(hash_at(&hashes, len)),
+            ));
             let writes = r.req.checkpoint_writes();
             self.out.checkpoint_writes += writes.len() as u64;
             self.out.multi_checkpoint_forwards += u64::from(writes.len() > 1);
             for w in writes {
-                spans.push((
-                    self.slot_span(w.slot)?,
+                fills.push((
+                    vec![self.slot_span(w.slot)?],
                     state_stamp(hash_at(&hashes, w.at_len)),
                 ));
             }
         }
-        for (span, value) in spans {
+        for (spans, value) in fills {
             self.dev
-                .fill_spans(buffer, &[span], value)
+                .fill_spans(buffer, &spans, value)
                 .map_err(|e| self.fail(format!("stamping: {e}")))?;
         }
         let len = self.running[i].req.len();

@@ -21,9 +21,12 @@
 //! decode, retraction when memory is short (and re-admission of the prompt), explicit
 //! `evict_to_free`, finishing with `cache_finished`, and `step_boundary`.
 //! On a speculative seed a decode step is (mostly) a verify step: a random chain `k` or
-//! draft tree per request, the device's forward (every node's KV, the state after each
-//! node into the slot group, and the copy of a tree's accepted nodes to consecutive
-//! rows), settlement with random accepted counts or paths, on time or a step late with
+//! draft tree per request, the cache's verify metadata (`build_verify_metadata`, its
+//! tables reserved when the cache is built; the device offsets of an earlier unsettled
+//! verify uploaded to a table the engine owns; `translate_verify`), the device's forward
+//! at the translated ids (every node's KV at its write ids, the state after each node
+//! into the slot the metadata names), the accepted paths uploaded and one
+//! `compact_accepted` for the batch, settlement with random accepted counts or paths, on time or a step late with
 //! the next verify already allocated (finishing mid-verify too), aborts and retractions
 //! mid-verify, and wrong calls (settling twice, accepting more than the width, a bad
 //! parent array) that must be their typed error and change nothing.
@@ -39,14 +42,26 @@
 //!   boundary's conservation of every side (the run is at `Strict`), and **data
 //!   integrity**: like an engine, the driver stamps every token's KV on every side when it
 //!   is written (a byte derived from the token and everything before it, so a prefix hit
-//!   must read the same bytes) and every running request's state slot after each forward
+//!   must read the same bytes) at its rows as kernels address them (every layer's K and V
+//!   row of [`KvGeometry`](unikv::KvGeometry), page-major, so at page size > 1 a token's
+//!   bytes are `2 × layers` spans a page of rows apart) and every running request's state slot after each forward
 //!   and checkpoint; it then reads every running request's KV back **through the device
 //!   translation** (the mirror and the translate kernel) and every cached prefix and state
 //!   through the host tables, after compaction moves, relays, SWA hand-overs and hits.
 //!   Mid-verify, the rows the device knows the tokens of (the settled ones, then each
-//!   unsettled step's accepted ones) and the slot group's state after each node of the
-//!   newest step are checked; after settlement, every accepted row (a tree's after its
-//!   copy) and the selected running state. A fault in `settle` either changed nothing
+//!   unsettled step's accepted ones, once compacted; before, every node at its own row)
+//!   and the slot group's state after each node of the newest step are checked; after
+//!   settlement, every accepted row (a tree's after its compaction) and the selected
+//!   running state.
+//! - Every verify step's translated metadata, read back: per request and position below
+//!   its width the FULL and SWA write ids are the kernel ids of the rows after what the
+//!   device knows, past it the sink (or, after a late verify that accepted fewer than its
+//!   width, the request's own reserved row the window reaches), padding requests the
+//!   sink; on a recurrent model the input state is the physical slot at the earlier
+//!   verify's last accepted node of `[running, group…]` (and holds the state the device
+//!   knows), the state after position `j` the slot of group slot `j`. A fault in
+//!   `build_verify_metadata`, `translate_verify` or `compact_accepted` changed nothing
+//!   (the checks above, every node still at its own row) and the retry succeeds. A fault in `settle` either changed nothing
 //!   (retried) or struck after the settlement took effect (copying checkpoints out, as
 //!   `settle` documents), never in between.
 //! - Every match equals an **independent oracle**: the longest page-aligned prefix of the
@@ -157,10 +172,14 @@ pub fn run_command(args: &SimArgs, out: &mut impl std::io::Write) -> std::io::Re
             .and_then(|()| {
                 writeln!(
                     out,
-                    "sim: speculative: {} verify steps ({} requests verified, {} draft trees), {} settled ({} a step late), {} tokens accepted, {} aborts, {} retractions and {} finishes mid-verify, {} wrong calls refused, {} settlements struck by a fault after taking effect",
+                    "sim: speculative: {} verify steps ({} requests verified, {} draft trees; {} verify metadata built and translated, {} translated ids checked, {} compactions, {} faults in those calls), {} settled ({} a step late), {} tokens accepted, {} aborts, {} retractions and {} finishes mid-verify, {} wrong calls refused, {} settlements struck by a fault after taking effect",
                     total.verify_steps,
                     total.verifies,
                     total.tree_verifies,
+                    total.verify_metadata_builds,
+                    total.verify_ids_checked,
+                    total.compactions,
+                    total.verify_call_faults,
                     total.settles,
                     total.late_settles,
                     total.accepted_tokens,
@@ -251,6 +270,11 @@ mod tests {
             }
         }
         assert_eq!(kinds.len(), 6, "{kinds:?}");
+        assert_eq!(
+            total.verify_metadata_builds, total.verify_steps,
+            "{total:?}"
+        );
+        assert_eq!(total.compactions, total.verify_steps, "{total:?}");
         for (what, n) in [
             ("verify steps", total.verify_steps),
             ("draft trees", total.tree_verifies),
@@ -264,6 +288,9 @@ mod tests {
             ),
             ("finishes mid-verify", total.finished_mid_verify),
             ("refused wrong calls", total.refused_calls),
+            ("verify metadata builds", total.verify_metadata_builds),
+            ("translated verify ids checked", total.verify_ids_checked),
+            ("compactions", total.compactions),
         ] {
             assert!(n > 0, "no {what}: {total:?}");
         }

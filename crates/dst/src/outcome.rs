@@ -48,6 +48,17 @@ pub struct Outcome {
     pub refused_calls: u64,
     /// Settlements a fault struck after they took effect (copying checkpoints out).
     pub settle_faults_after_effect: u64,
+    /// Verify metadata built (`build_verify_metadata`, each for a verify step's batch)
+    /// and translated (`translate_verify`).
+    pub verify_metadata_builds: u64,
+    /// Translated verify ids (write ids, input states, group slots, padding) checked
+    /// against the host tables.
+    pub verify_ids_checked: u64,
+    /// `compact_accepted` calls (one per verify step).
+    pub compactions: u64,
+    /// Faults injected into those three calls (each checked to change nothing, then
+    /// retried).
+    pub verify_call_faults: u64,
 }
 
 impl Outcome {
@@ -74,6 +85,10 @@ impl Outcome {
         self.finished_mid_verify += o.finished_mid_verify;
         self.refused_calls += o.refused_calls;
         self.settle_faults_after_effect += o.settle_faults_after_effect;
+        self.verify_metadata_builds += o.verify_metadata_builds;
+        self.verify_ids_checked += o.verify_ids_checked;
+        self.compactions += o.compactions;
+        self.verify_call_faults += o.verify_call_faults;
     }
 }
 

@@ -9,6 +9,36 @@ use std::collections::HashMap;
 use unikv::kernels::{ByteSpan, Device, HostSync, Readback, TableId};
 use unikv::pools::{Side, VirtualSlot, VirtualToken};
 
+/// The bytes of one token on one side, as kernels address them: `count` rows of `len`
+/// bytes, `stride` bytes apart from `offset` (every layer's K and V row in the
+/// page-major envelope; one span at page size 1, where they are consecutive).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Rows {
+    offset: u64,
+    stride: u64,
+    count: u64,
+    len: u64,
+}
+
+impl Rows {
+    /// The rows as byte spans.
+    pub(super) fn spans(self) -> impl Iterator<Item = ByteSpan> {
+        (0..self.count).map(move |i| ByteSpan {
+            offset: self.offset + i * self.stride,
+            len: self.len,
+        })
+    }
+}
+
+/// Whether every byte of `bytes` is `want` (one comparison of the slice with itself
+/// shifted by a byte, so a debug build does not loop byte by byte).
+fn uniform(bytes: &[u8], want: u8) -> bool {
+    match bytes.split_first() {
+        Some((&first, rest)) => first == want && rest == &bytes[..rest.len()],
+        None => true,
+    }
+}
+
 impl Sim {
     pub(super) fn kv_sides(&self) -> Vec<Side> {
         if self.sc.model.swa_layers > 0 {
@@ -18,22 +48,52 @@ impl Sim {
         }
     }
 
-    /// The bytes of token `t` on `side` (its share of the page envelope), through the
-    /// host tables.
-    pub(super) fn token_span(&self, side: Side, t: VirtualToken) -> Option<ByteSpan> {
-        let alloc = self.cache.allocator();
-        let ps = alloc.page_size();
-        let p = alloc.physical_page(side, t.page(ps))?;
-        Some(self.span_at(side, p, t.offset(ps) as usize))
+    /// The bytes of token `t` on `side` (its rows), through the host tables: `None`
+    /// when its page is not bound.
+    pub(super) fn token_rows(&self, side: Side, t: VirtualToken) -> Option<Rows> {
+        let id = self.cache.allocator().kernel_id(side, t);
+        (id > 0).then(|| self.id_rows(side, id))
     }
 
-    /// The share of offset `o` in physical page `p`'s envelope on `side`.
-    pub(super) fn span_at(&self, side: Side, p: u32, o: usize) -> ByteSpan {
-        let env = self.cache.allocator().grid(side).envelope;
-        let share = env / self.ps as u64;
+    /// The rows of the token with kernel id `id` on `side`: every layer's K and V row
+    /// at [`KvGeometry::row_offset`](unikv::KvGeometry::row_offset) (`2 ×` the side's
+    /// layers, the draft model's included on FULL), `page size × row bytes` apart.
+    pub(super) fn id_rows(&self, side: Side, id: i32) -> Rows {
+        let (count, len) = match side {
+            Side::Full => (
+                2 * u64::from(self.sc.model.full_envelope_layers()),
+                self.geometry.full_row_bytes,
+            ),
+            _ => (
+                2 * u64::from(self.sc.model.swa_layers),
+                self.geometry.swa_row_bytes,
+            ),
+        };
+        let offset = self.geometry.row_offset(side, id, 0, false);
+        let stride = self.geometry.row_offset(side, id, 0, true) - offset;
+        if stride == len {
+            // Page size 1: the rows are consecutive, one span.
+            Rows {
+                offset,
+                stride: count * len,
+                count: 1,
+                len: count * len,
+            }
+        } else {
+            Rows {
+                offset,
+                stride,
+                count,
+                len,
+            }
+        }
+    }
+
+    /// The bytes of physical state slot `p`.
+    pub(super) fn physical_slot_span(&self, p: u32) -> ByteSpan {
         ByteSpan {
-            offset: p as u64 * env + o as u64 * share,
-            len: share,
+            offset: self.geometry.slot_offset(p),
+            len: self.geometry.slot_bytes,
         }
     }
 
@@ -63,10 +123,17 @@ impl Sim {
             .map_err(|e| self.fail(format!("reading the buffer: {e}")))
     }
 
-    pub(super) fn check(bytes: &[u8], span: ByteSpan, want: u8) -> bool {
-        bytes[span.offset as usize..(span.offset + span.len) as usize]
-            .iter()
-            .all(|&b| b == want)
+    /// Whether every byte of `span` is `want`.
+    pub(super) fn check_span(bytes: &[u8], span: ByteSpan, want: u8) -> bool {
+        uniform(
+            &bytes[span.offset as usize..(span.offset + span.len) as usize],
+            want,
+        )
+    }
+
+    /// Whether every byte of every row of `rows` is `want`.
+    pub(super) fn check(bytes: &[u8], rows: Rows, want: u8) -> bool {
+        rows.spans().all(|span| Self::check_span(bytes, span, want))
     }
 
     /// One running request: every token's FULL bytes, its SWA bytes from its window
@@ -96,7 +163,7 @@ impl Sim {
         let swa_from = r.req.window_cursor().min(window_start);
         for (pos, t) in r.req.row().iter().enumerate() {
             for side in self.kv_sides() {
-                let span = self.token_span(side, *t);
+                let span = self.token_rows(side, *t);
                 let required = side == Side::Full || pos >= swa_from;
                 match span {
                     None if required => {
@@ -120,6 +187,29 @@ impl Sim {
                 }
             }
         }
+        if let Some(u) = r.verifies.back().and_then(|v| v.uncompacted.as_ref()) {
+            // Between the newest verify's forward and its compaction, every node's KV is
+            // at the row of its own position, after what the device knows.
+            for (j, &h) in u.hashes.iter().enumerate() {
+                let pos = hashes.len() + j;
+                for side in self.kv_sides() {
+                    let Some(rows) = r.req.row().get(pos).and_then(|&t| self.token_rows(side, t))
+                    else {
+                        return Err(self.fail(format!(
+                            "{when}: request {} verify row {pos} has no {side:?} page",
+                            r.req.id()
+                        )));
+                    };
+                    self.out.stamps_checked += 1;
+                    if !Self::check(bytes, rows, kv_stamp(h, side)) {
+                        return Err(self.fail(format!(
+                            "{when}: request {}'s verify node {j} (row {pos}) lost its {side:?} bytes before its compaction",
+                            r.req.id()
+                        )));
+                    }
+                }
+            }
+        }
         if let Some(v) = r.verifies.back() {
             // Mid-verify the group holds the newest step's state after each of its
             // nodes (settling a step early only selects a slot the later one rewrote).
@@ -127,7 +217,7 @@ impl Sim {
             for (j, (&slot, &want)) in group.iter().zip(&v.group_stamps).enumerate() {
                 let span = self.slot_span(slot)?;
                 self.out.stamps_checked += 1;
-                if !Self::check(bytes, span, want) {
+                if !Self::check_span(bytes, span, want) {
                     return Err(self.fail(format!(
                         "{when}: request {}'s state after verify node {j} is not in its group slot",
                         r.req.id()
@@ -142,7 +232,7 @@ impl Sim {
                 state_stamp(hash_at(&hashes, r.state_len))
             };
             self.out.stamps_checked += 1;
-            if !Self::check(bytes, span, want) {
+            if !Self::check_span(bytes, span, want) {
                 return Err(self.fail(format!(
                     "{when}: request {}'s state (after {} tokens) is not in its slot",
                     r.req.id(),
@@ -188,7 +278,7 @@ impl Sim {
                     if side == Side::Swa && !n.swa_live {
                         continue;
                     }
-                    match self.token_span(side, VirtualToken(v.0)) {
+                    match self.token_rows(side, VirtualToken(v.0)) {
                         Some(span) => {
                             checked += 1;
                             if !Self::check(&bytes, span, kv_stamp(h, side)) {
@@ -202,7 +292,7 @@ impl Sim {
             if let Some(slot) = n.mamba {
                 let span = self.slot_span(VirtualSlot(slot.0))?;
                 checked += 1;
-                if !Self::check(&bytes, span, state_stamp(h)) {
+                if !Self::check_span(&bytes, span, state_stamp(h)) {
                     failures.push(format!(
                         "the cached state at position {} is wrong",
                         n.start.0 + n.key.len()

@@ -1,7 +1,9 @@
 //! Speculative decoding in the engine of a speculative seed: decode steps become verify
-//! steps (a chain of `k` drafts or a random draft tree per request), the device's forward
-//! stamps every verify position's KV and intermediate state and moves a tree's accepted
-//! nodes to consecutive rows, and the host settles each step with what was accepted, on
+//! steps (a chain of `k` drafts or a random draft tree per request) run through the
+//! cache's verify metadata (built, translated with the device offsets of an earlier
+//! unsettled verify, and checked against the host tables), the device's forward stamps
+//! every verify position's KV and intermediate state at the translated ids,
+//! `compact_accepted` moves a tree's accepted nodes to consecutive rows, and the host settles each step with what was accepted, on
 //! time or a step late (the next verify already allocated), with aborts and retractions
 //! mid-verify and faults injected into both calls. Wrong calls an engine could make
 //! (settling twice, accepting more than a verify's width, a bad parent array) must be
@@ -9,9 +11,13 @@
 
 use super::{Running, Sim, injected};
 use crate::outcome::Failure;
-use crate::stamps::{HASH_START, hash_next, kv_stamp, prefix_hashes, state_stamp};
-use unikv::kernels::{Device, SpanMove};
-use unikv::{Accepted, AcceptedFault, Draft, Error, Request, TokenId};
+use crate::stamps::{HASH_START, hash_at, hash_next, kv_stamp, prefix_hashes, state_stamp};
+use unikv::kernels::{ByteSpan, Device, HostSync, Readback};
+use unikv::pools::Side;
+use unikv::{
+    Accepted, AcceptedFault, DeviceValues, Draft, Error, Request, TokenId, VerifyLayout,
+    VerifyMetadata, VerifyOffsets,
+};
 
 /// One verify step of a request in flight, as the engine (and its device) knows it.
 pub(super) struct InFlight {
@@ -20,14 +26,29 @@ pub(super) struct InFlight {
     /// A tree's parent array (`None` for a chain).
     parents: Option<Vec<i32>>,
     /// The accepted nodes' tokens in accepted order: a device value, which the host
-    /// passes to `settle` when it settles.
+    /// passes to `settle` when it settles. Empty until `compact_accepted` moved them to
+    /// consecutive rows (until then the device has them at their nodes' rows).
     pub(super) accepted: Vec<TokenId>,
     /// A tree's accepted root-to-node path.
     path: Option<Vec<u32>>,
     /// The state stamp the forward wrote into each slot of the group (position `i`
     /// into slot `i`), on a recurrent model.
     pub(super) group_stamps: Vec<u8>,
+    /// Between the forward and the compaction of the accepted nodes.
+    pub(super) uncompacted: Option<Uncompacted>,
 }
+
+/// A verify step whose forward ran and whose accepted nodes are not compacted yet.
+pub(super) struct Uncompacted {
+    /// Each node's prefix hash: its KV stamps are at the rows of its own position.
+    pub(super) hashes: Vec<u64>,
+    /// The accepted tokens, the device's once compacted.
+    accepted: Vec<TokenId>,
+}
+
+/// The largest verify batch: the verify metadata's tables are sized for it once, when
+/// the cache is built (the engine runs at most 7 requests).
+pub(super) const VERIFY_BATCH: usize = 8;
 
 impl Sim {
     fn max_width(&self) -> usize {
@@ -120,13 +141,20 @@ impl Sim {
                 continue;
             }
             self.out.verify_steps += 1;
-            for (&i, draft) in batch.iter().zip(&drafts) {
-                let parents = match draft {
-                    Draft::Tree { parents } => Some(parents.to_vec()),
-                    Draft::Chain { .. } => None,
-                };
-                self.verify_forward(i, draft.width(), parents)?;
-            }
+            let shapes: Vec<(usize, Option<Vec<i32>>)> = drafts
+                .iter()
+                .map(|draft| match draft {
+                    Draft::Tree { parents } => (draft.width(), Some(parents.to_vec())),
+                    Draft::Chain { .. } => (draft.width(), None),
+                })
+                .collect();
+            let mut meta = self
+                .verify_meta
+                .take()
+                .ok_or_else(|| self.fail("a speculative seed without verify metadata"))?;
+            let result = self.verify_batch(&mut meta, &batch, shapes);
+            self.verify_meta = Some(meta);
+            result?;
             break;
         }
         // An abort or a retraction mid-verify.
@@ -168,22 +196,263 @@ impl Sim {
         Ok(())
     }
 
-    /// The device's forward of `running[i]`'s newest verify step, with `width`
-    /// positions (a tree's `parents`): its nodes' KV at the rows that follow what earlier
-    /// steps accepted (the kernels read those counts on the device), the state after
-    /// each node into the slot group, the target's choice of accepted nodes, and the
-    /// fixed-shape device copy that moves a tree's accepted nodes to consecutive rows.
+    /// One verify step of `batch` (allocated by `alloc_verify`, with `shapes` its
+    /// widths and trees) as an engine runs it on the device: builds the verify metadata
+    /// and uploads the device offsets (each request's earlier unsettled verify's accepted
+    /// count and one past its last accepted node), translates it, checks every
+    /// translated id against the host tables, runs the forward at those ids, uploads the
+    /// accepted paths and compacts the accepted nodes with one `compact_accepted` for
+    /// the batch. The three cache calls run with a fault maybe armed: a faulted one must
+    /// change nothing, and its retry must succeed.
+    fn verify_batch(
+        &mut self,
+        meta: &mut VerifyMetadata,
+        batch: &[usize],
+        shapes: Vec<(usize, Option<Vec<i32>>)>,
+    ) -> Result<(), Failure> {
+        let (b, w) = (VERIFY_BATCH, self.max_width());
+        if batch.len() > b {
+            return Err(self.fail(format!("a verify batch of {} requests", batch.len())));
+        }
+        let values = self
+            .values
+            .ok_or_else(|| self.fail("a speculative seed without a device value table"))?;
+        // The device offsets, as the accept kernel of the earlier step left them.
+        let mut offsets = vec![0i32; 2 * b];
+        let mut late = false;
+        for (m, &i) in batch.iter().enumerate() {
+            if let Some(earlier) = self.running[i].verifies.back() {
+                late = true;
+                let a = earlier.accepted.len();
+                offsets[m] = a as i32;
+                offsets[b + m] = earlier
+                    .path
+                    .as_ref()
+                    .map_or(a, |p| p.last().map_or(a, |&n| n as usize + 1))
+                    as i32;
+            }
+        }
+        let faults_before = self.out.faults;
+        let built = self.call("build_verify_metadata", |s| {
+            let reqs: Vec<&Request> = batch.iter().map(|&i| &s.running[i].req).collect();
+            s.cache.build_verify_metadata(meta, &reqs)
+        })?;
+        if built.is_none() {
+            return Err(self.fail("build_verify_metadata ran short of memory"));
+        }
+        self.out.verify_metadata_builds += 1;
+        self.dev
+            .upload_table(values, 0, &offsets)
+            .map_err(|e| self.fail(format!("uploading the verify offsets: {e}")))?;
+        let at = |at| DeviceValues { table: values, at };
+        // With nothing unsettled the offsets are zeros: the engine may pass them or not.
+        let device_offsets = (late || self.chance(500)).then_some(VerifyOffsets {
+            accepted: at(0),
+            last_node: at(b),
+        });
+        let translated = self.call("translate_verify", |s| {
+            s.cache.translate_verify(meta, device_offsets)
+        })?;
+        if translated.is_none() {
+            return Err(self.fail("translate_verify ran short of memory"));
+        }
+        let l = meta.layout();
+        let (_, outputs) = meta
+            .tables()
+            .ok_or_else(|| self.fail("verify metadata without tables"))?;
+        let out = self
+            .dev
+            .read_table(
+                &HostSync::acquire("dst: reading the verify ids back"),
+                outputs,
+                0,
+                l.outputs_len,
+            )
+            .map_err(|e| self.fail(format!("reading the verify ids: {e}")))?;
+        let widths: Vec<usize> = shapes.iter().map(|(width, _)| *width).collect();
+        self.check_verify_ids(&l, &out, batch, &widths, &offsets[b..])?;
+        let mut paths = vec![-1i32; b * w];
+        for (m, (&i, (width, parents))) in batch.iter().zip(shapes).enumerate() {
+            let path = self.verify_forward(&l, &out, m, i, width, parents, offsets[b + m])?;
+            paths[m * w..m * w + path.len()].copy_from_slice(&path);
+        }
+        // The accept kernel's paths (a chain's `0, 1, …` moves nothing), then one
+        // fixed-shape copy of every tree's accepted nodes to consecutive rows.
+        self.dev
+            .upload_table(values, 2 * b, &paths)
+            .map_err(|e| self.fail(format!("uploading the accepted paths: {e}")))?;
+        let compacted = self.call("compact_accepted", |s| {
+            s.cache.compact_accepted(meta, at(2 * b))
+        })?;
+        if compacted.is_none() {
+            return Err(self.fail("compact_accepted ran short of memory"));
+        }
+        self.out.compactions += 1;
+        self.out.verify_call_faults += (self.out.faults - faults_before) as u64;
+        for &i in batch {
+            if let Some(v) = self.running[i].verifies.back_mut()
+                && let Some(u) = v.uncompacted.take()
+            {
+                v.accepted = u.accepted;
+            }
+        }
+        Ok(())
+    }
+
+    /// The translated verify ids against the host: for each request of `batch` and
+    /// position `j` below its width, the FULL (and SWA) write id is the kernel id of the
+    /// row the position writes (the rows after what the device knows), the sink past its
+    /// width and for padding requests; on a recurrent model the input state is the
+    /// physical slot at `last_node[m]` of `[running, group…]` and the state after
+    /// position `j` the physical slot of group slot `j`.
+    fn check_verify_ids(
+        &mut self,
+        l: &VerifyLayout,
+        out: &[i32],
+        batch: &[usize],
+        widths: &[usize],
+        last_node: &[i32],
+    ) -> Result<(), Failure> {
+        let w = l.width;
+        let sides = self.kv_sides();
+        let mut checked = 0u64;
+        let mut wrong = |what: String, got: i32, want: i32| -> Option<String> {
+            checked += 1;
+            (got != want).then(|| format!("{what}: the device says {got}, the host {want}"))
+        };
+        let mut failures: Vec<String> = Vec::new();
+        let alloc = self.cache.allocator();
+        for m in 0..l.max_batch {
+            let Some(&i) = batch.get(m) else {
+                // A padding request: every id the sink.
+                for side in &sides {
+                    let at = if *side == Side::Full {
+                        l.write_full
+                    } else {
+                        l.write_swa
+                    };
+                    for j in 0..w {
+                        failures.extend(wrong(
+                            format!("padding request {m}'s {side:?} write id {j}"),
+                            out[at + m * w + j],
+                            0,
+                        ));
+                    }
+                }
+                if l.slots_per_request > 0 {
+                    failures.extend(wrong(
+                        format!("padding request {m}'s input state"),
+                        out[l.state_in + m],
+                        0,
+                    ));
+                    for j in 0..w {
+                        failures.extend(wrong(
+                            format!("padding request {m}'s state {j}"),
+                            out[l.state_out + m * w + j],
+                            0,
+                        ));
+                    }
+                }
+                continue;
+            };
+            let r = &self.running[i];
+            let id = r.req.id();
+            let base = r.device_tokens().len();
+            let settled = r.req.settled_len();
+            let row = r.req.row();
+            for side in &sides {
+                let at = if *side == Side::Full {
+                    l.write_full
+                } else {
+                    l.write_swa
+                };
+                for j in 0..w {
+                    let want = if j < widths[m] {
+                        match row.get(base + j).map(|&t| alloc.kernel_id(*side, t)) {
+                            Some(k) if k > 0 => k,
+                            _ => {
+                                failures.push(format!(
+                                    "request {id}'s verify position {j} (row {}) has no {side:?} page",
+                                    base + j
+                                ));
+                                continue;
+                            }
+                        }
+                    } else if base + j < settled + l.rows_per_request {
+                        // Past the width: the sink, except after a late verify that
+                        // accepted fewer than its width, where the window reaches the
+                        // worst-case room the request reserved (its own unused rows).
+                        row.get(base + j).map_or(0, |&t| alloc.kernel_id(*side, t))
+                    } else {
+                        0
+                    };
+                    failures.extend(wrong(
+                        format!("request {id}'s {side:?} write id {j} (row {})", base + j),
+                        out[at + m * w + j],
+                        want,
+                    ));
+                }
+            }
+            if l.slots_per_request > 0 {
+                let slots: Vec<_> = r
+                    .req
+                    .state_slot()
+                    .into_iter()
+                    .chain(r.req.state_group().iter().copied())
+                    .collect();
+                let physical = |k: usize| {
+                    slots
+                        .get(k)
+                        .and_then(|&s| alloc.physical_slot(s))
+                        .map_or(-1, |p| p as i32)
+                };
+                failures.extend(wrong(
+                    format!(
+                        "request {id}'s input state (node {} of [running, group…])",
+                        last_node[m]
+                    ),
+                    out[l.state_in + m],
+                    physical(last_node[m] as usize),
+                ));
+                for j in 0..widths[m] {
+                    failures.extend(wrong(
+                        format!("request {id}'s state after position {j}"),
+                        out[l.state_out + m * w + j],
+                        physical(1 + j),
+                    ));
+                }
+            }
+        }
+        self.out.verify_ids_checked += checked;
+        match failures.first() {
+            Some(f) => Err(self.fail(format!("translate_verify: {f} ({} such)", failures.len()))),
+            None => Ok(()),
+        }
+    }
+
+    /// The device's forward of the batch's `m`-th request (`running[i]`'s newest verify
+    /// step, `width` positions, a tree's `parents`), at the ids `translate_verify` wrote
+    /// into `out`: it reads the input state (checked: the state after what the device
+    /// knows, at `last_node` of `[running, group…]`), writes each node's KV at its write
+    /// ids and the state after it into its group slot, and the target chooses the
+    /// accepted nodes. Returns the accepted path the accept kernel writes (a chain's
+    /// `0, 1, …`); the nodes stay at their rows until `compact_accepted`.
+    #[allow(clippy::too_many_arguments)]
     fn verify_forward(
         &mut self,
+        l: &VerifyLayout,
+        out: &[i32],
+        m: usize,
         i: usize,
         width: usize,
         parents: Option<Vec<i32>>,
-    ) -> Result<(), Failure> {
+        last_node: i32,
+    ) -> Result<Vec<i32>, Failure> {
         let nodes = self.fresh_tokens(width);
         let r = &self.running[i];
         let known = r.device_tokens();
-        let base = known.len();
-        let start = prefix_hashes(&known).last().copied().unwrap_or(HASH_START);
+        let known_hashes = prefix_hashes(&known);
+        let start = known_hashes.last().copied().unwrap_or(HASH_START);
         // Node `j`'s hash: its path from the root after the known tokens.
         let mut hashes: Vec<u64> = Vec::with_capacity(width);
         for (j, &t) in nodes.iter().enumerate() {
@@ -198,47 +467,79 @@ impl Sim {
             };
             hashes.push(hash_next(h, t));
         }
-        let alloc = self.cache.allocator();
-        let buffer = alloc.buffer();
-        let row = r.req.row()[base..base + width].to_vec();
-        let mut fills = Vec::new();
-        for (&t, &h) in row.iter().zip(&hashes) {
+        let buffer = self.cache.allocator().buffer();
+        let w = l.width;
+        let mut fills: Vec<(Vec<ByteSpan>, u8)> = Vec::new();
+        for (j, &h) in hashes.iter().enumerate() {
             for side in self.kv_sides() {
-                let span = self.token_span(side, t).ok_or_else(|| {
-                    self.fail(format!("a verify row t{} has no {side:?} page", t.0))
-                })?;
-                fills.push((span, kv_stamp(h, side)));
+                let at = if side == Side::Full {
+                    l.write_full
+                } else {
+                    l.write_swa
+                };
+                let rows = self.id_rows(side, out[at + m * w + j]);
+                fills.push((rows.spans().collect(), kv_stamp(h, side)));
             }
         }
-        let group = r.req.state_group().to_vec();
         let mut group_stamps = Vec::new();
-        if r.req.state_slot().is_some() {
-            if group.len() < width {
+        if l.slots_per_request > 0 {
+            // The state the forward starts from: the running one, or the earlier
+            // verify's at its last accepted node.
+            let want = match r.verifies.back() {
+                Some(earlier) => earlier
+                    .group_stamps
+                    .get((last_node as usize).wrapping_sub(1))
+                    .copied()
+                    .ok_or_else(|| self.fail(format!("a last accepted node {last_node}")))?,
+                None if r.state_len == 0 => 0,
+                None => state_stamp(hash_at(&known_hashes, r.state_len)),
+            };
+            let span = self.physical_slot_span(out[l.state_in + m] as u32);
+            let got = self
+                .dev
+                .read_bytes(
+                    &HostSync::acquire("dst: the verify forward reads its input state"),
+                    buffer,
+                    span.offset,
+                    span.len,
+                )
+                .map_err(|e| self.fail(format!("reading the input state: {e}")))?;
+            self.out.stamps_checked += 1;
+            if !Self::check_span(
+                &got,
+                ByteSpan {
+                    offset: 0,
+                    len: span.len,
+                },
+                want,
+            ) {
                 return Err(self.fail(format!(
-                    "a verify of {width} positions on a slot group of {}",
-                    group.len()
+                    "request {}'s verify reads the state {} from its input slot, not {want}",
+                    r.req.id(),
+                    got.first().copied().unwrap_or(0)
                 )));
             }
-            for (&slot, &h) in group.iter().zip(&hashes) {
+            for (j, &h) in hashes.iter().enumerate() {
                 group_stamps.push(state_stamp(h));
-                fills.push((self.slot_span(slot)?, state_stamp(h)));
+                let span = self.physical_slot_span(out[l.state_out + m * w + j] as u32);
+                fills.push((vec![span], state_stamp(h)));
             }
         }
-        for (span, value) in fills {
+        for (spans, value) in fills {
             self.dev
-                .fill_spans(buffer, &[span], value)
+                .fill_spans(buffer, &spans, value)
                 .map_err(|e| self.fail(format!("stamping a verify: {e}")))?;
         }
         // What the target accepts: a chain's prefix (all rejected, all accepted or
         // between), a tree's root-to-node path.
-        let (accepted, path) = match &parents {
+        let (path, tree_path) = match &parents {
             None => {
                 let a = match self.rng.below(4) {
                     0 => 1,
                     1 => width,
                     _ => self.rng.in_range(1, width as u64) as usize,
                 };
-                (nodes[..a].to_vec(), None)
+                ((0..a as u32).collect::<Vec<u32>>(), None)
             }
             Some(p) => {
                 let mut path = vec![0u32];
@@ -253,46 +554,21 @@ impl Sim {
                     }
                     path.push(children[self.rng.below(children.len() as u64) as usize]);
                 }
-                let tokens = path.iter().map(|&n| nodes[n as usize]).collect();
-                // The device copy: accepted node `path[j]` to row `base + j`, in path
-                // order (a node is never moved onto a row a later move reads: the path
-                // ascends).
-                for (j, &n) in path.iter().enumerate() {
-                    if n as usize == j {
-                        continue;
-                    }
-                    for side in self.kv_sides() {
-                        let (Some(src), Some(dst)) = (
-                            self.token_span(side, row[n as usize]),
-                            self.token_span(side, row[j]),
-                        ) else {
-                            return Err(self.fail("a tree node's row has no page"));
-                        };
-                        self.dev
-                            .move_spans(
-                                buffer,
-                                &[SpanMove {
-                                    src: src.offset,
-                                    dst: dst.offset,
-                                    len: src.len,
-                                }],
-                            )
-                            .map_err(|e| self.fail(format!("moving a tree node: {e}")))?;
-                    }
-                }
                 self.out.tree_verifies += 1;
-                (tokens, Some(path))
+                (path.clone(), Some(path))
             }
         };
+        let accepted = path.iter().map(|&n| nodes[n as usize]).collect();
         self.out.verifies += 1;
         self.running[i].verifies.push_back(InFlight {
             width,
             parents,
-            accepted,
-            path,
+            accepted: Vec::new(),
+            path: tree_path,
             group_stamps,
+            uncompacted: Some(Uncompacted { hashes, accepted }),
         });
-        Ok(())
+        Ok(path.iter().map(|&n| n as i32).collect())
     }
 
     /// Settles the oldest verify step of each of `running[idx]` in one call, with a
