@@ -345,6 +345,8 @@ impl HybridCache {
                 starts: starts.table,
                 starts_at: starts.at,
                 bias: 0,
+                // Positions past a request's draft are the sink, whatever the offset.
+                lens: Some((inputs, l.widths)),
                 batch: l.max_batch,
                 width: l.width,
                 page_size: ps,
@@ -369,6 +371,7 @@ impl HybridCache {
                 starts: state_index.table,
                 starts_at: state_index.at,
                 bias: 0,
+                lens: Some((inputs, l.widths)),
                 batch: l.max_batch,
                 width: 1,
                 page_size: 1,

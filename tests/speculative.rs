@@ -824,6 +824,82 @@ fn verify_metadata_is_fixed_shape_and_pads_to_the_sink() {
     }
 }
 
+/// A verify allocated before the earlier one settled (counts a step late) starts where
+/// the earlier one's accepted rows end, a device value; its positions past its own
+/// draft are the sink even when the earlier verify reserved rows there (it accepted
+/// fewer than its width), so a padded kernel write lands nowhere.
+#[test]
+fn a_late_verify_pads_past_its_draft_to_the_sink() {
+    use std::sync::Arc;
+    use unikv::kernels::{CpuDevice, Device, HostSync, Readback};
+    use unikv::{DeviceValues, VerifyMetadata, VerifyOffsets};
+    for model in models() {
+        for layout in LAYOUTS {
+            let cpu = Arc::new(CpuDevice::new());
+            let mut c = HybridCache::builder()
+                .model(model)
+                .page_size(16)
+                .memory_bytes(8 << 20)
+                .layout(layout)
+                .speculation(Speculation::chain(K as u32).in_flight(2))
+                .device(cpu.clone())
+                .build()
+                .unwrap();
+            let label = format!("{} {}", model.name, layout.as_str());
+            let mut req = prefill(&mut c, 20);
+            let mut meta = VerifyMetadata::new(2);
+            c.reserve_verify_metadata(&meta).unwrap();
+            // Two verifies in flight: K drafts, then none.
+            c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
+                .unwrap();
+            c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: 0 }])
+                .unwrap();
+            c.build_verify_metadata(&mut meta, &[&req]).unwrap();
+            // The earlier verify accepted 1 of its 1 + K positions.
+            let values = cpu.alloc_table(4, 0).unwrap();
+            cpu.upload_table(values, 0, &[1, 0, 1, 0]).unwrap();
+            let at = |at| DeviceValues { table: values, at };
+            c.translate_verify(
+                &mut meta,
+                Some(VerifyOffsets {
+                    accepted: at(0),
+                    last_node: at(2),
+                }),
+            )
+            .unwrap();
+            let l = meta.layout();
+            let (_, outputs) = meta.tables().unwrap();
+            let sync = HostSync::acquire("test: reading the verify metadata back");
+            let out = cpu.read_table(&sync, outputs, 0, l.outputs_len).unwrap();
+            let alloc = c.allocator();
+            let settled = req.settled_len();
+            assert_eq!(
+                out[l.write_full],
+                alloc.kernel_id(Side::Full, req.row()[settled + 1]),
+                "{label}: the one position follows the accepted row"
+            );
+            for j in 1..l.width {
+                assert!(
+                    settled + 1 + j < req.row().len(),
+                    "{label}: the earlier verify reserved rows here"
+                );
+                assert_eq!(out[l.write_full + j], 0, "{label}: FULL position {j}");
+                if model.swa_layers > 0 {
+                    assert_eq!(out[l.write_swa + j], 0, "{label}: SWA position {j}");
+                }
+                if l.slots_per_request > 0 {
+                    assert_eq!(out[l.state_out + j], 0, "{label}: state after {j}");
+                }
+            }
+            let one = tokens(900, 1);
+            c.settle(&mut [&mut req], &[Accepted::chain(&one)]).unwrap();
+            c.settle(&mut [&mut req], &[Accepted::chain(&one)]).unwrap();
+            c.release(req).unwrap();
+            c.step_boundary().unwrap();
+        }
+    }
+}
+
 /// Admission prices a request's whole slot group: with trees of 5 nodes a recurrent
 /// request takes 5 slots, and `can_admit` refuses one only when its group does not fit
 /// where a request without speculation would still be admitted (the KV has room to

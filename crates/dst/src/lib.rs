@@ -55,8 +55,7 @@
 //!   running state.
 //! - Every verify step's translated metadata, read back: per request and position below
 //!   its width the FULL and SWA write ids are the kernel ids of the rows after what the
-//!   device knows, past it the sink (or, after a late verify that accepted fewer than its
-//!   width, the request's own reserved row the window reaches), padding requests the
+//!   device knows, past it the sink (after a late verify too), padding requests the
 //!   sink; on a recurrent model the input state is the physical slot at the earlier
 //!   verify's last accepted node of `[running, group…]` (and holds the state the device
 //!   knows), the state after position `j` the slot of group slot `j`. A fault in

@@ -80,33 +80,35 @@ extern "C" __global__ void unikv_translate_many(
 
 // Windows of virtual ids that start at device-side offsets (a verify step's write ids and
 // state slots: the start is the accepted count of the request's earlier verify, which
-// only the device knows). `list` holds 11 u64 per window: v2p, v2p_len, ids (request 0's
+// only the device knows). `list` holds 12 u64 per window: v2p, v2p_len, ids (request 0's
 // row), rows, starts (request 0's start), bias (an i64), batch, width, page_size, stride,
-// out (request 0's window), the pointers as addresses. For r < batch, j < width:
-// s = starts[r] + bias + j and out[r * width + j] translates ids[r * rows + s], or is 0
-// when s is outside 0..rows. blockIdx.y strides over the windows, x over each one's
-// batch * width slots. The host checks every range, and that no output is an input of
-// the call or overlaps another output.
+// out (request 0's window), lens (request 0's live length, or 0: none), the pointers as
+// addresses. For r < batch, j < width: s = starts[r] + bias + j and out[r * width + j]
+// translates ids[r * rows + s], or is 0 when s is outside 0..rows or j >= lens[r].
+// blockIdx.y strides over the windows, x over each one's batch * width slots. The host
+// checks every range, and that no output is an input of the call or overlaps another
+// output.
 extern "C" __global__ void unikv_translate_windows(
     const unsigned long long* list,
     unsigned long long count)
 {
     for (unsigned long long w = blockIdx.y; w < count; w += gridDim.y) {
-        const unsigned long long* a = list + 11 * w;
+        const unsigned long long* a = list + 12 * w;
         const int* ids = (const int*)a[2];
         unsigned long long rows = a[3];
         const int* starts = (const int*)a[4];
         long long bias = (long long)a[5];
         unsigned long long width = a[7];
         int* out = (int*)a[10];
+        const int* lens = (const int*)a[11];
         unsigned long long items = a[6] * width;
         unsigned long long step = (unsigned long long)blockDim.x * gridDim.x;
         for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
              i < items; i += step) {
             unsigned long long r = i / width;
-            long long s = (long long)starts[r] + bias + (long long)(i % width);
-            // s < 0 becomes a huge unsigned index, which unikv_kernel_id maps to the sink.
-            out[i] = s < 0 ? 0
+            long long j = (long long)(i % width);
+            long long s = (long long)starts[r] + bias + j;
+            out[i] = s < 0 || (lens != 0 && j >= (long long)lens[r]) ? 0
                            : unikv_kernel_id((const int*)a[0], a[1], ids + r * rows, rows,
                                              (int)a[8], (int)a[9], (unsigned long long)s);
         }

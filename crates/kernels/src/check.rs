@@ -355,6 +355,9 @@ pub(crate) fn windows(
             len(w.ids)?,
         )?;
         table_range(OP, w.starts, w.starts_at, w.batch, len(w.starts)?)?;
+        if let Some((lens, at)) = w.lens {
+            table_range(OP, lens, at, w.batch, len(lens)?)?;
+        }
         table_range(
             OP,
             w.out,
@@ -366,12 +369,13 @@ pub(crate) fn windows(
     let out = |w: &WindowTranslate| (w.out_at, w.out_at + w.batch * w.width); // checked above
     for (i, w) in all.iter().enumerate() {
         for (j, other) in all.iter().enumerate() {
+            let lens = other.lens.map(|(t, _)| ("lens", t));
             let input = [
                 ("v2p", other.v2p),
                 ("ids", other.ids),
                 ("starts", other.starts),
             ];
-            if let Some((name, _)) = input.iter().find(|(_, t)| *t == w.out) {
+            if let Some((name, _)) = input.iter().chain(&lens).find(|(_, t)| *t == w.out) {
                 return Err(Error::BadArguments {
                     op: OP,
                     reason: format!(
@@ -396,15 +400,21 @@ pub(crate) fn windows(
 }
 
 /// The kernel id a window writes at `j` for one request (see [`WindowTranslate`]): the
-/// translation of `row[start + bias + j]`, or the sink when that is outside `row`.
+/// translation of `row[start + bias + j]`, or the sink when that is outside `row` or `j`
+/// is at or past the request's live length `len`.
+#[allow(clippy::too_many_arguments)] // the kernel's own per-slot inputs
 pub(crate) fn window_one(
     v2p: &[i32],
     row: &[i32],
     start: i32,
     bias: i32,
+    len: i32,
     j: usize,
     (page_size, stride): (i32, i32),
 ) -> i32 {
+    if j as i64 >= i64::from(len) {
+        return 0;
+    }
     let s = i64::from(start) + i64::from(bias) + j as i64;
     usize::try_from(s)
         .ok()

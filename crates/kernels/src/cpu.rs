@@ -252,11 +252,17 @@ impl Device for CpuDevice {
         for (w, &scalars) in all.iter().zip(&scalars) {
             let values: Vec<i32> = {
                 let (v2p, ids, starts) = (st.table(w.v2p)?, st.table(w.ids)?, st.table(w.starts)?);
+                let lens = match w.lens {
+                    Some((t, at)) => Some((st.table(t)?, at)),
+                    None => None,
+                };
                 (0..w.batch * w.width)
                     .map(|i| {
                         let (r, j) = (i / w.width, i % w.width);
                         let row = &ids[w.ids_at + r * w.rows..][..w.rows];
-                        check::window_one(v2p, row, starts[w.starts_at + r], w.bias, j, scalars)
+                        let len = lens.map_or(i32::MAX, |(t, at)| t[at + r]);
+                        let start = starts[w.starts_at + r];
+                        check::window_one(v2p, row, start, w.bias, len, j, scalars)
                     })
                     .collect()
             };
@@ -846,6 +852,7 @@ mod tests {
             starts,
             starts_at: 0,
             bias: 0,
+            lens: None,
             batch: 2,
             width: 3,
             page_size: 2,
@@ -862,13 +869,20 @@ mod tests {
         let ids = table(&dev, &[2, 3, 4, 5, 7, 6, 0, 1, 2, 3]);
         let starts = table(&dev, &[1, 3]);
         let (out, shifted) = (table(&dev, &[9; 8]), table(&dev, &[9; 8]));
+        let (lens, limited) = (table(&dev, &[2, 1]), table(&dev, &[9; 8]));
         let w = window(v2p, ids, starts, out);
+        let shift = WindowTranslate {
+            bias: -2,
+            out: shifted,
+            ..w
+        };
         dev.translate_windows(&[
             w,
+            shift,
             WindowTranslate {
-                bias: -2,
-                out: shifted,
-                ..w
+                lens: Some((lens, 0)),
+                out: limited,
+                ..shift
             },
         ])
         .unwrap();
@@ -878,6 +892,8 @@ mod tests {
         // Two earlier: before request 0's row, then ids 2 and 3; request 1's 0, 1 (page
         // 0 unbound) and 2.
         assert_eq!(read(&dev, shifted), [9, 0, 50, 51, 0, 0, 50, 9]);
+        // The same with live lengths 2 and 1: what lies past them is the sink.
+        assert_eq!(read(&dev, limited), [9, 0, 50, 0, 0, 0, 0, 9]);
     }
 
     #[test]
@@ -908,6 +924,26 @@ mod tests {
             (
                 vec![w, WindowTranslate { page_size: 0, ..w }],
                 "page size 0",
+            ),
+            (
+                vec![
+                    w,
+                    WindowTranslate {
+                        lens: Some((starts, 1)),
+                        ..w
+                    },
+                ],
+                "the live lengths are short",
+            ),
+            (
+                vec![
+                    w,
+                    WindowTranslate {
+                        lens: Some((out, 0)),
+                        ..w
+                    },
+                ],
+                "an output is the live lengths",
             ),
         ] {
             let e = dev.translate_windows(&bad).expect_err(what);

@@ -59,7 +59,7 @@ pub(crate) const BLOCK: u32 = 256;
 /// Most blocks of one grid dimension; the kernels use grid-stride loops, so any size works.
 const MAX_BLOCKS: u64 = 65_535;
 /// `u64` words per window in `unikv_translate_windows`' list (`cu/translate.cu`).
-pub(crate) const WINDOW_WORDS: usize = 11;
+pub(crate) const WINDOW_WORDS: usize = 12;
 /// Bytes of a span one block handles at a time (`UNIKV_CHUNK` of `cu/spans.cu`: 16
 /// 16-byte words per thread).
 const CHUNK: u64 = 16 * 16 * BLOCK as u64;
@@ -938,6 +938,10 @@ impl Device for CudaDevice {
                     page_size as u64,
                     stride as u64,
                     at(w.out, w.out_at)?,
+                    match w.lens {
+                        Some((t, i)) => at(t, i)?,
+                        None => 0, // every entry live
+                    },
                 ],
             );
         }

@@ -78,12 +78,13 @@ pub struct Translate {
 /// For `r < batch`, `j < width`: `s = starts[starts_at + r] + bias + j` (exact, in
 /// `i64`) and `out[out_at + r * width + j]` is the translation of
 /// `ids[ids_at + r * rows + s]` by the rule of [`Translate`], or `0` (the sink) when `s`
-/// is outside `0..rows` (device data, so not an error).
+/// is outside `0..rows` or `j` is at or past the request's live length
+/// `lens[lens_at + r]` (with `lens`; device data, so not an error).
 ///
 /// `page_size > 0`, `page_size` and `stride` fit in `i32`, the tables are long enough
-/// (`ids` for `batch × rows` entries from `ids_at`, `starts` for `batch` from
-/// `starts_at`, `out` for `batch × width` from `out_at`), and `out` is none of the call's
-/// input tables, or the op fails before writing anything.
+/// (`ids` for `batch × rows` entries from `ids_at`, `starts` and `lens` for `batch`,
+/// `out` for `batch × width` from `out_at`), and `out` is none of the call's input
+/// tables, or the op fails before writing anything.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WindowTranslate {
     /// The `v2p` mirror (physical page per virtual page).
@@ -100,6 +101,10 @@ pub struct WindowTranslate {
     pub starts_at: usize,
     /// Added to every start (host-known).
     pub bias: i32,
+    /// Each request's live length (device values: `(table, index of request 0)`):
+    /// entries `j >= lens[r]` of its window are the sink (a verify's positions past its
+    /// draft's width). `None`: every entry is live.
+    pub lens: Option<(TableId, usize)>,
     /// Requests.
     pub batch: usize,
     /// Entries of each request's window.

@@ -337,13 +337,18 @@ impl Emulation {
                     let v2p = self.i32s(a[0], a[1])?;
                     let ids = self.i32s(a[2], batch * rows)?;
                     let starts = self.i32s(a[4], batch)?;
+                    let lens = match a[11] {
+                        0 => vec![i32::MAX; batch as usize],
+                        lens => self.i32s(lens, batch)?,
+                    };
                     let scalars = (a[8] as i32, a[9] as i32);
                     let values: Vec<i32> = (0..batch * width)
                         .map(|i| {
                             let r = (i / width) as usize;
                             let row = &ids[r * rows as usize..][..rows as usize];
                             let j = (i % width) as usize;
-                            check::window_one(&v2p, row, starts[r], a[5] as i32, j, scalars)
+                            let bias = a[5] as i32;
+                            check::window_one(&v2p, row, starts[r], bias, lens[r], j, scalars)
                         })
                         .collect();
                     self.write_i32s(a[10], &values)?;

@@ -267,6 +267,7 @@ mod tests {
             starts: table,
             starts_at: 6,
             bias: 0,
+            lens: None,
             batch: 2,
             width: 2,
             page_size: 1,
@@ -287,8 +288,15 @@ mod tests {
             rows_per_token: 2,
             row_bytes: 4,
         };
-        let verify: [Op; 7] = [
+        let verify: [Op; 8] = [
             Box::new(move |d| d.translate_windows(&[WindowTranslate { out, ..window }])),
+            Box::new(move |d| {
+                d.translate_windows(&[WindowTranslate {
+                    out,
+                    lens: Some((table, 7)),
+                    ..window
+                }])
+            }),
             Box::new(move |d| d.translate_windows(&[window])),
             Box::new(move |d| {
                 d.translate_windows(&[WindowTranslate {

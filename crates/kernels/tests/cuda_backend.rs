@@ -65,6 +65,7 @@ fn step(dev: &dyn Device, f: &Fixture, k: u32) {
         starts: f.starts,
         starts_at: 0,
         bias: 0,
+        lens: None,
         batch: 2,
         width: 4,
         page_size: 4,
@@ -77,6 +78,7 @@ fn step(dev: &dyn Device, f: &Fixture, k: u32) {
         WindowTranslate {
             bias: 1,
             out_at: 8,
+            lens: Some((f.starts, 0)),
             ..window
         },
     ])

@@ -390,6 +390,7 @@ fn verify_windows_and_row_gathers_match_cpu() {
                 starts: t_starts,
                 starts_at: 0,
                 bias: 0,
+                lens: None,
                 batch,
                 width,
                 page_size: ps as u32,
@@ -403,6 +404,8 @@ fn verify_windows_and_row_gathers_match_cpu() {
                     bias: 1,
                     stride: 3,
                     out_at: 1 + batch * width,
+                    // Device data as live lengths: some negative, some past the width.
+                    lens: Some((t_starts, 0)),
                     ..window
                 },
                 WindowTranslate {
@@ -726,6 +729,7 @@ fn a_captured_row_gather_replays_with_the_paths_of_its_launch() {
             starts: ids,
             starts_at: 0,
             bias: 0,
+            lens: None,
             batch: 1,
             width: 1,
             page_size: 1,

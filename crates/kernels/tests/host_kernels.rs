@@ -485,6 +485,15 @@ fn verify_windows_and_row_gathers_match_the_cpu_twin_at_every_page_size() {
             let starts: Vec<i32> = (0..batch)
                 .map(|_| rng.below(rows as u64 + 6) as i32 - 2)
                 .collect();
+            // Live lengths on the shifted window only (some negative, some past it), from
+            // a stream of their own so the other draws stay what they were.
+            let mut lens_rng = Rng(0x1E45 + ps);
+            let lens: Vec<i32> = match bias {
+                0 => Vec::new(),
+                _ => (0..batch)
+                    .map(|_| lens_rng.below(width as u64 + 3) as i32 - 1)
+                    .collect(),
+            };
             let out = vec![7; batch * width + 3];
             let stride = (ps * 3) as u32;
             windows.push(WindowTranslate {
@@ -495,6 +504,7 @@ fn verify_windows_and_row_gathers_match_the_cpu_twin_at_every_page_size() {
                 starts: table(&starts),
                 starts_at: 0,
                 bias,
+                lens: (!lens.is_empty()).then(|| (table(&lens), 0)),
                 batch,
                 width,
                 page_size: ps as u32,
@@ -514,6 +524,7 @@ fn verify_windows_and_row_gathers_match_the_cpu_twin_at_every_page_size() {
                 i32s(&v2p),
                 i32s(&ids),
                 i32s(&starts),
+                i32s(&lens),
                 bytes_of(&args, |x| x.to_le_bytes().to_vec()),
                 i32s(&out[1..1 + batch * width]),
             ]);

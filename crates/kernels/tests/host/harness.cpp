@@ -165,31 +165,35 @@ int main() {
         }
         write_array(all);
     } else if (name == "translate_windows") {
-        // count, then per window: v2p, ids, starts, (rows, bias, batch, width, page size,
-        // stride) as 6 x i64, out. Output: the outs, concatenated.
+        // count, then per window: v2p, ids, starts, lens (empty: none), (rows, bias,
+        // batch, width, page size, stride) as 6 x i64, out. Output: the outs, concatenated.
         auto count_bytes = read_array();
         unsigned long long count = as<unsigned long long>(count_bytes)[0];
-        std::vector<std::vector<unsigned char>> v2ps, idss, startss, outs;
+        std::vector<std::vector<unsigned char>> v2ps, idss, startss, lenss, outs;
         std::vector<unsigned long long> list;
         for (unsigned long long t = 0; t < count; ++t) {
             v2ps.push_back(read_array());
             idss.push_back(read_array());
             startss.push_back(read_array());
+            lenss.push_back(read_array());
             auto args = read_array();
             outs.push_back(read_array());
             long long* a = as<long long>(args);
-            unsigned long long words[11] = {0, v2ps.back().size() / 4, 0,
+            unsigned long long words[12] = {0, v2ps.back().size() / 4, 0,
                                             (unsigned long long)a[0], 0,
                                             (unsigned long long)a[1], (unsigned long long)a[2],
                                             (unsigned long long)a[3], (unsigned long long)a[4],
-                                            (unsigned long long)a[5], 0};
-            list.insert(list.end(), words, words + 11);
+                                            (unsigned long long)a[5], 0, 0};
+            list.insert(list.end(), words, words + 12);
         }
         for (unsigned long long t = 0; t < count; ++t) {  // the vectors no longer move
-            list[11 * t] = (unsigned long long)(uintptr_t)v2ps[t].data();
-            list[11 * t + 2] = (unsigned long long)(uintptr_t)idss[t].data();
-            list[11 * t + 4] = (unsigned long long)(uintptr_t)startss[t].data();
-            list[11 * t + 10] = (unsigned long long)(uintptr_t)outs[t].data();
+            list[12 * t] = (unsigned long long)(uintptr_t)v2ps[t].data();
+            list[12 * t + 2] = (unsigned long long)(uintptr_t)idss[t].data();
+            list[12 * t + 4] = (unsigned long long)(uintptr_t)startss[t].data();
+            list[12 * t + 10] = (unsigned long long)(uintptr_t)outs[t].data();
+            if (!lenss[t].empty()) {
+                list[12 * t + 11] = (unsigned long long)(uintptr_t)lenss[t].data();
+            }
         }
         launch(grid_x, grid_y, block, [&] { unikv_translate_windows(list.data(), count); });
         std::vector<unsigned char> all;
