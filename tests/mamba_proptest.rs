@@ -288,14 +288,7 @@ fn run(model: ModelSpec, layout: Layout, ps: u32, kv_tokens: u64, interval: u32,
         }
         d.cache.evict_all().unwrap();
         d.step();
-        let s = d.cache.stats();
-        for side in [s.full, s.swa, s.mamba] {
-            assert_eq!(
-                side.available_pages, side.total_pages,
-                "{}: {side:?}",
-                d.label
-            );
-        }
+        common::assert_all_free(&d.cache.stats(), &d.label);
     });
 }
 

@@ -11,8 +11,8 @@ use common::{LAYOUTS, TINY_MAMBA, TINY_TRI, tiny_model};
 use unikv::invariants::{Level, scoped_level};
 use unikv::pools::{Side, SwaState, VirtualPage};
 use unikv::{
-    Accepted, AcceptedFault, CacheStats, Draft, Error, HybridCache, Layout, ModelSpec, Request,
-    Speculation, TokenId,
+    Accepted, AcceptedFault, Draft, Error, HybridCache, Layout, ModelSpec, Request, Speculation,
+    TokenId,
 };
 
 /// Drafted tokens per chain verify.
@@ -78,22 +78,11 @@ fn each(speculation: Speculation, case: impl Fn(&mut HybridCache, &str, usize) -
                     c.step_boundary().unwrap();
                     c.evict_all().unwrap();
                     c.step_boundary().unwrap();
-                    all_free(&c.stats(), &label);
+                    common::assert_all_free(&c.stats(), &label);
                 }
             }
         }
     });
-}
-
-fn all_free(s: &CacheStats, label: &str) {
-    assert_eq!(s.live_requests, 0, "{label}");
-    for side in [&s.full, &s.swa, &s.mamba] {
-        assert_eq!(
-            side.available_pages, side.total_pages,
-            "{label}: every {} page is free again",
-            side.name
-        );
-    }
 }
 
 /// A prompt length that leaves the verify's rows at `offset` into a page.
@@ -245,7 +234,7 @@ fn swa_keeps_the_window_behind_every_verify_position_across_a_release() {
                 assert!(req.window_cursor() > 0, "{label}: the window moved");
                 c.release(req).unwrap();
                 c.step_boundary().unwrap();
-                all_free(&c.stats(), &label);
+                common::assert_all_free(&c.stats(), &label);
             }
         }
     });
@@ -512,7 +501,7 @@ fn a_recurrent_request_runs_on_a_slot_group_and_settling_selects_the_accepted_st
                 c.step_boundary().unwrap();
                 c.evict_all().unwrap();
                 c.step_boundary().unwrap();
-                all_free(&c.stats(), &label);
+                common::assert_all_free(&c.stats(), &label);
             }
         }
     });
@@ -563,7 +552,7 @@ fn a_settled_verify_crossing_a_grid_point_saves_its_state_there_unless_settled_l
                     );
                     c.evict_all().unwrap();
                     c.step_boundary().unwrap();
-                    all_free(&c.stats(), &label);
+                    common::assert_all_free(&c.stats(), &label);
                 }
             }
         }

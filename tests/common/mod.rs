@@ -596,3 +596,16 @@ pub fn state_of(tokens: &[TokenId]) -> u8 {
     }
     (h % 255) as u8 + 1
 }
+
+/// No request is live and every page of every side is free again (after releasing and
+/// evicting everything).
+pub fn assert_all_free(s: &unikv::CacheStats, label: &str) {
+    assert_eq!(s.live_requests, 0, "{label}");
+    for side in [&s.full, &s.swa, &s.mamba] {
+        assert_eq!(
+            side.available_pages, side.total_pages,
+            "{label}: every {} page is free again",
+            side.name
+        );
+    }
+}
