@@ -245,6 +245,22 @@ impl HybridCache {
         self.mirror_generation
     }
 
+    /// [`Error::StaleStepMetadata`] unless device ids computed at mirror generation
+    /// `computed` (`None`: never) still name the rows: the generation is the current one
+    /// and no table changed since.
+    pub(crate) fn check_current(&self, computed: Option<u64>) -> Result<(), Error> {
+        let current = self.mirror_generation();
+        let changed = !self.alloc.mirror_current();
+        match computed {
+            Some(at) if at == current && !changed => Ok(()),
+            at => Err(Error::StaleStepMetadata {
+                built: at.unwrap_or(0),
+                current,
+                tables_changed: changed,
+            }),
+        }
+    }
+
     /// Distinguishes this cache from every other one in the process.
     pub(crate) fn cache_id(&self) -> u64 {
         self.id

@@ -478,15 +478,7 @@ impl HybridCache {
         if cache != self.cache_id() {
             return Err(Error::UnbuiltStepMetadata);
         }
-        let current = self.mirror_generation();
-        let changed = !self.allocator().mirror_current();
-        if built != current || changed {
-            return Err(Error::StaleStepMetadata {
-                built,
-                current,
-                tables_changed: changed,
-            });
-        }
+        self.check_current(Some(built))?;
         Ok(StepView { meta })
     }
 }

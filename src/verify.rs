@@ -6,10 +6,11 @@
 //! The **inputs** are host data in virtual ids (they survive compaction): per request
 //! the newest verify's width, its settled length, its tree (parents, depths and the tree
 //! mask of the positions each one attends to; a chain is the tree `i − 1`), the virtual
-//! ids of every row its unsettled verifies reserved, and its state slots. The **outputs** are translated on the device, against the current
-//! mirror, by [`HybridCache::translate_verify`]: one pass per side gathers each
-//! request's rows at a **device** offset — where the accepted counts of its earlier
-//! unsettled verify put the newest one — and translates them into kernel ids: the write
+//! ids of every row its unsettled verifies reserved, and its state slots. The **outputs**
+//! are translated on the device, against the current mirror, by
+//! [`HybridCache::translate_verify`] in one op: for each side it reads each request's
+//! rows from a **device** offset — where the accepted counts of its earlier unsettled
+//! verify put the newest one — up to its draft's width, and translates them: the write
 //! ids of every verify position on FULL and SWA (the first `k` of the FULL ones are the
 //! draft model's write window: its layers share the FULL envelope), the physical input
 //! state (the running slot, or the accepted position's slot of the earlier verify's
@@ -121,34 +122,32 @@ impl VerifyLayout {
             slots_per_request: s,
             ..VerifyLayout::default()
         };
-        let mut at = 0;
-        let mut section = |n: usize| {
-            let start = at;
-            at += n;
-            start
-        };
-        l.widths = section(b);
-        l.settled = section(b);
-        l.parents = section(b * width);
-        l.depths = section(b * width);
-        l.masks = section(b * width * 2);
-        l.rows = section(b * r);
-        l.slots = section(b * s);
-        l.zeros = section(b);
-        l.inputs_len = at;
-        let mut at = 0;
-        let mut section = |n: usize| {
-            let start = at;
-            at += n;
-            start
-        };
-        l.write_full = section(b * width);
-        l.write_swa = section(b * width);
-        l.state_in = section(b);
-        l.state_out = section(b * width);
-        l.outputs_len = at;
+        // Sizes in the order of the table above.
+        let inputs = [b, b, b * width, b * width, b * width * 2, b * r, b * s, b];
+        (
+            [
+                l.widths, l.settled, l.parents, l.depths, l.masks, l.rows, l.slots, l.zeros,
+            ],
+            l.inputs_len,
+        ) = sections(inputs);
+        let outputs = [b * width, b * width, b, b * width];
+        (
+            [l.write_full, l.write_swa, l.state_in, l.state_out],
+            l.outputs_len,
+        ) = sections(outputs);
         l
     }
+}
+
+/// Consecutive sections of `sizes` entries: where each starts, and the total.
+fn sections<const N: usize>(sizes: [usize; N]) -> ([usize; N], usize) {
+    let mut at = 0;
+    let starts = sizes.map(|n| {
+        let start = at;
+        at += n;
+        start
+    });
+    (starts, at)
 }
 
 /// The metadata of one verify step for up to `max_batch` requests, reused across
@@ -157,8 +156,8 @@ impl VerifyLayout {
 #[derive(Debug)]
 pub struct VerifyMetadata {
     max_batch: usize,
-    /// The cache it was built by, and the batch.
-    built: Option<(u64, usize)>,
+    /// The cache it was built by.
+    built: Option<u64>,
     /// The mirror generation its outputs were translated at.
     translated: Option<u64>,
     layout: VerifyLayout,
@@ -308,7 +307,7 @@ impl HybridCache {
         }
         let tables = self.upload_verify_tables(l, &meta.image)?;
         meta.tables = Some(tables);
-        meta.built = Some((self.cache_id(), batch.len()));
+        meta.built = Some(self.cache_id());
         Ok(())
     }
 
@@ -409,17 +408,7 @@ impl HybridCache {
         paths: DeviceValues,
     ) -> Result<(), Error> {
         let (_, outputs) = self.built_tables(meta)?;
-        let current = self.mirror_generation();
-        match meta.translated {
-            Some(at) if at == current && self.allocator().mirror_current() => {}
-            built => {
-                return Err(Error::StaleStepMetadata {
-                    built: built.unwrap_or(0),
-                    current,
-                    tables_changed: !self.allocator().mirror_current(),
-                });
-            }
-        }
+        self.check_current(meta.translated)?;
         let l = meta.layout;
         let g = self.kv_geometry();
         let model = self.model();
@@ -454,7 +443,7 @@ impl HybridCache {
     /// `meta`'s device tables if this cache built it.
     fn built_tables(&self, meta: &VerifyMetadata) -> Result<(TableId, TableId), Error> {
         match (meta.built, meta.tables) {
-            (Some((cache, _)), Some(tables)) if cache == self.cache_id() => Ok(tables),
+            (Some(cache), Some(tables)) if cache == self.cache_id() => Ok(tables),
             _ => Err(Error::UnbuiltStepMetadata),
         }
     }
