@@ -611,7 +611,7 @@ impl<'a> Simulation<'a> {
         // The verify's forward holds every reserved row: the step's peak, before the
         // rejected ones go back.
         self.observe_peaks();
-        let in_flight = if mode.late { 2 } else { 1 };
+        let in_flight = mode.speculation().max_in_flight as usize;
         let settling: Vec<usize> = decoders
             .iter()
             .copied()
