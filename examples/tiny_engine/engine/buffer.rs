@@ -30,6 +30,34 @@ fn write_f32s(bytes: &mut [u8], offset: u64, values: &[f32]) {
     }
 }
 
+/// Writes one token's K and V rows of `layer` at kernel id `id` on `side`.
+fn write_kv(
+    bytes: &mut [u8],
+    geo: &KvGeometry,
+    side: Side,
+    id: i32,
+    layer: u32,
+    k: &[f32],
+    v: &[f32],
+) {
+    write_f32s(bytes, geo.row_offset(side, id, layer, false), k);
+    write_f32s(bytes, geo.row_offset(side, id, layer, true), v);
+}
+
+/// Reads one token's K and V rows of `layer` at kernel id `id` on `side`.
+fn read_kv(
+    bytes: &[u8],
+    geo: &KvGeometry,
+    side: Side,
+    id: i32,
+    layer: u32,
+    k: &mut [f32],
+    v: &mut [f32],
+) {
+    read_f32s(bytes, geo.row_offset(side, id, layer, false), k);
+    read_f32s(bytes, geo.row_offset(side, id, layer, true), v);
+}
+
 impl BufferKv<'_> {
     /// The pool side and layer index of an attention layer.
     fn side(layer: LayerKind) -> (Side, u32) {
@@ -62,15 +90,13 @@ impl KvStore for BufferKv<'_> {
             Side::Full => self.step.write_full[i],
             _ => self.step.write_swa[i],
         };
-        write_f32s(self.bytes, self.geo.row_offset(side, id, l, false), k);
-        write_f32s(self.bytes, self.geo.row_offset(side, id, l, true), v);
+        write_kv(self.bytes, &self.geo, side, id, l, k, v);
     }
 
     fn read(&self, layer: LayerKind, pos: usize, k: &mut [f32], v: &mut [f32]) {
         let (side, l) = Self::side(layer);
         let id = self.id(side, pos);
-        read_f32s(self.bytes, self.geo.row_offset(side, id, l, false), k);
-        read_f32s(self.bytes, self.geo.row_offset(side, id, l, true), v);
+        read_kv(self.bytes, &self.geo, side, id, l, k, v);
     }
 }
 
@@ -101,14 +127,12 @@ impl IdKv<'_> {
 impl KvStore for IdKv<'_> {
     fn write(&mut self, layer: LayerKind, pos: usize, k: &[f32], v: &[f32]) {
         let (side, l, id) = self.id(layer, pos);
-        write_f32s(self.bytes, self.geo.row_offset(side, id, l, false), k);
-        write_f32s(self.bytes, self.geo.row_offset(side, id, l, true), v);
+        write_kv(self.bytes, &self.geo, side, id, l, k, v);
     }
 
     fn read(&self, layer: LayerKind, pos: usize, k: &mut [f32], v: &mut [f32]) {
         let (side, l, id) = self.id(layer, pos);
-        read_f32s(self.bytes, self.geo.row_offset(side, id, l, false), k);
-        read_f32s(self.bytes, self.geo.row_offset(side, id, l, true), v);
+        read_kv(self.bytes, &self.geo, side, id, l, k, v);
     }
 }
 
