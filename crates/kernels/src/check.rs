@@ -402,7 +402,6 @@ pub(crate) fn windows(
 /// The kernel id a window writes at `j` for one request (see [`WindowTranslate`]): the
 /// translation of `row[start + bias + j]`, or the sink when that is outside `row` or `j`
 /// is at or past the request's live length `len`.
-#[allow(clippy::too_many_arguments)] // the kernel's own per-slot inputs
 pub(crate) fn window_one(
     v2p: &[i32],
     row: &[i32],

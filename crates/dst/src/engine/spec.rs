@@ -273,7 +273,12 @@ impl Sim {
         self.check_verify_ids(&l, &out, batch, &widths, &offsets[b..])?;
         let mut paths = vec![-1i32; b * w];
         for (m, (&i, (width, parents))) in batch.iter().zip(shapes).enumerate() {
-            let path = self.verify_forward(&l, &out, m, i, width, parents, offsets[b + m])?;
+            let ids = Translated {
+                l: &l,
+                out: &out,
+                m,
+            };
+            let path = self.verify_forward(ids, i, width, parents, offsets[b + m])?;
             paths[m * w..m * w + path.len()].copy_from_slice(&path);
         }
         // The accept kernel's paths (a chain's `0, 1, …` moves nothing), then one
@@ -431,17 +436,15 @@ impl Sim {
     /// ids and the state after it into its group slot, and the target chooses the
     /// accepted nodes. Returns the accepted path the accept kernel writes (a chain's
     /// `0, 1, …`); the nodes stay at their rows until `compact_accepted`.
-    #[allow(clippy::too_many_arguments)]
     fn verify_forward(
         &mut self,
-        l: &VerifyLayout,
-        out: &[i32],
-        m: usize,
+        ids: Translated<'_>,
         i: usize,
         width: usize,
         parents: Option<Vec<i32>>,
         last_node: i32,
     ) -> Result<Vec<i32>, Failure> {
+        let Translated { l, out, m } = ids;
         let nodes = self.fresh_tokens(width);
         let r = &self.running[i];
         let known = r.device_tokens();
@@ -763,6 +766,15 @@ impl Sim {
 }
 
 /// The requests `running[idx]`, in `idx`'s order, for a batched call.
+/// One request's view of a verify's translated outputs, read back: the layout, the
+/// outputs table, and the request's index in the batch.
+#[derive(Clone, Copy)]
+struct Translated<'a> {
+    l: &'a VerifyLayout,
+    out: &'a [i32],
+    m: usize,
+}
+
 fn batch_reqs<'a>(running: &'a mut [Running], idx: &[usize]) -> Vec<&'a mut Request> {
     let mut slots: Vec<Option<&'a mut Request>> =
         running.iter_mut().map(|r| Some(&mut r.req)).collect();
