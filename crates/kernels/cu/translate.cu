@@ -114,3 +114,67 @@ extern "C" __global__ void unikv_translate_windows(
         }
     }
 }
+
+// Runs of persistent lanes of virtual pages at device-side offsets (a step's FULL page
+// table and SWA window: the CUDA twin of CpuDevice::translate_lanes). `list` holds 12 u64
+// per translation: v2p, v2p_len, rows, rows_len, lane_len, lanes (request 0's lane),
+// firsts (request 0's first entry, or 0: none), starts (request 0's output start; batch + 1
+// prefix sums), batch, stride, out (output 0), out_len, the pointers as addresses.
+// `total` is the sum of the batches. For request r of a translation: lane l = lanes[r],
+// first f = firsts[r] (0 without), o = starts[r], c = starts[r + 1] - o; for j < c with
+// o + j inside 0..out_len, out[o + j] = v2p[p] * stride for p = rows[l * lane_len + f + j],
+// or 0 (the sink) when l is outside the lanes, f + j outside 0..lane_len, p <= 0,
+// p >= v2p_len or v2p[p] <= 0. blockIdx.y strides over every translation's requests, x over
+// each request's run. The host checks every range, that v2p and rows are no output, and
+// that no output range overlaps an input range or another output, so only device data
+// (overlapping runs of two requests) can give a slot two writers.
+extern "C" __global__ void unikv_translate_lanes(
+    const unsigned long long* list,
+    unsigned long long count,
+    unsigned long long total)
+{
+    for (unsigned long long q = blockIdx.y; q < total; q += gridDim.y) {
+        unsigned long long t = 0;
+        unsigned long long r = q;
+        while (t < count && r >= list[12 * t + 8]) {
+            r -= list[12 * t + 8];
+            t += 1;
+        }
+        if (t >= count) {
+            return;
+        }
+        const unsigned long long* a = list + 12 * t;
+        const int* v2p = (const int*)a[0];
+        unsigned long long v2p_len = a[1];
+        const int* rows = (const int*)a[2];
+        unsigned long long lane_len = a[4];
+        long long lanes_count = (long long)(a[3] / lane_len);
+        long long lane = (long long)((const int*)a[5])[r];
+        long long first = a[6] == 0 ? 0 : (long long)((const int*)a[6])[r];
+        const int* starts = (const int*)a[7];
+        long long start = (long long)starts[r];
+        long long runs = (long long)starts[r + 1] - start;
+        unsigned int stride = (unsigned int)a[9];
+        int* out = (int*)a[10];
+        long long out_len = (long long)a[11];
+        long long step = (long long)blockDim.x * gridDim.x;
+        for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < runs; j += step) {
+            long long o = start + j;
+            if (o < 0 || o >= out_len) {
+                continue;
+            }
+            long long e = first + j;
+            int id = 0;
+            if (lane >= 0 && lane < lanes_count && e >= 0 && e < (long long)lane_len) {
+                int p = rows[(unsigned long long)lane * lane_len + (unsigned long long)e];
+                if (p > 0 && (unsigned long long)p < v2p_len) {
+                    int phys = v2p[p];
+                    if (phys > 0) {
+                        id = (int)((unsigned int)phys * stride);
+                    }
+                }
+            }
+            out[o] = id;
+        }
+    }
+}

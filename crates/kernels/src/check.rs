@@ -5,8 +5,8 @@
 //! backend runs them all before issuing any work: an op that fails has changed nothing.
 
 use crate::{
-    ByteSpan, BytesId, Error, RowGather, SpanMove, TableId, TableScatter, TableSpans, Translate,
-    WindowTranslate,
+    ByteSpan, BytesId, Error, LaneTranslate, RowGather, SpanMove, TableId, TableScatter,
+    TableSpans, Translate, WindowTranslate,
 };
 
 /// `[start, start + len)` lies inside `[0, total)`; `kind`/`id` name the buffer.
@@ -419,6 +419,113 @@ pub(crate) fn window_one(
         .ok()
         .and_then(|s| row.get(s))
         .map_or(0, |&id| translate_one(v2p, id, page_size, stride))
+}
+
+/// Every lane translation's arguments (see [`LaneTranslate`]), with the table lengths
+/// `len` gives: its tables are long enough, `v2p` and `rows` are not an output table, and
+/// no output range overlaps an input range of the call or another output. Returns each
+/// one's stride as the `i32` the arithmetic uses, in order.
+pub(crate) fn lanes(
+    all: &[LaneTranslate],
+    len: impl Fn(TableId) -> Result<usize, Error>,
+) -> Result<Vec<i32>, Error> {
+    const OP: &str = "translate_lanes";
+    let mut strides = Vec::with_capacity(all.len());
+    for t in all {
+        len(t.v2p)?;
+        if t.lane_len == 0 {
+            return Err(Error::BadArguments {
+                op: OP,
+                reason: "lanes of 0 entries".to_string(),
+            });
+        }
+        len(t.rows)?;
+        strides.push(translation_scalars(OP, 1, t.stride)?.1);
+        table_range(OP, t.lanes.0, t.lanes.1, t.batch, len(t.lanes.0)?)?;
+        if let Some((firsts, at)) = t.firsts {
+            table_range(OP, firsts, at, t.batch, len(firsts)?)?;
+        }
+        let starts = t.batch.checked_add(1).ok_or_else(|| Error::BadArguments {
+            op: OP,
+            reason: format!("a batch of {} overflows", t.batch),
+        })?;
+        table_range(OP, t.starts.0, t.starts.1, starts, len(t.starts.0)?)?;
+        table_range(OP, t.out, t.out_at, t.out_len, len(t.out)?)?;
+    }
+    // Ranges are checked inside their tables above, so the ends cannot overflow.
+    let overlaps = |a: (TableId, usize, usize), b: (TableId, usize, usize)| {
+        a.0 == b.0 && a.1 < a.1 + a.2 && b.1 < b.1 + b.2 && a.1 < b.1 + b.2 && b.1 < a.1 + a.2
+    };
+    for (i, t) in all.iter().enumerate() {
+        let out = (t.out, t.out_at, t.out_len);
+        for (j, other) in all.iter().enumerate() {
+            if let Some(name) = [("v2p", other.v2p), ("rows", other.rows)]
+                .iter()
+                .find(|(_, table)| *table == t.out)
+                .map(|(name, _)| name)
+            {
+                return Err(Error::BadArguments {
+                    op: OP,
+                    reason: format!(
+                        "the output table {} of translation {i} is the `{name}` input of translation {j}",
+                        t.out.0
+                    ),
+                });
+            }
+            let inputs = [
+                Some(("lanes", (other.lanes.0, other.lanes.1, other.batch))),
+                other.firsts.map(|(f, at)| ("firsts", (f, at, other.batch))),
+                Some(("starts", (other.starts.0, other.starts.1, other.batch + 1))),
+            ];
+            if let Some((name, _)) = inputs.iter().flatten().find(|(_, r)| overlaps(out, *r)) {
+                return Err(Error::BadArguments {
+                    op: OP,
+                    reason: format!(
+                        "the output of translation {i} overlaps the `{name}` input of translation {j}"
+                    ),
+                });
+            }
+            if j > i && overlaps(out, (other.out, other.out_at, other.out_len)) {
+                return Err(Error::BadArguments {
+                    op: OP,
+                    reason: format!("the outputs of translations {i} and {j} overlap"),
+                });
+            }
+        }
+    }
+    Ok(strides)
+}
+
+/// One request's run of a lane translation (see [`LaneTranslate`]): calls `write(index,
+/// kernel id)` for each output index `o + j` inside `0..out_len`, with the request's
+/// lane `lane`, first entry `first` and output range `start..end` (device values).
+pub(crate) fn lane_run(
+    args: &LaneTranslate,
+    stride: i32,
+    v2p: &[i32],
+    rows: &[i32],
+    (lane, first, start, end): (i32, i32, i32, i32),
+    mut write: impl FnMut(usize, i32),
+) {
+    let lanes = rows.len() / args.lane_len;
+    let lane = usize::try_from(lane).ok().filter(|&l| l < lanes);
+    let count = i64::from(end) - i64::from(start);
+    for j in 0..count.max(0) {
+        let Ok(o) = usize::try_from(i64::from(start) + j) else {
+            continue;
+        };
+        if o >= args.out_len {
+            continue;
+        }
+        let entry = usize::try_from(i64::from(first) + j)
+            .ok()
+            .filter(|&e| e < args.lane_len);
+        let id = match (lane, entry) {
+            (Some(l), Some(e)) => translate_one(v2p, rows[l * args.lane_len + e], 1, stride),
+            _ => 0,
+        };
+        write(o, id);
+    }
 }
 
 /// `gather_rows`' host-known arguments (see [`RowGather`]), given the lengths of `ids`

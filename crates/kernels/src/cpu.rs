@@ -7,8 +7,8 @@ use crate::check;
 use crate::handles::Handles;
 use crate::sparse::Buffer;
 use crate::{
-    ByteSpan, BytesId, Device, Error, HostSync, Readback, RowGather, SpanMove, TableId,
-    TableScatter, TableSpans, Translate, WindowTranslate,
+    ByteSpan, BytesId, Device, Error, HostSync, LaneTranslate, Readback, RowGather, SpanMove,
+    TableId, TableScatter, TableSpans, Translate, WindowTranslate,
 };
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -58,6 +58,20 @@ impl CpuDevice {
     ) -> Result<R, Error> {
         let mut st = self.state();
         Ok(kernel(st.bytes_mut(buf)?.dense_mut()?))
+    }
+
+    /// [`CpuDevice::run_kernel`] for a kernel that also reads a table (its step
+    /// metadata): `kernel` gets the bytes of `buf` and the entries of `table`.
+    pub fn run_kernel_reading<R>(
+        &self,
+        buf: BytesId,
+        table: TableId,
+        kernel: impl FnOnce(&mut [u8], &[i32]) -> R,
+    ) -> Result<R, Error> {
+        let mut st = self.state();
+        let State { bytes, tables } = &mut *st;
+        let entries = tables.get(table.0)?;
+        Ok(kernel(bytes.get_mut(buf.0)?.dense_mut()?, entries))
     }
 
     /// Buffers and tables allocated and not yet freed: what the device's users still hold
@@ -267,6 +281,34 @@ impl Device for CpuDevice {
                     .collect()
             };
             st.table_mut(w.out)?[w.out_at..][..values.len()].copy_from_slice(&values);
+        }
+        Ok(())
+    }
+
+    fn translate_lanes(&self, all: &[LaneTranslate]) -> Result<(), Error> {
+        let mut st = self.state();
+        let strides = check::lanes(all, |t| Ok(st.table(t)?.len()))?;
+        let mut writes: Vec<(usize, i32)> = Vec::new();
+        for (t, &stride) in all.iter().zip(&strides) {
+            writes.clear();
+            {
+                let (v2p, rows) = (st.table(t.v2p)?, st.table(t.rows)?);
+                let lanes = &st.table(t.lanes.0)?[t.lanes.1..][..t.batch];
+                let starts = &st.table(t.starts.0)?[t.starts.1..][..t.batch + 1];
+                let firsts = match t.firsts {
+                    Some((f, at)) => Some(&st.table(f)?[at..][..t.batch]),
+                    None => None,
+                };
+                for r in 0..t.batch {
+                    let first = firsts.map_or(0, |f| f[r]);
+                    let run = (lanes[r], first, starts[r], starts[r + 1]);
+                    check::lane_run(t, stride, v2p, rows, run, |o, id| writes.push((o, id)));
+                }
+            }
+            let out = &mut st.table_mut(t.out)?[t.out_at..][..t.out_len];
+            for &(o, id) in &writes {
+                out[o] = id;
+            }
         }
         Ok(())
     }

@@ -41,8 +41,8 @@ use crate::driver::{
 use crate::emulated::EmulatedDriver;
 use crate::handles::Handles;
 use crate::{
-    ByteSpan, BytesId, Device, Error, HostSync, Readback, RowGather, SpanMove, TableId,
-    TableScatter, TableSpans, Translate, WindowTranslate,
+    ByteSpan, BytesId, Device, Error, HostSync, LaneTranslate, Readback, RowGather, SpanMove,
+    TableId, TableScatter, TableSpans, Translate, WindowTranslate,
 };
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -60,6 +60,8 @@ pub(crate) const BLOCK: u32 = 256;
 const MAX_BLOCKS: u64 = 65_535;
 /// `u64` words per window in `unikv_translate_windows`' list (`cu/translate.cu`).
 pub(crate) const WINDOW_WORDS: usize = 12;
+/// `u64` words per translation in `unikv_translate_lanes`' list.
+pub(crate) const LANE_WORDS: usize = 12;
 /// Bytes of a span one block handles at a time (`UNIKV_CHUNK` of `cu/spans.cu`: 16
 /// 16-byte words per thread).
 const CHUNK: u64 = 16 * 16 * BLOCK as u64;
@@ -958,6 +960,67 @@ impl Device for CudaDevice {
             Kernel::TranslateWindows,
             count,
             widest,
+        )
+    }
+
+    fn translate_lanes(&self, all: &[LaneTranslate]) -> Result<(), Error> {
+        let mut st = self.state();
+        let strides = check::lanes(all, |t| Ok(st.tables.get(t.0)?.len))?;
+        let State { tables, pack, .. } = &mut *st;
+        pack.clear();
+        let (mut total, mut widest) = (0u64, 0u64);
+        for (t, &stride) in all.iter().zip(&strides) {
+            if t.batch == 0 || t.out_len == 0 {
+                continue;
+            }
+            total += t.batch as u64;
+            // The runs are device data: size x by the average run, the loop strides.
+            widest = widest.max((t.out_len as u64).div_ceil(t.batch as u64));
+            let (v2p, rows) = (tables.get(t.v2p.0)?, tables.get(t.rows.0)?);
+            let at = |t: TableId, i: usize| Ok::<_, Error>(tables.get(t.0)?.ptr + 4 * i as u64);
+            pack_u64s(
+                pack,
+                [
+                    v2p.ptr,
+                    v2p.len as u64,
+                    rows.ptr,
+                    rows.len as u64,
+                    t.lane_len as u64,
+                    at(t.lanes.0, t.lanes.1)?,
+                    match t.firsts {
+                        Some((f, i)) => at(f, i)?,
+                        None => 0, // every run starts at entry 0
+                    },
+                    at(t.starts.0, t.starts.1)?,
+                    t.batch as u64,
+                    stride as u32 as u64,
+                    at(t.out, t.out_at)?,
+                    t.out_len as u64,
+                ],
+            );
+        }
+        let count = (pack.len() / (8 * LANE_WORDS)) as u64;
+        if count == 0 {
+            return Ok(());
+        }
+        // Kernel `unikv_translate_lanes(const unsigned long long* list, unsigned long long
+        // count, unsigned long long total)`: each translation's tables hold its ranges,
+        // v2p and rows are no output and no output range overlaps an input range or
+        // another output (checked); total is the sum of the batches.
+        let grid = Grid {
+            blocks: (
+                widest.div_ceil(u64::from(BLOCK)).clamp(1, MAX_BLOCKS) as u32,
+                total.clamp(1, MAX_BLOCKS) as u32,
+                1,
+            ),
+            threads: BLOCK,
+        };
+        self.launch_with_list(
+            &mut st,
+            "translate_lanes",
+            Kernel::TranslateLanes,
+            grid,
+            |list| vec![Arg::U64(list), Arg::U64(count), Arg::U64(total)],
         )
     }
 

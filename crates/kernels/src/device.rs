@@ -161,6 +161,55 @@ pub struct RowGather {
     pub row_bytes: u64,
 }
 
+/// One translation of a [`Device::translate_lanes`] call: for each of `batch` requests, a
+/// run of its **lane** — its persistent row of virtual pages, `lane_len` entries of
+/// `rows` — translated into the kernel ids of those pages' first tokens, at output
+/// offsets the device reads (a step's FULL page table or SWA window: the host writes only
+/// a request's new pages into its lane, so its work per step is independent of context).
+///
+/// For `r < batch`: lane `l = lanes[lanes_at + r]`, first entry `f = firsts[firsts_at + r]`
+/// (0 without `firsts`), output start `o = starts[starts_at + r]` and count
+/// `c = starts[starts_at + r + 1] − o`. For `j < c`, `out[out_at + o + j]` is the
+/// translation of virtual page `p = rows[l × lane_len + f + j]`: `v2p[p] × stride` (the
+/// kernel id of the page's first token; at page size 1, of the token), or `0` (the sink)
+/// when `p <= 0`, `p` is outside `v2p`, `v2p[p] <= 0`, `f + j` is outside `0..lane_len` or
+/// `l` is outside the lanes `rows` holds. An entry whose output index `o + j` is outside
+/// `0..out_len` is not written (device data, so not an error). The arithmetic is `i32`
+/// and wraps, as [`Translate`]'s.
+///
+/// `lane_len > 0`, `stride` fits in `i32`, the tables are long enough (`lanes` and
+/// `firsts` for `batch` entries, `starts` for `batch + 1`, `out` for `out_len` from
+/// `out_at`), `v2p` and `rows` are not `out`, and `out`'s range overlaps no input range
+/// of the call (`lanes`, `firsts`, `starts`) nor another translation's output, or the op
+/// fails before writing anything.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaneTranslate {
+    /// The `v2p` mirror (physical page per virtual page).
+    pub v2p: TableId,
+    /// The lanes: `lane_len` virtual pages per lane.
+    pub rows: TableId,
+    /// Entries per lane.
+    pub lane_len: usize,
+    /// Each request's lane (device values, `batch` from the index).
+    pub lanes: (TableId, usize),
+    /// Each request's first lane entry (device values, `batch` from the index); `None`:
+    /// every request starts at entry 0.
+    pub firsts: Option<(TableId, usize)>,
+    /// Prefix sums of the outputs (device values, `batch + 1` from the index).
+    pub starts: (TableId, usize),
+    /// Requests.
+    pub batch: usize,
+    /// Rows per page envelope across all layers (the kernel id of a page's first token
+    /// is its physical page × `stride`).
+    pub stride: u32,
+    /// Output table.
+    pub out: TableId,
+    /// Where output 0 is in `out`.
+    pub out_at: usize,
+    /// Output entries this translation may write (from `out_at`).
+    pub out_len: usize,
+}
+
 /// One table's entries of a [`Device::scatter_tables`] call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TableScatter<'a> {
@@ -220,6 +269,8 @@ pub enum DeviceOp {
     TranslateWindows,
     /// [`Device::gather_rows`].
     GatherRows,
+    /// [`Device::translate_lanes`].
+    TranslateLanes,
     /// [`Readback::read_table`].
     ReadTable,
     /// [`Readback::read_bytes`].
@@ -247,6 +298,7 @@ impl DeviceOp {
             DeviceOp::CopyTableSpans => "copy_table_spans",
             DeviceOp::TranslateWindows => "translate_windows",
             DeviceOp::GatherRows => "gather_rows",
+            DeviceOp::TranslateLanes => "translate_lanes",
             DeviceOp::ReadTable => "read_table",
             DeviceOp::ReadBytes => "read_bytes",
             DeviceOp::Synchronize => "synchronize",
@@ -368,6 +420,12 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     /// Every one is checked before any is issued, so a refused call copies nothing.
     #[track_caller]
     fn gather_rows(&self, all: &[RowGather]) -> Result<(), Error>;
+
+    /// Translates runs of persistent lanes of virtual pages at device-side offsets (see
+    /// [`LaneTranslate`]), several in one op (a step's FULL page table and SWA window: one
+    /// launch on a GPU). Every one is checked before any is written.
+    #[track_caller]
+    fn translate_lanes(&self, all: &[LaneTranslate]) -> Result<(), Error>;
 
     /// The driver calls that may have made the host wait (allocation, free, pageable
     /// copy, synchronize, the legacy default stream) this device has issued so far, for

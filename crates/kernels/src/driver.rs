@@ -75,12 +75,14 @@ pub enum Kernel {
     TranslateWindows,
     /// `unikv_gather_rows` (`cu/spans.cu`).
     GatherRows,
+    /// `unikv_translate_lanes` (`cu/translate.cu`).
+    TranslateLanes,
 }
 
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // ALL and file: the real driver's
 impl Kernel {
     /// Every kernel, in the order a driver loads them.
-    pub(crate) const ALL: [Kernel; 9] = [
+    pub(crate) const ALL: [Kernel; 10] = [
         Kernel::Translate,
         Kernel::MoveSpans,
         Kernel::FillSpans,
@@ -90,6 +92,7 @@ impl Kernel {
         Kernel::Spin,
         Kernel::TranslateWindows,
         Kernel::GatherRows,
+        Kernel::TranslateLanes,
     ];
 
     /// The `extern "C"` name in its `.cu` file.
@@ -104,13 +107,17 @@ impl Kernel {
             Kernel::Spin => "unikv_spin",
             Kernel::TranslateWindows => "unikv_translate_windows",
             Kernel::GatherRows => "unikv_gather_rows",
+            Kernel::TranslateLanes => "unikv_translate_lanes",
         }
     }
 
     /// The `.cu` file of `cu/` that defines it.
     pub(crate) fn file(self) -> &'static str {
         match self {
-            Kernel::Translate | Kernel::TranslateMany | Kernel::TranslateWindows => "translate.cu",
+            Kernel::Translate
+            | Kernel::TranslateMany
+            | Kernel::TranslateWindows
+            | Kernel::TranslateLanes => "translate.cu",
             Kernel::MoveSpans | Kernel::FillSpans | Kernel::GatherRows => "spans.cu",
             Kernel::ScatterTables | Kernel::Gather => "tables.cu",
             Kernel::Spin => "diag.cu",

@@ -13,8 +13,8 @@
 //! line that called the op, through `dyn Device` and through nested wrappers too.
 
 use crate::{
-    ByteSpan, BytesId, Device, DeviceOp, Error, HostSync, Readback, RowGather, SpanMove,
-    SyncHazards, TableId, TableScatter, TableSpans, Translate, WindowTranslate,
+    ByteSpan, BytesId, Device, DeviceOp, Error, HostSync, LaneTranslate, Readback, RowGather,
+    SpanMove, SyncHazards, TableId, TableScatter, TableSpans, Translate, WindowTranslate,
 };
 use std::fmt;
 use std::panic::Location;
@@ -319,6 +319,11 @@ impl<D: Device + ?Sized, H: DeviceHooks> Device for Intercepted<D, H> {
     fn gather_rows(&self, all: &[RowGather]) -> Result<(), Error> {
         let call = self.before(DeviceOp::GatherRows, all.len(), None)?;
         self.after(call, self.inner.gather_rows(all))
+    }
+
+    fn translate_lanes(&self, all: &[LaneTranslate]) -> Result<(), Error> {
+        let call = self.before(DeviceOp::TranslateLanes, all.len(), None)?;
+        self.after(call, self.inner.translate_lanes(all))
     }
 }
 

@@ -100,8 +100,8 @@ pub use cuda::{
     RawStream,
 };
 pub use device::{
-    ByteSpan, BytesId, Device, DeviceOp, HostSync, Readback, RowGather, SpanMove, TableId,
-    TableScatter, TableSpans, Translate, WindowTranslate,
+    ByteSpan, BytesId, Device, DeviceOp, HostSync, LaneTranslate, Readback, RowGather, SpanMove,
+    TableId, TableScatter, TableSpans, Translate, WindowTranslate,
 };
 pub use driver::{DriverCall, Grid, Kernel, StreamKind, SyncHazard, SyncHazards};
 pub use error::Error;

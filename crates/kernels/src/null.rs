@@ -3,8 +3,8 @@
 use crate::check;
 use crate::handles::Handles;
 use crate::{
-    ByteSpan, BytesId, Device, Error, HostSync, Readback, RowGather, SpanMove, TableId,
-    TableScatter, TableSpans, Translate, WindowTranslate,
+    ByteSpan, BytesId, Device, Error, HostSync, LaneTranslate, Readback, RowGather, SpanMove,
+    TableId, TableScatter, TableSpans, Translate, WindowTranslate,
 };
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -147,6 +147,10 @@ impl Device for NullDevice {
 
     fn gather_rows(&self, all: &[RowGather]) -> Result<(), Error> {
         check::row_gathers(all, |b| self.bytes_len(b), |t| self.table_len(t))
+    }
+
+    fn translate_lanes(&self, all: &[LaneTranslate]) -> Result<(), Error> {
+        check::lanes(all, |t| self.table_len(t)).map(drop)
     }
 }
 
