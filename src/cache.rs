@@ -162,6 +162,9 @@ pub struct HybridCache {
     mirror_generation: u64,
     /// The device table step metadata is uploaded to (reused, grown when short).
     step_table: Option<StepTable>,
+    /// Each running request's row of virtual pages on the device (step metadata's
+    /// source).
+    lanes: crate::step::Lanes,
     /// The checkpoint plan of an allocation (reused across calls).
     plan: CheckpointPlan,
     /// What verify steps it was built for (`None`: no speculation).
@@ -272,9 +275,14 @@ impl HybridCache {
     }
 
     /// Uploads a step's metadata image into the step table (one op), growing the table
-    /// first when it is too short. A failed upload leaves the table as it was.
-    pub(crate) fn upload_step_table(&mut self, image: &[i32]) -> Result<TableId, Error> {
-        let table = self.grown(self.step_table, image.len())?;
+    /// first when it is shorter than `len` entries (`image` is its first entries). A failed
+    /// upload leaves the table as it was.
+    pub(crate) fn upload_step_table(
+        &mut self,
+        image: &[i32],
+        len: usize,
+    ) -> Result<TableId, Error> {
+        let table = self.grown(self.step_table, len)?;
         self.step_table = Some(table);
         self.device.upload_table(table.id, 0, image)?;
         Ok(table.id)
@@ -334,6 +342,21 @@ impl HybridCache {
     /// The device its buffer lives on.
     pub(crate) fn device(&self) -> &dyn Device {
         self.device.as_ref()
+    }
+
+    /// The device its buffer lives on, shared (to use beside `&mut self`).
+    pub(crate) fn device_arc(&self) -> Arc<dyn Device> {
+        self.device.clone()
+    }
+
+    /// The requests' lanes.
+    pub(crate) fn lanes(&self) -> &crate::step::Lanes {
+        &self.lanes
+    }
+
+    /// The requests' lanes, to write.
+    pub(crate) fn lanes_mut(&mut self) -> &mut crate::step::Lanes {
+        &mut self.lanes
     }
 
     /// The prefix tree, for read-only inspection (sizes, dumps).
@@ -755,6 +778,7 @@ impl HybridCache {
         for (slot, v) in req.row[req.protected..cached].iter_mut().zip(values.iter()) {
             *slot = PoolToken(v.0);
         }
+        self.lanes.invalidate(req.id, req.protected, self.ps);
         req.protected = cached;
         req.cursor = req.cursor.max(cached);
         self.account(before, self.held(req));
@@ -768,6 +792,7 @@ impl HybridCache {
     /// a state the tree already has, or cannot hold, is freed with its other slots.
     pub fn cache_finished(&mut self, req: Request) -> Result<(), Error> {
         self.check_owner(&req)?;
+        self.lanes.release(req.id);
         let before = self.held(&req);
         let len = req.settled_len();
         let mut checkpoints = self.held_checkpoints(&req);
@@ -848,6 +873,7 @@ impl HybridCache {
     /// retracted request can be matched and admitted again later.
     pub fn release(&mut self, req: Request) -> Result<Vec<TokenId>, Error> {
         self.check_owner(&req)?;
+        self.lanes.release(req.id);
         let before = self.held(&req);
         let len = req.len();
         let dead_lo = req.protected;
@@ -1102,9 +1128,10 @@ impl Drop for HybridCache {
             self.verify_inputs.take(),
             self.verify_outputs.take(),
         ];
-        for table in tables.into_iter().flatten() {
+        let lanes = self.lanes.table();
+        for table in tables.into_iter().flatten().map(|t| t.id).chain(lanes) {
             // Nothing to report to: a failed free of a table no one reads only leaks it.
-            let _ = self.device.free_table(table.id);
+            let _ = self.device.free_table(table);
         }
     }
 }

@@ -43,7 +43,9 @@ pub use model::{KvRows, ModelSpec, RecurrentState};
 pub use request::{PrefixMatch, Request};
 pub use spec::{Accepted, AcceptedFault, Draft, MAX_IN_FLIGHT, MAX_VERIFY_WIDTH, Speculation};
 pub use stats::{CacheStats, EvictionCounts, SideStats, StepReport};
-pub use step::{DeviceLayout, KvGeometry, RequestStep, StepCheckpoint, StepMetadata, StepView};
+pub use step::{
+    DeviceLayout, KvGeometry, RequestStep, StepCapacity, StepCheckpoint, StepMetadata, StepView,
+};
 pub use unikv_radix::TokenId;
 pub use verify::{DeviceValues, VerifyLayout, VerifyMetadata, VerifyOffsets};
 

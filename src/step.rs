@@ -1,23 +1,37 @@
 //! Step metadata: what an attention kernel consumes for one batch of requests in one
-//! step, built from host tables after the step's allocations, with host-known shapes and
-//! no host sync — as host slices and as one device table uploaded in one op.
+//! step, with host-known shapes and no host sync, at a host cost independent of the
+//! requests' context lengths.
 //!
-//! Per request it holds the kernel ids of every FULL row, of the SWA rows inside the
-//! window of the step's first new token, the write locations of the step's new tokens
-//! on each side, and, for a model with recurrent layers, the physical state slot and any
-//! checkpoint the kernel saves. Kernel ids name physical pages, which compaction moves
-//! inside any allocation, so metadata is only readable while the tables it was built from
-//! are unchanged: [`HybridCache::step_view`] checks the cache's mirror generation and
-//! refuses stale metadata with [`Error::StaleStepMetadata`], and the view it returns
-//! borrows the cache, so nothing can change the tables while it is read.
+//! Each running request's row lives on the device as a **lane** of virtual pages
+//! (lanes.rs): a step writes only the pages it added. One device table per step holds a
+//! small header the host writes — per request its new tokens, page counts, window start
+//! and lane, the write locations of its new tokens, its state slot and checkpoints:
+//! O(batch + new tokens) — and the page tables kernels read, which one
+//! [`unikv_kernels::Device::translate_lanes`] derives on the device from the lanes and
+//! the `v2p` mirrors: the kernel id of the first token of every FULL page of the request
+//! and of every SWA page of the window of its first new token (per token at page size 1;
+//! per page, FlashInfer's `kv_indices` shape, with `last_page_len`, above it).
+//! [`HybridCache::build_step_metadata_on_host`] builds the same table on the host, row
+//! by row (the reference the device build is tested against, and the cost it replaces).
+//!
+//! Kernel ids name physical pages, which compaction moves inside any allocation, so
+//! metadata is only readable while the tables it was built from are unchanged:
+//! [`HybridCache::step_view`] checks the cache's mirror generation and refuses stale
+//! metadata with [`Error::StaleStepMetadata`], and the view it returns borrows the cache,
+//! so nothing can change the tables while it is read.
+
+mod lanes;
+
+pub(crate) use lanes::Lanes;
+pub use lanes::StepCapacity;
 
 use crate::cache::HybridCache;
 use crate::error::Error;
 use crate::invariants_decl::WINDOW_LIVE;
 use crate::request::Request;
 use std::ops::Range;
-use unikv_kernels::TableId;
-use unikv_pools::Side;
+use unikv_kernels::{LaneTranslate, TableId};
+use unikv_pools::{KvAllocator, Side, VirtualToken};
 
 /// The metadata of one step, reused across steps: fill it with
 /// [`HybridCache::build_step_metadata`] after the step's allocations, read it through
@@ -29,7 +43,9 @@ pub struct StepMetadata {
     built: Option<(u64, u64)>,
     requests: Vec<RequestMeta>,
     checkpoints: Vec<StepCheckpoint>,
+    /// The header (and, built on the host, the page tables too).
     image: Vec<i32>,
+    lanes: Vec<u32>,
     layout: DeviceLayout,
     table: Option<TableId>,
 }
@@ -43,38 +59,51 @@ impl StepMetadata {
 
 /// Where each section of the step's device table starts, in `i32` entries (host-known:
 /// the sums of the batch's lengths). `B` is the batch size; every section follows the
-/// batch order.
+/// batch order. A request of `len` rows has `⌈len / ps⌉` FULL pages; its SWA window
+/// (rows `[swa_first, len)`) covers the pages `⌊swa_first / ps⌋ .. ⌈len / ps⌉`. Every
+/// section before `full_pages` is the header the host writes (`header_len` entries); the
+/// two page tables after it are written on the device.
 ///
 /// | section | entries | what |
 /// |---|---|---|
 /// | `query_starts` | `B + 1` | prefix sums of new tokens (`cu_seqlens_q`) |
-/// | `full_starts` | `B + 1` | prefix sums of rows (`cu_seqlens_k` of the FULL layers) |
-/// | `swa_starts` | `B + 1` | prefix sums of SWA window rows |
+/// | `full_starts` | `B + 1` | prefix sums of FULL pages (`kv_indptr`) |
+/// | `full_last` | `B` | rows in each request's last FULL page, `1..=ps` (`kv_last_page_len`) |
+/// | `swa_starts` | `B + 1` | prefix sums of SWA window pages |
 /// | `swa_first` | `B` | row position of each request's first SWA window row |
-/// | `full_ids` | `Σ len` | FULL kernel ids of rows `[0, len)` |
-/// | `swa_ids` | `Σ window rows` | SWA kernel ids of rows `[swa_first, len)` |
+/// | `swa_first_page` | `B` | its page (`swa_first / ps`): where the window's pages start in the lane |
+/// | `lanes` | `B` | each request's lane (the device row its pages are translated from) |
 /// | `write_full` | `Σ new` | FULL kernel ids of the new tokens (`out_cache_loc`) |
 /// | `write_swa` | `Σ new` | SWA kernel ids of the new tokens |
 /// | `state_slots` | `B` | physical running state slot (0 without recurrent state) |
 /// | `checkpoint_starts` | `B + 1` | prefix sums of the checkpoints each request saves |
 /// | `checkpoint_slots` | `Σ checkpoints` | physical slot each checkpoint is saved to |
 /// | `checkpoint_at` | `Σ checkpoints` | the row length whose state is saved there |
+/// | `full_pages` | `Σ pages` | kernel id of each FULL page's first token (0: the sink) |
+/// | `swa_pages` | `Σ window pages` | kernel id of each SWA window page's first token |
+///
+/// The kernel id of row `pos` is its page's entry plus `pos % ps` (the sink page's rows
+/// are all the sink); at page size 1 the page tables are per-row kernel ids.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeviceLayout {
     /// Requests in the batch.
     pub batch: usize,
+    /// Tokens per page.
+    pub page_size: usize,
     /// Offset of `query_starts`.
     pub query_starts: usize,
     /// Offset of `full_starts`.
     pub full_starts: usize,
+    /// Offset of `full_last`.
+    pub full_last: usize,
     /// Offset of `swa_starts`.
     pub swa_starts: usize,
     /// Offset of `swa_first`.
     pub swa_first: usize,
-    /// Offset of `full_ids`.
-    pub full_ids: usize,
-    /// Offset of `swa_ids`.
-    pub swa_ids: usize,
+    /// Offset of `swa_first_page`.
+    pub swa_first_page: usize,
+    /// Offset of `lanes`.
+    pub lanes: usize,
     /// Offset of `write_full`.
     pub write_full: usize,
     /// Offset of `write_swa`.
@@ -87,19 +116,30 @@ pub struct DeviceLayout {
     pub checkpoint_slots: usize,
     /// Offset of `checkpoint_at`.
     pub checkpoint_at: usize,
+    /// Offset of `full_pages`, and the length of the header the host writes.
+    pub full_pages: usize,
+    /// Offset of `swa_pages`.
+    pub swa_pages: usize,
     /// Entries used (the table may be longer; the rest is stale).
     pub len: usize,
 }
 
-/// One request's part of the image, as ranges of it.
+impl DeviceLayout {
+    /// Entries the host writes (everything before the page tables).
+    pub fn header_len(&self) -> usize {
+        self.full_pages
+    }
+}
+
+/// One request's part of the table, as ranges of it.
 #[derive(Clone, Debug)]
 struct RequestMeta {
     request: u64,
     len: usize,
     new_tokens: usize,
     swa_first: usize,
-    full: Range<usize>,
-    swa: Range<usize>,
+    full_pages: Range<usize>,
+    swa_pages: Range<usize>,
     write_full: Range<usize>,
     write_swa: Range<usize>,
     state_slot: Option<u32>,
@@ -158,7 +198,10 @@ pub struct StepView<'a> {
     meta: &'a StepMetadata,
 }
 
-/// One request's metadata in a [`StepView`].
+/// One request's metadata in a [`StepView`]. Its page tables are ranges of the device
+/// table ([`StepView::device_table`], [`RequestStep::full_pages`],
+/// [`RequestStep::swa_pages`]), read by kernels on the device; the host holds only what
+/// is O(new tokens).
 #[derive(Clone, Copy, Debug)]
 pub struct RequestStep<'a> {
     /// The request's id.
@@ -167,14 +210,19 @@ pub struct RequestStep<'a> {
     pub len: usize,
     /// Tokens this step computes (the rows `[len − new_tokens, len)`).
     pub new_tokens: usize,
-    /// FULL kernel ids of rows `[0, len)`.
-    pub full: &'a [i32],
-    /// Row position of `swa[0]`: the first row inside the window of the step's first new
-    /// token (`len − new_tokens + 1 − W`, at least 0).
+    /// Tokens per page.
+    pub page_size: usize,
+    /// The device table's entry of its first FULL page (see
+    /// [`RequestStep::full_pages`]).
+    pub full_at: usize,
+    /// Row position of its first SWA window row: the first row inside the window of the
+    /// step's first new token (`len − new_tokens + 1 − W`, at least 0).
     pub swa_first: usize,
-    /// SWA kernel ids of rows `[swa_first, len)`; a row whose SWA was released reads the
-    /// sink (0), which a correct run never asks for. Empty without SWA layers.
-    pub swa: &'a [i32],
+    /// The device table's entry of its first SWA window page (see
+    /// [`RequestStep::swa_pages`]).
+    pub swa_at: usize,
+    /// Its SWA window pages (0 without SWA layers).
+    pub swa_page_count: usize,
     /// FULL kernel ids where the new tokens' K/V is written.
     pub write_full: &'a [i32],
     /// SWA kernel ids where the new tokens' K/V is written (empty without SWA layers).
@@ -192,11 +240,39 @@ impl RequestStep<'_> {
         self.len - self.new_tokens
     }
 
-    /// The SWA kernel id of row `pos`, `None` outside `[swa_first, len)`.
-    pub fn swa_id(&self, pos: usize) -> Option<i32> {
-        pos.checked_sub(self.swa_first)
-            .and_then(|i| self.swa.get(i))
-            .copied()
+    /// Entries of the device table holding the kernel id of the first token of each of
+    /// its FULL pages, rows `[0, len)`.
+    pub fn full_pages(&self) -> Range<usize> {
+        self.full_at..self.full_at + self.len.div_ceil(self.page_size)
+    }
+
+    /// Entries of the device table holding the kernel id of the first token of each SWA
+    /// page from `swa_first`'s to its last (a released page reads the sink, which a
+    /// correct run never asks for). Empty without SWA layers.
+    pub fn swa_pages(&self) -> Range<usize> {
+        self.swa_at..self.swa_at + self.swa_page_count
+    }
+
+    /// The FULL kernel id of row `pos` read from `table` (the device table's entries, as
+    /// a kernel sees them), `None` at or past `len`.
+    pub fn full_id(&self, table: &[i32], pos: usize) -> Option<i32> {
+        (pos < self.len).then(|| self.row_id(table, self.full_at, pos))
+    }
+
+    /// The SWA kernel id of row `pos` read from `table`, `None` outside
+    /// `[swa_first, len)` (and always without SWA layers).
+    pub fn swa_id(&self, table: &[i32], pos: usize) -> Option<i32> {
+        let first_page = self.swa_first / self.page_size;
+        (pos >= self.swa_first && pos < self.len && self.swa_page_count > 0)
+            .then(|| self.row_id(table, self.swa_at - first_page, pos))
+    }
+
+    /// Row `pos`'s kernel id from the page table whose page 0 would be at `at`.
+    fn row_id(&self, table: &[i32], at: usize, pos: usize) -> i32 {
+        match table[at + pos / self.page_size] {
+            0 => 0,
+            page => page.wrapping_add((pos % self.page_size) as i32),
+        }
     }
 }
 
@@ -219,9 +295,11 @@ impl<'a> StepView<'a> {
             request: m.request,
             len: m.len,
             new_tokens: m.new_tokens,
-            full: &img[m.full.clone()],
+            page_size: self.meta.layout.page_size,
+            full_at: m.full_pages.start,
             swa_first: m.swa_first,
-            swa: &img[m.swa.clone()],
+            swa_at: m.swa_pages.start,
+            swa_page_count: m.swa_pages.len(),
             write_full: &img[m.write_full.clone()],
             write_swa: &img[m.write_swa.clone()],
             state_slot: m.state_slot,
@@ -234,8 +312,8 @@ impl<'a> StepView<'a> {
         (0..self.len()).map(|i| self.request(i))
     }
 
-    /// The device table the metadata was uploaded to (`None` for an empty batch, which
-    /// uploads nothing). Reused across steps: the next build overwrites it in stream
+    /// The device table the metadata was built in (`None` for an empty batch, which
+    /// writes nothing). Reused across steps: the next build overwrites it in stream
     /// order, after the kernels that read this one.
     pub fn device_table(&self) -> Option<TableId> {
         self.meta.table
@@ -246,7 +324,8 @@ impl<'a> StepView<'a> {
         self.meta.layout
     }
 
-    /// The host image of the device table (what was uploaded), `layout.len` entries.
+    /// The header the host wrote to the device table (`layout.header_len()` entries; the
+    /// whole table, `layout.len` entries, when built on the host).
     pub fn host_image(&self) -> &'a [i32] {
         &self.meta.image
     }
@@ -265,6 +344,26 @@ fn to_i32(request: u64, what: &str, n: usize) -> Result<i32, Error> {
         request,
         reason: format!("{what} {n} does not fit the step table's i32 entries"),
     })
+}
+
+/// Where the page tables are built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PageTables {
+    /// On the device, from the lanes: host work O(batch + new tokens).
+    Device,
+    /// On the host, row by row, uploaded whole: the reference.
+    Host,
+}
+
+/// The kernel id of the first token of page `page` of `row` on `side` (0: the sink).
+fn page_id(
+    alloc: &dyn KvAllocator,
+    side: Side,
+    row: &[VirtualToken],
+    ps: usize,
+    page: usize,
+) -> i32 {
+    alloc.kernel_id(side, row[page * ps])
 }
 
 impl HybridCache {
@@ -291,78 +390,98 @@ impl HybridCache {
         }
     }
 
+    /// Sizes the device lanes for `capacity` (set-up work: a device allocation), so that
+    /// no step up to it allocates. Without it the lanes grow when a step first needs
+    /// more, doubling.
+    pub fn reserve_step_metadata(&mut self, capacity: StepCapacity) -> Result<(), Error> {
+        let ps = self.page_size();
+        let device = self.device_arc();
+        self.lanes_mut().reserve(device.as_ref(), capacity, ps)
+    }
+
     /// Builds the metadata of one step for `batch` (each request with the tokens this
-    /// step computes: the last chunk of a prefill, or 1 for a decode) into `meta`, and
-    /// uploads it to the cache's step table in one asynchronous op. Call it after every
-    /// allocation of the step — an allocation may compact and move the pages metadata
-    /// names — and read it through [`HybridCache::step_view`], which refuses it once any
-    /// table changed.
+    /// step computes: the last chunk of a prefill, or 1 for a decode) into `meta`. Call it
+    /// after every allocation of the step — an allocation may compact and move the pages
+    /// metadata names — and read it through [`HybridCache::step_view`], which refuses it
+    /// once any table changed.
     ///
-    /// When the translation mirror is behind the host tables it is uploaded first (the
-    /// step's mirror upload; the step boundary then uploads only what changed after), so
-    /// device tables and metadata agree. Host work is O(the batch's rows); nothing waits
-    /// for the device. The table is reused and only grows, by a device allocation, when a
-    /// step needs more entries than any step before.
+    /// The host writes each request's new pages into its lane (one scatter), uploads the
+    /// header (see [`DeviceLayout`]) and issues one [`unikv_kernels::Device::translate_lanes`]
+    /// that writes the FULL and SWA page tables on the device: host work
+    /// O(batch + new tokens), whatever the context; nothing waits for the device. The
+    /// translation mirror is uploaded first when it is behind the host tables. The step
+    /// table and the lanes are reused and grow (a device allocation) only when a step
+    /// needs more than any before ([`HybridCache::reserve_step_metadata`] sizes them at
+    /// set-up).
     ///
-    /// Errors: a request of another cache, more new tokens than rows, a pending
-    /// checkpoint before this step's tokens ([`Error::BadRequest`]), or a device error;
-    /// then `meta` stays unreadable until the next successful build. A row inside the
-    /// window whose SWA was released reads the sink and is counted as the breach
-    /// `step.window_live`.
+    /// Errors: a request of another cache, more new tokens than rows, a request twice, a
+    /// pending checkpoint before this step's tokens ([`Error::BadRequest`]), or a device
+    /// error; then `meta` stays unreadable until the next successful build. An SWA page
+    /// inside a window that was released reads the sink and is counted (from level
+    /// `warn`) as the breach `step.window_live`.
     pub fn build_step_metadata(
         &mut self,
         meta: &mut StepMetadata,
         batch: &[(&Request, usize)],
     ) -> Result<(), Error> {
+        self.build_step(meta, batch, PageTables::Device)
+    }
+
+    /// [`HybridCache::build_step_metadata`] with the page tables built on the host, row by
+    /// row, and the whole table uploaded: the same entries at O(the batch's pages) host
+    /// work. The reference the device build is tested against, and the cost it replaces
+    /// (`benches/step.rs` times both).
+    pub fn build_step_metadata_on_host(
+        &mut self,
+        meta: &mut StepMetadata,
+        batch: &[(&Request, usize)],
+    ) -> Result<(), Error> {
+        self.build_step(meta, batch, PageTables::Host)
+    }
+
+    fn build_step(
+        &mut self,
+        meta: &mut StepMetadata,
+        batch: &[(&Request, usize)],
+        tables: PageTables,
+    ) -> Result<(), Error> {
         meta.built = None;
         meta.requests.clear();
         meta.checkpoints.clear();
         meta.image.clear();
-        for &(req, new_tokens) in batch {
-            self.check_request(req)?;
-            if new_tokens > req.len() {
-                return Err(Error::BadRequest {
-                    request: req.id(),
-                    reason: format!(
-                        "step metadata for {new_tokens} new tokens but the request has {} rows",
-                        req.len()
-                    ),
-                });
-            }
-            if let Some(w) = req
-                .checkpoint_writes()
-                .iter()
-                .find(|w| w.at_len <= req.len() - new_tokens || w.at_len > req.len())
-            {
-                return Err(Error::BadRequest {
-                    request: req.id(),
-                    reason: format!(
-                        "its pending checkpoint at {} is not among this step's {new_tokens} \
-                         new tokens (rows {}..{})",
-                        w.at_len,
-                        req.len() - new_tokens,
-                        req.len()
-                    ),
-                });
-            }
-            to_i32(req.id(), "row count", req.len())?;
-        }
+        self.check_step_batch(batch)?;
         self.sync_mirror()?;
+        let ps = self.page_size();
+        let lanes = match tables {
+            PageTables::Device => {
+                let device = self.device_arc();
+                let rows = batch.iter().map(|(r, _)| (r.id(), r.row()));
+                self.lanes_mut()
+                    .sync(device.as_ref(), rows, ps, &mut meta.lanes)?;
+                Some(&meta.lanes[..])
+            }
+            PageTables::Host => None,
+        };
         let window = self.model().window as usize;
         let has_swa = self.model().swa_layers > 0;
         let b = batch.len();
-        let rows: usize = batch.iter().map(|(r, _)| r.len()).sum();
-        let new: usize = batch.iter().map(|&(_, n)| n).sum();
         let swa_first = |req: &Request, n: usize| (req.len() - n + 1).saturating_sub(window);
-        let swa_rows: usize = if has_swa {
-            batch.iter().map(|&(r, n)| r.len() - swa_first(r, n)).sum()
-        } else {
-            0
+        let pages = |req: &Request| req.len().div_ceil(ps);
+        let window_pages = |req: &Request, n: usize| {
+            if has_swa {
+                pages(req) - swa_first(req, n) / ps
+            } else {
+                0
+            }
         };
+        let new: usize = batch.iter().map(|&(_, n)| n).sum();
+        let full_total: usize = batch.iter().map(|(r, _)| pages(r)).sum();
+        let swa_total: usize = batch.iter().map(|&(r, n)| window_pages(r, n)).sum();
         let swa_new = if has_swa { new } else { 0 };
         let saves: usize = batch.iter().map(|(r, _)| r.checkpoint_writes().len()).sum();
         let mut l = DeviceLayout {
             batch: b,
+            page_size: ps,
             ..DeviceLayout::default()
         };
         let mut at = 0;
@@ -373,50 +492,70 @@ impl HybridCache {
         };
         l.query_starts = section(b + 1);
         l.full_starts = section(b + 1);
+        l.full_last = section(b);
         l.swa_starts = section(b + 1);
         l.swa_first = section(b);
-        l.full_ids = section(rows);
-        l.swa_ids = section(swa_rows);
+        l.swa_first_page = section(b);
+        l.lanes = section(b);
         l.write_full = section(new);
         l.write_swa = section(swa_new);
         l.state_slots = section(b);
         l.checkpoint_starts = section(b + 1);
         l.checkpoint_slots = section(saves);
         l.checkpoint_at = section(saves);
+        l.full_pages = section(full_total);
+        l.swa_pages = section(swa_total);
         l.len = at;
         to_i32(u64::MAX, "step table length", l.len)?;
-        meta.image.resize(l.len, 0);
+        let written = match tables {
+            PageTables::Device => l.header_len(),
+            PageTables::Host => l.len,
+        };
+        meta.image.resize(written, 0);
         let img = &mut meta.image;
         let alloc = self.allocator();
         let (mut q, mut f, mut s, mut w) = (0usize, 0usize, 0usize, 0usize);
-        let mut sink_rows = 0usize;
+        let mut sink_pages = 0usize;
         for (i, &(req, n)) in batch.iter().enumerate() {
             let len = req.len();
             let row = req.row();
+            let (full_n, swa_n) = (pages(req), window_pages(req, n));
+            let first = if has_swa { swa_first(req, n) } else { 0 };
             img[l.query_starts + i] = q as i32;
             img[l.full_starts + i] = f as i32;
+            img[l.full_last + i] = (len - (full_n.max(1) - 1) * ps) as i32;
             img[l.swa_starts + i] = s as i32;
-            let full = l.full_ids + f..l.full_ids + f + len;
-            for (slot, &t) in img[full.clone()].iter_mut().zip(row) {
+            img[l.swa_first + i] = first as i32;
+            img[l.swa_first_page + i] = (first / ps) as i32;
+            img[l.lanes + i] = lanes.map_or(0, |lanes| lanes[i] as i32);
+            let write_full = l.write_full + w..l.write_full + w + n;
+            for (slot, &t) in img[write_full.clone()].iter_mut().zip(&row[len - n..]) {
                 *slot = alloc.kernel_id(Side::Full, t);
             }
-            let write_full = l.write_full + w..l.write_full + w + n;
-            img.copy_within(full.end - n..full.end, write_full.start);
-            let (first, swa, write_swa) = if has_swa {
-                let first = swa_first(req, n);
-                let swa = l.swa_ids + s..l.swa_ids + s + (len - first);
-                for (slot, &t) in img[swa.clone()].iter_mut().zip(&row[first..]) {
+            let write_swa = if has_swa {
+                let write_swa = l.write_swa + w..l.write_swa + w + n;
+                for (slot, &t) in img[write_swa.clone()].iter_mut().zip(&row[len - n..]) {
                     *slot = alloc.kernel_id(Side::Swa, t);
                 }
-                sink_rows += img[swa.clone()].iter().filter(|&&k| k == 0).count();
-                let write_swa = l.write_swa + w..l.write_swa + w + n;
-                img.copy_within(swa.end - n..swa.end, write_swa.start);
-                s += len - first;
-                (first, swa, write_swa)
+                write_swa
             } else {
-                (0, 0..0, 0..0)
+                0..0
             };
-            img[l.swa_first + i] = first as i32;
+            let full_pages = l.full_pages + f..l.full_pages + f + full_n;
+            let swa_pages = l.swa_pages + s..l.swa_pages + s + swa_n;
+            if tables == PageTables::Host {
+                for (page, slot) in img[full_pages.clone()].iter_mut().enumerate() {
+                    *slot = page_id(alloc, Side::Full, row, ps, page);
+                }
+                for (k, slot) in img[swa_pages.clone()].iter_mut().enumerate() {
+                    *slot = page_id(alloc, Side::Swa, row, ps, first / ps + k);
+                }
+            }
+            if has_swa && unikv_invariants::enabled() {
+                sink_pages += (first / ps..full_n)
+                    .filter(|&page| page_id(alloc, Side::Swa, row, ps, page) == 0)
+                    .count();
+            }
             let state_slot = req.state_slot().and_then(|v| alloc.physical_slot(v));
             img[l.state_slots + i] = state_slot.unwrap_or(0) as i32;
             img[l.checkpoint_starts + i] = meta.checkpoints.len() as i32;
@@ -438,15 +577,16 @@ impl HybridCache {
                 len,
                 new_tokens: n,
                 swa_first: first,
-                full,
-                swa,
+                full_pages,
+                swa_pages,
                 write_full,
                 write_swa,
                 state_slot,
                 checkpoints,
             });
             q += n;
-            f += len;
+            f += full_n;
+            s += swa_n;
             w += n;
         }
         img[l.query_starts + b] = q as i32;
@@ -454,17 +594,104 @@ impl HybridCache {
         img[l.swa_starts + b] = s as i32;
         img[l.checkpoint_starts + b] = meta.checkpoints.len() as i32;
         self.invariant_scope()
-            .expect(&WINDOW_LIVE, sink_rows == 0, || {
-                format!("{sink_rows} SWA rows inside a window of this step were released")
+            .expect(&WINDOW_LIVE, sink_pages == 0, || {
+                format!("{sink_pages} SWA pages inside a window of this step were released")
             });
         meta.layout = l;
         meta.table = if l.len == 0 {
             None
         } else {
-            Some(self.upload_step_table(&meta.image)?)
+            let table = self.upload_step_table(&meta.image, l.len)?;
+            if tables == PageTables::Device {
+                self.translate_page_tables(table, &l)?;
+            }
+            Some(table)
         };
         meta.built = Some((self.cache_id(), self.mirror_generation()));
         Ok(())
+    }
+
+    /// The checks of a step's batch, before anything is written.
+    fn check_step_batch(&self, batch: &[(&Request, usize)]) -> Result<(), Error> {
+        for (i, &(req, new_tokens)) in batch.iter().enumerate() {
+            self.check_request(req)?;
+            if new_tokens > req.len() {
+                return Err(Error::BadRequest {
+                    request: req.id(),
+                    reason: format!(
+                        "step metadata for {new_tokens} new tokens but the request has {} rows",
+                        req.len()
+                    ),
+                });
+            }
+            if batch[..i].iter().any(|(r, _)| r.id() == req.id()) {
+                return Err(Error::BadRequest {
+                    request: req.id(),
+                    reason: "the request is twice in the step's batch".to_string(),
+                });
+            }
+            if let Some(w) = req
+                .checkpoint_writes()
+                .iter()
+                .find(|w| w.at_len <= req.len() - new_tokens || w.at_len > req.len())
+            {
+                return Err(Error::BadRequest {
+                    request: req.id(),
+                    reason: format!(
+                        "its pending checkpoint at {} is not among this step's {new_tokens} \
+                         new tokens (rows {}..{})",
+                        w.at_len,
+                        req.len() - new_tokens,
+                        req.len()
+                    ),
+                });
+            }
+            to_i32(req.id(), "row count", req.len())?;
+        }
+        Ok(())
+    }
+
+    /// Writes the FULL and SWA page tables of the step table laid out as `l` from the
+    /// lanes, on the device: one [`unikv_kernels::Device::translate_lanes`].
+    fn translate_page_tables(&self, table: TableId, l: &DeviceLayout) -> Result<(), Error> {
+        let alloc = self.allocator();
+        let lanes = self.lanes();
+        let Some(rows) = lanes.table() else {
+            return Ok(()); // an empty batch: nothing to translate
+        };
+        let translation = |side: Side, firsts, starts, out_at, out_len| {
+            Some(LaneTranslate {
+                v2p: alloc.mirror_table(side)?,
+                rows,
+                lane_len: lanes.lane_len(),
+                lanes: (table, l.lanes),
+                firsts,
+                starts: (table, starts),
+                batch: l.batch,
+                stride: alloc.stride(side),
+                out: table,
+                out_at,
+                out_len,
+            })
+        };
+        let mut all: Vec<LaneTranslate> = Vec::with_capacity(2);
+        all.extend(translation(
+            Side::Full,
+            None,
+            l.full_starts,
+            l.full_pages,
+            l.swa_pages - l.full_pages,
+        ));
+        if self.model().swa_layers > 0 {
+            all.extend(translation(
+                Side::Swa,
+                Some((table, l.swa_first_page)),
+                l.swa_starts,
+                l.swa_pages,
+                l.len - l.swa_pages,
+            ));
+        }
+        Ok(self.device().translate_lanes(&all)?)
     }
 
     /// Reads `meta` if it is current: built by this cache, and no table changed since

@@ -225,6 +225,13 @@ impl Driver {
         if let Err(e) = self.cache.allocator().verify() {
             panic!("{}: {e}", self.label);
         }
+        let requests: Vec<&Request> = self.running.iter().collect();
+        common::assert_device_tables_match_host(
+            &mut self.cache,
+            &self.device,
+            &requests,
+            &self.label,
+        );
         let stats = self.cache.stats();
         let slots = self
             .running

@@ -633,6 +633,13 @@ impl Driver {
         for run in &self.running {
             self.check_request(run);
         }
+        let requests: Vec<&Request> = self.running.iter().map(|r| &r.req).collect();
+        common::assert_device_tables_match_host(
+            &mut self.cache,
+            &self.device,
+            &requests,
+            &self.label,
+        );
     }
 }
 

@@ -10,12 +10,32 @@ use common::*;
 use std::sync::Arc;
 use unikv::kernels::{CpuDevice, HostSync, Readback, SyncLedger};
 use unikv::pools::Side;
-use unikv::{Error, HybridCache, Layout, Request, StepMetadata, StepView, TokenId};
+use unikv::{Error, HybridCache, Layout, Request, StepCapacity, StepMetadata, StepView, TokenId};
 
 const W: u32 = 8;
 
-/// Checks every entry of `view` against the host tables, and the device table against
-/// the host image.
+/// The device table's entries (what kernels read).
+fn device_table(cpu: &CpuDevice, view: &StepView<'_>) -> Vec<i32> {
+    let sync = HostSync::acquire("test: reading the step table back");
+    cpu.read_table(
+        &sync,
+        view.device_table().expect("a table"),
+        0,
+        view.device_layout().len,
+    )
+    .unwrap()
+}
+
+/// Request `i`'s SWA kernel ids of rows `[swa_first, len)`, read from the device table.
+fn swa_ids(view: &StepView<'_>, table: &[i32], i: usize) -> Vec<i32> {
+    let m = view.request(i);
+    (m.swa_first..m.len)
+        .map(|p| m.swa_id(table, p).unwrap())
+        .collect()
+}
+
+/// Checks every entry of `view` — the header on the host, the page tables the device
+/// wrote — against the host tables, and the device table's header against the host's.
 fn check_view(
     cache: &HybridCache,
     view: &StepView<'_>,
@@ -24,6 +44,9 @@ fn check_view(
     label: &str,
 ) {
     let alloc = cache.allocator();
+    let table = device_table(cpu, view);
+    let ps = cache.page_size();
+    let layout = view.device_layout();
     assert_eq!(view.len(), batch.len(), "{label}");
     for (i, &(req, n)) in batch.iter().enumerate() {
         let m = view.request(i);
@@ -33,7 +56,15 @@ fn check_view(
             .iter()
             .map(|&t| alloc.kernel_id(Side::Full, t))
             .collect();
-        assert_eq!(m.full, &full[..], "{label}: FULL ids of request {i}");
+        let read: Vec<i32> = (0..m.len).map(|p| m.full_id(&table, p).unwrap()).collect();
+        assert_eq!(read, full, "{label}: FULL ids of request {i}");
+        assert_eq!(m.full_id(&table, m.len), None);
+        assert_eq!(m.full_pages().len(), req.len().div_ceil(ps), "{label}");
+        assert_eq!(
+            table[layout.full_last + i] as usize,
+            req.len() - (m.full_pages().len() - 1) * ps,
+            "{label}: last page length"
+        );
         assert!(
             full.iter().all(|&k| k > 0),
             "{label}: a FULL row reads the sink"
@@ -45,30 +76,32 @@ fn check_view(
             .iter()
             .map(|&t| alloc.kernel_id(Side::Swa, t))
             .collect();
-        assert_eq!(m.swa, &swa[..], "{label}: SWA ids of request {i}");
+        assert_eq!(
+            swa_ids(view, &table, i),
+            swa,
+            "{label}: SWA ids of request {i}"
+        );
         assert!(
             swa.iter().all(|&k| k > 0),
             "{label}: a window row reads the sink"
         );
         assert_eq!(m.write_swa, &swa[swa.len() - n..], "{label}: SWA writes");
-        assert_eq!(m.swa_id(first), swa.first().copied());
-        assert_eq!(m.swa_id(first.wrapping_sub(1)), None);
+        assert_eq!(m.swa_id(&table, first.wrapping_sub(1)), None);
         assert_eq!(m.state_slot, None, "{label}: no recurrent layers");
     }
-    let layout = view.device_layout();
     let image = view.host_image();
-    assert_eq!(image.len(), layout.len);
+    assert_eq!(image.len(), layout.header_len());
     let starts = &image[layout.query_starts..layout.query_starts + batch.len() + 1];
     let mut want = vec![0];
     for &(_, n) in batch {
         want.push(want.last().unwrap() + n as i32);
     }
     assert_eq!(starts, &want[..], "{label}: cu_seqlens_q");
-    let sync = HostSync::acquire("test: reading the step table back");
-    let device = cpu
-        .read_table(&sync, view.device_table().expect("a table"), 0, layout.len)
-        .unwrap();
-    assert_eq!(device, image, "{label}: the device table is the host image");
+    assert_eq!(
+        &table[..layout.header_len()],
+        image,
+        "{label}: the device table's header is the host image"
+    );
 }
 
 #[test]
@@ -96,15 +129,28 @@ fn metadata_names_the_host_kernel_ids_and_is_uploaded_in_one_op() {
         fx.cache
             .alloc_decode(&mut [&mut decoding], &[TokenId(7)])
             .unwrap();
+        // Lanes for both requests' whole prompts, sized at set-up.
+        fx.cache
+            .reserve_step_metadata(StepCapacity {
+                requests: 2,
+                max_len: 8 * (keep + fx.interval),
+            })
+            .unwrap();
         let mut meta = StepMetadata::new();
         ledger.reset();
         let batch = [(&prefilling, chunk), (&decoding, 1)];
         fx.cache.build_step_metadata(&mut meta, &batch).unwrap();
-        let ops: Vec<&str> = ledger.ops().iter().map(|r| r.op).collect();
-        // The mirror upload this step's allocations made due, the table's set-up, the
-        // metadata's one upload.
-        assert!(
-            ops.ends_with(&["alloc_table", "upload_table"]),
+        // Past the set-up of the table (the first build allocates it), the mirror upload this step's allocations made due, the new pages written into
+        // the lanes, the header's one upload and the one translation of the page tables.
+        let ops: Vec<&str> = ledger
+            .ops()
+            .iter()
+            .map(|r| r.op)
+            .filter(|&op| op != "alloc_table" && op != "free_table")
+            .collect();
+        assert_eq!(
+            ops[1..],
+            ["scatter_tables", "upload_table", "translate_lanes"],
             "{}: {ops:?}",
             fx.label
         );
@@ -121,7 +167,11 @@ fn metadata_names_the_host_kernel_ids_and_is_uploaded_in_one_op() {
         let batch = [(&decoding, 1)];
         fx.cache.build_step_metadata(&mut meta, &batch).unwrap();
         let ops: Vec<&str> = ledger.ops().iter().map(|r| r.op).collect();
-        assert_eq!(ops.last(), Some(&"upload_table"), "{}", fx.label);
+        assert!(
+            ops.ends_with(&["upload_table", "translate_lanes"]),
+            "{}: {ops:?}",
+            fx.label
+        );
         assert!(!ops.contains(&"alloc_table"), "{}: {ops:?}", fx.label);
         let view = fx.cache.step_view(&meta).unwrap();
         check_view(&fx.cache, &view, &batch, &cpu, &fx.label);
@@ -155,7 +205,10 @@ fn metadata_built_before_a_compacting_allocation_is_refused_and_a_rebuild_names_
         fx.cache
             .build_step_metadata(&mut meta, &[(&long, 1)])
             .unwrap();
-        let before: Vec<i32> = fx.cache.step_view(&meta).unwrap().request(0).swa.to_vec();
+        let before = {
+            let view = fx.cache.step_view(&meta).unwrap();
+            swa_ids(&view, &device_table(&cpu, &view), 0)
+        };
         let moves = |l: &SyncLedger| l.ops().iter().filter(|r| r.op == "move_spans").count();
         let moves_before = moves(&ledger);
         let mut req = fx.admit(text(7_000, 3 * ps + 1));
@@ -183,7 +236,7 @@ fn metadata_built_before_a_compacting_allocation_is_refused_and_a_rebuild_names_
             .build_step_metadata(&mut meta, &[(&long, 1), (&req, 3 * ps)])
             .unwrap();
         let view = fx.cache.step_view(&meta).unwrap();
-        let after = view.request(0).swa;
+        let after = swa_ids(&view, &device_table(&cpu, &view), 0);
         assert_ne!(
             before, after,
             "{}: compaction moved the long request's window",
@@ -286,12 +339,9 @@ fn checkpoint_writes_are_a_prefix_summed_section_of_the_step_table() {
                 assert_eq!(view.request(1).checkpoints[k].at_len, w.at_len, "{label}");
             }
             assert!(view.request(0).checkpoints.is_empty(), "{label}");
-            assert_eq!(l.len, l.checkpoint_at + 2, "{label}");
-            let sync = HostSync::acquire("test: reading the step table back");
-            let device = cpu
-                .read_table(&sync, view.device_table().unwrap(), 0, l.len)
-                .unwrap();
-            assert_eq!(device, image, "{label}");
+            assert_eq!(l.header_len(), l.checkpoint_at + 2, "{label}");
+            let device = device_table(&cpu, &view);
+            assert_eq!(&device[..l.header_len()], image, "{label}");
             cache.release(quiet).unwrap();
             cache.release(saving).unwrap();
         }

@@ -411,6 +411,7 @@ impl HybridCacheBuilder {
             device: step_device,
             mirror_generation: 0,
             step_table: None,
+            lanes: Default::default(),
             plan: CheckpointPlan::default(),
             speculation: self.speculation,
             verify_inputs: None,

@@ -196,6 +196,7 @@ impl HybridCache {
         for ((req, acc), &keep) in batch.iter_mut().zip(accepted).zip(&keep) {
             let before = self.held(req);
             req.row.truncate(keep);
+            self.lanes_mut().invalidate(req.id, keep, ps);
             req.verifies.pop_front();
             req.tokens.extend_from_slice(acc.tokens);
             self.account(before, self.held(req));

@@ -609,3 +609,65 @@ pub fn assert_all_free(s: &unikv::CacheStats, label: &str) {
         );
     }
 }
+
+/// Builds step metadata for `requests` (each with the new tokens its pending checkpoints
+/// need, at least one; those whose window would reach below their window cursor left
+/// out: no forward reads such a window) on the device and on
+/// the host, and checks the two device tables
+/// entry for entry: the page tables `translate_lanes` derives from the lanes equal the
+/// ones the host builds row by row. The step boundary must have run (the mirror is
+/// current), so the builds change nothing another check reads.
+pub fn assert_device_tables_match_host(
+    cache: &mut HybridCache,
+    cpu: &unikv::kernels::CpuDevice,
+    requests: &[&Request],
+    label: &str,
+) {
+    use unikv::kernels::{HostSync, Readback};
+    let window = cache.model().window as usize;
+    let batch: Vec<(&Request, usize)> = requests
+        .iter()
+        .filter(|r| !r.is_empty())
+        .map(|&r| {
+            let first = r.checkpoint_writes().iter().map(|w| w.at_len).min();
+            (r, first.map_or(1, |at| r.len() - at + 1))
+        })
+        .filter(|&(r, n)| {
+            cache.model().swa_layers == 0
+                || (r.len() - n + 1).saturating_sub(window) >= r.window_cursor()
+        })
+        .collect();
+    let mut tables = Vec::new();
+    for on_host in [false, true] {
+        let mut meta = unikv::StepMetadata::new();
+        let built = if on_host {
+            cache.build_step_metadata_on_host(&mut meta, &batch)
+        } else {
+            cache.build_step_metadata(&mut meta, &batch)
+        };
+        built.unwrap_or_else(|e| panic!("{label}: step metadata (on host: {on_host}): {e}"));
+        let view = cache.step_view(&meta).unwrap();
+        let layout = view.device_layout();
+        let table = match view.device_table() {
+            Some(table) => {
+                let sync = HostSync::acquire("test: the device-built step table");
+                cpu.read_table(&sync, table, 0, layout.len).unwrap()
+            }
+            None => Vec::new(),
+        };
+        tables.push((layout, table));
+    }
+    assert_eq!(tables[0].0, tables[1].0, "{label}: layouts");
+    // The host build names no lanes (it reads none): each request has its own.
+    let (l, b) = (tables[0].0, batch.len());
+    let lanes = tables[0].1[l.lanes..l.lanes + b].to_vec();
+    let mut distinct = lanes.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(distinct.len(), b, "{label}: lanes {lanes:?}");
+    tables[1].1[l.lanes..l.lanes + b].copy_from_slice(&lanes);
+    assert_eq!(
+        tables[0].1, tables[1].1,
+        "{label}: the device-built step table is the host's"
+    );
+}

@@ -60,20 +60,6 @@ impl CpuDevice {
         Ok(kernel(st.bytes_mut(buf)?.dense_mut()?))
     }
 
-    /// [`CpuDevice::run_kernel`] for a kernel that also reads a table (its step
-    /// metadata): `kernel` gets the bytes of `buf` and the entries of `table`.
-    pub fn run_kernel_reading<R>(
-        &self,
-        buf: BytesId,
-        table: TableId,
-        kernel: impl FnOnce(&mut [u8], &[i32]) -> R,
-    ) -> Result<R, Error> {
-        let mut st = self.state();
-        let State { bytes, tables } = &mut *st;
-        let entries = tables.get(table.0)?;
-        Ok(kernel(bytes.get_mut(buf.0)?.dense_mut()?, entries))
-    }
-
     /// Buffers and tables allocated and not yet freed: what the device's users still hold
     /// on it (a leak check for tests; it walks every handle ever issued).
     pub fn live_allocations(&self) -> usize {

@@ -2,9 +2,21 @@
 //! and read through its kernel ids ([`BufferKv`]), recurrent states in their slots.
 
 use super::model::{KvStore, LayerKind, RC, States};
+use unikv::kernels::{CpuDevice, Error as DeviceError, HostSync, Readback};
 use unikv::mamba::SlotLayout;
 use unikv::pools::Side;
-use unikv::{KvGeometry, RequestStep};
+use unikv::{KvGeometry, RequestStep, StepView};
+
+/// The step table's entries, as the attention kernel reads them on the device (the
+/// kernel's CPU twin reads them back: empty for an empty batch).
+pub(super) fn step_table(cpu: &CpuDevice, view: &StepView<'_>) -> Result<Vec<i32>, DeviceError> {
+    let Some(table) = view.device_table() else {
+        return Ok(Vec::new());
+    };
+    let sync =
+        HostSync::acquire("tiny engine: the attention kernel's CPU twin reads its page tables");
+    cpu.read_table(&sync, table, 0, view.device_layout().len)
+}
 
 /// The K/V of one request's step, in unikv's buffer: writes go to the step's write
 /// locations, reads through its kernel ids.
@@ -12,6 +24,8 @@ pub(super) struct BufferKv<'a> {
     pub(super) bytes: &'a mut [u8],
     pub(super) geo: KvGeometry,
     pub(super) step: RequestStep<'a>,
+    /// The step table's entries (its page tables).
+    pub(super) table: &'a [i32],
 }
 
 /// Reads `out.len()` little-endian `f32`s at byte `offset`.
@@ -71,8 +85,13 @@ impl BufferKv<'_> {
     /// The kernel id of row `pos` on `side` (SWA rows only inside the step's window).
     fn id(&self, side: Side, pos: usize) -> i32 {
         match side {
-            Side::Full => self.step.full[pos],
-            _ => self.step.swa_id(pos).unwrap_or_else(|| {
+            Side::Full => self.step.full_id(self.table, pos).unwrap_or_else(|| {
+                panic!(
+                    "position {pos} is past the request's {} rows",
+                    self.step.len
+                )
+            }),
+            _ => self.step.swa_id(self.table, pos).unwrap_or_else(|| {
                 panic!(
                     "position {pos} is outside the SWA metadata [{}, {})",
                     self.step.swa_first, self.step.len

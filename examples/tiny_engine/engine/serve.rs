@@ -2,7 +2,7 @@
 //! unikv, the forward over its buffer, sampling, aborts, retraction and caching, with the
 //! run's shape ([`RunConfig`]) and counts ([`RunStats`]).
 
-use super::buffer::{BufferKv, load_states, store_states};
+use super::buffer::{BufferKv, load_states, step_table, store_states};
 use super::check::check_resumed_state;
 use super::model::{Model, Rng, States, Weights, argmax, forward, zero_states};
 use super::workload::{Arrival, Job, Workload, arrive, random_tokens, workload};
@@ -421,6 +421,7 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
         cache.build_step_metadata(&mut meta, &batch)?;
         drop(batch);
         let view = cache.step_view(&meta)?;
+        let table = step_table(&cpu, &view)?;
         let mut logits: Vec<Vec<f32>> = Vec::with_capacity(step.len());
         cpu.run_kernel(buffer, |bytes| {
             for (k, &(i, _)) in step.iter().enumerate() {
@@ -466,6 +467,7 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
                     bytes: &mut *bytes,
                     geo,
                     step: m,
+                    table: &table,
                 };
                 // Every checkpoint the step metadata lists for this request (a list: the
                 // branching point, the prompt's last whole page, grid points) gets the

@@ -18,7 +18,7 @@
 //! read. Settled rows before a verify are read at the kernel ids the cache's mirror
 //! holds for them (what the step metadata's FULL and SWA tables carry).
 
-use super::buffer::{BufferKv, IdKv, load_states, store_states};
+use super::buffer::{BufferKv, IdKv, load_states, step_table, store_states};
 use super::model::{Rng, States, WINDOW, Weights, argmax, forward, zero_states};
 use super::serve::{RunConfig, checkpoint_grid, memory_bytes};
 use super::workload::{Job, arrive, workload};
@@ -319,6 +319,10 @@ pub fn serve_speculative(cfg: &RunConfig, mode: SpecMode) -> Result<(Vec<Job>, S
         let view = (!prefill.is_empty())
             .then(|| cache.step_view(&meta))
             .transpose()?;
+        let table = match &view {
+            Some(view) => step_table(&cpu, view)?,
+            None => Vec::new(),
+        };
         // Kernel ids of the rows before each verify's positions, from the mirror.
         let before: Vec<(Vec<i32>, Vec<i32>)> = verifiers
             .iter()
@@ -329,7 +333,7 @@ pub fn serve_speculative(cfg: &RunConfig, mode: SpecMode) -> Result<(Vec<Job>, S
         cpu.run_kernel(buffer, |bytes| {
             for (k, &(i, _)) in prefill.iter().enumerate() {
                 let m = view.as_ref().expect("a prefill batch").request(k);
-                prefill_logits.push(prefill_forward(&models, bytes, m, &running[i].req));
+                prefill_logits.push(prefill_forward(&models, bytes, m, &table, &running[i].req));
             }
             if let Some((l, out)) = &verify_ids {
                 for (m, &i) in verifiers.iter().enumerate() {
@@ -503,6 +507,7 @@ fn prefill_forward(
     models: &Models<'_>,
     bytes: &mut [u8],
     m: unikv::RequestStep<'_>,
+    table: &[i32],
     req: &Request,
 ) -> Vec<f32> {
     let mut states = zero_states(models.target);
@@ -515,6 +520,7 @@ fn prefill_forward(
         bytes: &mut *bytes,
         geo: models.geo,
         step: m,
+        table,
     };
     let logits = forward(
         models.target,
