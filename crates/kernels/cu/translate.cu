@@ -121,13 +121,14 @@ extern "C" __global__ void unikv_translate_windows(
 // firsts (request 0's first entry, or 0: none), starts (request 0's output start; batch + 1
 // prefix sums), batch, stride, out (output 0), out_len, the pointers as addresses.
 // `total` is the sum of the batches. For request r of a translation: lane l = lanes[r],
-// first f = firsts[r] (0 without), o = starts[r], c = starts[r + 1] - o; for j < c with
-// o + j inside 0..out_len, out[o + j] = v2p[p] * stride for p = rows[l * lane_len + f + j],
-// or 0 (the sink) when l is outside the lanes, f + j outside 0..lane_len, p <= 0,
-// p >= v2p_len or v2p[p] <= 0. blockIdx.y strides over every translation's requests, x over
-// each request's run. The host checks every range, that v2p and rows are no output, and
-// that no output range overlaps an input range or another output, so only device data
-// (overlapping runs of two requests) can give a slot two writers.
+// first f = firsts[r] (0 without), o = starts[r], c = starts[r + 1] - o; for each j < c
+// with o + j inside 0..out_len (the only j visited), out[o + j] = v2p[p] * stride for
+// p = rows[l * lane_len + f + j], or 0 (the sink) when l is outside the lanes, f + j
+// outside 0..lane_len, p <= 0, p >= v2p_len or v2p[p] <= 0. blockIdx.y strides over every
+// translation's requests, x over each request's run. The host checks every range, that v2p
+// and rows are no output, and that no output range overlaps an input range or another
+// output, so only device data (overlapping runs of two requests) can give a slot two
+// writers (which one lands is then unspecified).
 extern "C" __global__ void unikv_translate_lanes(
     const unsigned long long* list,
     unsigned long long count,
@@ -157,12 +158,14 @@ extern "C" __global__ void unikv_translate_lanes(
         unsigned int stride = (unsigned int)a[9];
         int* out = (int*)a[10];
         long long out_len = (long long)a[11];
+        // Only the j with start + j inside 0..out_len: at most out_len steps, whatever the
+        // device values (a run of INT_MIN..INT_MAX is not 2^32 of them).
+        long long from = start < 0 ? -start : 0;
+        long long to = runs < out_len - start ? runs : out_len - start;
         long long step = (long long)blockDim.x * gridDim.x;
-        for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < runs; j += step) {
+        for (long long j = from + (long long)blockIdx.x * blockDim.x + threadIdx.x; j < to;
+             j += step) {
             long long o = start + j;
-            if (o < 0 || o >= out_len) {
-                continue;
-            }
             long long e = first + j;
             int id = 0;
             if (lane >= 0 && lane < lanes_count && e >= 0 && e < (long long)lane_len) {

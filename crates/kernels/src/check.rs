@@ -498,7 +498,9 @@ pub(crate) fn lanes(
 
 /// One request's run of a lane translation (see [`LaneTranslate`]): calls `write(index,
 /// kernel id)` for each output index `o + j` inside `0..out_len`, with the request's
-/// lane `lane`, first entry `first` and output range `start..end` (device values).
+/// lane `lane`, first entry `first` and output range `start..end` (device values). Only
+/// the `j` whose index is inside `0..out_len` are visited, so the work is at most
+/// `out_len` whatever the device values (a run of `i32::MIN..i32::MAX` is not 2³² steps).
 pub(crate) fn lane_run(
     args: &LaneTranslate,
     stride: i32,
@@ -509,15 +511,14 @@ pub(crate) fn lane_run(
 ) {
     let lanes = rows.len() / args.lane_len;
     let lane = usize::try_from(lane).ok().filter(|&l| l < lanes);
-    let count = i64::from(end) - i64::from(start);
-    for j in 0..count.max(0) {
-        let Ok(o) = usize::try_from(i64::from(start) + j) else {
-            continue;
-        };
-        if o >= args.out_len {
-            continue;
-        }
-        let entry = usize::try_from(i64::from(first) + j)
+    let (first, start) = (i64::from(first), i64::from(start));
+    let out_len = i64::try_from(args.out_len).unwrap_or(i64::MAX);
+    // `j` from where `start + j` reaches 0 to where the run or the output ends.
+    let from = (-start).max(0);
+    let to = (i64::from(end) - start).min(out_len.saturating_sub(start));
+    for j in from..to {
+        let o = (start + j) as usize; // inside 0..out_len
+        let entry = usize::try_from(first + j)
             .ok()
             .filter(|&e| e < args.lane_len);
         let id = match (lane, entry) {

@@ -173,15 +173,22 @@ pub struct RowGather {
 /// translation of virtual page `p = rows[l × lane_len + f + j]`: `v2p[p] × stride` (the
 /// kernel id of the page's first token; at page size 1, of the token), or `0` (the sink)
 /// when `p <= 0`, `p` is outside `v2p`, `v2p[p] <= 0`, `f + j` is outside `0..lane_len` or
-/// `l` is outside the lanes `rows` holds. An entry whose output index `o + j` is outside
-/// `0..out_len` is not written (device data, so not an error). The arithmetic is `i32`
-/// and wraps, as [`Translate`]'s.
+/// `l` is outside `0..rows.len() / lane_len` (the whole lanes `rows` holds: a partial lane
+/// at its end is none). An entry whose output index `o + j` is outside `0..out_len` is
+/// not written, and a run with `c <= 0` writes nothing (device data, so not an error);
+/// only the entries inside `0..out_len` cost work, however far the device values reach.
+/// Runs of two requests that overlap (device data again) give a slot two writers: the
+/// CPU keeps the later request's, a GPU either. The arithmetic is `i32` and wraps, as
+/// [`Translate`]'s.
 ///
 /// `lane_len > 0`, `stride` fits in `i32`, the tables are long enough (`lanes` and
 /// `firsts` for `batch` entries, `starts` for `batch + 1`, `out` for `out_len` from
-/// `out_at`), `v2p` and `rows` are not `out`, and `out`'s range overlaps no input range
-/// of the call (`lanes`, `firsts`, `starts`) nor another translation's output, or the op
-/// fails before writing anything.
+/// `out_at`), no translation's `out` is the `v2p` or `rows` table of any translation of
+/// the call, and `out`'s range overlaps no input range of the call (`lanes`, `firsts`,
+/// `starts`, its own or another translation's) nor another translation's output, or the
+/// op fails before writing anything: [`Error::OutOfBounds`] for a short table,
+/// [`Error::UnknownHandle`] for a table that is not allocated, [`Error::BadArguments`]
+/// for the rest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaneTranslate {
     /// The `v2p` mirror (physical page per virtual page).

@@ -325,10 +325,78 @@ mod tests {
                 }])
             }),
         ];
+        // A step's lane translation, then one malformed call per refusal of `check::lanes`:
+        // no lanes, a stride past i32, short starts, an output over the starts, `v2p` as
+        // the output, two outputs that overlap.
+        let lane = LaneTranslate {
+            v2p: table,
+            rows: table,
+            lane_len: 2,
+            lanes: (out, 0),
+            firsts: Some((out, 2)),
+            starts: (out, 4),
+            batch: 2,
+            stride: 1,
+            out,
+            out_at: 7,
+            out_len: 1,
+        };
+        let lanes: [Op; 7] = [
+            Box::new(move |d| d.translate_lanes(&[lane])),
+            Box::new(move |d| {
+                d.translate_lanes(&[LaneTranslate {
+                    lane_len: 0,
+                    ..lane
+                }])
+            }),
+            Box::new(move |d| {
+                d.translate_lanes(&[LaneTranslate {
+                    stride: u32::MAX,
+                    ..lane
+                }])
+            }),
+            Box::new(move |d| {
+                d.translate_lanes(&[LaneTranslate {
+                    starts: (out, 6),
+                    ..lane
+                }])
+            }),
+            Box::new(move |d| {
+                d.translate_lanes(&[LaneTranslate {
+                    out_at: 6,
+                    out_len: 2,
+                    ..lane
+                }])
+            }),
+            Box::new(move |d| {
+                d.translate_lanes(&[LaneTranslate {
+                    out: table,
+                    out_at: 0,
+                    ..lane
+                }])
+            }),
+            Box::new(move |d| {
+                d.translate_lanes(&[
+                    lane,
+                    LaneTranslate {
+                        lanes: (table, 0),
+                        firsts: None,
+                        starts: (table, 0),
+                        ..lane
+                    },
+                ])
+            }),
+        ];
         let ops: Vec<Op> = ops.into_iter().chain(verify).collect();
         for op in &ops {
             let [a, b] = verdicts(op);
             assert_eq!(a, b);
+        }
+        // The well-formed lane call is accepted by both, each malformed one refused alike.
+        for (k, op) in lanes.iter().enumerate() {
+            let [a, b] = verdicts(op);
+            assert_eq!(a, b, "lane call {k}");
+            assert_eq!(a.is_ok(), k == 0, "lane call {k}: {a:?}");
         }
         assert_eq!(none.name(), "none");
     }

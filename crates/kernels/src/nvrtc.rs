@@ -152,6 +152,60 @@ mod tests {
         }
     }
 
+    /// The `extern "C" __global__` kernels a source file defines, by name.
+    fn defined(src: &str) -> Vec<&str> {
+        const DEFINITION: &str = "extern \"C\" __global__ void ";
+        src.match_indices(DEFINITION)
+            .map(|(at, _)| {
+                let name = &src[at + DEFINITION.len()..];
+                &name[..name.find('(').unwrap_or(name.len())]
+            })
+            .collect()
+    }
+
+    /// What a driver loads (`Kernel::ALL`, by symbol from its file) and what the sources
+    /// define are the same kernels, so a kernel added to a `.cu` file and to `Kernel`
+    /// (`unikv_translate_lanes`, say) is loaded by the real driver and compiled by
+    /// [`compile_all`], and a misspelt symbol fails here rather than on a GPU.
+    #[test]
+    fn every_kernel_a_driver_loads_is_defined_in_its_file_and_no_other() {
+        use crate::driver::Kernel;
+        let mut loaded: Vec<(&str, &str)> =
+            Kernel::ALL.iter().map(|k| (k.file(), k.symbol())).collect();
+        let mut sources: Vec<(&str, &str)> = KERNEL_SOURCES
+            .iter()
+            .flat_map(|&(file, src)| defined(src).into_iter().map(move |name| (file, name)))
+            .collect();
+        loaded.sort_unstable();
+        sources.sort_unstable();
+        assert_eq!(loaded, sources);
+        assert!(loaded.contains(&("translate.cu", "unikv_translate_lanes")));
+    }
+
+    /// With NVRTC, each of those kernels is an entry point of its file's PTX.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn every_kernel_a_driver_loads_is_an_entry_of_its_compiled_file() {
+        use crate::driver::Kernel;
+        for &(file, src) in KERNEL_SOURCES {
+            let ptx = match compile(file, src, CHECK_ARCH) {
+                Ok(ptx) => ptx.to_src(),
+                Err(Error::NoNvrtc) => {
+                    let required =
+                        std::env::var("UNIKV_REQUIRE_NVRTC").is_ok_and(|v| v.trim() == "1");
+                    assert!(!required, "UNIKV_REQUIRE_NVRTC=1 but libnvrtc is not found");
+                    eprintln!("SKIPPED: libnvrtc not found");
+                    return;
+                }
+                Err(e) => panic!("{e}"),
+            };
+            for kernel in Kernel::ALL.iter().filter(|k| k.file() == file) {
+                let entry = format!(".entry {}(", kernel.symbol());
+                assert!(ptx.contains(&entry), "{file}: no `{entry}` in its PTX");
+            }
+        }
+    }
+
     #[cfg(feature = "cuda")]
     #[test]
     fn a_broken_kernel_is_a_compile_error_that_carries_the_log() {

@@ -6,8 +6,9 @@
 use proptest::prelude::*;
 use std::sync::Arc;
 use unikv_kernels::{
-    ByteSpan, BytesId, CpuDevice, CudaDevice, Device, DriverCall, HostSync, Readback, RowGather,
-    SpanMove, StreamKind, SyncHazard, SyncLedger, TableId, Translate, WindowTranslate,
+    ByteSpan, BytesId, CpuDevice, CudaDevice, Device, DriverCall, Grid, HostSync, Kernel,
+    LaneTranslate, Readback, RowGather, SpanMove, StreamKind, SyncHazard, SyncLedger, TableId,
+    Translate, WindowTranslate,
 };
 
 /// The tables and buffer of a step, allocated at set-up.
@@ -20,6 +21,10 @@ struct Fixture {
     starts: TableId,
     paths: TableId,
     windows: TableId,
+    /// A step's lane values (lanes, window firsts, FULL starts, window starts) and the
+    /// page tables translated from the lanes (`ids` as 4 lanes of 8 pages).
+    lane_meta: TableId,
+    page_tables: TableId,
 }
 
 fn set_up(dev: &dyn Device) -> Fixture {
@@ -31,7 +36,11 @@ fn set_up(dev: &dyn Device) -> Fixture {
         starts: dev.alloc_table(2, 0).unwrap(),
         paths: dev.alloc_table(8, 0).unwrap(),
         windows: dev.alloc_table(16, 0).unwrap(),
+        lane_meta: dev.alloc_table(10, 0).unwrap(),
+        page_tables: dev.alloc_table(12, -1).unwrap(),
     };
+    dev.upload_table(f.lane_meta, 0, &[1, 3, 2, -1, 0, 5, 9, -1, 2, 6])
+        .unwrap();
     dev.upload_table(f.starts, 0, &[2, 1]).unwrap();
     dev.upload_table(f.paths, 0, &[0, 2, 3, -1, 1, -1, -1, -1])
         .unwrap();
@@ -83,6 +92,7 @@ fn step(dev: &dyn Device, f: &Fixture, k: u32) {
         },
     ])
     .unwrap();
+    dev.translate_lanes(&lane_tables(f)).unwrap();
     dev.gather_rows(&[RowGather {
         buf: f.buf,
         ids: f.windows,
@@ -117,6 +127,32 @@ fn step(dev: &dyn Device, f: &Fixture, k: u32) {
     .unwrap();
 }
 
+/// A step's FULL page table and SWA window from the lanes of `f.ids`: requests on lanes
+/// 1 and 3, runs of 5 and 4 (the second past the table) and of 3 and 4 from entries 2
+/// and -1, a start before the window.
+fn lane_tables(f: &Fixture) -> [LaneTranslate; 2] {
+    let full = LaneTranslate {
+        v2p: f.v2p,
+        rows: f.ids,
+        lane_len: 8,
+        lanes: (f.lane_meta, 0),
+        firsts: None,
+        starts: (f.lane_meta, 4),
+        batch: 2,
+        stride: 8,
+        out: f.page_tables,
+        out_at: 0,
+        out_len: 6,
+    };
+    let window = LaneTranslate {
+        firsts: Some((f.lane_meta, 2)),
+        starts: (f.lane_meta, 7),
+        out_at: 6,
+        ..full
+    };
+    [full, window]
+}
+
 fn sync() -> HostSync {
     HostSync::acquire("test read-back")
 }
@@ -133,6 +169,7 @@ fn assert_matches_the_cpu_after(dev: &CudaDevice, f: &Fixture, steps: u32) {
         (f.out, g.out, 40),
         (f.v2p, g.v2p, 64),
         (f.windows, g.windows, 16),
+        (f.page_tables, g.page_tables, 12),
     ] {
         assert_eq!(
             dev.read_table(&s, a, 0, len).unwrap(),
@@ -151,14 +188,16 @@ fn assert_matches_the_cpu_after(dev: &CudaDevice, f: &Fixture, steps: u32) {
 #[test]
 fn the_op_path_makes_no_driver_call_that_may_block() {
     for stalled in [false, true] {
-        let dev = CudaDevice::emulated().with_staging(4096).unwrap();
+        // Stalled, nothing is consumed: the ring must hold every list, and the 64 fence
+        // events made at boot every staged op (6 a step), so 10 steps.
+        let dev = CudaDevice::emulated().with_staging(8192).unwrap();
         let f = set_up(&dev);
         if stalled {
             assert!(dev.stall_stream());
         }
         dev.trace_driver_calls();
         let before = dev.sync_hazards();
-        let steps = if stalled { 12 } else { 200 };
+        let steps = if stalled { 10 } else { 200 };
         for k in 0..steps {
             step(&dev, &f, k);
             if !stalled {
@@ -187,6 +226,75 @@ fn the_op_path_makes_no_driver_call_that_may_block() {
     }
 }
 
+/// A lane translation's driver calls: its list (12 words per translation) copied from
+/// the pinned ring, one launch of `unikv_translate_lanes` sized by the average run (x)
+/// and the requests (y), and the ring's fence; none may block. A call with nothing to
+/// launch and a refused call make no driver call at all.
+#[test]
+fn a_lane_translation_stages_one_list_through_the_ring_and_launches_once() {
+    let dev = CudaDevice::emulated();
+    let f = set_up(&dev);
+    dev.upload_table(f.ids, 0, &(0..32).collect::<Vec<_>>())
+        .unwrap();
+    dev.scatter_table(f.v2p, &[(1, 3), (9, 5), (25, 2), (26, 7)])
+        .unwrap();
+    dev.trace_driver_calls();
+    let before = dev.sync_hazards();
+    dev.translate_lanes(&lane_tables(&f)).unwrap();
+    let calls: Vec<_> = dev
+        .take_driver_calls()
+        .into_iter()
+        .filter(|r| !matches!(r.call, DriverCall::EventQuery))
+        .collect();
+    let grid = Grid {
+        blocks: (1, 4, 1),
+        threads: 256,
+    };
+    assert_eq!(
+        calls.iter().map(|r| r.call).collect::<Vec<_>>(),
+        [
+            DriverCall::CopyFromPinned { bytes: 2 * 12 * 8 },
+            DriverCall::Launch {
+                kernel: Kernel::TranslateLanes,
+                grid
+            },
+            DriverCall::EventRecord,
+        ]
+    );
+    for r in &calls {
+        assert_eq!((r.op, r.hazard), ("translate_lanes", None), "{r:?}");
+    }
+    assert_eq!(dev.sync_hazards(), before);
+    // Lane 1 holds pages 8..16 (9 → 5), lane 3 pages 24..32 (25 → 2, 26 → 7): lane 1
+    // from entry 0 at 0..5, lane 3 at 5..9 (past the table from 6); lane 1 from entry 2
+    // at -1..2 (only 0..2 lands), lane 3 from entry -1 at 2..6.
+    assert_eq!(
+        dev.read_table(&sync(), f.page_tables, 0, 12).unwrap(),
+        [0, 40, 0, 0, 0, 0, 0, 0, 0, 0, 16, 56]
+    );
+
+    dev.take_driver_calls(); // the read-back's
+    let [full, window] = lane_tables(&f);
+    let nothing = [
+        LaneTranslate { batch: 0, ..full },
+        LaneTranslate {
+            out_len: 0,
+            ..window
+        },
+    ];
+    dev.translate_lanes(&nothing).unwrap();
+    let refused = [
+        full,
+        LaneTranslate {
+            out_at: 5,
+            ..window
+        },
+    ];
+    assert!(dev.translate_lanes(&refused).is_err());
+    let calls = dev.take_driver_calls();
+    assert!(calls.is_empty(), "{calls:?}");
+}
+
 /// With no staging ring every list goes through a temporary allocation and a pageable
 /// copy: each such call is a hazard, the ledger charges it to the op and its call site,
 /// and its no-sync check fails, where the ring-staged backend passes.
@@ -212,6 +320,7 @@ fn a_blocking_backend_is_caught_by_the_ledger_with_the_op_and_the_hazard() {
             "scatter_table",
             "upload_table",
             "translate_windows",
+            "translate_lanes",
             "move_spans",
             "fill_spans"
         ],

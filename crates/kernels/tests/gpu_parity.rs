@@ -10,8 +10,8 @@
 
 use unikv_invariants::testing::page_sizes;
 use unikv_kernels::{
-    ByteSpan, BytesId, CpuDevice, CudaDevice, Device, Error, HostSync, Readback, RowGather,
-    SpanMove, TableId, TableScatter, TableSpans, Translate, WindowTranslate,
+    ByteSpan, BytesId, CpuDevice, CudaDevice, Device, Error, HostSync, LaneTranslate, Readback,
+    RowGather, SpanMove, TableId, TableScatter, TableSpans, Translate, WindowTranslate,
 };
 
 fn gpu_required() -> bool {
@@ -484,6 +484,192 @@ fn verify_windows_and_row_gathers_match_cpu() {
                 dev.read_bytes(&sync(), buf, 0, total)?,
             ))
         });
+    }
+}
+
+/// Prefix sums from `first` of `batch` runs of `0..=longest` entries each.
+fn prefix_sums(rng: &mut Rng, first: i32, batch: usize, longest: u64) -> Vec<i32> {
+    let mut starts = vec![first];
+    for _ in 0..batch {
+        let at = *starts.last().unwrap();
+        starts.push(at + rng.below(longest + 1) as i32);
+    }
+    starts
+}
+
+/// Two decode steps' page tables from persistent lanes, at every page size: a FULL
+/// table (each request's lane from entry 0, ragged runs, the last past the output) and
+/// an SWA window (from device-side first entries, runs that start before the output) in
+/// one op; then the host writes only each lane's new pages and the same op runs again;
+/// then each malformed call refused the same way, before it writes anything.
+#[test]
+fn lane_translations_match_cpu() {
+    for ps in page_sizes() {
+        let mut rng = Rng(0x1A7E5 + u64::from(ps));
+        let (lane_len, lane_count, batch) = (32usize, 24usize, 20usize);
+        let pages = 96u64;
+        let v2p: Vec<i32> = (0..pages)
+            .map(|_| match rng.below(5) {
+                0 => 0,
+                1 => -1,
+                _ => 1 + rng.below(1000) as i32,
+            })
+            .collect();
+        // Whole lanes and a partial one; pages in and outside v2p, the sink, negative.
+        let rows: Vec<i32> = (0..lane_count * lane_len + 5)
+            .map(|_| rng.below(pages + 6) as i32 - 2)
+            .collect();
+        // Per request: its lane (some outside the lanes), its window's first entry (some
+        // before or past the lane), the FULL runs' and the window's prefix sums.
+        let lanes: Vec<i32> = (0..batch)
+            .map(|_| rng.below(lane_count as u64 + 3) as i32 - 1)
+            .collect();
+        let firsts: Vec<i32> = (0..batch)
+            .map(|_| rng.below(lane_len as u64 + 8) as i32 - 4)
+            .collect();
+        let full_starts = prefix_sums(&mut rng, 0, batch, lane_len as u64);
+        let window_starts = prefix_sums(&mut rng, -3, batch, 8);
+        let full_len = full_starts[batch] as usize - 5;
+        let window_len = window_starts[batch] as usize;
+        // The next step's new pages: one entry of each request's lane.
+        let grown: Vec<(u32, i32)> = (0..lane_count)
+            .map(|l| {
+                let entry = l * lane_len + rng.below(lane_len as u64) as usize;
+                (entry as u32, 1 + rng.below(pages - 1) as i32)
+            })
+            .collect();
+        let meta: Vec<i32> = [&lanes[..], &firsts, &full_starts, &window_starts].concat();
+        check_parity("lane translations", |dev| {
+            let (t_v2p, t_rows, t_meta) =
+                (table(dev, &v2p)?, table(dev, &rows)?, table(dev, &meta)?);
+            let out = dev.alloc_table(full_len + window_len + 3, -9)?;
+            let full = LaneTranslate {
+                v2p: t_v2p,
+                rows: t_rows,
+                lane_len,
+                lanes: (t_meta, 0),
+                firsts: None,
+                starts: (t_meta, 2 * batch),
+                batch,
+                stride: 2 * ps + 1,
+                out,
+                out_at: 1,
+                out_len: full_len,
+            };
+            let window = LaneTranslate {
+                firsts: Some((t_meta, batch)),
+                starts: (t_meta, 3 * batch + 1),
+                stride: ps,
+                out_at: 2 + full_len,
+                out_len: window_len,
+                ..full
+            };
+            dev.translate_lanes(&[full, window])?;
+            let s = sync();
+            let first_step = dev.read_table(&s, out, 0, full_len + window_len + 3)?;
+            dev.scatter_table(t_rows, &grown)?;
+            dev.translate_lanes(&[window, full])?;
+            // No lanes; starts short of the last prefix sum; an output over the window's
+            // last start; `rows` as an output; outputs that overlap; a stride past i32.
+            let refused: Vec<String> = [
+                dev.translate_lanes(&[
+                    full,
+                    LaneTranslate {
+                        lane_len: 0,
+                        ..window
+                    },
+                ]),
+                dev.translate_lanes(&[LaneTranslate {
+                    starts: (t_meta, 3 * batch + 2),
+                    ..window
+                }]),
+                dev.translate_lanes(&[LaneTranslate {
+                    out: t_meta,
+                    out_at: 4 * batch + 1,
+                    out_len: 1,
+                    ..window
+                }]),
+                dev.translate_lanes(&[
+                    LaneTranslate {
+                        out: t_meta,
+                        out_at: 4 * batch + 2,
+                        out_len: 0,
+                        ..window
+                    },
+                    LaneTranslate {
+                        out: t_rows,
+                        out_len: 1,
+                        ..full
+                    },
+                ]),
+                dev.translate_lanes(&[
+                    full,
+                    LaneTranslate {
+                        out_at: full_len,
+                        ..window
+                    },
+                ]),
+                dev.translate_lanes(&[LaneTranslate {
+                    stride: u32::MAX,
+                    ..full
+                }]),
+            ]
+            .into_iter()
+            .map(|r| format!("{:?}", r.expect_err("a malformed lane call is refused")))
+            .collect();
+            let second_step = dev.read_table(&s, out, 0, full_len + window_len + 3)?;
+            // Pages and sinks in both steps; the new pages show in the second.
+            let bound = first_step.iter().filter(|&&k| k > 0).count();
+            assert!(bound > batch && bound + batch < first_step.len(), "{bound}");
+            assert_ne!(first_step, second_step);
+            Ok((
+                first_step,
+                refused,
+                second_step,
+                dev.read_table(&s, t_meta, 0, meta.len())?,
+            ))
+        });
+    }
+}
+
+/// A lane translation stages its list per call, so a CUDA graph cannot capture it: it
+/// is refused during the capture, issues nothing, and runs eagerly after.
+#[test]
+fn a_lane_translation_is_refused_during_capture() {
+    for (label, dev) in backends("a_lane_translation_is_refused_during_capture") {
+        let (v2p, rows) = (table(&dev, &[0, 4]).unwrap(), table(&dev, &[1, 1]).unwrap());
+        let meta = table(&dev, &[0, 0, 2]).unwrap();
+        let out = dev.alloc_table(2, -1).unwrap();
+        let lanes = LaneTranslate {
+            v2p,
+            rows,
+            lane_len: 2,
+            lanes: (meta, 0),
+            firsts: None,
+            starts: (meta, 1),
+            batch: 1,
+            stride: 3,
+            out,
+            out_at: 0,
+            out_len: 2,
+        };
+        let captured = dev.capture(|d| {
+            assert!(
+                matches!(
+                    d.translate_lanes(&[lanes]),
+                    Err(Error::NotCapturable {
+                        op: "translate_lanes"
+                    })
+                ),
+                "{label}"
+            );
+            Ok(())
+        });
+        assert!(captured.is_ok(), "{label}");
+        let s = sync();
+        assert_eq!(dev.read_table(&s, out, 0, 2).unwrap(), [-1, -1], "{label}");
+        dev.translate_lanes(&[lanes]).unwrap();
+        assert_eq!(dev.read_table(&s, out, 0, 2).unwrap(), [12, 12], "{label}");
     }
 }
 

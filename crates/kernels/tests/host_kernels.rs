@@ -14,8 +14,8 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use unikv_kernels::nvrtc::KERNEL_SOURCES;
 use unikv_kernels::{
-    ByteSpan, CpuDevice, Device, HostSync, Readback, RowGather, SpanMove, TableScatter, Translate,
-    WindowTranslate,
+    ByteSpan, CpuDevice, Device, HostSync, LaneTranslate, Readback, RowGather, SpanMove,
+    TableScatter, Translate, WindowTranslate,
 };
 
 /// Threads per block and most blocks of the CUDA backend's launches (`cuda.rs`).
@@ -618,6 +618,174 @@ fn verify_windows_and_row_gathers_match_the_cpu_twin_at_every_page_size() {
                 &[&pattern, &i32s(&ids), &i32s(&path), &geometry],
             );
             assert!(got == want, "gather_rows at ps {ps}, shape {shape:?}");
+        }
+    }
+}
+
+/// One random lane translation's host values (see [`LaneTranslate`]).
+struct Lanes {
+    v2p: Vec<i32>,
+    rows: Vec<i32>,
+    lane_len: usize,
+    lanes: Vec<i32>,
+    firsts: Option<Vec<i32>>,
+    starts: Vec<i32>,
+    stride: u32,
+    out_at: usize,
+    out_len: usize,
+}
+
+impl Lanes {
+    /// `batch` requests over a few lanes (and a partial one): lanes and first entries in
+    /// and out of range, runs of ragged lengths from a start that may lie before 0 and
+    /// reach past the output (which may hold fewer entries than the runs), pages bound,
+    /// unbound, tombstoned, negative and outside `v2p`, strides that overflow `i32`.
+    /// The runs never overlap (the CPU keeps the later of two writers, a GPU either).
+    fn random(rng: &mut Rng, batch: usize) -> Lanes {
+        let pages = 1 + rng.below(60) as usize;
+        let v2p: Vec<i32> = (0..pages)
+            .map(|_| match rng.below(6) {
+                0 => 0,
+                1 => -1,
+                _ => rng.below(1 << 20) as i32,
+            })
+            .collect();
+        let lane_len = 1 + rng.below(40) as usize;
+        let whole = rng.below(6) as usize;
+        let rows: Vec<i32> = (0..whole * lane_len + rng.below(lane_len as u64) as usize)
+            .map(|_| rng.below(pages as u64 + 8) as i32 - 3)
+            .collect();
+        let lanes: Vec<i32> = (0..batch)
+            .map(|_| rng.below(whole as u64 + 4) as i32 - 2)
+            .collect();
+        let firsts = (rng.below(2) == 0).then(|| {
+            (0..batch)
+                .map(|_| match rng.below(8) {
+                    0 => i32::MIN,
+                    1 => i32::MAX,
+                    _ => rng.below(2 * lane_len as u64 + 6) as i32 - lane_len as i32 / 2 - 3,
+                })
+                .collect()
+        });
+        // Prefix sums of ragged runs (empty ones too) from a start before 0 (now and
+        // then far before); the last may end far past the output, or before it starts.
+        let mut starts = vec![match rng.below(6) {
+            0 => i32::MIN,
+            _ => rng.below(12) as i32 - 8,
+        }];
+        for _ in 0..batch {
+            let at = *starts.last().unwrap();
+            let next = match rng.below(10) {
+                0 => 0,
+                _ => rng.below(lane_len as u64 + 6) as i32,
+            };
+            starts.push(at.max(-20) + next);
+        }
+        match rng.below(6) {
+            0 if batch > 0 => starts[batch] = i32::MAX,
+            1 if batch > 0 => starts[batch] = starts[batch - 1] - 3,
+            _ => {}
+        }
+        let end = usize::try_from(starts[batch].clamp(0, 4 * 40 * 40)).unwrap();
+        Lanes {
+            v2p,
+            rows,
+            lane_len,
+            lanes,
+            firsts,
+            starts,
+            stride: [1, 24_576, i32::MAX as u32][rng.below(3) as usize],
+            out_at: rng.below(3) as usize,
+            out_len: rng.below(end as u64 + 6) as usize,
+        }
+    }
+
+    /// The output table: a guard entry or two around `out_len` entries.
+    fn out(&self) -> Vec<i32> {
+        vec![7; self.out_at + self.out_len + 2]
+    }
+}
+
+#[test]
+fn lane_translations_match_the_cpu_twin() {
+    if harness().is_none() {
+        return;
+    }
+    let mut rng = Rng(0x1A4E_5EED);
+    for round in 0..24 {
+        // No translation, one, or several of no, one and many requests in one launch.
+        let count = [0, 1, 1, 2, 3][round % 5];
+        let all: Vec<Lanes> = (0..count)
+            .map(|_| {
+                let batch = [0, 1, 37, 300][rng.below(4) as usize];
+                Lanes::random(&mut rng, batch)
+            })
+            .collect();
+        let dev = CpuDevice::new();
+        let table = |values: &[i32]| {
+            let t = dev.alloc_table(values.len(), 0).unwrap();
+            dev.upload_table(t, 0, values).unwrap();
+            t
+        };
+        let args: Vec<LaneTranslate> = all
+            .iter()
+            .map(|l| LaneTranslate {
+                v2p: table(&l.v2p),
+                rows: table(&l.rows),
+                lane_len: l.lane_len,
+                lanes: (table(&l.lanes), 0),
+                firsts: l.firsts.as_ref().map(|f| (table(f), 0)),
+                starts: (table(&l.starts), 0),
+                batch: l.lanes.len(),
+                stride: l.stride,
+                out: table(&l.out()),
+                out_at: l.out_at,
+                out_len: l.out_len,
+            })
+            .collect();
+        dev.translate_lanes(&args).unwrap();
+        let want: Vec<i32> = args
+            .iter()
+            .zip(&all)
+            .flat_map(|(t, l)| dev.read_table(&sync(), t.out, 0, l.out().len()).unwrap())
+            .collect();
+        let mut arrays = vec![(count as u64).to_le_bytes().to_vec()];
+        for l in &all {
+            let scalars = [
+                l.lane_len as u64,
+                l.lanes.len() as u64,
+                u64::from(l.stride),
+                l.out_at as u64,
+                l.out_len as u64,
+            ];
+            arrays.extend([
+                i32s(&l.v2p),
+                i32s(&l.rows),
+                i32s(&l.lanes),
+                l.firsts.as_deref().map_or_else(Vec::new, i32s),
+                i32s(&l.starts),
+                bytes_of(&scalars, |x| x.to_le_bytes().to_vec()),
+                i32s(&l.out()),
+            ]);
+        }
+        let inputs: Vec<&[u8]> = arrays.iter().map(Vec::as_slice).collect();
+        // The backend's grid (cuda.rs: x for the average run of the translations it
+        // launches, y for every request), then odd ones.
+        let launched = all.iter().filter(|l| !l.lanes.is_empty() && l.out_len > 0);
+        let widest = launched
+            .clone()
+            .map(|l| (l.out_len as u64).div_ceil(l.lanes.len() as u64))
+            .max()
+            .unwrap_or(0);
+        let total: u64 = launched.map(|l| l.lanes.len() as u64).sum();
+        let backend = (
+            widest.div_ceil(u64::from(BLOCK)).clamp(1, MAX_BLOCKS) as u32,
+            total.clamp(1, MAX_BLOCKS) as u32,
+            BLOCK,
+        );
+        for shape in [backend, (1, 1, 1), (3, 2, 7), (2, 5, 32)] {
+            let got = from_i32s(&run("translate_lanes", shape, &inputs));
+            assert_eq!(got, want, "translate_lanes round {round}, shape {shape:?}");
         }
     }
 }

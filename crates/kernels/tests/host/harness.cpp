@@ -201,6 +201,48 @@ int main() {
             all.insert(all.end(), o.begin(), o.end());
         }
         write_array(all);
+    } else if (name == "translate_lanes") {
+        // count, then per translation: v2p, rows, lanes, firsts (empty: none), starts,
+        // (lane_len, batch, stride, out_at, out_len) as 5 x u64, out (the whole table:
+        // entries outside out_at..out_at + out_len must stay). Output: the outs,
+        // concatenated. The list is packed as the backend packs it (cuda.rs).
+        auto count_bytes = read_array();
+        unsigned long long count = as<unsigned long long>(count_bytes)[0];
+        std::vector<std::vector<unsigned char>> v2ps, rowss, laness, firstss, startss, outs;
+        std::vector<unsigned long long> list, out_at;
+        unsigned long long total = 0;
+        for (unsigned long long t = 0; t < count; ++t) {
+            v2ps.push_back(read_array());
+            rowss.push_back(read_array());
+            laness.push_back(read_array());
+            firstss.push_back(read_array());
+            startss.push_back(read_array());
+            auto args = read_array();
+            outs.push_back(read_array());
+            unsigned long long* a = as<unsigned long long>(args);
+            unsigned long long words[12] = {0, v2ps.back().size() / 4, 0, rowss.back().size() / 4,
+                                            a[0], 0, 0, 0, a[1], a[2], 0, a[4]};
+            list.insert(list.end(), words, words + 12);
+            out_at.push_back(a[3]);
+            total += a[1];
+        }
+        for (unsigned long long t = 0; t < count; ++t) {  // the vectors no longer move
+            list[12 * t] = (unsigned long long)(uintptr_t)v2ps[t].data();
+            list[12 * t + 2] = (unsigned long long)(uintptr_t)rowss[t].data();
+            list[12 * t + 5] = (unsigned long long)(uintptr_t)laness[t].data();
+            if (!firstss[t].empty()) {
+                list[12 * t + 6] = (unsigned long long)(uintptr_t)firstss[t].data();
+            }
+            list[12 * t + 7] = (unsigned long long)(uintptr_t)startss[t].data();
+            list[12 * t + 10] = (unsigned long long)(uintptr_t)(outs[t].data() + 4 * out_at[t]);
+        }
+        launch(grid_x, grid_y, block,
+               [&] { unikv_translate_lanes(list.data(), count, total); });
+        std::vector<unsigned char> all;
+        for (auto& o : outs) {
+            all.insert(all.end(), o.begin(), o.end());
+        }
+        write_array(all);
     } else if (name == "gather_rows") {
         // buf, ids, path, then (batch, width, page size, rows per token, row bytes) as
         // 5 x u64. Output: the buffer.
