@@ -1,0 +1,199 @@
+//! The host cost of a whole decode step, as an engine pays it: `alloc_decode`, the step's
+//! metadata and the step boundary, for a batch of 256 requests decoding one token each,
+//! at contexts of 512, 4k, 16k and 64k tokens, page sizes 1, 16 and 256, both layouts,
+//! gpt-oss-20b and Qwen3-Next (recurrent state scaled down as in `benches/step.rs`), at
+//! invariant levels off and strict. Thread CPU time on a `NullDevice` (bookkeeping only),
+//! medians of 30 steps after 5 warm-up steps.
+//!
+//! Each step builds the metadata twice, timed apart: on the device from the lanes
+//! (`build_step_metadata`, what the step costs) and on the host row by row
+//! (`build_step_metadata_on_host`: the cost the lanes replace, printed beside it as
+//! "host-built"). Run with `cargo bench -p unikv --bench step_cost` (`-- --quick`: contexts
+//! 512 and 4k only; `-- --ctx 16384` one context).
+
+use std::sync::Arc;
+use std::time::Duration;
+use unikv::invariants::{Level, scoped_level};
+use unikv::kernels::{NullDevice, thread_cpu_time};
+use unikv::{
+    HybridCache, Layout, ModelSpec, RecurrentState, Request, StepCapacity, StepMetadata, TokenId,
+};
+
+const BATCH: usize = 256;
+const WARM_UP: usize = 5;
+const STEPS: usize = 30;
+/// Prefill chunk: each releases the window its predecessor left, so a static SWA pool
+/// sized for windows holds a long prompt.
+const CHUNK: usize = 4_096;
+
+/// Qwen3-Next-80B-A3B's layers and KV rows with its recurrent state scaled down (as in
+/// `benches/step.rs`): the allocator's work is per slot, not per byte.
+const QWEN3_NEXT_SCALED_STATE: ModelSpec = ModelSpec {
+    name: "qwen3-next-80b-a3b",
+    recurrent: RecurrentState {
+        conv_channels: 4,
+        conv_kernel: 4,
+        heads: 1,
+        head_dim: 2,
+        state_size: 3,
+        conv_dtype_bytes: 2,
+        state_dtype_bytes: 4,
+    },
+    ..ModelSpec::QWEN3_NEXT_80B_A3B
+};
+
+/// Median per-part step times of one cell.
+struct Cell {
+    alloc: Duration,
+    meta: Duration,
+    boundary: Duration,
+    host_meta: Duration,
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort_unstable();
+    v[v.len() / 2]
+}
+
+fn timed<R>(f: impl FnOnce() -> R) -> (R, Duration) {
+    let start = thread_cpu_time();
+    let r = f();
+    (r, thread_cpu_time().saturating_sub(start))
+}
+
+/// A cache of `model` holding `BATCH` requests of `ctx` tokens each, decoding.
+fn decoding(model: ModelSpec, layout: Layout, ps: u32, ctx: usize) -> (HybridCache, Vec<Request>) {
+    let tokens = (BATCH * (ctx + WARM_UP + STEPS + 2 * ps as usize)) as u64;
+    let per_token = model.full_bytes_per_token() + model.swa_bytes_per_token();
+    let slots = model.slot_pool().map_or(0, |s| s.bytes_per_slot) * (BATCH as u64 * 8);
+    // Room for every request's rows twice over (the static layout splits the budget).
+    let memory = 3 * per_token * tokens + slots + (64 << 20);
+    let mut cache = HybridCache::builder()
+        .model(model)
+        .page_size(ps)
+        .memory_bytes(memory)
+        .layout(layout)
+        .device(Arc::new(NullDevice::new()))
+        .build()
+        .expect("the cache builds");
+    cache
+        .reserve_step_metadata(StepCapacity {
+            requests: BATCH,
+            max_len: ctx + WARM_UP + STEPS + 1,
+        })
+        .expect("lanes reserved");
+    let mut requests = Vec::with_capacity(BATCH);
+    for r in 0..BATCH as u32 {
+        let prompt: Vec<TokenId> = (0..ctx as u32)
+            .map(|t| TokenId(r * 1_000_000 + t))
+            .collect();
+        let hit = cache.match_prefix(prompt);
+        let mut req = cache.admit(hit).expect("admitted");
+        while req.remaining_prefill() > 0 {
+            let chunk = req.remaining_prefill().min(CHUNK);
+            cache.alloc_extend(&mut req, chunk).expect("prefilled");
+            cache.step_boundary().expect("a clean step");
+        }
+        requests.push(req);
+    }
+    (cache, requests)
+}
+
+fn cell(model: ModelSpec, layout: Layout, ps: u32, ctx: usize) -> Cell {
+    let (mut cache, mut requests) = decoding(model, layout, ps, ctx);
+    let tokens = vec![TokenId(7); BATCH];
+    let (mut meta, mut host_meta) = (StepMetadata::new(), StepMetadata::new());
+    let mut times: [Vec<Duration>; 4] = Default::default();
+    for step in 0..WARM_UP + STEPS {
+        let mut batch: Vec<&mut Request> = requests.iter_mut().collect();
+        let (r, alloc) = timed(|| cache.alloc_decode(&mut batch, &tokens));
+        r.expect("decoded");
+        let shape: Vec<(&Request, usize)> = requests.iter().map(|r| (r, 1)).collect();
+        let (r, meta_t) = timed(|| cache.build_step_metadata(&mut meta, &shape));
+        r.expect("built");
+        let (r, host_t) = timed(|| cache.build_step_metadata_on_host(&mut host_meta, &shape));
+        r.expect("built on the host");
+        drop(shape);
+        let (r, boundary) = timed(|| cache.step_boundary());
+        r.expect("a clean step");
+        if step >= WARM_UP {
+            for (v, t) in times.iter_mut().zip([alloc, meta_t, boundary, host_t]) {
+                v.push(t);
+            }
+        }
+    }
+    for req in requests {
+        cache.release(req).expect("released");
+    }
+    let [alloc, meta, boundary, host_meta] = times.map(median);
+    Cell {
+        alloc,
+        meta,
+        boundary,
+        host_meta,
+    }
+}
+
+fn us(d: Duration) -> String {
+    format!("{:.1}", d.as_secs_f64() * 1e6)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let mut contexts = vec![512, 4_096, 16_384, 65_536];
+    if args.iter().any(|a| a == "--quick") {
+        contexts = vec![512, 4_096];
+    }
+    if let Some(i) = args.iter().position(|a| a == "--ctx") {
+        let ctx = args
+            .get(i + 1)
+            .and_then(|c| c.parse().ok())
+            .expect("--ctx N");
+        contexts = vec![ctx];
+    }
+    let models = [ModelSpec::GPT_OSS_20B, QWEN3_NEXT_SCALED_STATE];
+    let layouts = [
+        (
+            "static",
+            Layout::Static {
+                swa_full_tokens_ratio: 0.8,
+            },
+        ),
+        ("unified", Layout::Unified),
+    ];
+    for level in [Level::Off, Level::Strict] {
+        println!(
+            "\nhost cost of a decode step, batch {BATCH}, invariants {level}, µs (thread CPU, \
+             median of {STEPS} steps)"
+        );
+        println!(
+            "| model | layout | ps | context | alloc | metadata | boundary | step | \
+             host-built metadata | step with it | metadata vs 512 |"
+        );
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
+        for model in models {
+            for (name, layout) in layouts {
+                for ps in [1, 16, 256] {
+                    let mut base: Option<Duration> = None;
+                    for &ctx in &contexts {
+                        let c = scoped_level(level, || cell(model, layout, ps, ctx));
+                        let step = c.alloc + c.meta + c.boundary;
+                        let today = c.alloc + c.host_meta + c.boundary;
+                        let base = *base.get_or_insert(c.meta);
+                        println!(
+                            "| {} | {name} | {ps} | {ctx} | {} | {} | {} | **{}** | {} | {} | {:.2}× |",
+                            model.name,
+                            us(c.alloc),
+                            us(c.meta),
+                            us(c.boundary),
+                            us(step),
+                            us(c.host_meta),
+                            us(today),
+                            c.meta.as_secs_f64() / base.as_secs_f64().max(1e-9),
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
