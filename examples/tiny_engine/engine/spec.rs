@@ -27,7 +27,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use unikv::kernels::{CpuDevice, Device, HostSync, Readback, TableId};
 use unikv::mamba::{MambaSpec, SlotLayout};
-use unikv::pools::Side;
 use unikv::{
     Accepted, DeviceValues, Draft, Error, HybridCache, KvGeometry, Request, Speculation,
     StepMetadata, TokenId, VerifyLayout, VerifyMetadata, VerifyOffsets,
@@ -280,13 +279,21 @@ pub fn serve_speculative(cfg: &RunConfig, mode: SpecMode) -> Result<(Vec<Job>, S
             stats.verifies += verifiers.len() as u64;
         }
 
-        // Metadata, after every allocation of the step.
-        let prefill_batch: Vec<(&Request, usize)> =
-            prefill.iter().map(|&(i, n)| (&running[i].req, n)).collect();
-        if !prefill_batch.is_empty() {
-            cache.build_step_metadata(&mut meta, &prefill_batch)?;
+        // Metadata, after every allocation of the step: the prefill chunks, then each
+        // verifier with its reserved rows as new tokens (its page tables are the context
+        // its verify reads, built on the device from its lane).
+        let step_batch: Vec<(&Request, usize)> = prefill
+            .iter()
+            .map(|&(i, n)| (&running[i].req, n))
+            .chain(verifiers.iter().map(|&i| {
+                let req = &running[i].req;
+                (req, req.reserved_rows())
+            }))
+            .collect();
+        if !step_batch.is_empty() {
+            cache.build_step_metadata(&mut meta, &step_batch)?;
         }
-        drop(prefill_batch);
+        drop(step_batch);
         let mut verify_ids: Option<(VerifyLayout, Vec<i32>)> = None;
         if !verifiers.is_empty() {
             let batch: Vec<&Request> = verifiers.iter().map(|&i| &running[i].req).collect();
@@ -316,17 +323,21 @@ pub fn serve_speculative(cfg: &RunConfig, mode: SpecMode) -> Result<(Vec<Job>, S
         }
 
         // The forward: prefill chunks (target and draft), then the verifies.
-        let view = (!prefill.is_empty())
+        let view = (!prefill.is_empty() || !verifiers.is_empty())
             .then(|| cache.step_view(&meta))
             .transpose()?;
         let table = match &view {
             Some(view) => step_table(&cpu, view)?,
             None => Vec::new(),
         };
-        // Kernel ids of the rows before each verify's positions, from the mirror.
+        // Kernel ids of the rows before each verify's positions, from its page tables.
         let before: Vec<(Vec<i32>, Vec<i32>)> = verifiers
             .iter()
-            .map(|&i| settled_ids(&cache, &running[i]))
+            .enumerate()
+            .map(|(m, &i)| {
+                let step = view.as_ref().expect("a verify batch").request(prefill.len() + m);
+                settled_ids(&cache, &running[i], step, &table)
+            })
             .collect();
         let mut prefill_logits: Vec<Vec<f32>> = Vec::new();
         let mut verified: Vec<(Verified, TokenId, Vec<Vec<f32>>)> = Vec::new();
@@ -475,21 +486,24 @@ fn depth_of(parents: &[i32], mut node: usize) -> usize {
 }
 
 /// The FULL and SWA kernel ids of the rows the device holds before a request's newest
-/// verify (the settled ones and the earlier unsettled verify's accepted ones), from the
-/// cache's mirror; SWA ids only inside the window the verify reads (0 below it).
-fn settled_ids(cache: &HybridCache, r: &Running) -> (Vec<i32>, Vec<i32>) {
+/// verify (the settled ones and the earlier unsettled verify's accepted ones), read from
+/// its step's page tables; SWA ids only inside the window the verify reads (0 below it).
+fn settled_ids(
+    cache: &HybridCache,
+    r: &Running,
+    step: unikv::RequestStep<'_>,
+    table: &[i32],
+) -> (Vec<i32>, Vec<i32>) {
     let len = r.device_tokens().len();
-    let alloc = cache.allocator();
-    let row = r.req.row();
     let full = (0..len)
-        .map(|p| alloc.kernel_id(Side::Full, row[p]))
+        .map(|p| step.full_id(table, p).expect("a row of the request"))
         .collect();
     let swa = if cache.model().swa_layers > 0 {
         let lo = (len + 1).saturating_sub(WINDOW);
         (0..len)
             .map(|p| {
                 if p >= lo {
-                    alloc.kernel_id(Side::Swa, row[p])
+                    step.swa_id(table, p).expect("a row inside the window")
                 } else {
                     0
                 }
