@@ -64,10 +64,16 @@ fn timed<R>(f: impl FnOnce() -> R) -> (R, Duration) {
 /// A cache of `model` holding `BATCH` requests of `ctx` tokens each, decoding.
 fn decoding(model: ModelSpec, layout: Layout, ps: u32, ctx: usize) -> (HybridCache, Vec<Request>) {
     let tokens = (BATCH * (ctx + WARM_UP + STEPS + 2 * ps as usize)) as u64;
-    let per_token = model.full_bytes_per_token() + model.swa_bytes_per_token();
+    // FULL room for every request's rows and a fifth more, and as many SWA tokens as the
+    // static layout's ratio gives (more than the unified layout's windows need); kernel
+    // ids must stay inside i32, so no more.
+    let per_token = model.full_bytes_per_token() + model.swa_bytes_per_token() * 4 / 5;
     let slots = model.slot_pool().map_or(0, |s| s.bytes_per_slot) * (BATCH as u64 * 8);
-    // Room for every request's rows twice over (the static layout splits the budget).
-    let memory = 3 * per_token * tokens + slots + (64 << 20);
+    let mut memory = per_token * tokens * 6 / 5 + slots + (64 << 20);
+    if model.has_recurrent_state() && layout != Layout::Unified {
+        // The static layout gives the reference's share of the budget to state slots.
+        memory *= 3;
+    }
     let mut cache = HybridCache::builder()
         .model(model)
         .page_size(ps)
@@ -91,7 +97,9 @@ fn decoding(model: ModelSpec, layout: Layout, ps: u32, ctx: usize) -> (HybridCac
         let mut req = cache.admit(hit).expect("admitted");
         while req.remaining_prefill() > 0 {
             let chunk = req.remaining_prefill().min(CHUNK);
-            cache.alloc_extend(&mut req, chunk).expect("prefilled");
+            if let Err(e) = cache.alloc_extend(&mut req, chunk) {
+                panic!("{} {layout:?} ps {ps} ctx {ctx}: prefill: {e}", model.name);
+            }
             cache.step_boundary().expect("a clean step");
         }
         requests.push(req);

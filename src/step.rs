@@ -414,8 +414,7 @@ impl HybridCache {
     /// needs more than any before ([`HybridCache::reserve_step_metadata`] sizes them at
     /// set-up).
     ///
-    /// Errors: a request of another cache, more new tokens than rows, a request twice, a
-    /// pending checkpoint before this step's tokens ([`Error::BadRequest`]), or a device
+    /// Errors: a request of another cache, more new tokens than rows, a pending checkpoint before this step's tokens ([`Error::BadRequest`]), or a device
     /// error; then `meta` stays unreadable until the next successful build. An SWA page
     /// inside a window that was released reads the sink and is counted (from level
     /// `warn`) as the breach `step.window_live`.
@@ -613,7 +612,7 @@ impl HybridCache {
 
     /// The checks of a step's batch, before anything is written.
     fn check_step_batch(&self, batch: &[(&Request, usize)]) -> Result<(), Error> {
-        for (i, &(req, new_tokens)) in batch.iter().enumerate() {
+        for &(req, new_tokens) in batch {
             self.check_request(req)?;
             if new_tokens > req.len() {
                 return Err(Error::BadRequest {
@@ -622,12 +621,6 @@ impl HybridCache {
                         "step metadata for {new_tokens} new tokens but the request has {} rows",
                         req.len()
                     ),
-                });
-            }
-            if batch[..i].iter().any(|(r, _)| r.id() == req.id()) {
-                return Err(Error::BadRequest {
-                    request: req.id(),
-                    reason: "the request is twice in the step's batch".to_string(),
                 });
             }
             if let Some(w) = req

@@ -335,7 +335,10 @@ pub fn serve_speculative(cfg: &RunConfig, mode: SpecMode) -> Result<(Vec<Job>, S
             .iter()
             .enumerate()
             .map(|(m, &i)| {
-                let step = view.as_ref().expect("a verify batch").request(prefill.len() + m);
+                let step = view
+                    .as_ref()
+                    .expect("a verify batch")
+                    .request(prefill.len() + m);
                 settled_ids(&cache, &running[i], step, &table)
             })
             .collect();
