@@ -59,6 +59,9 @@
 //!                      "ns_per_page" } | null,
 //!                                   allocator + tree CPU time per step (null with
 //!                                   --no-timing or when nothing was timed)
+//!     "step_with_metadata_cpu_ns": { as step_cpu_ns } | null,
+//!                                   the same plus the step's metadata build: the
+//!                                   step's whole host cost
 //!     "pass": bool,
 //!     "failures": [ str ],          why the run failed, one sentence each
 //!     "speculative": {              only in a speculative run (--spec, --spec-tree)
@@ -75,7 +78,7 @@
 //!   } ]
 //! }
 //! ```
-//! Everything but `step_cpu_ns` is a function of the seed: with `--no-timing` the same
+//! Everything but the two timings is a function of the seed: with `--no-timing` the same
 //! seed prints the same bytes.
 
 use crate::config::Layout;
@@ -117,7 +120,10 @@ REPORT ROWS (a column per layout, then unified/static):
   step CPU time, median     allocator and tree host time per step (device work
   step CPU time, p99          excluded; thread CPU time, so preemption does not count)
   step CPU per page         all steps' host time per page (or state slot) bound or
-                            released (--no-timing drops these three rows)
+                            released
+  step + metadata, median   the step's whole host cost: the rows above plus the
+  step + metadata, p99        step metadata the engine builds for its forward
+                            (--no-timing drops these five rows)
   verify steps              speculative runs (--spec, --spec-tree): verify steps,
                             one per request and step
   accepted per verify       positions accepted per settled verify step, the
@@ -299,6 +305,16 @@ impl Report {
                 Some(t) => Cell::Text(format_ns(t.ns_per_page), Some(t.ns_per_page as f64)),
                 None => Cell::Text("—".into(), None),
             });
+            table.row("step + metadata, median", runs, |r| {
+                match r.timing_with_metadata() {
+                    Some(t) => Cell::Text(format_ns(t.median), Some(t.median as f64)),
+                    None => Cell::Text("—".into(), None),
+                }
+            });
+            table.row("step + metadata, p99", runs, |r| match r.timing_with_metadata() {
+                Some(t) => Cell::Text(format_ns(t.p99), Some(t.p99 as f64)),
+                None => Cell::Text("—".into(), None),
+            });
         }
         if runs.iter().any(|r| r.speculative.is_some()) {
             let spec = |field: fn(&SpecStats) -> u64| {
@@ -444,6 +460,11 @@ impl Report {
                         invariant_violations: r.invariant_violations,
                         leaked_pages: r.leaked_pages,
                         step_cpu_ns: if self.timing { r.timing() } else { None },
+                        step_with_metadata_cpu_ns: if self.timing {
+                            r.timing_with_metadata()
+                        } else {
+                            None
+                        },
                         pass: failures.is_empty(),
                         failures,
                         speculative: r.speculative.as_ref().map(|s| JsonSpec {
@@ -527,6 +548,7 @@ struct JsonRun<'a> {
     invariant_violations: u64,
     leaked_pages: u64,
     step_cpu_ns: Option<Timing>,
+    step_with_metadata_cpu_ns: Option<Timing>,
     pass: bool,
     failures: Vec<String>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -60,7 +60,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use unikv::kernels::{SyncLedger, thread_cpu_time, thread_cpu_time_overhead};
 use unikv::pools::{Call, FreeOp, Hooked, Hooks, KvAllocator, Outcome, PageSize};
-use unikv::{Accepted, Draft, HybridCache, ModelSpec, Request, TokenId};
+use unikv::{Accepted, Draft, HybridCache, ModelSpec, Request, StepMetadata, TokenId};
 use unikv_workload::rng::SplitMix64;
 use unikv_workload::{RequestSpec, Workload};
 
@@ -233,6 +233,13 @@ struct Simulation<'a> {
     spec: Option<Speculating>,
     /// Told about verify and settle calls.
     notes: &'a mut dyn FnMut(SpecNote<'_>),
+    /// The requests this step computes, as an engine's forward would: (index into
+    /// `running`, request id, new tokens).
+    computed: Vec<(usize, u64, usize)>,
+    /// The step's metadata (reused).
+    meta: StepMetadata,
+    /// The host CPU time of this step's metadata build, once built.
+    metadata_ns: Option<u64>,
 }
 
 impl<'a> Simulation<'a> {
@@ -312,6 +319,9 @@ impl<'a> Simulation<'a> {
                 },
             }),
             notes,
+            computed: Vec::new(),
+            meta: StepMetadata::new(),
+            metadata_ns: None,
         })
     }
 
@@ -326,6 +336,8 @@ impl<'a> Simulation<'a> {
                 ));
             }
             self.arrive(step);
+            self.computed.clear();
+            self.metadata_ns = None;
             let started = thread_cpu_time();
             let moved = self.step()?;
             let report = self.cache.step_boundary();
@@ -334,15 +346,19 @@ impl<'a> Simulation<'a> {
             // mirror upload) synchronously on this thread, where a GPU would launch them
             // asynchronously, so their time is taken out: the ledger's wall time (cheap
             // per op; a device op preempted is over-subtracted, a host op never counted).
-            let elapsed = thread_cpu_time()
+            // The step's metadata is timed apart (its own row of the report).
+            let metadata = self.metadata_ns.unwrap_or(0);
+            let elapsed = (thread_cpu_time()
                 .saturating_sub(started)
                 .saturating_sub(thread_cpu_time_overhead())
                 .saturating_sub(self.ledger.device_time())
-                .as_nanos() as u64;
+                .as_nanos() as u64)
+                .saturating_sub(metadata);
             self.step_boundary_result(report)?;
             step += 1;
             self.stats.steps = step;
             self.stats.step_cpu_ns.push(elapsed);
+            self.stats.metadata_cpu_ns.push(metadata);
             self.stats.pages_handled = self.pages_handled.load(Ordering::Relaxed);
             self.observe(step);
             progress(StepProgress {
@@ -420,8 +436,42 @@ impl<'a> Simulation<'a> {
         } else {
             self.decode(decoders)?
         };
+        self.step_metadata()?;
         moved |= self.finish_requests()?;
         Ok(moved)
+    }
+
+    /// Builds the step's metadata for the requests it computes, as an engine does after
+    /// the step's allocations and before its forward (a verify before its settlement),
+    /// once a step; its host CPU time (device work excluded, as for the step) goes to
+    /// `metadata_ns`.
+    fn step_metadata(&mut self) -> Result<(), ReplayError> {
+        if self.metadata_ns.is_some() {
+            return Ok(());
+        }
+        let running = &self.running;
+        // A retraction pops the newest request: an index still holding its id is current.
+        let batch: Vec<(&Request, usize)> = self
+            .computed
+            .iter()
+            .filter_map(|&(i, id, n)| {
+                let r = running.get(i).filter(|r| r.req.id() == id)?;
+                Some((&r.req, n))
+            })
+            .collect();
+        let device_before = self.ledger.device_time();
+        let started = thread_cpu_time();
+        let built = self.cache.build_step_metadata(&mut self.meta, &batch);
+        let device = self.ledger.device_time().saturating_sub(device_before);
+        self.metadata_ns = Some(
+            thread_cpu_time()
+                .saturating_sub(started)
+                .saturating_sub(thread_cpu_time_overhead())
+                .saturating_sub(device)
+                .as_nanos() as u64,
+        );
+        built?;
+        Ok(())
     }
 
     /// Admits waiting requests in order while the concurrency cap, the prefill budget and
@@ -489,6 +539,7 @@ impl<'a> Simulation<'a> {
             let n = self.running[i].req.remaining_prefill().min(*budget);
             match self.cache.alloc_extend(&mut self.running[i].req, n) {
                 Ok(()) => {
+                    self.computed.push((i, self.running[i].req.id(), n));
                     *budget -= n;
                     self.tokens_done += n as u64;
                     self.cache.cache_unfinished(&mut self.running[i].req)?;
@@ -574,6 +625,7 @@ impl<'a> Simulation<'a> {
         };
         for &i in &decoders {
             self.running[i].sampled += 1;
+            self.computed.push((i, self.running[i].req.id(), 1));
         }
         self.tokens_done += decoders.len() as u64;
         if !retracted_any {
@@ -609,8 +661,13 @@ impl<'a> Simulation<'a> {
             return Ok(false);
         };
         // The verify's forward holds every reserved row: the step's peak, before the
-        // rejected ones go back.
+        // rejected ones go back. Its metadata is built before it settles.
         self.observe_peaks();
+        for &i in &decoders {
+            let req = &self.running[i].req;
+            self.computed.push((i, req.id(), req.reserved_rows()));
+        }
+        self.step_metadata()?;
         let in_flight = mode.speculation().max_in_flight as usize;
         let settling: Vec<usize> = decoders
             .iter()
@@ -1056,6 +1113,7 @@ mod tests {
     fn the_same_seed_gives_the_same_run() {
         let strip = |mut s: RunStats| {
             s.step_cpu_ns.clear();
+            s.metadata_cpu_ns.clear();
             s
         };
         for layout in Layout::BOTH {
