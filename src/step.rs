@@ -415,9 +415,9 @@ impl HybridCache {
     /// set-up).
     ///
     /// Errors: a request of another cache, more new tokens than rows, a pending checkpoint before this step's tokens ([`Error::BadRequest`]), or a device
-    /// error; then `meta` stays unreadable until the next successful build. An SWA page
-    /// inside a window that was released reads the sink and is counted (from level
-    /// `warn`) as the breach `step.window_live`.
+    /// error; then `meta` stays unreadable until the next successful build. A window
+    /// reaching below the request's window cursor (SWA released there, which reads the
+    /// sink) is the breach `step.window_live`.
     pub fn build_step_metadata(
         &mut self,
         meta: &mut StepMetadata,
@@ -514,7 +514,7 @@ impl HybridCache {
         let img = &mut meta.image;
         let alloc = self.allocator();
         let (mut q, mut f, mut s, mut w) = (0usize, 0usize, 0usize, 0usize);
-        let mut sink_pages = 0usize;
+        let mut released = 0usize;
         for (i, &(req, n)) in batch.iter().enumerate() {
             let len = req.len();
             let row = req.row();
@@ -550,10 +550,10 @@ impl HybridCache {
                     *slot = page_id(alloc, Side::Swa, row, ps, first / ps + k);
                 }
             }
-            if has_swa && unikv_invariants::enabled() {
-                sink_pages += (first / ps..full_n)
-                    .filter(|&page| page_id(alloc, Side::Swa, row, ps, page) == 0)
-                    .count();
+            if has_swa {
+                // SWA below the window cursor is released; a window reaching below it
+                // would read the sink there.
+                released += req.window_cursor().saturating_sub(first);
             }
             let state_slot = req.state_slot().and_then(|v| alloc.physical_slot(v));
             img[l.state_slots + i] = state_slot.unwrap_or(0) as i32;
@@ -593,8 +593,8 @@ impl HybridCache {
         img[l.swa_starts + b] = s as i32;
         img[l.checkpoint_starts + b] = meta.checkpoints.len() as i32;
         self.invariant_scope()
-            .expect(&WINDOW_LIVE, sink_pages == 0, || {
-                format!("{sink_pages} SWA pages inside a window of this step were released")
+            .expect(&WINDOW_LIVE, released == 0, || {
+                format!("{released} SWA rows inside a window of this step were released")
             });
         meta.layout = l;
         meta.table = if l.len == 0 {

@@ -347,3 +347,48 @@ fn checkpoint_writes_are_a_prefix_summed_section_of_the_step_table() {
         }
     }
 }
+
+/// A step whose window reaches below a request's window cursor would read released SWA
+/// (the sink): the build counts it as the breach `step.window_live`, which fails the
+/// step boundary at strict; a window at or above the cursor is no breach.
+#[test]
+fn a_window_below_the_window_cursor_is_a_window_live_breach() {
+    use unikv::invariants::{Error as InvariantError, Level, scoped_level};
+    scoped_level(Level::Strict, || {
+        for_each_layout_and_page_size(|layout, ps| {
+            let mut fx = Fixture::new(&Config::tokens(
+                layout,
+                ps,
+                W,
+                64 * (W as u64).max(ps as u64),
+                16,
+            ));
+            let keep = fx.keep();
+            let mut req = fx.admit(text(1, 2 * keep + 3));
+            fx.prefill(&mut req, keep);
+            fx.decode(&mut req, keep + fx.interval, 9_000);
+            let cursor = req.window_cursor();
+            assert!(cursor > 0, "{}: released", fx.label);
+            let mut meta = StepMetadata::new();
+            // A query's window starts W − 1 rows below it: at the cursor itself when the
+            // first new row is `cursor + W − 1`.
+            let at_cursor = req.len() - (cursor + W as usize - 1);
+            fx.cache
+                .build_step_metadata(&mut meta, &[(&req, at_cursor)])
+                .unwrap();
+            fx.step();
+            fx.cache
+                .build_step_metadata(&mut meta, &[(&req, at_cursor + 1)])
+                .unwrap();
+            match fx.cache.step_boundary() {
+                Err(Error::Invariants(InvariantError::Violated(v))) => {
+                    assert_eq!(v.failures.len(), 1, "{}: {v}", fx.label);
+                    assert_eq!(v.failures[0].name, "step.window_live", "{}", fx.label);
+                }
+                other => panic!("{}: no breach: {other:?}", fx.label),
+            }
+            // The breach stays in the scope's report: no teardown's clean check.
+            fx.cache.release(req).unwrap();
+        });
+    });
+}

@@ -274,27 +274,24 @@ impl Device for CpuDevice {
     fn translate_lanes(&self, all: &[LaneTranslate]) -> Result<(), Error> {
         let mut st = self.state();
         let strides = check::lanes(all, |t| Ok(st.table(t)?.len()))?;
-        let mut writes: Vec<(usize, i32)> = Vec::new();
         for (t, &stride) in all.iter().zip(&strides) {
-            writes.clear();
-            {
-                let (v2p, rows) = (st.table(t.v2p)?, st.table(t.rows)?);
-                let lanes = &st.table(t.lanes.0)?[t.lanes.1..][..t.batch];
-                let starts = &st.table(t.starts.0)?[t.starts.1..][..t.batch + 1];
-                let firsts = match t.firsts {
-                    Some((f, at)) => Some(&st.table(f)?[at..][..t.batch]),
-                    None => None,
-                };
-                for r in 0..t.batch {
-                    let first = firsts.map_or(0, |f| f[r]);
-                    let run = (lanes[r], first, starts[r], starts[r + 1]);
-                    check::lane_run(t, stride, v2p, rows, run, |o, id| writes.push((o, id)));
-                }
+            // The per-request inputs (O(batch)) are copied: they may share the output's
+            // table (in other ranges, checked), which is taken out while it is written.
+            let lanes = st.table(t.lanes.0)?[t.lanes.1..][..t.batch].to_vec();
+            let starts = st.table(t.starts.0)?[t.starts.1..][..t.batch + 1].to_vec();
+            let firsts = match t.firsts {
+                Some((f, at)) => st.table(f)?[at..][..t.batch].to_vec(),
+                None => vec![0; t.batch],
+            };
+            // `out` is neither `v2p` nor `rows` (checked), so both stay readable.
+            let mut out = std::mem::take(st.table_mut(t.out)?);
+            let window = &mut out[t.out_at..][..t.out_len];
+            let (v2p, rows) = (st.table(t.v2p)?, st.table(t.rows)?);
+            for r in 0..t.batch {
+                let run = (lanes[r], firsts[r], starts[r], starts[r + 1]);
+                check::lane_run(t, stride, v2p, rows, run, |o, id| window[o] = id);
             }
-            let out = &mut st.table_mut(t.out)?[t.out_at..][..t.out_len];
-            for &(o, id) in &writes {
-                out[o] = id;
-            }
+            *st.table_mut(t.out)? = out;
         }
         Ok(())
     }

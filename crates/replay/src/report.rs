@@ -311,9 +311,11 @@ impl Report {
                     None => Cell::Text("—".into(), None),
                 }
             });
-            table.row("step + metadata, p99", runs, |r| match r.timing_with_metadata() {
-                Some(t) => Cell::Text(format_ns(t.p99), Some(t.p99 as f64)),
-                None => Cell::Text("—".into(), None),
+            table.row("step + metadata, p99", runs, |r| {
+                match r.timing_with_metadata() {
+                    Some(t) => Cell::Text(format_ns(t.p99), Some(t.p99 as f64)),
+                    None => Cell::Text("—".into(), None),
+                }
             });
         }
         if runs.iter().any(|r| r.speculative.is_some()) {
