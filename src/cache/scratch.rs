@@ -36,12 +36,16 @@ impl VerifyScratch {
     }
 
     /// State slots that `requests` requests verifying with as many verifies in flight as
-    /// `spec` allows need beyond the groups made already (what admission prices).
+    /// `spec` allows (at most its `max_batch` of them) need beyond the groups made
+    /// already (what admission prices).
     pub(crate) fn shortfall(&self, spec: Option<Speculation>, requests: usize) -> usize {
         let Some(spec) = spec else { return 0 };
         let width = spec.max_width as usize;
         let made = self.slots / width;
+        // Groups past the declared batch are transient (made and freed within steps), so
+        // admission prices no more than the batch's.
         requests
+            .min(spec.max_batch as usize)
             .saturating_mul(spec.max_in_flight as usize)
             .saturating_sub(made)
             .saturating_mul(width)
