@@ -207,4 +207,10 @@ impl Request {
     pub fn state_group(&self) -> &[VirtualSlot] {
         self.verifies.back().map_or(&[], |v| &v.group)
     }
+
+    /// The scratch groups of all its unsettled verifies, oldest first (with counts a
+    /// step late, the newest verify reads its input state from the one before it).
+    pub fn state_groups(&self) -> Vec<&[VirtualSlot]> {
+        self.verifies.iter().map(|v| &v.group[..]).collect()
+    }
 }
