@@ -23,9 +23,12 @@ use unikv_radix::{
 mod builder;
 mod checkpoints;
 mod evict;
+mod scratch;
 mod spec;
 
-pub use builder::{DEFAULT_EVICTION_INTERVAL, HybridCacheBuilder, Layout, static_slot_pool};
+pub use builder::{
+    DEFAULT_EVICTION_INTERVAL, HybridCacheBuilder, Layout, static_slot_pool, verify_scratch_slots,
+};
 use checkpoints::{CheckpointPlan, Checkpoints};
 
 /// At `Strict`, the step boundary walks the whole tree ([`RadixTree::sanity_check`]) at
@@ -169,6 +172,9 @@ pub struct HybridCache {
     plan: CheckpointPlan,
     /// What verify steps it was built for (`None`: no speculation).
     speculation: Option<crate::Speculation>,
+    /// Verify scratch: the groups of state slots verify steps write, the cache's (never
+    /// a request's, never in the tree).
+    verify_scratch: scratch::VerifyScratch,
     /// The device tables of verify metadata: inputs uploaded, outputs translated on the
     /// device (reused, grown when short).
     verify_inputs: Option<StepTable>,
@@ -420,13 +426,25 @@ impl HybridCache {
             return false;
         };
         // The running slot and the checkpoints a one-chunk prefill of the prompt and the
-        // reserved decode save (a decoding request rewrites its one checkpoint slot).
+        // reserved decode save (a decoding request rewrites its one checkpoint slot), and
+        // the scratch its verify steps write where the kept scratch has none to spare.
         let slots = self.states.map_or(0, |policy| {
             let mut at = Vec::new();
             policy.plan(cached..target, Self::marks(&hit.tokens, result), &mut at);
-            self.own_slots() + at.len()
+            1 + at.len()
+                + self
+                    .verify_scratch
+                    .shortfall(self.speculation, self.live_requests + 1)
         });
-        let pages = target.div_ceil(self.ps) - cached / self.ps;
+        // A verifying request transiently holds the rows of every position its unsettled
+        // verifies reserved past its settled ones.
+        let verify_rows = self
+            .speculation
+            .map_or(0, |s| s.max_width as usize * s.max_in_flight as usize);
+        let Some(target_rows) = target.checked_add(verify_rows) else {
+            return false;
+        };
+        let pages = target_rows.div_ceil(self.ps) - cached / self.ps;
         let demand = PageDemand {
             mamba_slots: slots,
             ..self.kv_demand(pages)
@@ -535,11 +553,10 @@ impl HybridCache {
         marks: PlanMarks,
         matched: Option<MambaSlot>,
     ) -> Result<RequestState, Error> {
-        let own = self.own_slots();
-        self.make_room(PageDemand::slots(own))?;
-        let mut slots = Vec::with_capacity(own);
+        self.make_room(PageDemand::slots(1))?;
+        let mut slots = Vec::with_capacity(1);
         self.alloc
-            .alloc_slots(own, &mut slots)
+            .alloc_slots(1, &mut slots)
             .map_err(|e| self.out_of_memory(e))?;
         let running = slots[0];
         if let Some(MambaSlot(src)) = matched
@@ -549,23 +566,13 @@ impl HybridCache {
             self.alloc.free_batch(&[FreeOp::Slots(&slots)]);
             return Err(e.into());
         }
-        self.held_slots += own;
+        self.held_slots += 1;
         Ok(RequestState {
             running,
-            group: if self.speculation.is_some() {
-                slots
-            } else {
-                Vec::new()
-            },
             held: Vec::new(),
             pending: Vec::new(),
             marks,
         })
-    }
-
-    /// The state slots a request runs on: its slot group with speculation, else one.
-    fn own_slots(&self) -> usize {
-        self.speculation.map_or(1, |s| s.max_width as usize)
     }
 
     /// The KV pages a demand of `pages` new pages takes: on FULL, and on SWA when the
@@ -796,11 +803,10 @@ impl HybridCache {
         let before = self.held(&req);
         let len = req.settled_len();
         let mut checkpoints = self.held_checkpoints(&req);
-        // The running state is the state at `len` only while no verify step is in flight
-        // (an unsettled verify rewrites the whole slot group).
+        // The running state is the state at `len` even with a verify in flight: a verify
+        // writes only its scratch group, and settling copied the accepted state in.
         let mut cached_running = None;
         if let Some(state) = &req.state
-            && req.verifies.is_empty()
             && len > 0
             && len.is_multiple_of(self.ps)
             && checkpoints.last().is_none_or(|c| c.at.0 < len)
@@ -823,18 +829,14 @@ impl HybridCache {
         }]);
         if let Some(state) = &req.state {
             // The tree took (or handed back through its actions) every checkpoint and
-            // the running slot when it was one; the rest of its own slots go back.
-            let own = state.own_slots();
-            let rest: Vec<VirtualSlot> = own
-                .iter()
-                .filter(|&&s| Some(s) != cached_running)
-                .copied()
-                .collect();
-            if !rest.is_empty() {
-                self.alloc.free_batch(&[FreeOp::Slots(&rest)]);
+            // the running slot when it was one; otherwise the running slot goes back.
+            if cached_running.is_none() {
+                self.alloc
+                    .free_batch(&[FreeOp::Slots(std::slice::from_ref(&state.running))]);
             }
-            self.held_slots -= own.len() + state.held.len();
+            self.held_slots -= 1 + state.held.len();
         }
+        self.verify_scratch.give_back_all(&req);
         if let Some(lock) = req.lock {
             self.tree.unlock(lock)?;
         }
@@ -888,6 +890,7 @@ impl HybridCache {
             self.alloc.free_batch(&[FreeOp::Slots(&slots)]);
             self.held_slots -= slots.len();
         }
+        self.verify_scratch.give_back_all(&req);
         if let Some(lock) = req.lock {
             self.tree.unlock(lock)?;
             self.epoch += 1;
@@ -951,6 +954,10 @@ impl HybridCache {
     /// a few µs per step amortised; lower levels skip it. Walking at every boundary made
     /// the replay's median step time at page size 256 grow up to 20-fold.
     pub fn step_boundary(&mut self) -> Result<StepReport, Error> {
+        // Scratch given back in this step is handed out again from the next one (this
+        // step's forward may still read it); what is kept beyond the reserve goes back.
+        self.verify_scratch
+            .end_step(self.alloc.as_mut(), self.speculation);
         let closed = if self.alloc.in_free_group() {
             self.alloc.free_group_end().inspect_err(|_| {
                 self.alloc.flush_deferred();
@@ -1108,13 +1115,14 @@ impl HybridCache {
                 &cap.mamba,
                 sizes.mamba_evictable.0 * ps,
                 sizes.mamba_protected.0 * ps,
-                self.held_slots,
+                self.held_slots + self.verify_scratch.slots(),
             ),
             live_requests: self.live_requests,
             hit_tokens: self.hit_tokens,
             kv_hit_tokens: self.kv_hit_tokens,
             admitted_prompt_tokens: self.admitted_prompt_tokens,
             evictions: self.evictions,
+            verify_scratch_slots: self.verify_scratch.slots(),
         }
     }
 }

@@ -36,12 +36,15 @@ mod verify;
 
 pub use cache::{
     DEFAULT_EVICTION_INTERVAL, HybridCache, HybridCacheBuilder, Layout, TREE_SANITY_INTERVAL,
-    static_slot_pool,
+    static_slot_pool, verify_scratch_slots,
 };
 pub use error::Error;
 pub use model::{KvRows, ModelSpec, RecurrentState};
 pub use request::{PrefixMatch, Request};
-pub use spec::{Accepted, AcceptedFault, Draft, MAX_IN_FLIGHT, MAX_VERIFY_WIDTH, Speculation};
+pub use spec::{
+    Accepted, AcceptedFault, DEFAULT_VERIFY_BATCH, Draft, MAX_IN_FLIGHT, MAX_VERIFY_BATCH,
+    MAX_VERIFY_WIDTH, Speculation,
+};
 pub use stats::{CacheStats, EvictionCounts, SideStats, StepReport};
 pub use step::{
     DeviceLayout, KvGeometry, RequestStep, StepCapacity, StepCheckpoint, StepMetadata, StepView,

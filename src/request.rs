@@ -79,11 +79,9 @@ pub struct Request {
 /// The Mamba state slots a request owns.
 #[derive(Debug)]
 pub(crate) struct RequestState {
-    /// The running state: the recurrent kernels read and update it every step.
+    /// The running state: the recurrent kernels read and update it every step; with
+    /// speculation, settling copies the accepted position's state into it.
     pub(crate) running: VirtualSlot,
-    /// With speculation, its slot group (`running` among them): a verify writes the
-    /// state after its position `i` into `group[i]`. Empty without speculation.
-    pub(crate) group: Vec<VirtualSlot>,
     /// Checkpoints written (or being written) that the prefix tree has not taken yet, in
     /// ascending position, each with the step whose forward writes it.
     pub(crate) held: Vec<(CheckpointWrite, u64)>,
@@ -95,20 +93,12 @@ pub(crate) struct RequestState {
 }
 
 impl RequestState {
-    /// Every slot it owns.
+    /// Every slot it owns: its running slot, then its checkpoints (the scratch groups
+    /// of its unsettled verifies are the cache's, not its own).
     pub(crate) fn slots(&self) -> Vec<VirtualSlot> {
-        let mut slots = self.own_slots().to_vec();
+        let mut slots = vec![self.running];
         slots.extend(self.held.iter().map(|(w, _)| w.slot));
         slots
-    }
-
-    /// The slots it runs on: its group, or its running slot.
-    pub(crate) fn own_slots(&self) -> &[VirtualSlot] {
-        if self.group.is_empty() {
-            std::slice::from_ref(&self.running)
-        } else {
-            &self.group
-        }
     }
 }
 
@@ -200,18 +190,27 @@ impl Request {
         self.state.as_ref().map_or(&[], |s| &s.pending)
     }
 
-    /// Every state slot it owns: its running slot (with speculation, its slot group in
-    /// group order), then the checkpoints the prefix tree has not taken yet.
+    /// Every state slot it owns: its running slot, then the checkpoints the prefix tree
+    /// has not taken yet (not the scratch groups its unsettled verifies write:
+    /// [`Request::state_group`]).
     pub fn state_slots(&self) -> Vec<VirtualSlot> {
         self.state
             .as_ref()
             .map_or_else(Vec::new, RequestState::slots)
     }
 
-    /// With speculation on a recurrent model, its slot group: a verify step writes the
-    /// state after its position `i` into the `i`-th slot, and settling makes the last
-    /// accepted position's slot the running one. Empty otherwise.
+    /// With speculation on a recurrent model, the scratch group its newest unsettled
+    /// verify writes: the state after its position `i` goes into the `i`-th slot, and
+    /// settling copies the last accepted position's state into the running slot
+    /// ([`Request::state_slot`], which no verify writes). Empty with no verify in flight
+    /// or without recurrent layers.
     pub fn state_group(&self) -> &[VirtualSlot] {
-        self.state.as_ref().map_or(&[], |s| &s.group)
+        self.verifies.back().map_or(&[], |v| &v.group)
+    }
+
+    /// The scratch groups of all its unsettled verifies, oldest first (with counts a
+    /// step late, the newest verify reads its input state from the one before it).
+    pub fn state_groups(&self) -> Vec<&[VirtualSlot]> {
+        self.verifies.iter().map(|v| &v.group[..]).collect()
     }
 }

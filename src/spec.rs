@@ -9,6 +9,7 @@
 //! arrive, oldest verify first.
 
 use crate::error::Error;
+use unikv_pools::VirtualSlot;
 use unikv_radix::TokenId;
 
 /// The most positions [`Speculation::max_width`] may declare: EAGLE-2/3 trees verify up
@@ -21,12 +22,26 @@ pub const MAX_VERIFY_WIDTH: u32 = 64;
 /// verify).
 pub const MAX_IN_FLIGHT: u32 = 2;
 
+/// The verify batch [`Speculation::chain`] and [`Speculation::tree`] declare
+/// ([`Speculation::max_batch`]): a CUDA graph's batch for a verify step is typically
+/// this order (SGLang caps its running requests at 48 when it speculates).
+pub const DEFAULT_VERIFY_BATCH: u32 = 8;
+
+/// The most requests [`Speculation::max_batch`] may declare.
+pub const MAX_VERIFY_BATCH: u32 = 4096;
+
 /// What a cache is built to verify ([`crate::HybridCacheBuilder::speculation`]).
 ///
-/// On a model with recurrent layers every request holds a **slot group** of
-/// `max_width` state slots instead of one running slot: a verify writes the state after
-/// each of its positions into the group (position `i` into slot `i`), and settling makes
-/// the accepted position's slot the running one, by selection and without a copy.
+/// On a model with recurrent layers a verify writes the state after each of its
+/// positions into a **scratch group** of `max_width` state slots (position `i` into slot
+/// `i`), which the request holds only while the verify is unsettled: scratch groups are
+/// the cache's, never in the prefix tree, reused across requests (up to `max_batch ×
+/// max_in_flight` of them are kept once made), and settling *copies* the accepted
+/// position's state into the request's own running slot (one device copy, with the
+/// checkpoints the accepted positions cross). So draft-position states never take the
+/// room of cached ones (the static layout sizes its slot pool `max_batch ×
+/// max_in_flight × max_width` slots beyond the reference pool, as SGLang allocates its
+/// `intermediate_ssm_state_cache` apart from the states its prefix cache holds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Speculation {
     /// Positions one request verifies in one step at most: `1 + k` for a chain of `k`
@@ -36,6 +51,12 @@ pub struct Speculation {
     /// [`MAX_IN_FLIGHT`]): 1 when the counts arrive before the next step is allocated,
     /// 2 under an overlap scheduler.
     pub max_in_flight: u32,
+    /// Requests one verify step covers at most (1 ..= [`MAX_VERIFY_BATCH`]): the scratch
+    /// groups the cache keeps once made (`max_batch × max_in_flight`), and what the
+    /// static layout sizes its slot pool for beyond the reference pool. A larger batch
+    /// still verifies, its extra groups taken from the shared slot room and given back
+    /// at the step boundary.
+    pub max_batch: u32,
 }
 
 impl Speculation {
@@ -44,6 +65,7 @@ impl Speculation {
         Speculation {
             max_width: k.saturating_add(1),
             max_in_flight: 1,
+            max_batch: DEFAULT_VERIFY_BATCH,
         }
     }
 
@@ -52,6 +74,7 @@ impl Speculation {
         Speculation {
             max_width: nodes,
             max_in_flight: 1,
+            max_batch: DEFAULT_VERIFY_BATCH,
         }
     }
 
@@ -62,6 +85,21 @@ impl Speculation {
             max_in_flight: n,
             ..self
         }
+    }
+
+    /// The same for verify batches of up to `n` requests.
+    pub const fn batch(self, n: u32) -> Speculation {
+        Speculation {
+            max_batch: n,
+            ..self
+        }
+    }
+
+    /// Scratch groups the cache keeps once made: `max_batch × max_in_flight` (a request
+    /// with two verifies in flight holds two groups, so the newer verify reads the older
+    /// one's state and writes a group of its own).
+    pub const fn scratch_groups(&self) -> usize {
+        self.max_batch as usize * self.max_in_flight as usize
     }
 
     /// Why the builder refuses it, if it does.
@@ -76,6 +114,12 @@ impl Speculation {
             return Err(format!(
                 "speculation: {} verify steps in flight (1 ..= {MAX_IN_FLIGHT})",
                 self.max_in_flight
+            ));
+        }
+        if !(1..=MAX_VERIFY_BATCH).contains(&self.max_batch) {
+            return Err(format!(
+                "speculation: a verify batch of {} requests (1 ..= {MAX_VERIFY_BATCH})",
+                self.max_batch
             ));
         }
         Ok(())
@@ -195,6 +239,9 @@ pub(crate) struct PendingVerify {
     pub(crate) width: usize,
     /// A tree's parent array.
     pub(crate) parents: Option<Box<[i32]>>,
+    /// On a model with recurrent layers, the scratch group it writes (the state after
+    /// position `i` into `group[i]`; `max_width` slots); empty otherwise.
+    pub(crate) group: Box<[VirtualSlot]>,
 }
 
 impl PendingVerify {

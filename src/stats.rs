@@ -70,6 +70,9 @@ pub struct CacheStats {
     pub admitted_prompt_tokens: u64,
     /// Evictions by kind.
     pub evictions: EvictionCounts,
+    /// State slots of speculative verify scratch groups (counted in `mamba.held_pages`):
+    /// the groups unsettled verifies write and those kept for the next ones.
+    pub verify_scratch_slots: usize,
 }
 
 /// What [`crate::HybridCache::step_boundary`] did.

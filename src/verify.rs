@@ -14,8 +14,9 @@
 //! ids of every verify position on FULL and SWA (the first `k` of the FULL ones are the
 //! draft model's write window: its layers share the FULL envelope), the physical input
 //! state (the running slot, or the accepted position's slot of the earlier verify's
-//! group: the replay index translation) and the group the verify writes. So nothing on
-//! the host waits for an accepted count.
+//! scratch group: the replay index translation) and the scratch group the verify writes,
+//! disjoint from its input by construction. So nothing on the host waits for an
+//! accepted count.
 //!
 //! After the verify forward, [`HybridCache::compact_accepted`] moves a tree verify's
 //! accepted nodes' KV to consecutive rows with one fixed-shape device copy that reads
@@ -52,8 +53,8 @@ pub struct VerifyOffsets {
 
 /// Where each section of the two verify tables starts, in `i32` entries. `B` is the
 /// declared maximum batch, `W` the cache's [`Speculation::max_width`](crate::Speculation),
-/// `R = max_in_flight × W` the rows a request may have reserved, `S = W + 1` state ids
-/// (0 without recurrent layers). Requests past the batch and positions past a request's
+/// `R = max_in_flight × W` the rows a request may have reserved, `S = 1 + max_in_flight
+/// × W` state ids (0 without recurrent layers). Requests past the batch and positions past a request's
 /// width are padding (0: the sink; −1 for parents).
 ///
 /// | table | section | entries | what |
@@ -64,12 +65,20 @@ pub struct VerifyOffsets {
 /// | inputs | `depths` | `B × W` | each position's depth (its RoPE position is the start plus it) |
 /// | inputs | `masks` | `B × W × 2` | the tree mask: the positions each one attends to among the verify's (itself and its ancestors), bits 0–31 then 32–63 |
 /// | inputs | `rows` | `B × R` | virtual ids of the rows its unsettled verifies reserved |
-/// | inputs | `slots` | `B × S` | virtual state slots: the running one, then the group |
+/// | inputs | `slots` | `B × S` | virtual state slots: the running one, the earlier unsettled verify's scratch group (with `max_in_flight` = 2; the sink without one), the newest verify's group |
 /// | inputs | `zeros` | `B` | zeros: the device offset of a batch with nothing unsettled |
 /// | outputs | `write_full` | `B × W` | FULL kernel ids of its positions (the first `k`: the draft window) |
 /// | outputs | `write_swa` | `B × W` | SWA kernel ids of its positions |
-/// | outputs | `state_in` | `B` | physical slot of the state the verify starts from |
-/// | outputs | `state_out` | `B × W` | physical slot of the state after each position |
+/// | outputs | `state_in` | `B` | physical slot of the state the verify starts from: the running slot, or the earlier verify's group slot at its last accepted node |
+/// | outputs | `state_out` | `B × W` | physical slot of the state after each position: the newest verify's own group |
+///
+/// **Contract: a verify never reads a state slot it writes.** `state_in` and every
+/// `state_out` of the batch are distinct slots (the padding's sink aside): the running
+/// slot belongs to its request and no verify writes it, and each unsettled verify writes
+/// a scratch group of its own, so with counts a step late the newest verify reads the
+/// earlier one's group and writes another. A kernel may write its outputs before it
+/// reads its input (`tests/speculative.rs`,
+/// `a_verify_never_reads_a_state_slot_it_writes`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct VerifyLayout {
     /// Requests the tables are sized for.
@@ -114,7 +123,7 @@ impl VerifyLayout {
     fn new(max_batch: usize, width: usize, in_flight: usize, states: bool) -> VerifyLayout {
         let b = max_batch;
         let r = in_flight * width;
-        let s = if states { width + 1 } else { 0 };
+        let s = if states { 1 + in_flight * width } else { 0 };
         let mut l = VerifyLayout {
             max_batch,
             width,
@@ -298,9 +307,18 @@ impl HybridCache {
                 *slot = v.0 as i32;
             }
             if let Some(state) = &req.state {
-                let s = &mut img[l.slots + r * l.slots_per_request..];
+                // [running, the earlier unsettled verify's group, the newest's group]:
+                // disjoint, so the state a verify reads is never one it writes.
+                let s = &mut img[l.slots + r * l.slots_per_request..][..l.slots_per_request];
                 s[0] = state.running.0 as i32;
-                for (slot, v) in s[1..].iter_mut().zip(&state.group) {
+                let groups = s.len() - 1;
+                if req.verifies.len() > 1 {
+                    let older = &req.verifies[req.verifies.len() - 2].group;
+                    for (slot, v) in s[1..].iter_mut().zip(older.iter()) {
+                        *slot = v.0 as i32;
+                    }
+                }
+                for (slot, v) in s[1 + groups - width..].iter_mut().zip(newest.group.iter()) {
                     *slot = v.0 as i32;
                 }
             }
@@ -378,11 +396,12 @@ impl HybridCache {
                 out: outputs,
                 out_at: l.state_in,
             };
-            // The group the verify writes: slots 1 ..= W, whatever the offset.
+            // The group the verify writes: the last W slots, whatever the offset (apart
+            // from the running slot and the earlier verify's group the input is read from).
             let group = WindowTranslate {
                 starts: inputs,
                 starts_at: l.zeros,
-                bias: 1,
+                bias: (l.slots_per_request - l.width) as i32,
                 width: l.width,
                 out_at: l.state_out,
                 ..slots

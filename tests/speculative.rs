@@ -175,7 +175,7 @@ fn a_tree_accepting_a_non_contiguous_path_keeps_its_nodes_in_path_order() {
         c.alloc_verify(&mut [&mut req], &[Draft::Tree { parents: &parents }])
             .unwrap();
         let row = req.row().to_vec();
-        let group = req.state_group().to_vec();
+        let running = req.state_slot();
         c.settle(
             &mut [&mut req],
             &[Accepted::tree(&[0, 2, 4], &tokens(900, 3))],
@@ -185,13 +185,9 @@ fn a_tree_accepting_a_non_contiguous_path_keeps_its_nodes_in_path_order() {
         // Accepted nodes become rows 21, 22, 23 (the device moves their KV there).
         assert_eq!(req.row(), &row[..24], "{label}");
         assert_eq!(&req.tokens()[21..], &tokens(900, 3)[..], "{label}");
-        if !group.is_empty() {
-            assert_eq!(
-                req.state_slot(),
-                Some(group[4]),
-                "{label}: the last accepted node's state runs"
-            );
-        }
+        // Node 4's state was copied into the request's own running slot.
+        assert_eq!(req.state_slot(), running, "{label}");
+        assert_eq!(req.state_group(), &[], "{label}: the group went back");
         vec![req]
     });
 }
@@ -258,7 +254,8 @@ fn an_abort_and_a_retraction_mid_verify_return_every_page_and_slot() {
         let s = c.stats();
         assert_eq!(
             (s.full.held_pages, s.swa.held_pages, s.mamba.held_pages),
-            (0, 0, 0)
+            (0, 0, s.verify_scratch_slots),
+            "{label}: only the cache's verify scratch is held"
         );
         let hit = c.match_prefix(again);
         let mut b = c.admit(hit).unwrap();
@@ -457,7 +454,8 @@ fn finishing_mid_verify_caches_the_settled_pages_and_frees_the_reserved_ones() {
         let s = c.stats();
         assert_eq!(
             (s.full.held_pages, s.swa.held_pages, s.mamba.held_pages),
-            (0, 0, 0)
+            (0, 0, s.verify_scratch_slots),
+            "{label}: only the cache's verify scratch is held"
         );
         // The settled whole pages are cached: a follow-up hits them.
         let hit = c.match_prefix(settled);
@@ -470,33 +468,126 @@ fn finishing_mid_verify_caches_the_settled_pages_and_frees_the_reserved_ones() {
     });
 }
 
+/// A recurrent cache on the CPU device with `spec`, a checkpoint grid of 16 tokens at
+/// page size `ps`, and the device, so a test can play the verify kernel (write each
+/// position's state into the scratch group) and read states back.
+fn state_cache(
+    model: ModelSpec,
+    layout: Layout,
+    ps: u32,
+    spec: Speculation,
+) -> (HybridCache, std::sync::Arc<unikv::kernels::CpuDevice>) {
+    let cpu = std::sync::Arc::new(unikv::kernels::CpuDevice::new());
+    let c = HybridCache::builder()
+        .model(model)
+        .page_size(ps)
+        .memory_bytes(8 << 20)
+        .layout(layout)
+        .checkpoint_interval(16 * ps)
+        .speculation(spec)
+        .device(cpu.clone())
+        .build()
+        .unwrap();
+    (c, cpu)
+}
+
+/// The bytes of state slot `slot`.
+fn slot_span(c: &HybridCache, slot: unikv::pools::VirtualSlot) -> unikv::kernels::ByteSpan {
+    let alloc = c.allocator();
+    let grid = alloc.grid(Side::Mamba);
+    let p = alloc.physical_slot(slot).expect("a bound slot");
+    unikv::kernels::ByteSpan {
+        offset: grid.offset(p),
+        len: grid.envelope,
+    }
+}
+
+/// Writes `value` into every byte of `slot` (what a kernel writing a state does).
+fn write_state(
+    c: &HybridCache,
+    cpu: &unikv::kernels::CpuDevice,
+    slot: unikv::pools::VirtualSlot,
+    value: u8,
+) {
+    use unikv::kernels::Device;
+    cpu.fill_spans(c.allocator().buffer(), &[slot_span(c, slot)], value)
+        .unwrap();
+}
+
+/// The value every byte of `slot` holds (panics when they differ).
+fn read_state(
+    c: &HybridCache,
+    cpu: &unikv::kernels::CpuDevice,
+    slot: unikv::pools::VirtualSlot,
+) -> u8 {
+    use unikv::kernels::{HostSync, Readback};
+    let span = slot_span(c, slot);
+    let sync = HostSync::acquire("test: reading a state back");
+    let bytes = cpu
+        .read_bytes(&sync, c.allocator().buffer(), span.offset, span.len)
+        .unwrap();
+    assert!(bytes.iter().all(|&b| b == bytes[0]), "a torn state");
+    bytes[0]
+}
+
+/// The state after `len` tokens, as the tests' kernel writes it.
+fn state_at(len: usize) -> u8 {
+    (len % 251) as u8 + 1
+}
+
+/// Plays the verify kernel for `req`'s newest verify, chain positions only: the state
+/// after position `i` (row `from + i`) goes into its scratch group's slot `i`.
+fn verify_forward(c: &HybridCache, cpu: &unikv::kernels::CpuDevice, req: &Request, from: usize) {
+    for (i, &slot) in req.state_group().iter().enumerate() {
+        write_state(c, cpu, slot, state_at(from + i + 1));
+    }
+}
+
 #[test]
-fn a_recurrent_request_runs_on_a_slot_group_and_settling_selects_the_accepted_state() {
+fn a_verify_writes_a_scratch_group_and_settling_copies_the_accepted_state_into_the_running_slot() {
     scoped_level(Level::Strict, || {
         for model in [TINY_MAMBA, TINY_TRI] {
             for layout in LAYOUTS {
-                let mut c = cache(model, layout, 1, Speculation::chain(K as u32));
+                let (mut c, cpu) = state_cache(model, layout, 1, Speculation::chain(K as u32));
                 let label = format!("{} {}", model.name, layout.as_str());
                 let mut req = prefill(&mut c, 10);
-                let group = req.state_group().to_vec();
-                assert_eq!(group.len(), 1 + K, "{label}");
-                assert_eq!(req.state_slot(), Some(group[0]), "{label}");
-                assert_eq!(
-                    c.stats().mamba.held_pages,
-                    1 + K + req.checkpoint_writes().len()
-                );
+                let running = req.state_slot().unwrap();
+                write_state(&c, &cpu, running, state_at(10));
+                assert_eq!(req.state_group(), &[], "{label}: no verify, no group");
+                assert_eq!(req.state_slots().len(), 1 + req.checkpoint_writes().len());
+                c.step_boundary().unwrap();
+                let mut groups = Vec::new();
                 for a in [3, 1, 5] {
+                    let from = req.settled_len();
                     c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
                         .unwrap();
+                    let group = req.state_group().to_vec();
+                    assert_eq!(group.len(), 1 + K, "{label}");
+                    assert!(!group.contains(&running), "{label}: the group is scratch");
+                    assert_eq!(c.stats().verify_scratch_slots, 1 + K, "{label}");
+                    verify_forward(&c, &cpu, &req, from);
                     c.settle(&mut [&mut req], &[Accepted::chain(&tokens(900, a))])
                         .unwrap();
+                    assert_eq!(req.state_slot(), Some(running), "{label}: one running slot");
                     assert_eq!(
-                        req.state_slot(),
-                        Some(group[a - 1]),
-                        "{label}: accepted {a}"
+                        read_state(&c, &cpu, running),
+                        state_at(from + a),
+                        "{label}: accepted {a}: the accepted position's state was copied in"
                     );
+                    assert_eq!(req.state_group(), &[], "{label}");
+                    groups.push(group);
                     c.step_boundary().unwrap();
                 }
+                assert!(
+                    groups.windows(2).all(|g| g[0] == g[1]),
+                    "{label}: one scratch group, reused every step: {groups:?}"
+                );
+                let s = c.stats();
+                assert_eq!(
+                    s.mamba.held_pages,
+                    req.state_slots().len() + 1 + K,
+                    "{label}: the request's own slots and the kept scratch group"
+                );
                 c.release(req).unwrap();
                 c.step_boundary().unwrap();
                 c.evict_all().unwrap();
@@ -507,36 +598,42 @@ fn a_recurrent_request_runs_on_a_slot_group_and_settling_selects_the_accepted_st
     });
 }
 
+/// Settlement saves the checkpoints the accepted positions cross from the accepted
+/// states, whether the counts came in the step or a step late (a later verify writes a
+/// scratch group of its own, so the earlier one's states are still there); the follow-up
+/// resumes from the grid point's state, which holds exactly the state after 16 tokens.
 #[test]
-fn a_settled_verify_crossing_a_grid_point_saves_its_state_there_unless_settled_late() {
+fn a_settled_verify_crossing_a_grid_point_saves_its_state_there_on_time_and_late() {
     scoped_level(Level::Strict, || {
         for model in [TINY_MAMBA, TINY_TRI] {
             for layout in LAYOUTS {
                 for late in [false, true] {
                     let spec = Speculation::chain(K as u32).in_flight(2);
-                    let mut c = HybridCache::builder()
-                        .model(model)
-                        .memory_bytes(8 << 20)
-                        .layout(layout)
-                        .checkpoint_interval(16)
-                        .speculation(spec)
-                        .build()
-                        .unwrap();
+                    let (mut c, cpu) = state_cache(model, layout, 1, spec);
                     let label = format!("{} {} late {late}", model.name, layout.as_str());
                     // 14 prompt tokens, then 5 accepted cross the grid point at 16.
                     let mut req = prefill(&mut c, 14);
+                    write_state(&c, &cpu, req.state_slot().unwrap(), state_at(14));
                     c.cache_unfinished(&mut req).unwrap();
                     c.step_boundary().unwrap();
                     c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
                         .unwrap();
+                    verify_forward(&c, &cpu, &req, 14);
                     if late {
                         c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
                             .unwrap();
+                        // The later verify starts from the earlier one's last position.
+                        verify_forward(&c, &cpu, &req, 14 + 1 + K);
                     }
                     c.settle(&mut [&mut req], &[Accepted::chain(&tokens(900, 1 + K))])
                         .unwrap();
-                    let checkpoints = req.state_slots().len() - req.state_group().len();
-                    assert_eq!(checkpoints, usize::from(!late), "{label}");
+                    let checkpoints = &req.state_slots()[1..];
+                    assert_eq!(checkpoints.len(), 1, "{label}: the grid point's state");
+                    assert_eq!(
+                        read_state(&c, &cpu, checkpoints[0]),
+                        state_at(16),
+                        "{label}: the checkpoint holds the state after 16 tokens"
+                    );
                     if late {
                         c.settle(&mut [&mut req], &[Accepted::chain(&tokens(910, 1))])
                             .unwrap();
@@ -544,12 +641,20 @@ fn a_settled_verify_crossing_a_grid_point_saves_its_state_there_unless_settled_l
                     let conversation = req.tokens().to_vec();
                     c.cache_finished(req).unwrap();
                     c.step_boundary().unwrap();
-                    let hit = c.match_prefix(conversation);
+                    let hit = c.match_prefix(conversation.clone());
+                    // The running state at the conversation's end is cached too, so the
+                    // match ends one token short of it (the last token is recomputed).
+                    assert_eq!(hit.cached_tokens(), 16, "{label}");
+                    let again = c.match_prefix(conversation[..17].to_vec());
+                    assert_eq!(again.cached_tokens(), 16, "{label}");
+                    let req = c.admit(again).unwrap();
                     assert_eq!(
-                        hit.cached_tokens(),
-                        if late { 14 } else { 16 },
-                        "{label}: the grid point's state ends the match, else the prompt end's"
+                        read_state(&c, &cpu, req.state_slot().unwrap()),
+                        state_at(16),
+                        "{label}: the resumed state is the state after 16 tokens"
                     );
+                    c.release(req).unwrap();
+                    c.step_boundary().unwrap();
                     c.evict_all().unwrap();
                     c.step_boundary().unwrap();
                     common::assert_all_free(&c.stats(), &label);
@@ -889,65 +994,347 @@ fn a_late_verify_pads_past_its_draft_to_the_sink() {
     }
 }
 
-/// Admission prices a request's whole slot group: with trees of 5 nodes a recurrent
-/// request takes 5 slots, and `can_admit` refuses one only when its group does not fit
-/// where a request without speculation would still be admitted (the KV has room to
-/// spare).
+/// Admission prices what a verifying request transiently holds: the rows of every
+/// position its unsettled verifies reserve, and the scratch group each writes where the
+/// cache has made none to spare. So the longest prompt `can_admit` takes into an empty
+/// cache prefills *and* verifies a full-width draft, settled in the step or a step late
+/// (without the pricing, the verify ran out of memory).
 #[test]
-fn admission_prices_the_whole_slot_group() {
-    /// Admits 2-token prompts until `can_admit` refuses: (admitted, slots free then).
-    fn fill(layout: Layout, speculation: Option<Speculation>) -> (usize, usize) {
-        let slot = TINY_MAMBA.slot_pool().unwrap().bytes_per_slot;
-        let mut b = HybridCache::builder()
-            .model(TINY_MAMBA.with_draft_layers(1))
-            .page_size(1)
-            .memory_bytes(64 * slot + (1 << 20))
-            .layout(layout);
-        if let Some(s) = speculation {
-            b = b.speculation(s);
-        }
-        let mut c = b.build().unwrap();
-        let width = speculation.map_or(1, |s| s.max_width as usize);
-        let mut admitted = Vec::new();
-        loop {
-            let hit = c.match_prefix(tokens(1000 * admitted.len() as u32, 2));
-            if !c.can_admit(&hit, 0) {
-                break;
-            }
-            let req = c.admit(hit).unwrap();
-            assert_eq!(req.state_slots().len(), width, "{}", layout.as_str());
-            admitted.push(req);
-        }
-        let s = c.stats();
-        assert!(
-            s.full.available_pages > 100,
-            "{}: KV ran out",
-            layout.as_str()
-        );
-        assert_eq!(
-            s.mamba.held_pages,
-            width * admitted.len(),
-            "{}",
-            layout.as_str()
-        );
-        for req in admitted.drain(..).rev() {
-            c.release(req).unwrap();
-        }
-        (s.mamba.held_pages / width, s.mamba.available_pages)
-    }
+fn admission_prices_the_verify_rows_and_scratch_of_a_running_request() {
     scoped_level(Level::Strict, || {
-        for layout in LAYOUTS {
-            let label = layout.as_str();
-            let (plain, plain_free) = fill(layout, None);
-            let (spec, spec_free) = fill(layout, Some(Speculation::tree(5)));
-            assert!(
-                spec > 0 && spec < plain,
-                "{label}: {spec} vs {plain} admitted"
-            );
-            assert!(
-                spec_free < plain_free + 5,
-                "{label}: refused with {spec_free} slots free ({plain_free} without speculation)"
-            );
+        for model in models() {
+            for layout in LAYOUTS {
+                for ps in [1u32, 16] {
+                    for spec in [
+                        Speculation::chain(K as u32),
+                        Speculation::tree(7).in_flight(2),
+                    ] {
+                        let mut c = cache(model, layout, ps, spec);
+                        let label = format!(
+                            "{} {} ps {ps} width {} in flight {}",
+                            model.name,
+                            layout.as_str(),
+                            spec.max_width,
+                            spec.max_in_flight
+                        );
+                        let total = c.stats().full.total_pages * ps as usize;
+                        // The longest prompt admission takes (it admits less as prompts grow).
+                        let (mut lo, mut hi) = (1usize, total + 1);
+                        while hi - lo > 1 {
+                            let mid = (lo + hi) / 2;
+                            let hit = c.match_prefix(tokens(0, mid));
+                            if c.can_admit(&hit, 0) {
+                                lo = mid;
+                            } else {
+                                hi = mid;
+                            }
+                        }
+                        let mut req = prefill(&mut c, lo);
+                        c.step_boundary().unwrap();
+                        let width = spec.max_width as usize;
+                        let parents: Vec<i32> = (0..width as i32).map(|i| i - 1).collect();
+                        let draft = Draft::Tree { parents: &parents };
+                        for _ in 0..spec.max_in_flight {
+                            c.alloc_verify(&mut [&mut req], &[draft])
+                                .unwrap_or_else(|e| panic!("{label}: prompt {lo}: {e}"));
+                        }
+                        let path: Vec<u32> = (0..width as u32).collect();
+                        for _ in 0..spec.max_in_flight {
+                            c.settle(
+                                &mut [&mut req],
+                                &[Accepted::tree(&path, &tokens(900, width))],
+                            )
+                            .unwrap();
+                        }
+                        c.release(req).unwrap();
+                        c.step_boundary().unwrap();
+                        c.evict_all().unwrap();
+                        c.step_boundary().unwrap();
+                        common::assert_all_free(&c.stats(), &label);
+                    }
+                }
+            }
         }
     });
+}
+
+/// Plays one speculative turn of `req` to `steps` verify steps of a chain of `K`, each
+/// accepting `accepted` positions, settled in the step or (`late`) in the next one, the
+/// last verify of a late turn still in flight at the end (an overlap scheduler's
+/// request finishes with its next verify launched). Every verify's kernel writes its
+/// positions' states; returns the settled length.
+fn speculative_turn(
+    c: &mut HybridCache,
+    cpu: &unikv::kernels::CpuDevice,
+    req: &mut Request,
+    steps: usize,
+    accepted: usize,
+    late: bool,
+) -> usize {
+    // Where the newest verify starts: past every earlier verify's accepted positions.
+    let mut device_len = req.settled_len();
+    for step in 0..steps {
+        c.alloc_verify(&mut [&mut *req], &[Draft::Chain { k: K }])
+            .unwrap();
+        verify_forward(c, cpu, req, device_len);
+        device_len += accepted;
+        if !late || req.unsettled_verifies() == 2 {
+            let t = tokens(1000 + 10 * step as u32, accepted);
+            c.settle(&mut [&mut *req], &[Accepted::chain(&t)]).unwrap();
+        }
+        c.step_boundary().unwrap();
+    }
+    req.settled_len()
+}
+
+/// A follow-up turn after a speculative turn resumes from the state at the end of the
+/// previous output (the conversation's last token is recomputed, as always): the running
+/// slot holds the accepted state after every settlement, on time or a step late, and
+/// finishing caches it even with a verify still in flight.
+#[test]
+fn a_follow_up_turn_after_a_speculative_turn_resumes_from_the_end_of_its_output() {
+    scoped_level(Level::Strict, || {
+        for model in [TINY_MAMBA, TINY_TRI] {
+            for layout in LAYOUTS {
+                for ps in [1u32, 16] {
+                    for late in [false, true] {
+                        let spec = Speculation::chain(K as u32).in_flight(2);
+                        let (mut c, cpu) = state_cache(model, layout, ps, spec);
+                        let label =
+                            format!("{} {} ps {ps} late {late}", model.name, layout.as_str());
+                        // 3 steps accepting 1 + K each end the output on a page boundary.
+                        let prompt = 3 * 16.max(ps as usize) - 3 * (1 + K);
+                        let mut req = prefill(&mut c, prompt);
+                        write_state(&c, &cpu, req.state_slot().unwrap(), state_at(prompt));
+                        c.cache_unfinished(&mut req).unwrap();
+                        c.step_boundary().unwrap();
+                        let steps = if late { 4 } else { 3 };
+                        let end = speculative_turn(&mut c, &cpu, &mut req, steps, 1 + K, late);
+                        assert_eq!(end, prompt + 3 * (1 + K), "{label}");
+                        assert!(end.is_multiple_of(ps as usize), "{label}");
+                        assert_eq!(req.unsettled_verifies(), usize::from(late), "{label}");
+                        let mut next = req.tokens().to_vec();
+                        c.cache_finished(req).unwrap();
+                        c.step_boundary().unwrap();
+                        next.extend(tokens(5000, 7));
+                        let hit = c.match_prefix(next);
+                        assert_eq!(
+                            hit.cached_tokens(),
+                            end,
+                            "{label}: the follow-up resumes at the end of the output"
+                        );
+                        let req = c.admit(hit).unwrap();
+                        assert_eq!(
+                            read_state(&c, &cpu, req.state_slot().unwrap()),
+                            state_at(end),
+                            "{label}: from the state after the whole output"
+                        );
+                        c.release(req).unwrap();
+                        c.step_boundary().unwrap();
+                        c.evict_all().unwrap();
+                        c.step_boundary().unwrap();
+                        common::assert_all_free(&c.stats(), &label);
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// A request finishing with a verify in flight (its counts not settled) caches its
+/// running state — the state at its settled length, which no verify writes — and gives
+/// the verify's scratch group back to the cache.
+#[test]
+fn a_finish_with_a_verify_in_flight_caches_the_running_state() {
+    scoped_level(Level::Strict, || {
+        for model in [TINY_MAMBA, TINY_TRI] {
+            for layout in LAYOUTS {
+                for in_flight in [1, 2] {
+                    let spec = Speculation::chain(K as u32).in_flight(in_flight);
+                    let (mut c, cpu) = state_cache(model, layout, 1, spec);
+                    let label = format!("{} {} in flight {in_flight}", model.name, layout.as_str());
+                    let mut req = prefill(&mut c, 21);
+                    write_state(&c, &cpu, req.state_slot().unwrap(), state_at(21));
+                    c.step_boundary().unwrap();
+                    // Settled: 21 + 2 tokens; then a verify the request finishes with.
+                    speculative_turn(&mut c, &cpu, &mut req, 1, 2, false);
+                    for _ in 0..in_flight {
+                        c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
+                            .unwrap();
+                        verify_forward(&c, &cpu, &req, 23);
+                    }
+                    assert_eq!(req.unsettled_verifies(), in_flight as usize, "{label}");
+                    let conversation = req.tokens().to_vec();
+                    assert_eq!(conversation.len(), 23, "{label}");
+                    c.cache_finished(req).unwrap();
+                    c.step_boundary().unwrap();
+                    let s = c.stats();
+                    assert_eq!(s.mamba.held_pages, s.verify_scratch_slots, "{label}");
+                    let mut next = conversation;
+                    next.push(TokenId(7));
+                    let hit = c.match_prefix(next);
+                    assert_eq!(
+                        hit.cached_tokens(),
+                        23,
+                        "{label}: the running state is cached"
+                    );
+                    let req = c.admit(hit).unwrap();
+                    assert_eq!(
+                        read_state(&c, &cpu, req.state_slot().unwrap()),
+                        state_at(23),
+                        "{label}"
+                    );
+                    c.release(req).unwrap();
+                    c.step_boundary().unwrap();
+                    c.evict_all().unwrap();
+                    c.step_boundary().unwrap();
+                    common::assert_all_free(&c.stats(), &label);
+                }
+            }
+        }
+    });
+}
+
+/// A speculation setting out of range is refused when the cache is built, each with its
+/// reason.
+#[test]
+fn a_bad_speculation_setting_is_refused_at_build() {
+    let ok = Speculation::chain(K as u32);
+    for (bad, reason) in [
+        (Speculation { max_width: 0, ..ok }, "verify width of 0"),
+        (
+            Speculation {
+                max_width: unikv::MAX_VERIFY_WIDTH + 1,
+                ..ok
+            },
+            "verify width of 65",
+        ),
+        (
+            Speculation {
+                max_in_flight: 0,
+                ..ok
+            },
+            "0 verify steps in flight",
+        ),
+        (
+            Speculation {
+                max_in_flight: unikv::MAX_IN_FLIGHT + 1,
+                ..ok
+            },
+            "3 verify steps in flight",
+        ),
+        (Speculation { max_batch: 0, ..ok }, "verify batch of 0"),
+        (
+            ok.batch(unikv::MAX_VERIFY_BATCH + 1),
+            "verify batch of 4097",
+        ),
+    ] {
+        let e = HybridCache::builder()
+            .model(TINY_MAMBA)
+            .memory_bytes(8 << 20)
+            .speculation(bad)
+            .build()
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::Config(m) if m.contains(reason)),
+            "{bad:?}: {e}"
+        );
+    }
+    for good in [
+        ok,
+        ok.in_flight(2).batch(1),
+        Speculation::tree(unikv::MAX_VERIFY_WIDTH),
+    ] {
+        HybridCache::builder()
+            .model(TINY_MAMBA)
+            .memory_bytes(64 << 20)
+            .speculation(good)
+            .build()
+            .unwrap_or_else(|e| panic!("{good:?}: {e}"));
+    }
+}
+
+/// A verify never reads a state slot it writes: for every late-settlement configuration
+/// (each count the earlier verify may have accepted, a request with one verify in flight
+/// beside one with two, chains and trees) the input state each request's verify reads is
+/// none of the slots any verify of the batch writes. So a kernel may write its outputs
+/// before it reads its input.
+#[test]
+fn a_verify_never_reads_a_state_slot_it_writes() {
+    use std::collections::HashSet;
+    use unikv::kernels::{CpuDevice, Device, HostSync, Readback};
+    use unikv::{DeviceValues, VerifyMetadata, VerifyOffsets};
+    for model in [TINY_MAMBA, TINY_TRI] {
+        for layout in LAYOUTS {
+            for in_flight in [1u32, 2] {
+                let cpu = std::sync::Arc::new(CpuDevice::new());
+                let mut c = HybridCache::builder()
+                    .model(model)
+                    .page_size(16)
+                    .memory_bytes(8 << 20)
+                    .layout(layout)
+                    .speculation(Speculation::chain(K as u32).in_flight(in_flight))
+                    .device(cpu.clone())
+                    .build()
+                    .unwrap();
+                let label = format!("{} {} in flight {in_flight}", model.name, layout.as_str());
+                let mut a = prefill(&mut c, 20);
+                let mut b = prefill(&mut c, 30);
+                let mut meta = VerifyMetadata::new(2);
+                c.reserve_verify_metadata(&meta).unwrap();
+                let values = cpu.alloc_table(4, 0).unwrap();
+                let at = |at| DeviceValues { table: values, at };
+                for step in 0..2 * (1 + K) {
+                    // `a` keeps `in_flight` verifies unsettled; `b` settles at once.
+                    c.alloc_verify(&mut [&mut a, &mut b], &[Draft::Chain { k: K }; 2])
+                        .unwrap();
+                    c.build_verify_metadata(&mut meta, &[&a, &b]).unwrap();
+                    let earlier = (a.unsettled_verifies() > 1) as i32;
+                    // Every count the earlier verify may have accepted, in turn.
+                    let count = earlier * (1 + (step % (1 + K)) as i32);
+                    cpu.upload_table(values, 0, &[count, 0, count, 0]).unwrap();
+                    c.translate_verify(
+                        &mut meta,
+                        Some(VerifyOffsets {
+                            accepted: at(0),
+                            last_node: at(2),
+                        }),
+                    )
+                    .unwrap();
+                    let l = meta.layout();
+                    let (_, outputs) = meta.tables().unwrap();
+                    let sync = HostSync::acquire("test: reading the verify metadata back");
+                    let out = cpu.read_table(&sync, outputs, 0, l.outputs_len).unwrap();
+                    let written: HashSet<i32> = out[l.state_out..l.state_out + 2 * l.width]
+                        .iter()
+                        .copied()
+                        .filter(|&p| p > 0)
+                        .collect();
+                    assert_eq!(
+                        written.len(),
+                        2 * (1 + K),
+                        "{label}: two groups of their own"
+                    );
+                    for r in 0..2 {
+                        let input = out[l.state_in + r];
+                        assert!(input > 0, "{label}: step {step} request {r} reads the sink");
+                        assert!(
+                            !written.contains(&input),
+                            "{label}: step {step}: request {r} reads slot {input}, which the verify writes"
+                        );
+                    }
+                    if a.unsettled_verifies() == in_flight as usize {
+                        let t = tokens(900, count.max(1) as usize);
+                        c.settle(&mut [&mut a], &[Accepted::chain(&t)]).unwrap();
+                    }
+                    c.settle(&mut [&mut b], &[Accepted::chain(&tokens(900, 2))])
+                        .unwrap();
+                    c.step_boundary().unwrap();
+                }
+                c.release(a).unwrap();
+                c.release(b).unwrap();
+                c.step_boundary().unwrap();
+            }
+        }
+    }
 }

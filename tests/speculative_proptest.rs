@@ -698,6 +698,9 @@ fn run(model: ModelSpec, layout: Layout, ps: u32, kv_tokens: u64, late: bool, op
         for run in std::mem::take(&mut d.running) {
             d.cache.release(run.req).unwrap();
         }
+        // Verify scratch given back in a step is idle (and freed by `evict_all`) from the
+        // next one.
+        d.step();
         d.cache.evict_all().unwrap();
         d.step();
         common::assert_all_free(&d.cache.stats(), &d.label);

@@ -65,6 +65,18 @@ pub fn static_slot_pool(
     })
 }
 
+/// The state slots the static layout adds to its reference slot pool for verify
+/// scratch ([`crate::Speculation::scratch_groups`] groups of `max_width` slots): the
+/// draft positions' states live beyond the pool the reference sizes for running and
+/// cached states, as SGLang's `intermediate_ssm_state_cache` is a buffer apart from its
+/// Mamba pool, sized by the running batch × draft tokens. The KV pools get the rest of
+/// the budget. 0 without speculation.
+pub fn verify_scratch_slots(speculation: Option<crate::Speculation>) -> u32 {
+    speculation.map_or(0, |s| {
+        (s.scratch_groups() as u32).saturating_mul(s.max_width)
+    })
+}
+
 /// The default eviction interval in tokens at small page sizes: releasing a request's
 /// out-of-window SWA every 16 tokens instead of every token cuts the per-step cost of a
 /// 256-request decode batch at page size 1 by about 40% (`cargo bench -p unikv --bench
@@ -206,9 +218,12 @@ impl HybridCacheBuilder {
     /// [`crate::Speculation::max_width`] positions per request
     /// ([`HybridCache::alloc_verify`]), settled up to
     /// [`crate::Speculation::max_in_flight`] steps late ([`HybridCache::settle`]). On
-    /// a model with recurrent layers every request then runs on a slot group of
-    /// `max_width` state slots, which admission prices. Default: none (a verify step is
-    /// [`Error::SpeculationOff`]).
+    /// a model with recurrent layers each unsettled verify writes a scratch group of
+    /// `max_width` state slots the cache keeps for verifies (never a request's, never in
+    /// the tree); the static layout sizes them beyond its reference slot pool
+    /// ([`verify_scratch_slots`]). Default: none (a verify step is
+    /// [`Error::SpeculationOff`]). A bad setting ([`crate::Speculation`]'s ranges) is
+    /// [`Error::Config`].
     pub fn speculation(mut self, speculation: crate::Speculation) -> Self {
         self.speculation = Some(speculation);
         self
@@ -343,7 +358,12 @@ impl HybridCacheBuilder {
                     full,
                     swa,
                     mamba: slots
-                        .map(|spec| static_slot_pool(spec, self.memory_bytes))
+                        .map(|spec| {
+                            static_slot_pool(spec, self.memory_bytes).map(|pool| StaticSlots {
+                                slots: pool.slots + verify_scratch_slots(self.speculation),
+                                ..pool
+                            })
+                        })
                         .transpose()?,
                     swa_full_ratio: swa_full_tokens_ratio,
                     zero_on_handout: self.zero_on_handout,
@@ -414,6 +434,7 @@ impl HybridCacheBuilder {
             lanes: Default::default(),
             plan: CheckpointPlan::default(),
             speculation: self.speculation,
+            verify_scratch: Default::default(),
             verify_inputs: None,
             verify_outputs: None,
         })

@@ -150,14 +150,6 @@ impl CheckpointPlan {
         &self.slots
     }
 
-    /// Plans nothing for the next request of the allocation.
-    pub(super) fn skip(&mut self) {
-        self.requests.push(Planned {
-            fresh_start: self.fresh,
-            ..Planned::default()
-        });
-    }
-
     /// The `i`-th request's writes as (position, slot): into the slots of the oldest
     /// checkpoints it holds (`held`, before the commit), then into its fresh slots.
     pub(super) fn writes<'a>(

@@ -177,11 +177,14 @@ impl HybridCache {
     }
 
     /// Evicts every unlocked prefix from the cache (an engine's "flush cache"), applying
-    /// the frees at once. Returns the tokens evicted.
+    /// the frees at once, and frees the idle verify scratch groups. Returns the tokens
+    /// evicted.
     pub fn evict_all(&mut self) -> Result<usize, Error> {
         let (actions, released) = self.tree.evict_until(Component::Full, |_| false);
         self.epoch += 1;
         self.apply(&actions);
+        // The verify scratch kept for the next verifies goes too (made again when needed).
+        self.verify_scratch.free_idle(self.alloc.as_mut());
         self.alloc.flush_deferred();
         Ok(released.full.0)
     }

@@ -2,11 +2,11 @@
 //! ([`HybridCache::settle`]): the host reserves every position a verify may keep, and
 //! gives back what was rejected when the accepted counts arrive, whenever that is.
 
-use super::{Checkpoints, HybridCache};
+use super::{CheckpointPlan, Checkpoints, HybridCache};
 use crate::error::Error;
 use crate::request::Request;
 use crate::spec::{Accepted, Draft, PendingVerify};
-use unikv_pools::{ExtendRequest, FreeOp, VirtualSlot};
+use unikv_pools::{ExtendRequest, FreeOp, PageDemand, VirtualSlot};
 
 impl HybridCache {
     /// Allocates one verify step for each request of the batch: the rows of every
@@ -87,28 +87,60 @@ impl HybridCache {
             })
             .collect();
         let pages = extends.iter().map(|e| e.new_pages(ps)).sum();
-        let mut plan = std::mem::take(&mut self.plan);
-        plan.clear();
-        let result =
-            self.alloc_with_checkpoints(pages, &mut plan, Checkpoints::Required, |cache| {
-                cache.scratch.clear();
-                cache
-                    .alloc
-                    .alloc_extend(&extends, &mut cache.scratch)
-                    .map_err(|e| cache.out_of_memory(e))
-            });
-        self.plan = plan;
-        result?;
+        // Each verify of a recurrent model writes a scratch group: idle ones first, then
+        // fresh slots, priced with the KV in one eviction loop.
+        let width = spec.max_width as usize;
+        let groups = if self.states.is_some() {
+            batch.len()
+        } else {
+            0
+        };
+        let reused = groups.min(self.verify_scratch.idle());
+        let fresh = (groups - reused) * width;
+        self.make_room(PageDemand {
+            mamba_slots: fresh,
+            ..self.kv_demand(pages)
+        })?;
+        let mut slots = Vec::with_capacity(fresh);
+        if fresh > 0 {
+            self.alloc
+                .alloc_slots(fresh, &mut slots)
+                .map_err(|e| self.out_of_memory(e))?;
+        }
+        let mut ids = std::mem::take(&mut self.scratch);
+        ids.clear();
+        let result = self
+            .alloc
+            .alloc_extend(&extends, &mut ids)
+            .map_err(|e| self.out_of_memory(e));
+        self.scratch = ids;
+        if let Err(e) = result {
+            // Nothing is allocated: the fresh scratch goes back.
+            if !slots.is_empty() {
+                self.alloc.free_batch(&[FreeOp::Slots(&slots)]);
+            }
+            return Err(e);
+        }
         let mut at = 0;
-        for (req, draft) in batch.iter_mut().zip(drafts) {
-            let width = draft.width();
+        let mut fresh_groups = slots.chunks_exact(width);
+        for (i, (req, draft)) in batch.iter_mut().zip(drafts).enumerate() {
+            let positions = draft.width();
             let before = self.held(req);
-            req.row.extend_from_slice(&self.scratch[at..at + width]);
-            at += width;
+            req.row.extend_from_slice(&self.scratch[at..at + positions]);
+            at += positions;
             self.account(before, self.held(req));
+            let group = if i >= groups {
+                Box::default()
+            } else if i < reused {
+                self.verify_scratch.take()
+            } else {
+                let fresh = fresh_groups.next().expect("a fresh group per request");
+                self.verify_scratch.made(fresh)
+            };
             req.verifies.push_back(PendingVerify {
-                width,
+                width: positions,
                 parents: draft.tree(),
+                group,
             });
             if let Some(state) = &mut req.state {
                 // A verify saves no checkpoint in its forward (settling does).
@@ -176,16 +208,26 @@ impl HybridCache {
                 r.len() - width + acc.len()
             })
             .collect();
+        // The accepted states go first (the one device op that can fail), so a refused
+        // settlement changes nothing on the host.
+        let mut plan = std::mem::take(&mut self.plan);
+        plan.clear();
+        let copied = self.settle_states(batch, accepted, &settled, &mut plan);
+        if let Err(e) = copied {
+            self.plan = plan;
+            return Err(e);
+        }
         let tails: Vec<FreeOp<'_>> = batch
             .iter()
             .zip(&keep)
             .filter_map(|(r, &keep)| {
-                let dead_lo = keep.next_multiple_of(ps);
-                (dead_lo < r.len()).then_some(FreeOp::KvRow {
+                // Whole pages past the kept rows; a partly used page stays.
+                let dead = keep.next_multiple_of(ps)..r.len();
+                (!dead.is_empty()).then_some(FreeOp::KvRow {
                     row: &r.row,
-                    dead_lo,
-                    cursor: dead_lo,
-                    len: r.len(),
+                    dead_lo: dead.start,
+                    cursor: dead.start,
+                    len: dead.end,
                 })
             })
             .collect();
@@ -193,66 +235,15 @@ impl HybridCache {
             self.alloc.free_batch(&tails);
         }
         drop(tails);
-        for ((req, acc), &keep) in batch.iter_mut().zip(accepted).zip(&keep) {
+        for (i, ((req, acc), &keep)) in batch.iter_mut().zip(accepted).zip(&keep).enumerate() {
             let before = self.held(req);
             req.row.truncate(keep);
             self.lanes_mut().invalidate(req.id, keep, ps);
-            req.verifies.pop_front();
+            let verify = req.verifies.pop_front().expect("checked above");
             req.tokens.extend_from_slice(acc.tokens);
             self.account(before, self.held(req));
-            if let Some(state) = &mut req.state
-                && !state.group.is_empty()
-            {
-                state.running = state.group[acc.node(acc.len() - 1)];
-            }
-        }
-        self.settle_checkpoints(batch, accepted, &settled)
-    }
-
-    /// Saves the checkpoints the accepted positions cross, for each request of a settled
-    /// batch with no later verify in flight: planned as a decode step's (best effort),
-    /// copied out of the slot group in one device op.
-    fn settle_checkpoints(
-        &mut self,
-        batch: &mut [&mut Request],
-        accepted: &[Accepted<'_>],
-        settled: &[usize],
-    ) -> Result<(), Error> {
-        if self.states.is_none() {
-            return Ok(());
-        }
-        let mut plan = std::mem::take(&mut self.plan);
-        plan.clear();
-        for (req, &from) in batch.iter().zip(settled) {
-            if req.verifies.is_empty() {
-                self.plan_checkpoints(req, from..req.settled_len(), &mut plan);
-            } else {
-                plan.skip();
-            }
-        }
-        let result = self
-            .alloc_with_checkpoints(0, &mut plan, Checkpoints::BestEffort, |_| Ok(()))
-            .and_then(|()| {
-                // Every write's source: the group slot of the position whose state it is.
-                let mut copies: Vec<(VirtualSlot, VirtualSlot)> = Vec::new();
-                for (i, (req, acc)) in batch.iter().zip(accepted).enumerate() {
-                    let Some(state) = &req.state else { continue };
-                    for (at_len, slot) in plan.writes(i, &state.held) {
-                        let position = at_len - settled[i] - 1;
-                        copies.push((state.group[acc.node(position)], slot));
-                    }
-                }
-                if copies.is_empty() {
-                    return Ok(());
-                }
-                self.alloc.copy_slots(&copies).map_err(|e| {
-                    // Nothing was copied: the fresh slots go back, nothing is recorded.
-                    self.alloc.free_batch(&[FreeOp::Slots(plan.fresh_slots())]);
-                    Error::from(e)
-                })
-            });
-        if result.is_ok() {
-            for (i, req) in batch.iter_mut().enumerate() {
+            self.verify_scratch.give_back(verify.group);
+            if self.states.is_some() {
                 self.commit_checkpoints(req, &plan, i);
                 if let Some(state) = &mut req.state {
                     // Settling copied them; the next forward writes none of them.
@@ -261,7 +252,49 @@ impl HybridCache {
             }
         }
         self.plan = plan;
-        result
+        Ok(())
+    }
+
+    /// Copies each request's accepted state out of its oldest verify's scratch group, in
+    /// one device op: the last accepted position's into its running slot, and the
+    /// positions the checkpoint plan names (grid points, branching point, prompt end the
+    /// accepted positions cross: planned as a decode step's, best effort) into their
+    /// checkpoint slots — on time or late alike, since no later verify writes that
+    /// group. On error nothing was copied and the fresh checkpoint slots went back.
+    fn settle_states(
+        &mut self,
+        batch: &[&mut Request],
+        accepted: &[Accepted<'_>],
+        settled: &[usize],
+        plan: &mut CheckpointPlan,
+    ) -> Result<(), Error> {
+        if self.states.is_none() {
+            return Ok(());
+        }
+        for ((req, acc), &from) in batch.iter().zip(accepted).zip(settled) {
+            self.plan_checkpoints(req, from..from + acc.len(), plan);
+        }
+        self.alloc_with_checkpoints(0, plan, Checkpoints::BestEffort, |_| Ok(()))?;
+        let mut copies: Vec<(VirtualSlot, VirtualSlot)> = Vec::new();
+        for (i, (req, acc)) in batch.iter().zip(accepted).enumerate() {
+            let (Some(state), Some(verify)) = (&req.state, req.verifies.front()) else {
+                continue;
+            };
+            // The state after `at_len` settled tokens: the group slot of that position.
+            let state_at = |at_len: usize| verify.group[acc.node(at_len - settled[i] - 1)];
+            copies.push((state_at(settled[i] + acc.len()), state.running));
+            for (at_len, slot) in plan.writes(i, &state.held) {
+                copies.push((state_at(at_len), slot));
+            }
+        }
+        if copies.is_empty() {
+            return Ok(());
+        }
+        self.alloc.copy_slots(&copies).map_err(|e| {
+            // Nothing was copied: the fresh slots go back, nothing is recorded.
+            self.alloc.free_batch(&[FreeOp::Slots(plan.fresh_slots())]);
+            Error::from(e)
+        })
     }
 
     /// Releases the SWA of every request of the batch that left the window of its settled

@@ -940,8 +940,10 @@ fn speculative_replays_pass_chain_tree_and_late() {
                 "smoke",
                 "--page-size",
                 "1,256",
+                // A quarter of the budget holds the verify scratch: at 16 GiB, a batch of
+                // the smoke preset's 4 requests for each model and mode.
                 "--memory",
-                "4GiB",
+                "16GiB",
             ];
             args.extend_from_slice(spec);
             let doc = replay_json(&args);

@@ -273,6 +273,11 @@ impl Sim {
                 .release(r.req)
                 .map_err(|e| self.fail(format!("release at the end: {e}")))?;
         }
+        // Verify scratch given back in a step is idle (and freed by `evict_all`) from the
+        // next one.
+        self.cache
+            .step_boundary()
+            .map_err(|e| self.fail(format!("the drain's step boundary: {e}")))?;
         self.cache
             .evict_all()
             .map_err(|e| self.fail(format!("evict_all: {e}")))?;

@@ -84,6 +84,7 @@ impl Scenario {
                 max_width: spec_rng.in_range(1, 8) as u32,
                 // Late counts: the step after the verify (the most the cache allows).
                 max_in_flight: [1, 2, 2, unikv::MAX_IN_FLIGHT][spec_rng.below(4) as usize],
+                max_batch: unikv::DEFAULT_VERIFY_BATCH,
             }
         });
         let draft_trees = speculation.is_some() && spec_rng.below(3) != 0;

@@ -258,9 +258,37 @@ pub(crate) fn cache_builder(
         .layout(layout)
         .device(device);
     match config.speculation {
-        Some(mode) => builder.speculation(mode.speculation()),
+        Some(mode) => builder.speculation(mode.speculation().batch(verify_lanes(config))),
         None => builder,
     }
+}
+
+/// The share of the budget a speculative run of a model with recurrent state gives its
+/// verify scratch (the draft positions' states): a quarter.
+pub const VERIFY_SCRATCH_SHARE: (u64, u64) = (1, 4);
+
+/// The verify batch a speculative run declares ([`unikv::Speculation::max_batch`]) and
+/// admits at most, for a model with recurrent state: as many requests as
+/// [`VERIFY_SCRATCH_SHARE`] of the budget holds scratch groups for (the verify width per
+/// verify in flight, in state slots; at least 1). An engine verifies at most its CUDA
+/// graph's batch a step, and SGLang caps its running requests when it speculates, its
+/// `intermediate_ssm_state_cache` being sized by them; the static layout sizes its slot
+/// pool that many groups beyond the reference pool. [`unikv::DEFAULT_VERIFY_BATCH`]
+/// without recurrent state (no scratch, no cap).
+pub fn verify_lanes(config: &RunConfig) -> u32 {
+    let (Some(mode), Ok(slots)) = (config.speculation, config.model.slot_pool()) else {
+        return unikv::DEFAULT_VERIFY_BATCH;
+    };
+    if !config.model.has_recurrent_state() {
+        return unikv::DEFAULT_VERIFY_BATCH;
+    }
+    let spec = mode.speculation();
+    let group_bytes = slots
+        .bytes_per_slot
+        .saturating_mul(u64::from(spec.max_width) * u64::from(spec.max_in_flight));
+    let (num, den) = VERIFY_SCRATCH_SHARE;
+    (config.memory_bytes / den * num / group_bytes.max(1))
+        .clamp(1, u64::from(unikv::MAX_VERIFY_BATCH)) as u32
 }
 
 #[cfg(test)]

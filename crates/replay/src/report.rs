@@ -73,7 +73,10 @@
 //!       "accepted_per_step": f64 | null,
 //!       "baseline_peak_bytes_by_subpool": { name: u64 },  the same run without
 //!       "baseline_steps": u64, "baseline_retractions": u64,  speculation
-//!       "baseline_failures": [ str ]
+//!       "baseline_failures": [ str ],
+//!       "baseline_prompt_tokens": u64, "baseline_prefix_hit_tokens": u64,
+//!       "baseline_recomputed_tokens": u64,
+//!       "baseline_prefix_hit_rate": f64 | null  the speculative run's is held to 95 % of it
 //!     }
 //!   } ]
 //! }
@@ -128,7 +131,9 @@ REPORT ROWS (a column per layout, then unified/static):
                             one per request and step
   accepted per verify       positions accepted per settled verify step, the
                             request's next token included (mean)
-  no-spec steps             the same run decoding one token per step: its steps,
+  no-spec prefix hit rate   the same run decoding one token per step: its hit rate,
+  no-spec recomputed          its recomputed tokens,
+  no-spec steps               its steps,
   no-spec retractions         its retractions
   no-spec peak (SIDE)         and its peak bytes on each sub-pool
   invariant violations      breaches recorded at the run's level (must be 0)
@@ -336,6 +341,21 @@ impl Report {
                     None => Cell::Text("—".into(), None),
                 }
             });
+            table.row("no-spec prefix hit rate", runs, |r| {
+                match r
+                    .speculative
+                    .as_ref()
+                    .and_then(SpecStats::baseline_prefix_hit_rate)
+                {
+                    Some(rate) => Cell::Text(format!("{:.1} %", rate * 100.0), Some(rate)),
+                    None => Cell::Text("—".into(), None),
+                }
+            });
+            table.row(
+                "no-spec recomputed",
+                runs,
+                spec(|s| s.baseline_recomputed_tokens),
+            );
             table.row("no-spec steps", runs, spec(|s| s.baseline_steps));
             table.row(
                 "no-spec retractions",
@@ -472,6 +492,7 @@ impl Report {
                         speculative: r.speculative.as_ref().map(|s| JsonSpec {
                             stats: s,
                             accepted_per_step: s.accepted_per_step(),
+                            baseline_prefix_hit_rate: s.baseline_prefix_hit_rate(),
                         }),
                     }
                 })
@@ -563,6 +584,7 @@ struct JsonSpec<'a> {
     #[serde(flatten)]
     stats: &'a SpecStats,
     accepted_per_step: Option<f64>,
+    baseline_prefix_hit_rate: Option<f64>,
 }
 
 /// One cell of the table: its text and, for the ratio column, its value.

@@ -108,6 +108,9 @@ pub fn run(
         spec.baseline_peak_bytes_by_subpool = base.peak_bytes_by_subpool;
         spec.baseline_steps = base.steps;
         spec.baseline_retractions = base.retractions;
+        spec.baseline_prompt_tokens = base.prompt_tokens;
+        spec.baseline_prefix_hit_tokens = base.prefix_hit_tokens;
+        spec.baseline_recomputed_tokens = base.recomputed_tokens;
     }
     Ok(stats)
 }

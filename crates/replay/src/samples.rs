@@ -107,6 +107,9 @@ pub fn sample_spec_report() -> Report {
             baseline_steps: run.steps * 3,
             baseline_retractions: run.retractions,
             baseline_failures: Vec::new(),
+            baseline_prompt_tokens: run.prompt_tokens,
+            baseline_prefix_hit_tokens: run.prefix_hit_tokens,
+            baseline_recomputed_tokens: run.recomputed_tokens,
         });
     }
     report

@@ -201,6 +201,10 @@ struct Speculating {
     parents: Vec<i32>,
     acceptance: Acceptance,
     stats: SpecStats,
+    /// Requests one verify step covers at most (the cache's verify batch).
+    lanes: usize,
+    /// Where the next step's verify batch starts among the decoders (round robin).
+    turn: usize,
 }
 
 /// One run's state.
@@ -317,6 +321,12 @@ impl<'a> Simulation<'a> {
                     late: mode.late,
                     ..SpecStats::default()
                 },
+                lanes: if config.model.has_recurrent_state() {
+                    crate::config::verify_lanes(config) as usize
+                } else {
+                    usize::MAX
+                },
+                turn: 0,
             }),
             notes,
             computed: Vec::new(),
@@ -485,7 +495,9 @@ impl<'a> Simulation<'a> {
             let spec = &self.workload.requests[w.spec];
             let output_left = (spec.output_len - w.sampled.min(spec.output_len)) as usize;
             let hit = self.cache.match_prefix(w.tokens);
-            let reserve = DecodeEstimate::admitting(output_left) + self.running_reserve();
+            let reserve = DecodeEstimate::admitting(output_left)
+                + self.running_reserve()
+                + self.verify_reserve();
             if !self.cache.can_admit(&hit, reserve) {
                 if self.running.is_empty() {
                     // Nothing else holds memory: clear the prefix cache and try once more,
@@ -645,6 +657,18 @@ impl<'a> Simulation<'a> {
         };
         let mode = spec.mode;
         let parents = spec.parents.clone();
+        // At most the cache's verify batch verifies; the others wait for a later step,
+        // their turn coming round robin.
+        let all = decoders.clone();
+        if decoders.len() > spec.lanes {
+            let start = spec.turn % decoders.len();
+            decoders.rotate_left(start);
+            decoders.truncate(spec.lanes);
+            decoders.sort_unstable();
+        }
+        if let Some(spec) = &mut self.spec {
+            spec.turn = spec.turn.wrapping_add(decoders.len());
+        }
         let draft = match mode.draft {
             DraftShape::Chain { k } => Draft::Chain { k: k as usize },
             DraftShape::Tree { .. } => Draft::Tree { parents: &parents },
@@ -669,10 +693,19 @@ impl<'a> Simulation<'a> {
         }
         self.step_metadata()?;
         let in_flight = mode.speculation().max_in_flight as usize;
-        let settling: Vec<usize> = decoders
+        // Settled: the oldest verify of each request that verified with as many in
+        // flight as the mode keeps, and of each waiting one whose counts arrived.
+        let settling: Vec<usize> = all
             .iter()
             .copied()
-            .filter(|&i| self.running[i].req.unsettled_verifies() == in_flight)
+            .filter(|&i| i < self.running.len())
+            .filter(|&i| {
+                let unsettled = self.running[i].req.unsettled_verifies();
+                match decoders.binary_search(&i) {
+                    Ok(_) => unsettled == in_flight,
+                    Err(_) => unsettled > 0,
+                }
+            })
             .collect();
         let Some(spec) = &mut self.spec else {
             return Ok(false);
@@ -736,6 +769,17 @@ impl<'a> Simulation<'a> {
     fn output_left(&self, r: &Running) -> usize {
         let len = self.workload.requests[r.spec].output_len;
         (len - r.sampled.min(len)) as usize
+    }
+
+    /// The rows the running requests' verifies transiently hold past their settled
+    /// ones (each up to the verify width per verify in flight), which admission keeps
+    /// free beside the decode estimate (the admitted request's own are priced by
+    /// `can_admit`).
+    fn verify_reserve(&self) -> usize {
+        self.spec.as_ref().map_or(0, |s| {
+            let held = s.mode.width() as usize * s.mode.speculation().max_in_flight as usize;
+            held * self.running.len()
+        })
     }
 
     /// What the running requests keep reserved for their decode.
@@ -836,11 +880,11 @@ impl<'a> Simulation<'a> {
         if let Some(mamba) = &mut self.stats.mamba {
             let in_use = (stats.mamba.total_pages - stats.mamba.available_pages) as u64;
             mamba.peak_slots = mamba.peak_slots.max(in_use);
-            // Every live request holds one running slot (a slot group of the verify width
-            // when speculating); every other slot in use is a checkpoint (held by its
-            // request until the tree takes it, or cached there).
-            let own = self.spec.as_ref().map_or(1, |s| u64::from(s.mode.width()));
-            let checkpoints = in_use.saturating_sub(stats.live_requests as u64 * own);
+            // Every live request holds one running slot and the cache its verify scratch;
+            // every other slot in use is a checkpoint (held by its request until the tree
+            // takes it, or cached there).
+            let own = stats.live_requests as u64 + stats.verify_scratch_slots as u64;
+            let checkpoints = in_use.saturating_sub(own);
             mamba.peak_checkpoint_slots = mamba.peak_checkpoint_slots.max(checkpoints);
         }
         self.samples.record(step, || {
@@ -1264,9 +1308,11 @@ mod tests {
                 for ps in unikv_invariants::testing::page_sizes() {
                     for mode in modes {
                         let label = format!("{model} {layout} ps {ps} {mode}");
-                        // The static layout's fixed slot pool holds a slot group of the
-                        // verify width per request: 1 GiB is too small for Nemotron-H's.
-                        let mut config = RunConfig::new(model, layout, ps, 4 << 30);
+                        // A quarter of the budget holds the verify scratch: at 16 GiB,
+                        // Nemotron-H's covers 3 of the 4 requests a step late, all of them
+                        // in the step.
+                        let mut config = RunConfig::new(model, layout, ps, 16 << 30);
+                        config.backend = Backend::None;
                         config.speculation = Some(mode);
                         let stats = run(&Preset::Smoke.build(3), &config, (), &|_| {})
                             .unwrap_or_else(|e| panic!("{label}: {e}"));
@@ -1305,37 +1351,42 @@ mod tests {
     }
 
     /// Speculation changes how many tokens a step adds, not which: a chat's next turn
-    /// finds exactly the same KV cached as without speculation, settled in the step or a
-    /// step late. A recurrent model resumes from the same states when settled in the
-    /// step; settled a step late, a request finishes with a verify in flight, whose
-    /// slot group holds no settled state to cache, and late-settled steps save no
-    /// checkpoints (the facade's rule), so it resumes from fewer.
+    /// finds exactly the same KV cached as without speculation, and a recurrent model
+    /// resumes from the same states, settled in the step or a step late (settling copies
+    /// the accepted state into the running slot and saves the checkpoints the accepted
+    /// positions cross, so a request finishing with a verify in flight caches its state).
     #[test]
     fn speculation_generates_the_same_tokens_as_decoding() {
         for model in [ModelSpec::GPT_OSS_20B, ModelSpec::QWEN3_NEXT_80B_A3B] {
-            let plain = chat_run(model, 1);
             for mode in [
                 SpecMode::chain(4).unwrap(),
                 SpecMode::tree(6).unwrap().late(),
             ] {
-                let mut config = RunConfig::new(model, Layout::Unified, 1, 16 << 30);
-                config.backend = Backend::None;
-                config.speculation = Some(mode);
-                let spec = run(&small_chat(), &config, (), &|_| {}).unwrap();
-                assert_eq!(
-                    (spec.prompt_tokens, spec.kv_hit_tokens),
-                    (plain.prompt_tokens, plain.kv_hit_tokens),
-                    "{model} {mode}"
-                );
-                if mode.late && model.has_recurrent_state() {
-                    assert!(spec.prefix_hit_tokens < plain.prefix_hit_tokens, "{model}");
-                } else {
-                    assert_eq!(spec.prefix_hit_tokens, plain.prefix_hit_tokens, "{model}");
+                for layout in Layout::BOTH {
+                    let mut config = RunConfig::new(model, layout, 1, 16 << 30);
+                    config.backend = Backend::None;
+                    config.speculation = Some(mode);
+                    let spec = run(&small_chat(), &config, (), &|_| {}).unwrap();
+                    let plain = RunConfig {
+                        speculation: None,
+                        ..config.clone()
+                    };
+                    let plain = run(&small_chat(), &plain, (), &|_| {}).unwrap();
+                    assert_eq!(
+                        (spec.prompt_tokens, spec.kv_hit_tokens),
+                        (plain.prompt_tokens, plain.kv_hit_tokens),
+                        "{model} {mode} {layout}"
+                    );
+                    assert_eq!(
+                        (spec.prefix_hit_tokens, spec.recomputed_tokens),
+                        (plain.prefix_hit_tokens, plain.recomputed_tokens),
+                        "{model} {mode}"
+                    );
+                    let s = spec.speculative.unwrap();
+                    // 8 requests of 24 output tokens: the first comes from prefill, the rest
+                    // from verify steps.
+                    assert_eq!(s.accepted_tokens, 8 * 23, "{model} {mode}");
                 }
-                let s = spec.speculative.unwrap();
-                // 8 requests of 24 output tokens: the first comes from prefill, the rest
-                // from verify steps.
-                assert_eq!(s.accepted_tokens, 8 * 23, "{model} {mode}");
             }
         }
     }

@@ -71,9 +71,22 @@ pub struct SpecStats {
     pub baseline_retractions: u64,
     /// Why the baseline failed its checks (empty when it passed).
     pub baseline_failures: Vec<String>,
+    /// The baseline's prompt tokens admitted.
+    pub baseline_prompt_tokens: u64,
+    /// The baseline's prompt tokens served from the prefix cache (its hit rate's
+    /// numerator: the speculative run's hit rate is held against it).
+    pub baseline_prefix_hit_tokens: u64,
+    /// The baseline's tokens whose KV was cached but were recomputed.
+    pub baseline_recomputed_tokens: u64,
 }
 
 impl SpecStats {
+    /// The baseline's prefix hit rate (`None` when it admitted no prompt token).
+    pub fn baseline_prefix_hit_rate(&self) -> Option<f64> {
+        (self.baseline_prompt_tokens > 0)
+            .then(|| self.baseline_prefix_hit_tokens as f64 / self.baseline_prompt_tokens as f64)
+    }
+
     /// Mean positions accepted per settled verify step (`None` before any).
     pub fn accepted_per_step(&self) -> Option<f64> {
         (self.settled_steps > 0).then(|| self.accepted_tokens as f64 / self.settled_steps as f64)

@@ -211,9 +211,13 @@ impl Sim {
             }
         }
         if let Some(v) = r.verifies.back() {
-            // Mid-verify the group holds the newest step's state after each of its
-            // nodes (settling a step early only selects a slot the later one rewrote).
-            let group = r.req.state_group().to_vec();
+            // Mid-verify the newest forward's scratch group holds the state after each of
+            // its nodes (the cache may hold a newer verify whose forward has not run: the
+            // groups line up oldest first).
+            let groups = r.req.state_groups();
+            let group = groups
+                .get(r.verifies.len() - 1)
+                .map_or_else(Vec::new, |g| g.to_vec());
             for (j, (&slot, &want)) in group.iter().zip(&v.group_stamps).enumerate() {
                 let span = self.slot_span(slot)?;
                 self.out.stamps_checked += 1;

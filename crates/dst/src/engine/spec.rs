@@ -393,13 +393,21 @@ impl Sim {
                 }
             }
             if l.slots_per_request > 0 {
-                let slots: Vec<_> = r
+                // The input: the running slot, or the earlier unsettled verify's group
+                // at its last accepted node; the outputs: the newest verify's own group.
+                let groups = r.req.state_groups();
+                let earlier: &[_] = match groups.len() {
+                    2.. => groups[groups.len() - 2],
+                    _ => &[],
+                };
+                let newest = groups.last().copied().unwrap_or(&[]);
+                let inputs: Vec<_> = r
                     .req
                     .state_slot()
                     .into_iter()
-                    .chain(r.req.state_group().iter().copied())
+                    .chain(earlier.iter().copied())
                     .collect();
-                let physical = |k: usize| {
+                let physical = |slots: &[unikv::pools::VirtualSlot], k: usize| {
                     slots
                         .get(k)
                         .and_then(|&s| alloc.physical_slot(s))
@@ -407,18 +415,29 @@ impl Sim {
                 };
                 failures.extend(wrong(
                     format!(
-                        "request {id}'s input state (node {} of [running, group…])",
+                        "request {id}'s input state (node {} of [running, earlier group…])",
                         last_node[m]
                     ),
                     out[l.state_in + m],
-                    physical(last_node[m] as usize),
+                    physical(&inputs, last_node[m] as usize),
                 ));
                 for j in 0..w {
+                    let want = if j < widths[m] {
+                        physical(newest, j)
+                    } else {
+                        0
+                    };
                     failures.extend(wrong(
                         format!("request {id}'s state after position {j}"),
                         out[l.state_out + m * w + j],
-                        if j < widths[m] { physical(1 + j) } else { 0 },
+                        want,
                     ));
+                    // A verify never reads a state slot it writes.
+                    if want > 0 && want == out[l.state_in + m] {
+                        failures.push(format!(
+                            "request {id}'s verify reads the slot it writes at {j}"
+                        ));
+                    }
                 }
             }
         }

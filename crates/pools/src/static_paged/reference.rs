@@ -50,7 +50,9 @@ pub struct ReferenceSlotPool {
 /// when neither `max_mamba_cache_size` nor (with the radix cache disabled)
 /// `max_running_requests` is given; `init_memory` then caps the running requests at
 /// `max_mamba_cache_size // calculate_mamba_ratio()` (3 with a radix cache, 1 without).
-/// Speculative decoding's intermediate states are not modelled.
+/// Speculative decoding's intermediate states are not in this count: the facade adds
+/// them beyond it (`unikv::verify_scratch_slots`), as SGLang's
+/// `intermediate_ssm_state_cache` is a buffer apart from its Mamba pool.
 ///
 /// A ratio that is not positive and finite, or a slot spec [`SlotPoolSpec::grid`]
 /// refuses, is [`Error::BadConfig`]. The count may be below [`BS1_STATE_SLOTS`](crate::BS1_STATE_SLOTS); then
