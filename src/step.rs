@@ -415,9 +415,10 @@ impl HybridCache {
     /// set-up).
     ///
     /// Errors: a request of another cache, more new tokens than rows, a pending checkpoint before this step's tokens ([`Error::BadRequest`]), or a device
-    /// error; then `meta` stays unreadable until the next successful build. A window
-    /// reaching below the request's window cursor (SWA released there, which reads the
-    /// sink) is the breach `step.window_live`.
+    /// error; then `meta` stays unreadable until the next successful build. An SWA page
+    /// inside a window that was released (it reads the sink) is the breach
+    /// `step.window_live`; only the window's pages below the request's window cursor are
+    /// looked up (above it the rows are the request's own), so a decode's costs nothing.
     pub fn build_step_metadata(
         &mut self,
         meta: &mut StepMetadata,
@@ -551,9 +552,15 @@ impl HybridCache {
                 }
             }
             if has_swa {
-                // SWA below the window cursor is released; a window reaching below it
-                // would read the sink there.
-                released += req.window_cursor().saturating_sub(first);
+                // Rows from the window cursor up are the request's own, with live SWA;
+                // below it the request released its own and the tree holds the rest
+                // (live while locked): only the window's pages there are looked up.
+                let below = first..req.window_cursor().min(len);
+                if !below.is_empty() {
+                    released += (below.start / ps..below.end.div_ceil(ps))
+                        .filter(|&page| page_id(alloc, Side::Swa, row, ps, page) == 0)
+                        .count();
+                }
             }
             let state_slot = req.state_slot().and_then(|v| alloc.physical_slot(v));
             img[l.state_slots + i] = state_slot.unwrap_or(0) as i32;
@@ -594,7 +601,7 @@ impl HybridCache {
         img[l.checkpoint_starts + b] = meta.checkpoints.len() as i32;
         self.invariant_scope()
             .expect(&WINDOW_LIVE, released == 0, || {
-                format!("{released} SWA rows inside a window of this step were released")
+                format!("{released} SWA pages inside a window of this step were released")
             });
         meta.layout = l;
         meta.table = if l.len == 0 {
