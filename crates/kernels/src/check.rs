@@ -496,36 +496,49 @@ pub(crate) fn lanes(
     Ok(strides)
 }
 
-/// One request's run of a lane translation (see [`LaneTranslate`]): calls `write(index,
-/// kernel id)` for each output index `o + j` inside `0..out_len`, with the request's
-/// lane `lane`, first entry `first` and output range `start..end` (device values). Only
-/// the `j` whose index is inside `0..out_len` are visited, so the work is at most
-/// `out_len` whatever the device values (a run of `i32::MIN..i32::MAX` is not 2³² steps).
+/// One request's run of a lane translation (see [`LaneTranslate`]) into `out`, the
+/// translation's output (`out_len` entries from `out_at`): lane `lane`, first entry
+/// `first`, output range `start..end` (device values). Writes every output index of the
+/// run inside `out`, and only those: the work is bounded by the output, whatever the
+/// device values.
 pub(crate) fn lane_run(
-    args: &LaneTranslate,
+    lane_len: usize,
     stride: i32,
     v2p: &[i32],
     rows: &[i32],
     (lane, first, start, end): (i32, i32, i32, i32),
-    mut write: impl FnMut(usize, i32),
+    out: &mut [i32],
 ) {
-    let lanes = rows.len() / args.lane_len;
-    let lane = usize::try_from(lane).ok().filter(|&l| l < lanes);
-    let (first, start) = (i64::from(first), i64::from(start));
-    let out_len = i64::try_from(args.out_len).unwrap_or(i64::MAX);
-    // `j` from where `start + j` reaches 0 to where the run or the output ends.
+    let (first, start, end) = (i64::from(first), i64::from(start), i64::from(end));
+    let out_len = out.len() as i64;
+    // The run's `j` whose output `start + j` is inside `out`.
     let from = (-start).max(0);
-    let to = (i64::from(end) - start).min(out_len.saturating_sub(start));
-    for j in from..to {
-        let o = (start + j) as usize; // inside 0..out_len
-        let entry = usize::try_from(first + j)
-            .ok()
-            .filter(|&e| e < args.lane_len);
-        let id = match (lane, entry) {
-            (Some(l), Some(e)) => translate_one(v2p, rows[l * args.lane_len + e], 1, stride),
-            _ => 0,
-        };
-        write(o, id);
+    let to = (end - start).min(out_len - start);
+    if from >= to {
+        return;
+    }
+    // Of those, the `j` whose entry `first + j` is inside the lane.
+    let lane_len_i = lane_len as i64;
+    let in_lo = (-first).max(from).min(to);
+    let in_hi = (lane_len_i - first).min(to).max(in_lo);
+    let at = |j: i64| (start + j) as usize; // inside `out` for from <= j <= to
+    out[at(from)..at(in_lo)].fill(0);
+    out[at(in_hi)..at(to)].fill(0);
+    let window = &mut out[at(in_lo)..at(in_hi)];
+    let lanes = rows.len() / lane_len;
+    match usize::try_from(lane).ok().filter(|&l| l < lanes) {
+        // Non-empty: `first + in_lo` is then inside the lane.
+        Some(l) if !window.is_empty() => {
+            let src = &rows[l * lane_len + (first + in_lo) as usize..][..window.len()];
+            for (o, &page) in window.iter_mut().zip(src) {
+                // `translate_one` at page size 1, without its division.
+                *o = match usize::try_from(page).ok().and_then(|p| v2p.get(p)) {
+                    Some(&phys) if page > 0 && phys > 0 => phys.wrapping_mul(stride),
+                    _ => 0,
+                };
+            }
+        }
+        _ => window.fill(0),
     }
 }
 

@@ -289,7 +289,7 @@ impl Device for CpuDevice {
             let (v2p, rows) = (st.table(t.v2p)?, st.table(t.rows)?);
             for r in 0..t.batch {
                 let run = (lanes[r], firsts[r], starts[r], starts[r + 1]);
-                check::lane_run(t, stride, v2p, rows, run, |o, id| window[o] = id);
+                check::lane_run(t.lane_len, stride, v2p, rows, run, window);
             }
             *st.table_mut(t.out)? = out;
         }

@@ -359,20 +359,7 @@ impl Emulation {
                 let (list, count) = (u(0)?, u(1)?);
                 let words = crate::cuda::LANE_WORDS;
                 for a in self.u64s(list, words as u64 * count)?.chunks_exact(words) {
-                    let batch = a[8];
-                    let args = crate::LaneTranslate {
-                        v2p: crate::TableId(0),
-                        rows: crate::TableId(0),
-                        lane_len: a[4] as usize,
-                        lanes: (crate::TableId(0), 0),
-                        firsts: None,
-                        starts: (crate::TableId(0), 0),
-                        batch: batch as usize,
-                        stride: a[9] as u32,
-                        out: crate::TableId(0),
-                        out_at: 0,
-                        out_len: a[11] as usize,
-                    };
+                    let (batch, lane_len, stride) = (a[8], a[4] as usize, a[9] as i32);
                     let v2p = self.i32s(a[0], a[1])?;
                     let rows = self.i32s(a[2], a[3])?;
                     let lanes = self.i32s(a[5], batch)?;
@@ -381,16 +368,12 @@ impl Emulation {
                         firsts => self.i32s(firsts, batch)?,
                     };
                     let starts = self.i32s(a[7], batch + 1)?;
-                    let mut writes = Vec::new();
+                    let mut out = self.i32s(a[10], a[11])?;
                     for r in 0..batch as usize {
                         let run = (lanes[r], firsts[r], starts[r], starts[r + 1]);
-                        check::lane_run(&args, a[9] as i32, &v2p, &rows, run, |o, id| {
-                            writes.push((o, id))
-                        });
+                        check::lane_run(lane_len, stride, &v2p, &rows, run, &mut out);
                     }
-                    for (o, id) in writes {
-                        self.write_i32s(a[10] + 4 * o as u64, &[id])?;
-                    }
+                    self.write_i32s(a[10], &out)?;
                 }
                 Ok(())
             }

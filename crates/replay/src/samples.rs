@@ -34,7 +34,7 @@ pub fn sample_pair() -> Vec<RunStats> {
         peak_bytes_by_subpool: map(&[("full", 9_543_548_928), ("swa", 1_887_436_800)]),
         steps: 5_980,
         step_cpu_ns: vec![4_000, 5_000, 6_000, 7_000, 90_000],
-        metadata_cpu_ns: vec![1_000, 1_000, 1_200, 1_100, 5_000],
+        step_with_metadata_cpu_ns: vec![5_000, 6_200, 95_000],
         samples: vec![
             StepSample {
                 step: 0,
@@ -63,7 +63,7 @@ pub fn sample_pair() -> Vec<RunStats> {
         peak_bytes_by_subpool: map(&[("full", 10_368_319_488), ("swa", 1_811_939_328)]),
         steps: 2_180,
         step_cpu_ns: vec![3_000, 3_500, 4_000, 4_500, 50_000],
-        metadata_cpu_ns: vec![900, 1_000, 1_100, 1_000, 4_000],
+        step_with_metadata_cpu_ns: vec![3_900, 5_100, 54_000],
         samples: vec![
             StepSample {
                 step: 0,

@@ -143,10 +143,11 @@ pub struct RunStats {
     /// device ops (page moves, the mirror upload), which a GPU would run asynchronously.
     /// The only measured field; may be empty.
     pub step_cpu_ns: Vec<u64>,
-    /// The CPU time of each step's metadata build (`build_step_metadata` for the
-    /// requests the step computes), in nanoseconds, measured as `step_cpu_ns` and not
-    /// part of it: the step's whole host cost is the sum. Measured; may be empty.
-    pub metadata_cpu_ns: Vec<u64>,
+    /// The whole host cost of every `METADATA_EVERY`-th step, in nanoseconds: its
+    /// `step_cpu_ns` plus its metadata build (`build_step_metadata` for the requests the
+    /// step computes), measured as `step_cpu_ns` is (a step's metadata is not part of
+    /// its `step_cpu_ns`). Measured; may be empty.
+    pub step_with_metadata_cpu_ns: Vec<u64>,
     /// Pages (and state slots) the allocator bound or released over the run: what the
     /// steps' host time should be proportional to.
     pub pages_handled: u64,
@@ -195,14 +196,10 @@ impl RunStats {
         self.timing_of(self.step_cpu_ns.clone())
     }
 
-    /// [`RunStats::timing`] of each step's whole host cost: allocator and tree plus
-    /// metadata ([`RunStats::metadata_cpu_ns`]; `None` when no step was timed with it).
+    /// [`RunStats::timing`] of the steps' whole host cost, allocator and tree plus
+    /// metadata ([`RunStats::step_with_metadata_cpu_ns`]), or `None` when it is empty.
     pub fn timing_with_metadata(&self) -> Option<Timing> {
-        if self.metadata_cpu_ns.len() != self.step_cpu_ns.len() {
-            return None;
-        }
-        let steps = self.step_cpu_ns.iter().zip(&self.metadata_cpu_ns);
-        self.timing_of(steps.map(|(s, m)| s + m).collect())
+        self.timing_of(self.step_with_metadata_cpu_ns.clone())
     }
 
     fn timing_of(&self, mut sorted: Vec<u64>) -> Option<Timing> {
