@@ -468,3 +468,68 @@ fn a_mamba_hybrid_step_issues_no_host_sync() {
         }
     }
 }
+
+/// Step metadata from the device lanes issues no host sync and allocates nothing once
+/// reserved at set-up: decode steps of several requests — each writing its new pages into
+/// its lane, uploading the header and translating the page tables — on the CPU backend
+/// and on the CUDA backend (emulated driver, stream stalled), whose every op stages
+/// through the pinned ring (no sync hazard); the last step's table names the host's ids.
+#[test]
+fn step_metadata_from_the_lanes_issues_no_host_sync() {
+    let devices: [fn() -> Arc<dyn Readback>; 2] = [
+        || Arc::new(CpuDevice::new()),
+        || Arc::new(CudaDevice::emulated()),
+    ];
+    for device in devices {
+        for_each_layout_and_page_size(|layout, ps| {
+            let ledger = Arc::new(SyncLedger::new(device()));
+            let config = Config {
+                device: Some(ledger.clone()),
+                ..Config::tokens(layout, ps, W, 40 * (W as u64).max(ps as u64), 8)
+            };
+            let mut fx = Fixture::new(&config);
+            let keep = fx.keep();
+            let mut running: Vec<unikv::Request> = (0..3)
+                .map(|r| {
+                    let mut req = fx.admit(text(100_000 * (r + 1), keep + 1));
+                    fx.prefill(&mut req, keep + 1);
+                    req
+                })
+                .collect();
+            fx.cache
+                .reserve_step_metadata(unikv::StepCapacity {
+                    requests: 4,
+                    max_len: 4 * keep + 64,
+                })
+                .unwrap();
+            let mut meta = unikv::StepMetadata::new();
+            // The step table's set-up: the first build allocates it.
+            let batch: Vec<(&unikv::Request, usize)> = running.iter().map(|r| (r, 1)).collect();
+            fx.cache.build_step_metadata(&mut meta, &batch).unwrap();
+            drop(batch);
+            fx.step();
+            ledger.reset();
+            for step in 0..2 * keep {
+                let mut batch: Vec<&mut unikv::Request> = running.iter_mut().collect();
+                let tokens = vec![TokenId(7 + step as u32); batch.len()];
+                fx.cache.alloc_decode(&mut batch, &tokens).unwrap();
+                let batch: Vec<(&unikv::Request, usize)> = running.iter().map(|r| (r, 1)).collect();
+                fx.cache.build_step_metadata(&mut meta, &batch).unwrap();
+                assert!(fx.cache.step_view(&meta).is_ok(), "{}", fx.label);
+                drop(batch);
+                fx.step();
+            }
+            ledger
+                .check_no_syncs()
+                .unwrap_or_else(|report| panic!("{}: {report}", fx.label));
+            assert_eq!((ledger.syncs(), ledger.data_dependent_shapes()), (0, 0));
+            let ops: Vec<&str> = ledger.ops().iter().map(|r| r.op).collect();
+            assert!(
+                !ops.contains(&"alloc_table") && ops.contains(&"translate_lanes"),
+                "{}: {ops:?}",
+                fx.label
+            );
+            fx.teardown(running);
+        });
+    }
+}
