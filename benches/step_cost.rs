@@ -5,11 +5,12 @@
 //! invariant levels off and strict. Thread CPU time on a `NullDevice` (bookkeeping only),
 //! medians of 30 steps after 5 warm-up steps.
 //!
-//! Each step builds the metadata twice, timed apart: on the device from the lanes
-//! (`build_step_metadata`, what the step costs) and on the host row by row
+//! A cell decodes 35 steps building the metadata on the device from the lanes
+//! (`build_step_metadata`, what the step costs), then 35 building it on the host row by row
 //! (`build_step_metadata_on_host`: the cost the lanes replace, printed beside it as
-//! "host-built"). Run with `cargo bench -p unikv --bench step_cost` (`-- --quick`: contexts
-//! 512 and 4k only; `-- --ctx 16384` one context).
+//! "host-built"; "step with it" adds the device steps' allocator and boundary). Run with `cargo bench -p unikv --bench step_cost` (`-- --quick`: contexts
+//! 512 and 4k only; `-- --ctx 16384` one context; `--model gpt-oss`, `--ps 16` and
+//! `--level off` pick cells).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +23,9 @@ use unikv::{
 const BATCH: usize = 256;
 const WARM_UP: usize = 5;
 const STEPS: usize = 30;
+/// Tokens each request decodes: the steps with the device build, then as many with the
+/// host build.
+const DECODED: usize = 2 * (WARM_UP + STEPS);
 /// Prefill chunk: each releases the window its predecessor left, so a static SWA pool
 /// sized for windows holds a long prompt.
 const CHUNK: usize = 4_096;
@@ -63,7 +67,7 @@ fn timed<R>(f: impl FnOnce() -> R) -> (R, Duration) {
 
 /// A cache of `model` holding `BATCH` requests of `ctx` tokens each, decoding.
 fn decoding(model: ModelSpec, layout: Layout, ps: u32, ctx: usize) -> (HybridCache, Vec<Request>) {
-    let tokens = (BATCH * (ctx + WARM_UP + STEPS + 2 * ps as usize)) as u64;
+    let tokens = (BATCH * (ctx + DECODED + 2 * ps as usize)) as u64;
     // FULL room for every request's rows and a fifth more, and as many SWA tokens as the
     // static layout's ratio gives (more than the unified layout's windows need); kernel
     // ids must stay inside i32, so no more.
@@ -85,7 +89,7 @@ fn decoding(model: ModelSpec, layout: Layout, ps: u32, ctx: usize) -> (HybridCac
     cache
         .reserve_step_metadata(StepCapacity {
             requests: BATCH,
-            max_len: ctx + WARM_UP + STEPS + 1,
+            max_len: ctx + DECODED + 1,
         })
         .expect("lanes reserved");
     let mut requests = Vec::with_capacity(BATCH);
@@ -110,23 +114,36 @@ fn decoding(model: ModelSpec, layout: Layout, ps: u32, ctx: usize) -> (HybridCac
 fn cell(model: ModelSpec, layout: Layout, ps: u32, ctx: usize) -> Cell {
     let (mut cache, mut requests) = decoding(model, layout, ps, ctx);
     let tokens = vec![TokenId(7); BATCH];
-    let (mut meta, mut host_meta) = (StepMetadata::new(), StepMetadata::new());
+    let mut meta = StepMetadata::new();
+    // Steps with the metadata built on the device, then steps with it built on the host
+    // (apart: a host build streams every row through the caches and would slow the
+    // step after it).
     let mut times: [Vec<Duration>; 4] = Default::default();
-    for step in 0..WARM_UP + STEPS {
-        let mut batch: Vec<&mut Request> = requests.iter_mut().collect();
-        let (r, alloc) = timed(|| cache.alloc_decode(&mut batch, &tokens));
-        r.expect("decoded");
-        let shape: Vec<(&Request, usize)> = requests.iter().map(|r| (r, 1)).collect();
-        let (r, meta_t) = timed(|| cache.build_step_metadata(&mut meta, &shape));
-        r.expect("built");
-        let (r, host_t) = timed(|| cache.build_step_metadata_on_host(&mut host_meta, &shape));
-        r.expect("built on the host");
-        drop(shape);
-        let (r, boundary) = timed(|| cache.step_boundary());
-        r.expect("a clean step");
-        if step >= WARM_UP {
-            for (v, t) in times.iter_mut().zip([alloc, meta_t, boundary, host_t]) {
-                v.push(t);
+    for on_host in [false, true] {
+        for step in 0..WARM_UP + STEPS {
+            let mut batch: Vec<&mut Request> = requests.iter_mut().collect();
+            let (r, alloc) = timed(|| cache.alloc_decode(&mut batch, &tokens));
+            r.expect("decoded");
+            let shape: Vec<(&Request, usize)> = requests.iter().map(|r| (r, 1)).collect();
+            let (r, meta_t) = timed(|| {
+                if on_host {
+                    cache.build_step_metadata_on_host(&mut meta, &shape)
+                } else {
+                    cache.build_step_metadata(&mut meta, &shape)
+                }
+            });
+            r.expect("built");
+            drop(shape);
+            let (r, boundary) = timed(|| cache.step_boundary());
+            r.expect("a clean step");
+            if step >= WARM_UP {
+                if on_host {
+                    times[3].push(meta_t);
+                } else {
+                    for (v, t) in times.iter_mut().zip([alloc, meta_t, boundary]) {
+                        v.push(t);
+                    }
+                }
             }
         }
     }
@@ -159,6 +176,17 @@ fn main() {
             .expect("--ctx N");
         contexts = vec![ctx];
     }
+    let value = |flag: &str| {
+        let i = args.iter().position(|a| a == flag)?;
+        Some(
+            args.get(i + 1)
+                .unwrap_or_else(|| panic!("{flag} VALUE"))
+                .clone(),
+        )
+    };
+    let only_model = value("--model");
+    let only_ps: Option<u32> = value("--ps").map(|p| p.parse().expect("--ps N"));
+    let only_level = value("--level");
     let models = [ModelSpec::GPT_OSS_20B, QWEN3_NEXT_SCALED_STATE];
     let layouts = [
         (
@@ -170,6 +198,9 @@ fn main() {
         ("unified", Layout::Unified),
     ];
     for level in [Level::Off, Level::Strict] {
+        if only_level.as_ref().is_some_and(|l| *l != level.to_string()) {
+            continue;
+        }
         println!(
             "\nhost cost of a decode step, batch {BATCH}, invariants {level}, µs (thread CPU, \
              median of {STEPS} steps)"
@@ -180,8 +211,17 @@ fn main() {
         );
         println!("|---|---|---|---|---|---|---|---|---|---|---|");
         for model in models {
+            if only_model
+                .as_ref()
+                .is_some_and(|m| !model.name.starts_with(m.as_str()))
+            {
+                continue;
+            }
             for (name, layout) in layouts {
                 for ps in [1, 16, 256] {
+                    if only_ps.is_some_and(|p| p != ps) {
+                        continue;
+                    }
                     let mut base: Option<Duration> = None;
                     for &ctx in &contexts {
                         let c = scoped_level(level, || cell(model, layout, ps, ctx));
