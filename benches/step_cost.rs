@@ -90,6 +90,7 @@ fn decoding(model: ModelSpec, layout: Layout, ps: u32, ctx: usize) -> (HybridCac
         .reserve_step_metadata(StepCapacity {
             requests: BATCH,
             max_len: ctx + DECODED + 1,
+            max_new_tokens: BATCH,
         })
         .expect("lanes reserved");
     let mut requests = Vec::with_capacity(BATCH);

@@ -355,6 +355,11 @@ impl HybridCache {
         self.device.clone()
     }
 
+    /// How recurrent states are checkpointed (`None` without recurrent layers).
+    pub(crate) fn state_policy(&self) -> Option<StatePolicy> {
+        self.states
+    }
+
     /// The requests' lanes.
     pub(crate) fn lanes(&self) -> &crate::step::Lanes {
         &self.lanes

@@ -23,6 +23,7 @@
 mod lanes;
 
 pub(crate) use lanes::Lanes;
+use lanes::Shape;
 pub use lanes::StepCapacity;
 
 use crate::cache::HybridCache;
@@ -88,6 +89,9 @@ impl StepMetadata {
 pub struct DeviceLayout {
     /// Requests in the batch.
     pub batch: usize,
+    /// Requests the table is laid out for (`B`): those past `batch` are padding, with
+    /// empty runs and the sink for their state slot.
+    pub max_batch: usize,
     /// Tokens per page.
     pub page_size: usize,
     /// Offset of `query_starts`.
@@ -390,13 +394,52 @@ impl HybridCache {
         }
     }
 
-    /// Sizes the device lanes for `capacity` (set-up work: a device allocation), so that
-    /// no step up to it allocates. Without it the lanes grow when a step first needs
-    /// more, doubling.
+    /// Shapes step metadata for `capacity` (set-up work: a device allocation of the
+    /// lanes; the step table follows at the first build): no step within it allocates,
+    /// and every step's table has the same layout, so a CUDA graph captured once reads
+    /// it. Without it the first build shapes them for its batch, and a step beyond the
+    /// capacity grows it (doubling; a new layout).
     pub fn reserve_step_metadata(&mut self, capacity: StepCapacity) -> Result<(), Error> {
         let ps = self.page_size();
+        let shape = Shape {
+            requests: capacity.requests,
+            pages: capacity.max_len.div_ceil(ps),
+            new_tokens: capacity.max_new_tokens,
+            saves: capacity.requests * self.saves_per_request(),
+        };
         let device = self.device_arc();
-        self.lanes_mut().reserve(device.as_ref(), capacity, ps)
+        self.lanes_mut().reserve(device.as_ref(), shape)
+    }
+
+    /// The most checkpoints one request saves in a step.
+    fn saves_per_request(&self) -> usize {
+        self.state_policy()
+            .map_or(0, |p| p.checkpoints_per_step() as usize)
+    }
+
+    /// Grows the step's shape (lanes and table layout) when `batch` needs more than it
+    /// holds: lanes for every request holding one after this batch, its longest row, its
+    /// new tokens and checkpoints.
+    fn shape_step(&mut self, batch: &[(&Request, usize)]) -> Result<(), Error> {
+        let ps = self.page_size();
+        let need = Shape {
+            requests: self.lanes().held_with(batch.iter().map(|(r, _)| r.id())),
+            pages: batch
+                .iter()
+                .map(|(r, _)| r.len().div_ceil(ps))
+                .max()
+                .unwrap_or(0),
+            new_tokens: batch.iter().map(|&(_, n)| n).sum(),
+            saves: batch.iter().map(|(r, _)| r.checkpoint_writes().len()).sum(),
+        };
+        let shape = self.lanes().shape();
+        if shape.holds(need) {
+            return Ok(());
+        }
+        let mut grown = shape.grown_to(need);
+        grown.saves = grown.saves.max(grown.requests * self.saves_per_request());
+        let device = self.device_arc();
+        self.lanes_mut().reserve(device.as_ref(), grown)
     }
 
     /// Builds the metadata of one step for `batch` (each request with the tokens this
@@ -452,16 +495,6 @@ impl HybridCache {
         self.check_step_batch(batch)?;
         self.sync_mirror()?;
         let ps = self.page_size();
-        let lanes = match tables {
-            PageTables::Device => {
-                let device = self.device_arc();
-                let rows = batch.iter().map(|(r, _)| (r.id(), r.row()));
-                self.lanes_mut()
-                    .sync(device.as_ref(), rows, ps, &mut meta.lanes)?;
-                Some(&meta.lanes[..])
-            }
-            PageTables::Host => None,
-        };
         let window = self.model().window as usize;
         let has_swa = self.model().swa_layers > 0;
         let b = batch.len();
@@ -474,38 +507,63 @@ impl HybridCache {
                 0
             }
         };
-        let new: usize = batch.iter().map(|&(_, n)| n).sum();
-        let full_total: usize = batch.iter().map(|(r, _)| pages(r)).sum();
-        let swa_total: usize = batch.iter().map(|&(r, n)| window_pages(r, n)).sum();
+        if b > 0 {
+            self.shape_step(batch)?;
+        }
+        let shape = if b > 0 {
+            self.lanes().shape()
+        } else {
+            Shape::default()
+        };
+        let lanes = match tables {
+            PageTables::Device if b > 0 => {
+                let device = self.device_arc();
+                let rows = batch.iter().map(|(r, _)| (r.id(), r.row()));
+                self.lanes_mut()
+                    .sync(device.as_ref(), rows, ps, &mut meta.lanes)?;
+                Some(&meta.lanes[..])
+            }
+            _ => None,
+        };
+        // Every section is sized by the shape, not by this batch, so every step has the
+        // same layout (requests past the batch are padding: empty runs).
+        let (bb, new) = (shape.requests, shape.new_tokens);
         let swa_new = if has_swa { new } else { 0 };
-        let saves: usize = batch.iter().map(|(r, _)| r.checkpoint_writes().len()).sum();
+        let swa_capacity = if has_swa {
+            bb * (window.div_ceil(ps) + 2) + new.div_ceil(ps)
+        } else {
+            0
+        };
         let mut l = DeviceLayout {
             batch: b,
+            max_batch: bb,
             page_size: ps,
             ..DeviceLayout::default()
         };
-        let mut at = 0;
-        let mut section = |n: usize| {
-            let start = at;
-            at += n;
-            start
-        };
-        l.query_starts = section(b + 1);
-        l.full_starts = section(b + 1);
-        l.full_last = section(b);
-        l.swa_starts = section(b + 1);
-        l.swa_first = section(b);
-        l.swa_first_page = section(b);
-        l.lanes = section(b);
-        l.write_full = section(new);
-        l.write_swa = section(swa_new);
-        l.state_slots = section(b);
-        l.checkpoint_starts = section(b + 1);
-        l.checkpoint_slots = section(saves);
-        l.checkpoint_at = section(saves);
-        l.full_pages = section(full_total);
-        l.swa_pages = section(swa_total);
-        l.len = at;
+        if b > 0 {
+            let mut at = 0;
+            let mut section = |n: usize| {
+                let start = at;
+                at += n;
+                start
+            };
+            l.query_starts = section(bb + 1);
+            l.full_starts = section(bb + 1);
+            l.full_last = section(bb);
+            l.swa_starts = section(bb + 1);
+            l.swa_first = section(bb);
+            l.swa_first_page = section(bb);
+            l.lanes = section(bb);
+            l.write_full = section(new);
+            l.write_swa = section(swa_new);
+            l.state_slots = section(bb);
+            l.checkpoint_starts = section(bb + 1);
+            l.checkpoint_slots = section(shape.saves);
+            l.checkpoint_at = section(shape.saves);
+            l.full_pages = section(bb * shape.pages);
+            l.swa_pages = section(swa_capacity);
+            l.len = at;
+        }
         to_i32(u64::MAX, "step table length", l.len)?;
         let written = match tables {
             PageTables::Device => l.header_len(),
@@ -595,10 +653,18 @@ impl HybridCache {
             s += swa_n;
             w += n;
         }
-        img[l.query_starts + b] = q as i32;
-        img[l.full_starts + b] = f as i32;
-        img[l.swa_starts + b] = s as i32;
-        img[l.checkpoint_starts + b] = meta.checkpoints.len() as i32;
+        if b > 0 {
+            // The batch's totals, and the padding requests' empty runs after them.
+            let saved = meta.checkpoints.len();
+            for (section, total) in [
+                (l.query_starts, q),
+                (l.full_starts, f),
+                (l.swa_starts, s),
+                (l.checkpoint_starts, saved),
+            ] {
+                img[section + b..=section + bb].fill(total as i32);
+            }
+        }
         self.invariant_scope()
             .expect(&WINDOW_LIVE, released == 0, || {
                 format!("{released} SWA pages inside a window of this step were released")
@@ -667,7 +733,7 @@ impl HybridCache {
                 lanes: (table, l.lanes),
                 firsts,
                 starts: (table, starts),
-                batch: l.batch,
+                batch: l.max_batch,
                 stride: alloc.stride(side),
                 out: table,
                 out_at,

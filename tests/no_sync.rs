@@ -500,6 +500,7 @@ fn step_metadata_from_the_lanes_issues_no_host_sync() {
                 .reserve_step_metadata(unikv::StepCapacity {
                     requests: 4,
                     max_len: 4 * keep + 64,
+                    max_new_tokens: 4,
                 })
                 .unwrap();
             let mut meta = unikv::StepMetadata::new();

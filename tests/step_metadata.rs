@@ -10,7 +10,10 @@ use common::*;
 use std::sync::Arc;
 use unikv::kernels::{CpuDevice, HostSync, Readback, SyncLedger};
 use unikv::pools::Side;
-use unikv::{Error, HybridCache, Layout, Request, StepCapacity, StepMetadata, StepView, TokenId};
+use unikv::{
+    DeviceLayout, Error, HybridCache, Layout, Request, StepCapacity, StepMetadata, StepView,
+    TokenId,
+};
 
 const W: u32 = 8;
 
@@ -134,6 +137,7 @@ fn metadata_names_the_host_kernel_ids_and_is_uploaded_in_one_op() {
             .reserve_step_metadata(StepCapacity {
                 requests: 2,
                 max_len: 8 * (keep + fx.interval),
+                max_new_tokens: 4 * keep,
             })
             .unwrap();
         let mut meta = StepMetadata::new();
@@ -339,7 +343,8 @@ fn checkpoint_writes_are_a_prefix_summed_section_of_the_step_table() {
                 assert_eq!(view.request(1).checkpoints[k].at_len, w.at_len, "{label}");
             }
             assert!(view.request(0).checkpoints.is_empty(), "{label}");
-            assert_eq!(l.header_len(), l.checkpoint_at + 2, "{label}");
+            // The section holds the batch's two (and room for the shape's capacity).
+            assert!(l.checkpoint_at + 2 <= l.header_len(), "{label}");
             let device = device_table(&cpu, &view);
             assert_eq!(&device[..l.header_len()], image, "{label}");
             cache.release(quiet).unwrap();
@@ -390,5 +395,80 @@ fn a_window_below_the_window_cursor_is_a_window_live_breach() {
             // The breach stays in the scope's report: no teardown's clean check.
             fx.cache.release(req).unwrap();
         });
+    });
+}
+
+/// Once shaped by `reserve_step_metadata`, every step's table has the same layout — every
+/// section at the same offset, whatever the batch (its requests past the batch are padding
+/// with empty runs) — so a CUDA graph captured once reads it; a step beyond the capacity
+/// grows it and changes the layout.
+#[test]
+fn a_reserved_capacity_gives_every_step_the_same_layout() {
+    for_each_layout_and_page_size(|layout, ps| {
+        let mut fx = Fixture::new(&Config::tokens(
+            layout,
+            ps,
+            W,
+            64 * (W as u64).max(ps as u64),
+            16,
+        ));
+        let keep = fx.keep();
+        fx.cache
+            .reserve_step_metadata(StepCapacity {
+                requests: 4,
+                max_len: 4 * keep,
+                max_new_tokens: keep + 4,
+            })
+            .unwrap();
+        let mut a = fx.admit(text(1, 2 * keep));
+        fx.prefill(&mut a, keep);
+        let mut meta = StepMetadata::new();
+        fx.cache
+            .build_step_metadata(&mut meta, &[(&a, keep)])
+            .unwrap();
+        let first = fx.cache.step_view(&meta).unwrap().device_layout();
+        fx.step();
+        let mut b = fx.admit(text(50_000, keep));
+        fx.cache.alloc_extend(&mut b, keep).unwrap();
+        fx.cache.alloc_decode(&mut [&mut a], &[TokenId(3)]).unwrap();
+        fx.cache
+            .build_step_metadata(&mut meta, &[(&b, keep), (&a, 1)])
+            .unwrap();
+        let view = fx.cache.step_view(&meta).unwrap();
+        let second = view.device_layout();
+        assert_eq!((first.batch, second.batch), (1, 2), "{}", fx.label);
+        assert_eq!(
+            DeviceLayout { batch: 0, ..first },
+            DeviceLayout { batch: 0, ..second },
+            "{}: the same layout",
+            fx.label
+        );
+        // The padding requests' runs are empty: their prefix sums repeat the total.
+        let image = view.host_image();
+        let starts = &image[second.full_starts..=second.full_starts + second.max_batch];
+        assert!(
+            starts[2..].iter().all(|&s| s == starts[2]),
+            "{}: {starts:?}",
+            fx.label
+        );
+        fx.step();
+        // Five requests' worth of lanes is beyond the capacity: the shape grows.
+        let mut more: Vec<Request> = (0..3)
+            .map(|r| {
+                let mut req = fx.admit(text(100_000 * (r + 2), 1));
+                fx.cache.alloc_extend(&mut req, 1).unwrap();
+                req
+            })
+            .collect();
+        more.push(a);
+        more.push(b);
+        let batch: Vec<(&Request, usize)> = more.iter().map(|r| (r, 1)).collect();
+        fx.cache.build_step_metadata(&mut meta, &batch).unwrap();
+        let grown = fx.cache.step_view(&meta).unwrap().device_layout();
+        assert!(grown.max_batch >= 5, "{}", fx.label);
+        assert_ne!(grown.len, second.len, "{}", fx.label);
+        drop(batch);
+        fx.step();
+        fx.teardown(more);
     });
 }

@@ -16,15 +16,63 @@ use unikv_pools::VirtualToken;
 
 use crate::error::Error;
 
-/// How many requests and pages the lanes hold, fixed at set-up by
-/// [`crate::HybridCache::reserve_step_metadata`] (the lanes also grow on their own when
-/// a step needs more: a device allocation, off the steady state).
+/// What a step's metadata is shaped for, fixed at set-up by
+/// [`crate::HybridCache::reserve_step_metadata`]: the lanes hold `requests` requests of
+/// up to `max_len` rows, and every section of the step table is sized for a batch of
+/// `requests` computing up to `max_new_tokens` tokens, so the table's layout — every
+/// section's offset — is the same at every step (a CUDA graph captured once reads it).
+/// A step that needs more grows the capacity (doubling; a device allocation, and a new
+/// layout), as does the first build without a reservation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepCapacity {
-    /// Running requests at once (one lane each).
+    /// Running requests at once (one lane each), and the batch the table is laid out for.
     pub requests: usize,
     /// The longest request, in tokens (rows).
     pub max_len: usize,
+    /// The most tokens one step computes, over its whole batch (a decode batch's size,
+    /// or the prefill budget plus the decodes beside it).
+    pub max_new_tokens: usize,
+}
+
+/// A capacity in the units the lanes and the table use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Shape {
+    /// Lanes, and the batch the table is laid out for.
+    pub(crate) requests: usize,
+    /// Pages per lane.
+    pub(crate) pages: usize,
+    /// New tokens of a step.
+    pub(crate) new_tokens: usize,
+    /// Checkpoints a step saves.
+    pub(crate) saves: usize,
+}
+
+impl Shape {
+    /// Each of `self`'s fields that is short of `need`'s grown to at least twice its
+    /// size (and to a power of two), the rest kept.
+    pub(crate) fn grown_to(self, need: Shape) -> Shape {
+        let grow = |have: usize, need: usize| {
+            if need > have {
+                need.next_power_of_two().max(2 * have)
+            } else {
+                have
+            }
+        };
+        Shape {
+            requests: grow(self.requests, need.requests),
+            pages: grow(self.pages, need.pages),
+            new_tokens: grow(self.new_tokens, need.new_tokens),
+            saves: grow(self.saves, need.saves),
+        }
+    }
+
+    /// Whether `need` fits.
+    pub(crate) fn holds(self, need: Shape) -> bool {
+        need.requests <= self.requests
+            && need.pages <= self.pages
+            && need.new_tokens <= self.new_tokens
+            && need.saves <= self.saves
+    }
 }
 
 /// Request ids are a cache's counter: they hash to themselves.
@@ -55,18 +103,16 @@ struct Lane {
     written: usize,
 }
 
-/// The lanes of a cache: one device table of `count × len` virtual pages.
+/// The lanes of a cache: one device table of `requests × pages` virtual pages, and the
+/// capacity the step table is shaped for.
 #[derive(Debug, Default)]
 pub(crate) struct Lanes {
     table: Option<TableId>,
-    /// Entries (pages) per lane.
-    len: usize,
-    /// Lanes in the table.
-    count: usize,
+    shape: Shape,
     by_request: HashMap<u64, Lane, BuildHasherDefault<IdHasher>>,
     /// Lanes no request holds, below `next`.
     free: Vec<u32>,
-    /// Lanes ever handed out (the rest of `0..count` is unused).
+    /// Lanes ever handed out (the rest of `0..shape.requests` is unused).
     next: u32,
     /// The entries one sync writes (reused).
     entries: Vec<(u32, i32)>,
@@ -80,7 +126,7 @@ impl Lanes {
 
     /// Entries per lane.
     pub(crate) fn lane_len(&self) -> usize {
-        self.len
+        self.shape.pages
     }
 
     /// Rows of request `request` from row `row` on changed: its lane is rewritten from
@@ -98,48 +144,64 @@ impl Lanes {
         }
     }
 
-    /// Makes the table hold at least `capacity` (a device allocation when it grows; the
-    /// old table's entries are not copied: every lane is rewritten at its next sync).
-    pub(crate) fn reserve(
-        &mut self,
-        device: &dyn Device,
-        capacity: StepCapacity,
-        page_size: usize,
-    ) -> Result<(), Error> {
-        let len = capacity.max_len.div_ceil(page_size).max(self.len).max(1);
-        let count = capacity.requests.max(self.count).max(1);
-        if self.table.is_some() && len == self.len && count == self.count {
-            return Ok(());
-        }
-        let entries = len.checked_mul(count).filter(|&n| n <= i32::MAX as usize);
-        let Some(entries) = entries else {
-            return Err(Error::BadRequest {
-                request: u64::MAX,
-                reason: format!(
-                    "{count} lanes of {len} pages do not fit the lane table's i32 indices"
-                ),
-            });
+    /// The capacity the lanes and the step table are shaped for (all zero before the
+    /// first build or reservation).
+    pub(crate) fn shape(&self) -> Shape {
+        self.shape
+    }
+
+    /// Shapes the lanes for `shape` (a device allocation when the lanes grow; the old
+    /// table's entries are not copied: every lane is rewritten at its next sync). Only
+    /// grows.
+    pub(crate) fn reserve(&mut self, device: &dyn Device, shape: Shape) -> Result<(), Error> {
+        let shape = Shape {
+            requests: shape.requests.max(self.shape.requests).max(1),
+            pages: shape.pages.max(self.shape.pages).max(1),
+            new_tokens: shape.new_tokens.max(self.shape.new_tokens).max(1),
+            saves: shape.saves.max(self.shape.saves),
         };
-        let table = device.alloc_table(entries, 0)?;
-        if let Some(old) = self.table
-            && let Err(e) = device.free_table(old)
-        {
-            // Nothing changes: the new table goes back, the old one stays in use.
-            let _ = device.free_table(table);
-            return Err(e.into());
+        let lanes_grow = self.table.is_none()
+            || shape.requests != self.shape.requests
+            || shape.pages != self.shape.pages;
+        if lanes_grow {
+            let entries = shape
+                .pages
+                .checked_mul(shape.requests)
+                .filter(|&n| n <= i32::MAX as usize);
+            let Some(entries) = entries else {
+                return Err(Error::BadRequest {
+                    request: u64::MAX,
+                    reason: format!(
+                        "{} lanes of {} pages do not fit the lane table's i32 indices",
+                        shape.requests, shape.pages
+                    ),
+                });
+            };
+            let table = device.alloc_table(entries, 0)?;
+            if let Some(old) = self.table
+                && let Err(e) = device.free_table(old)
+            {
+                // Nothing changes: the new table goes back, the old one stays in use.
+                let _ = device.free_table(table);
+                return Err(e.into());
+            }
+            self.table = Some(table);
+            for lane in self.by_request.values_mut() {
+                lane.written = 0;
+            }
         }
-        self.table = Some(table);
-        self.len = len;
-        self.count = count;
-        for lane in self.by_request.values_mut() {
-            lane.written = 0;
-        }
+        self.shape = shape;
         Ok(())
     }
 
+    /// Lanes held, and those `batch` would add.
+    pub(crate) fn held_with<'a>(&self, batch: impl Iterator<Item = u64>) -> usize {
+        self.by_request.len() + batch.filter(|id| !self.by_request.contains_key(id)).count()
+    }
+
     /// Gives every request of `batch` (id, row) a lane and writes the pages of its row
-    /// its lane lacks, in one device op; returns each request's lane, in order. Grows the
-    /// table first when the batch needs more lanes or longer ones (doubling). Host work
+    /// its lane lacks, in one device op; returns each request's lane, in order. The
+    /// caller shaped the lanes for the batch ([`Lanes::reserve`]). Host work
     /// O(batch + pages written). A failure writes nothing the lanes rely on.
     pub(crate) fn sync<'a>(
         &mut self,
@@ -148,27 +210,12 @@ impl Lanes {
         page_size: usize,
         lanes_out: &mut Vec<u32>,
     ) -> Result<(), Error> {
-        let (mut new_lanes, mut longest) = (0usize, 0usize);
-        for (id, row) in batch.clone() {
-            new_lanes += usize::from(!self.by_request.contains_key(&id));
-            longest = longest.max(row.len().div_ceil(page_size));
-        }
-        let held = self.by_request.len();
-        if self.table.is_none() || held + new_lanes > self.count || longest > self.len {
-            let grow = |have: usize, need: usize| {
-                if need > have {
-                    need.next_power_of_two().max(2 * have)
-                } else {
-                    have
-                }
-            };
-            let capacity = StepCapacity {
-                requests: grow(self.count, held + new_lanes),
-                max_len: grow(self.len, longest) * page_size,
-            };
-            self.reserve(device, capacity, page_size)?;
-        }
-        let table = self.table.expect("reserved above");
+        let Some(table) = self.table else {
+            return Err(Error::BadRequest {
+                request: u64::MAX,
+                reason: "step lanes used before they were shaped".to_string(),
+            });
+        };
         lanes_out.clear();
         self.entries.clear();
         let batch_again = batch.clone();
@@ -180,13 +227,15 @@ impl Lanes {
                         self.next += 1;
                         self.next - 1
                     });
+                    // Shaped for every lane held (checked by the caller's reserve).
+                    debug_assert!((index as usize) < self.shape.requests);
                     let lane = Lane { index, written: 0 };
                     self.by_request.insert(id, lane);
                     lane
                 }
             };
             lanes_out.push(lane.index);
-            let base = lane.index as usize * self.len;
+            let base = lane.index as usize * self.shape.pages;
             let pages = row.len().div_ceil(page_size);
             for page in lane.written..pages {
                 // Every token of a page is on the page of its first token.

@@ -637,6 +637,8 @@ pub fn assert_device_tables_match_host(
                 || (r.len() - n + 1).saturating_sub(window) >= r.window_cursor()
         })
         .collect();
+    // What each build's table holds where kernels read: the header, then each request's
+    // FULL pages and SWA window pages (the sections' tails past the batch are stale).
     let mut tables = Vec::new();
     for on_host in [false, true] {
         let mut meta = unikv::StepMetadata::new();
@@ -648,14 +650,17 @@ pub fn assert_device_tables_match_host(
         built.unwrap_or_else(|e| panic!("{label}: step metadata (on host: {on_host}): {e}"));
         let view = cache.step_view(&meta).unwrap();
         let layout = view.device_layout();
-        let table = match view.device_table() {
-            Some(table) => {
-                let sync = HostSync::acquire("test: the device-built step table");
-                cpu.read_table(&sync, table, 0, layout.len).unwrap()
+        let mut read = Vec::new();
+        if let Some(table) = view.device_table() {
+            let sync = HostSync::acquire("test: the device-built step table");
+            let entries = cpu.read_table(&sync, table, 0, layout.len).unwrap();
+            read.extend_from_slice(&entries[..layout.header_len()]);
+            for m in view.requests() {
+                read.extend_from_slice(&entries[m.full_pages()]);
+                read.extend_from_slice(&entries[m.swa_pages()]);
             }
-            None => Vec::new(),
-        };
-        tables.push((layout, table));
+        }
+        tables.push((layout, read));
     }
     assert_eq!(tables[0].0, tables[1].0, "{label}: layouts");
     // The host build names no lanes (it reads none): each request has its own.
