@@ -69,7 +69,10 @@ impl RadixTree {
         }
         let mamba = state == State::Pinned && self.nodes[ix as usize].mamba.is_some();
         if mamba {
-            self.with_node(ix, |n| n.mamba_lock += 1);
+            self.with_node(ix, |n| {
+                n.mamba_lock += 1;
+                n.mamba_hit = true;
+            });
         }
         let handle = self.next_lock;
         self.next_lock += 1;
