@@ -109,8 +109,8 @@ fn run(model: ModelSpec, layout: Layout, ps: u32, label: &str) -> Vec<Seen> {
 }
 
 /// The second request keeps the whole system prompt's KV and saves the state at the
-/// branch (or resumes from it); requests 3–6 resume from it (or deeper). Every cell runs; the failure lists
-/// them all.
+/// branch (or resumes from it); requests 3–6 resume from it (or deeper). Every cell
+/// runs; the failure lists them all.
 #[test]
 fn every_request_after_the_first_branch_resumes_from_its_state() {
     scoped_level(Level::Strict, || {

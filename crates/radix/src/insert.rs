@@ -309,7 +309,8 @@ impl RadixTree {
     /// diverge, the one a request taking the other branch resumes from) or when an
     /// admission copied it (`mamba_hit`). The cap evicts the states that serve no reuse
     /// first, then the others, each group least recently used first. One walk up the path:
-    /// O(path), as a pure LRU order.
+    /// O(path), as a pure LRU order. Forks below `x` are not walked: they could only value
+    /// a state on `x` itself that this insert did not attach.
     fn evict_excess_path_states(&mut self, x: Ix, attached: &[Ix], actions: &mut Vec<Action>) {
         let Some(cap) = self.config.mamba_path_cap else {
             return;

@@ -724,9 +724,10 @@ fn evicted_states(actions: &[Action]) -> Vec<(unikv_radix::NodeId, MambaSlot)> {
 
 /// The Mamba path cap on one chain (no paths diverge, nothing copied: no state serves
 /// reuse): an insert that attaches a state to a path already holding `cap` evicts the
-/// least recently used unlocked states of that path (not the shallowest, not the deepest), each as `EvictMambaState` after the insert's frees, and only those. A
-/// state attached on an internal node is checked against its own path only: the deeper
-/// path is brought within the cap by its next attach, which then evicts several.
+/// least recently used unlocked states of that path (not the shallowest, not the
+/// deepest), each as `EvictMambaState` after the insert's frees, and only those. A state
+/// attached on an internal node is checked against its own path only: the deeper path is
+/// brought within the cap by its next attach, which then evicts several.
 #[test]
 fn the_mamba_path_cap_evicts_the_least_recently_used_unlocked_path_states() {
     for ps in page_sizes() {
