@@ -84,9 +84,11 @@ pub fn verify_scratch_slots(speculation: Option<crate::Speculation>) -> u32 {
 pub const DEFAULT_EVICTION_INTERVAL: u32 = 16;
 
 /// At most this many cached recurrent states on one root-to-leaf path of the prefix
-/// tree (the reference engine caps them per path too): beyond it, the least recently
-/// used unlocked ones are evicted when an insert adds one, so one long conversation
-/// cannot fill the slot pool with checkpoints of itself.
+/// tree (the reference engine caps them per path too): beyond it, unlocked ones are
+/// evicted when an insert adds one, so one long conversation cannot fill the slot pool
+/// with checkpoints of itself. Those that serve no other request go first (see
+/// [`unikv_radix::TreeConfig::mamba_path_cap`]): a request's own chunk states never push
+/// out the state a shared prompt's later requests resume from.
 pub const MAMBA_PATH_CAP: std::num::NonZeroUsize = std::num::NonZeroUsize::new(4).unwrap();
 
 /// Distinguishes caches so a request handle cannot be used on another one.

@@ -23,12 +23,8 @@ impl HybridCache {
         rows: std::ops::Range<usize>,
         plan: &mut CheckpointPlan,
     ) {
-        let fresh_start = plan.fresh;
         let (Some(policy), Some(state)) = (self.states, &req.state) else {
-            plan.requests.push(Planned {
-                fresh_start,
-                ..Planned::default()
-            });
+            plan.skip();
             return;
         };
         let first = plan.at.len();
@@ -43,13 +39,13 @@ impl HybridCache {
         let keep = planned.min(cap.saturating_sub(state.held.len() - older));
         let reuse = keep.min(older);
         plan.at.drain(first..first + planned - keep);
-        plan.fresh += keep - reuse;
         plan.requests.push(Planned {
             start: first,
             new: keep,
             reuse,
-            fresh_start,
+            fresh_start: plan.fresh,
         });
+        plan.fresh += keep - reuse;
     }
 
     /// Allocates the fresh slots `plan` writes into (the caller made room for them).
@@ -81,8 +77,10 @@ impl HybridCache {
             mamba_slots: plan.fresh,
             ..kv
         }) {
+            // Without fresh slots the demand is the KV's alone: retrying it could only
+            // fail the same way.
             Err(Error::OutOfMemory { .. })
-                if plan.fresh > 0 && checkpoints == Checkpoints::BestEffort =>
+                if plan.fresh != 0 && checkpoints == Checkpoints::BestEffort =>
             {
                 plan.drop_fresh();
                 self.make_room(kv)?;
@@ -150,6 +148,12 @@ impl CheckpointPlan {
         &self.slots
     }
 
+    /// Plans nothing for the next request of the allocation (it takes no slot, so its
+    /// `fresh_start` is never read).
+    pub(super) fn skip(&mut self) {
+        self.requests.push(Planned::default());
+    }
+
     /// The `i`-th request's writes as (position, slot): into the slots of the oldest
     /// checkpoints it holds (`held`, before the commit), then into its fresh slots.
     pub(super) fn writes<'a>(
@@ -204,6 +208,7 @@ struct Planned {
     new: usize,
     /// Held checkpoints (its oldest) whose slots the first positions are written into.
     reuse: usize,
-    /// Its first fresh slot in `slots`.
+    /// Its first fresh slot in `slots`; read only when it takes fresh slots
+    /// (`new > reuse`), so a request that takes none leaves it 0.
     fresh_start: usize,
 }

@@ -195,7 +195,7 @@ impl Lanes {
     }
 
     /// Lanes held, and those `batch` would add.
-    pub(crate) fn held_with<'a>(&self, batch: impl Iterator<Item = u64>) -> usize {
+    pub(crate) fn held_with(&self, batch: impl Iterator<Item = u64>) -> usize {
         self.by_request.len() + batch.filter(|id| !self.by_request.contains_key(id)).count()
     }
 

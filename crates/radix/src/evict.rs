@@ -92,6 +92,7 @@ impl RadixTree {
         let id = self.id(ix);
         if let Some(slot) = self.with_node(ix, |n| {
             n.mamba_in_flight = false;
+            n.mamba_hit = false;
             n.mamba.take()
         }) {
             actions.push(Action::EvictMambaState { node: id, slot });

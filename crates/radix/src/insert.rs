@@ -23,8 +23,10 @@
 //! inside it ([`InsertRequest::checkpoints`]: the node there is split so that one ends at
 //! each); a state lands only on a node that has none and live SWA, otherwise its slot is
 //! handed back (`FreeMambaSlot`). With a Mamba path cap, an insert that attaches states
-//! then frees the least recently used unlocked states on its path, never one it just
-//! attached, until the path holds no more than the cap.
+//! then frees unlocked states on its path, never one it just attached, until the path
+//! holds no more than the cap: first the states that serve no reuse (neither the deepest
+//! state above a node where paths diverge nor copied by an admission), then the others,
+//! each group least recently used first.
 
 use crate::error::RadixError;
 use crate::lock::State;
@@ -294,34 +296,50 @@ impl RadixTree {
 
     /// Enforces [`crate::TreeConfig::mamba_path_cap`] on the path from the root to `x`,
     /// where states were just attached (`attached`): while the path holds more states than
-    /// the cap, frees the least recently used unlocked state on it that was not just
-    /// attached (`EvictMambaState`). Every such state sits on an ancestor of `x` or on
-    /// `x`, and only the state goes. Locked states are never taken: the cap is best-effort
-    /// over unlocked states.
+    /// the cap, frees an unlocked state on it that was not just attached
+    /// (`EvictMambaState`). Every such state sits on an ancestor of `x` or on `x`, and only
+    /// the state goes. Locked states are never taken: the cap is best-effort over unlocked
+    /// states.
+    ///
+    /// Which state goes is valued by the reuse it serves, not by recency alone: the path's
+    /// own recent inserts make every older state on it look stale, the one that other
+    /// paths resume from included. A state *serves reuse* when it is a **branch state**
+    /// (walking the path up from `x`, a node with two children or more, its own node
+    /// included, comes after the previous state: the deepest state above where paths
+    /// diverge, the one a request taking the other branch resumes from) or when an
+    /// admission copied it (`mamba_hit`). The cap evicts the states that serve no reuse
+    /// first, then the others, each group least recently used first. One walk up the path:
+    /// O(path), as a pure LRU order. Forks below `x` are not walked: they could only value
+    /// a state on `x` itself that this insert did not attach.
     fn evict_excess_path_states(&mut self, x: Ix, attached: &[Ix], actions: &mut Vec<Action>) {
         let Some(cap) = self.config.mamba_path_cap else {
             return;
         };
         let mut held = 0;
-        let mut candidates: Vec<(u64, Ix)> = Vec::new();
+        let mut candidates: Vec<(bool, u64, Ix)> = Vec::new();
+        // Whether paths diverge below the current node and above the previous state.
+        let mut fork_below = false;
         let mut y = x;
         while y != ROOT {
             let n = &self.nodes[y as usize];
+            fork_below |= n.children.len() >= 2;
             if n.mamba.is_some() {
                 held += 1;
                 if self.state_unpinned(y) && !attached.contains(&y) {
-                    candidates.push((n.mamba_tick, y));
+                    candidates.push((fork_below || n.mamba_hit, n.mamba_tick, y));
                 }
+                // A fork below this state is served by it, not by the states above it.
+                fork_below = false;
             }
             y = n.parent;
         }
         if held <= cap.get() {
             return;
         }
-        // Least recently used first; the index breaks tick ties deterministically, as in
-        // the Mamba LRU set.
+        // States that serve no reuse first (`false` sorts first), then least recently
+        // used; the index breaks tick ties deterministically, as in the Mamba LRU set.
         candidates.sort_unstable();
-        for (_, y) in candidates.into_iter().take(held - cap.get()) {
+        for (_, _, y) in candidates.into_iter().take(held - cap.get()) {
             self.evict_mamba(y, actions);
         }
     }

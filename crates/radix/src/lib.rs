@@ -69,9 +69,11 @@
 //!   is needed) and, with Mamba, only on a node with a published state.
 //! - Mamba path cap ([`TreeConfig::mamba_path_cap`]): when an insert attaches a state and
 //!   the path from the root to that node then holds more states than the cap, the insert
-//!   evicts the least recently used unlocked states on that path (each an
-//!   [`Action::EvictMambaState`] in its actions, in the order applied; only the state
-//!   goes) until the path is within the cap. Best-effort over unpinned states: the states
+//!   evicts unlocked states on that path (each an [`Action::EvictMambaState`] in its
+//!   actions, in the order applied; only the state goes) until the path is within the cap:
+//!   first those that serve no reuse, then those that do (the deepest state above a node
+//!   where paths diverge, or one an admission copied), each group least recently used
+//!   first. Best-effort over unpinned states: the states
 //!   just attached, locked ones and ones in flight are never evicted for it,
 //!   so a path stays above the cap exactly when every other state on it is locked. Checked
 //!   at the insert's commit only: a descendant's path that gains the state, or a path whose

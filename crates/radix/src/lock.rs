@@ -27,8 +27,11 @@ pub(crate) enum State {
 impl RadixTree {
     /// Locks `node` for a request that uses the prefix ending there: FULL on every node up
     /// to the root, SWA on the live nodes covering one window upward from the node (fewer
-    /// when the root or a tombstone comes first), and the node's Mamba state if it has one.
-    /// Locked parts are protected: no eviction touches them.
+    /// when the root or a tombstone comes first), and the node's Mamba state if it has one,
+    /// which is then marked as copied by an admission: a state that served reuse, which
+    /// the Mamba path cap keeps over ones that served none
+    /// ([`crate::TreeConfig::mamba_path_cap`]). Locked parts are protected: no eviction
+    /// touches them.
     pub fn lock(&mut self, node: NodeId) -> Result<LockHandle, RadixError> {
         let ix = self.resolve(node)?;
         Ok(self.lock_ix(ix, State::Pinned))
@@ -69,7 +72,10 @@ impl RadixTree {
         }
         let mamba = state == State::Pinned && self.nodes[ix as usize].mamba.is_some();
         if mamba {
-            self.with_node(ix, |n| n.mamba_lock += 1);
+            self.with_node(ix, |n| {
+                n.mamba_lock += 1;
+                n.mamba_hit = true;
+            });
         }
         let handle = self.next_lock;
         self.next_lock += 1;

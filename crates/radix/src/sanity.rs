@@ -98,6 +98,9 @@ impl RadixTree {
             if n.mamba_lock > 0 && (n.mamba.is_none() || n.full_lock < n.mamba_lock) {
                 return Err(format!("n{ix}: Mamba lock without a state or FULL lock"));
             }
+            if n.mamba_hit && n.mamba.is_none() {
+                return Err(format!("n{ix}: a Mamba hit mark without a state"));
+            }
             let c = self.contribution(ix);
             sizes.full_evictable.0 += c[0];
             sizes.full_protected.0 += c[1];
@@ -236,7 +239,7 @@ mod tests {
     #[test]
     fn sanity_check_finds_every_kind_of_corruption() {
         type Corrupt = fn(&mut RadixTree);
-        let cases: [(&str, Corrupt); 11] = [
+        let cases: [(&str, Corrupt); 12] = [
             ("sizes recorded", |t| t.sizes.full_evictable.0 += 1),
             ("LRU membership", |t| {
                 let ix = t.full_lru.first().unwrap().1;
@@ -279,6 +282,10 @@ mod tests {
                 t.nodes[ix as usize].mamba_lock = 1;
                 t.nodes[ix as usize].full_lock = 1;
                 t.enter(ix);
+            }),
+            ("a Mamba hit mark without a state", |t| {
+                let ix = first_child(t);
+                t.nodes[ix as usize].mamba_hit = true;
             }),
             ("is inconsistent", |t| {
                 let ix = first_child(t);

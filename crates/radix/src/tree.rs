@@ -68,6 +68,10 @@ pub(crate) struct Node {
     /// locked one (its slot must not be recycled into the same forward) until
     /// [`RadixTree::publish_states`].
     pub(crate) mamba_in_flight: bool,
+    /// An admission copied the state (a pinned lock took it) since it was attached: it
+    /// served a later request, so the Mamba path cap keeps it over states that served
+    /// none. Cleared with the state; never set without one.
+    pub(crate) mamba_hit: bool,
     pub(crate) full_tick: u64,
     pub(crate) swa_tick: u64,
     pub(crate) mamba_tick: u64,

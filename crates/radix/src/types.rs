@@ -189,7 +189,12 @@ pub struct TreeConfig {
     /// At most this many Mamba states on one root-to-node path, enforced when an insert
     /// attaches a state (best-effort: only unlocked states other than the new one are
     /// evicted for it); `None` for no cap. Needs `mamba`. The reference engine's
-    /// `MambaEvictExcessPathStates`.
+    /// `MambaEvictExcessPathStates`, with a value order in place of its pure LRU: the
+    /// states that serve no reuse go first — a state serves reuse when it is the deepest
+    /// state above a node where paths diverge (what a request taking another branch
+    /// resumes from) or an admission copied it — then the others, each group least
+    /// recently used first. A path's own newer chunk states thus never push out the state
+    /// its siblings resume from.
     pub mamba_path_cap: Option<NonZeroUsize>,
     /// The grid (in tokens, a positive multiple of the page size) on which the engine
     /// checkpoints Mamba states; [`crate::MatchResult::mamba_branching`] is aligned down to

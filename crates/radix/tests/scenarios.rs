@@ -722,11 +722,12 @@ fn evicted_states(actions: &[Action]) -> Vec<(unikv_radix::NodeId, MambaSlot)> {
         .collect()
 }
 
-/// The Mamba path cap: an insert that attaches a state to a path already holding `cap`
-/// evicts the least recently used unlocked states of that path (not the shallowest, not
-/// the deepest), each as `EvictMambaState` after the insert's frees, and only those. A
-/// state attached on an internal node is checked against its own path only: the deeper
-/// path is brought within the cap by its next attach, which then evicts several.
+/// The Mamba path cap on one chain (no paths diverge, nothing copied: no state serves
+/// reuse): an insert that attaches a state to a path already holding `cap` evicts the
+/// least recently used unlocked states of that path (not the shallowest, not the
+/// deepest), each as `EvictMambaState` after the insert's frees, and only those. A state
+/// attached on an internal node is checked against its own path only: the deeper path is
+/// brought within the cap by its next attach, which then evicts several.
 #[test]
 fn the_mamba_path_cap_evicts_the_least_recently_used_unlocked_path_states() {
     for ps in page_sizes() {
@@ -871,6 +872,108 @@ fn an_unfinished_inserts_lock_leaves_its_state_evictable() {
         );
         tree.unlock(out.lock.unwrap()).unwrap();
         tree.sanity_check().unwrap();
+    }
+}
+
+/// The node ending `key` and its state's slot.
+fn state_at(sim: &Sim, key: &[TokenId]) -> (unikv_radix::NodeId, MambaSlot) {
+    let id = node_ending(sim, key);
+    (id, sim.tree.node(id).unwrap().mamba.unwrap())
+}
+
+/// The cap values a state by the reuse it serves: the state other paths branch from (the
+/// deepest one above the node where they diverge) outlives older and newer states that
+/// serve one path only, and a state above it is no branch state (the branch resumes from
+/// the deeper one). Once only states that serve reuse are left (the others copied by
+/// admissions), the least recently used of them goes.
+#[test]
+fn the_mamba_path_cap_keeps_the_state_other_paths_branch_from() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let cap = std::num::NonZeroUsize::new(3).unwrap();
+        let config = TreeConfig::full_only(ps)
+            .with_mamba()
+            .with_mamba_path_cap(cap);
+        let mut sim = Sim::new(config);
+        let k = |n: u32| tokens(&pages(n), p);
+        // Q at p, S at 2p, a branch leaving at 3p (its state at 4p), D at 5p: the node
+        // [2p, 3p) has two children, and S is the deepest state above it.
+        let branch = tokens(&[0, 1, 2, 9], p);
+        for key in [k(1), k(2), branch.clone(), k(5)] {
+            let (actions, _) = cache_fresh(&mut sim, key);
+            assert!(evicted_states(&actions).is_empty(), "ps {ps}: {actions:?}");
+        }
+        let (q, s, d) = (
+            state_at(&sim, &k(1)),
+            state_at(&sim, &k(2)),
+            state_at(&sim, &k(5)),
+        );
+        sim.check();
+        // E at 6p: Q (the oldest, above S) goes, not S.
+        let (actions, row) = cache_fresh(&mut sim, k(6));
+        assert_eq!(
+            actions,
+            vec![
+                Action::FreeDeviceKv {
+                    tokens: slice(&row, 0, 5 * p)
+                },
+                Action::EvictMambaState {
+                    node: q.0,
+                    slot: q.1
+                },
+            ],
+            "ps {ps}"
+        );
+        // G at 7p: D goes, although S is older (no match has refreshed S).
+        let (actions, _) = cache_fresh(&mut sim, k(7));
+        assert_eq!(evicted_states(&actions), vec![d], "ps {ps}");
+        let other_branch = tokens(&[0, 1, 2, 7], p);
+        assert_eq!(sim.probe(&other_branch).len, Tokens(2 * p), "ps {ps}");
+        sim.check();
+        // Admissions copy G, then H at 8p: S, G and H all serve reuse, so I at 9p evicts
+        // the least recently used of them, S.
+        for n in [7, 8] {
+            if n == 8 {
+                cache_fresh(&mut sim, k(8));
+            }
+            let r = sim.start(k(n));
+            let own = sim.reqs[r].mamba.unwrap();
+            assert_eq!(sim.finish(r), vec![Action::FreeMambaSlot { slot: own }]);
+        }
+        let (actions, _) = cache_fresh(&mut sim, k(9));
+        assert_eq!(evicted_states(&actions), vec![s], "ps {ps}");
+        sim.check();
+        sim.drain();
+    }
+}
+
+/// A state an admission copied outlives a newer one on its path that nobody copied,
+/// although no paths diverge there.
+#[test]
+fn the_mamba_path_cap_keeps_a_state_an_admission_copied() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let cap = std::num::NonZeroUsize::new(2).unwrap();
+        let config = TreeConfig::full_only(ps)
+            .with_mamba()
+            .with_mamba_path_cap(cap);
+        let mut sim = Sim::new(config);
+        let k = |symbols: &[u32]| tokens(symbols, p);
+        cache_fresh(&mut sim, k(&[0]));
+        let s = state_at(&sim, &k(&[0]));
+        // A repeat of the prompt copies S: S is hit.
+        let r = sim.start(k(&[0]));
+        sim.finish(r);
+        // T at 2p is newer than S and nobody copied it.
+        let (actions, _) = cache_fresh(&mut sim, k(&[0, 1]));
+        assert!(evicted_states(&actions).is_empty(), "ps {ps}: {actions:?}");
+        let t = state_at(&sim, &k(&[0, 1]));
+        let (actions, _) = cache_fresh(&mut sim, k(&[0, 1, 2]));
+        assert_eq!(evicted_states(&actions), vec![t], "ps {ps}");
+        assert_eq!(sim.tree.node(s.0).unwrap().mamba, Some(s.1), "ps {ps}");
+        assert_eq!(sim.probe(&k(&[0, 7])).len, Tokens(p), "ps {ps}");
+        sim.check();
+        sim.drain();
     }
 }
 
