@@ -28,7 +28,7 @@ const STEPS: usize = 30;
 const DECODED: usize = 2 * (WARM_UP + STEPS);
 /// Prefill chunk: each releases the window its predecessor left, so a static SWA pool
 /// sized for windows holds a long prompt.
-const CHUNK: usize = 4_096;
+const CHUNK: usize = 1_024;
 
 /// Qwen3-Next-80B-A3B's layers and KV rows with its recurrent state scaled down (as in
 /// `benches/step.rs`): the allocator's work is per slot, not per byte.
