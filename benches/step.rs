@@ -4,8 +4,11 @@
 //! shared-prefix preset's tree. Run with
 //! `cargo bench -p unikv --bench step`.
 
+mod common;
+
+use common::QWEN3_NEXT_SCALED_STATE;
 use divan::Bencher;
-use unikv::{HybridCache, Layout, ModelSpec, RecurrentState, Request, TokenId};
+use unikv::{HybridCache, Layout, ModelSpec, Request, TokenId};
 
 fn main() {
     divan::main();
@@ -13,24 +16,6 @@ fn main() {
 
 const BATCH: usize = 256;
 const PROMPT: usize = 512;
-
-/// Qwen3-Next-80B-A3B's layers and KV rows with its recurrent state scaled down to 48
-/// bytes a layer, so that 256 requests' three slots each fit a CPU device's host buffer
-/// (the real state is 77 MB a request). The allocator's and tree's work is per slot,
-/// not per byte: the decode step's CPU time is the real model's.
-const QWEN3_NEXT_SCALED_STATE: ModelSpec = ModelSpec {
-    name: "qwen3-next-80b-a3b (scaled state)",
-    recurrent: RecurrentState {
-        conv_channels: 4,
-        conv_kernel: 4,
-        heads: 1,
-        head_dim: 2,
-        state_size: 3,
-        conv_dtype_bytes: 2,
-        state_dtype_bytes: 4,
-    },
-    ..ModelSpec::QWEN3_NEXT_80B_A3B
-};
 
 /// The synthetic tri-pool model with its recurrent state scaled down as
 /// [`QWEN3_NEXT_SCALED_STATE`]'s and gpt-oss's window of 128 tokens, so that decoding

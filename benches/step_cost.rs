@@ -12,13 +12,14 @@
 //! 512 and 4k only; `-- --ctx 16384` one context; `--model gpt-oss`, `--ps 16` and
 //! `--level off` pick cells).
 
+mod common;
+
+use common::QWEN3_NEXT_SCALED_STATE;
 use std::sync::Arc;
 use std::time::Duration;
 use unikv::invariants::{Level, scoped_level};
 use unikv::kernels::{NullDevice, thread_cpu_time};
-use unikv::{
-    HybridCache, Layout, ModelSpec, RecurrentState, Request, StepCapacity, StepMetadata, TokenId,
-};
+use unikv::{HybridCache, Layout, ModelSpec, Request, StepCapacity, StepMetadata, TokenId};
 
 const BATCH: usize = 256;
 const WARM_UP: usize = 5;
@@ -29,22 +30,6 @@ const DECODED: usize = 2 * (WARM_UP + STEPS);
 /// Prefill chunk: each releases the window its predecessor left, so a static SWA pool
 /// sized for windows holds a long prompt.
 const CHUNK: usize = 1_024;
-
-/// Qwen3-Next-80B-A3B's layers and KV rows with its recurrent state scaled down (as in
-/// `benches/step.rs`): the allocator's work is per slot, not per byte.
-const QWEN3_NEXT_SCALED_STATE: ModelSpec = ModelSpec {
-    name: "qwen3-next-80b-a3b",
-    recurrent: RecurrentState {
-        conv_channels: 4,
-        conv_kernel: 4,
-        heads: 1,
-        head_dim: 2,
-        state_size: 3,
-        conv_dtype_bytes: 2,
-        state_dtype_bytes: 4,
-    },
-    ..ModelSpec::QWEN3_NEXT_80B_A3B
-};
 
 /// Median per-part step times of one cell.
 struct Cell {

@@ -7,11 +7,14 @@
 //! median of the measured steps; prints one line per case and the ratio (issue 29's bar:
 //! at most 2). Run with `cargo bench -p unikv --bench verify`.
 
+mod common;
+
+use common::QWEN3_NEXT_SCALED_STATE;
 use std::time::Duration;
 use unikv::kernels::thread_cpu_time;
 use unikv::{
-    Accepted, Draft, HybridCache, Layout, ModelSpec, RecurrentState, Request, Speculation,
-    StepMetadata, TokenId, VerifyMetadata,
+    Accepted, Draft, HybridCache, Layout, ModelSpec, Request, Speculation, StepMetadata, TokenId,
+    VerifyMetadata,
 };
 
 const BATCH: usize = 256;
@@ -19,22 +22,6 @@ const PROMPT: usize = 512;
 const K: usize = 4;
 const WARMUP: usize = 10;
 const STEPS: usize = 100;
-
-/// Qwen3-Next's layers with its recurrent state scaled down (as `benches/step.rs` does),
-/// so 256 slot groups fit a CPU device's host buffer; the allocator's work is per slot.
-const QWEN3_NEXT_SCALED_STATE: ModelSpec = ModelSpec {
-    name: "qwen3-next-80b-a3b (scaled state)",
-    recurrent: RecurrentState {
-        conv_channels: 4,
-        conv_kernel: 4,
-        heads: 1,
-        head_dim: 2,
-        state_size: 3,
-        conv_dtype_bytes: 2,
-        state_dtype_bytes: 4,
-    },
-    ..ModelSpec::QWEN3_NEXT_80B_A3B
-};
 
 fn main() {
     let layouts = [
