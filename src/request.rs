@@ -190,6 +190,17 @@ impl Request {
         self.state.as_ref().map_or(&[], |s| &s.pending)
     }
 
+    /// The checkpoints it holds that the prefix tree has not taken yet, in ascending
+    /// position: the state after `at_len` tokens is in `slot` once the forward of the
+    /// step that planned it ran ([`Request::checkpoint_writes`]). Settling a verify adds
+    /// the checkpoints its accepted positions cross, copied out of the verify's scratch
+    /// group at once (so never listed as writes). Empty without recurrent layers.
+    pub fn held_checkpoints(&self) -> impl Iterator<Item = CheckpointWrite> + '_ {
+        self.state
+            .iter()
+            .flat_map(|s| s.held.iter().map(|&(write, _)| write))
+    }
+
     /// Every state slot it owns: its running slot, then the checkpoints the prefix tree
     /// has not taken yet (not the scratch groups its unsettled verifies write:
     /// [`Request::state_group`]).

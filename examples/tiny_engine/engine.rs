@@ -20,13 +20,16 @@
 //! With speculative decoding ([`serve_speculative`], module `spec`) a draft model
 //! proposes chains or trees of tokens that the target verifies in one step through
 //! unikv's verify metadata; greedy acceptance keeps the output the plain decode's, token
-//! for token, with the counts settled at once or one step late ([`SpecMode`]).
+//! for token, with the counts settled at once or one step late ([`SpecMode`]). Served
+//! with reuse on and off ([`check_speculative_reuse`]), every state a request resumes
+//! from — a later turn's included, whose state a speculative turn left — equals a
+//! contiguous recompute of its prefix, bit for bit.
 //!
 //! The modules: `model` (the decoder and its one forward), `reference` (contiguous K/V),
 //! `workload` (the jobs and their arrivals), `serve` (the serving loop on unikv, over
-//! `buffer`: rows and states in unikv's buffer) and `check` (the comparisons). Used by
-//! `examples/tiny_engine/main.rs` and, through `#[path]`, by `tests/tiny_engine.rs` and
-//! `tests/tiny_engine_reuse.rs`.
+//! `buffer`: rows and states in unikv's buffer), `spec` (the speculative one) and `check`
+//! (the comparisons). Used by `examples/tiny_engine/main.rs` and, through `#[path]`, by
+//! `tests/tiny_engine.rs`, `tests/tiny_engine_reuse.rs` and `tests/tiny_engine_spec.rs`.
 
 #![allow(dead_code)] // the test and the example use different parts
 
@@ -50,7 +53,7 @@ mod workload;
 // The example and the tests use different parts.
 #[allow(unused_imports)]
 pub use {
-    check::{check_reuse, compare, compare_runs},
+    check::{check_reuse, check_speculative_reuse, compare, compare_runs},
     model::{Model, Weights},
     reference::{Output, reference, reference_outputs, reference_state},
     serve::{Fault, Reuse, RunConfig, RunStats, checkpoint_grid, serve},

@@ -12,9 +12,13 @@
 //! a draft model (the target's first layer) proposes chains of `K` tokens and the draft
 //! tree `TREE`, the target verifies them through unikv's verify metadata, and the counts
 //! settle at once or one step late — for the three models at page sizes 1, 16 and 256,
-//! both layouts, on the shared-prefix workload. Each row gives the acceptance rate and
-//! the tokens a verify gains; every request's output must be the reference's plain
-//! greedy decode, token for token and bit for bit.
+//! both layouts, on the shared-prefix batch and on conversations whose first turn's
+//! decode crosses a checkpoint grid point (so the second turn resumes from a state the
+//! speculative turn left), each with reuse off and on. Each row gives the acceptance
+//! rate, the tokens a verify gains, and the resumed states checked (those inside an
+//! earlier request's output apart); every request's output must be the other run's and
+//! the reference's plain greedy decode, token for token and bit for bit, and every
+//! resumed state its recompute.
 //!
 //! Each row gives both implementations' tokens/s, the states (or prefixes) resumed and
 //! the prompt tokens they reused, and what the run went through (compaction moves,
@@ -25,8 +29,8 @@
 mod engine;
 
 use engine::{
-    Counts, Drafting, Fault, Job, Model, Reuse, RunConfig, RunStats, SpecMode, Workload,
-    check_reuse, compare, reference_outputs, serve, serve_speculative,
+    Counts, Drafting, Fault, Job, Model, Reuse, RunConfig, RunStats, SpecMode, SpecStats, Workload,
+    check_reuse, check_speculative_reuse, compare, reference_outputs, serve, serve_speculative,
 };
 use std::time::Duration;
 use unikv::Layout;
@@ -71,55 +75,87 @@ fn usage(error: &str) -> ! {
     std::process::exit(2);
 }
 
-/// The speculative matrix; whether every output was identical.
+/// The speculative matrix; whether every output was identical and every resumed state
+/// equal to its recompute.
 fn speculative(k: usize) -> bool {
     let mut all_identical = true;
+    let (mut resumes, mut in_output) = (0u64, 0u64);
     for ps in [1u32, 16, 256] {
         println!("page size {ps}");
-        for model in Model::ALL {
-            for layout in LAYOUTS {
-                for drafting in [Drafting::Chain { k }, Drafting::Tree] {
-                    for counts in [Counts::Timely, Counts::Late] {
-                        let mode = SpecMode { drafting, counts };
-                        let cfg = RunConfig::scripted(
-                            ps,
-                            layout,
-                            model,
-                            Workload::SharedPrefix,
-                            Reuse::On,
-                        );
-                        let (jobs, stats) = serve_speculative(&cfg, mode).unwrap_or_else(|e| {
-                            eprintln!(
-                                "tiny_engine: page size {ps} {} {} {}: {e}",
-                                layout.as_str(),
-                                model.as_str(),
-                                mode.label()
+        for workload in [Workload::SharedPrefix, Workload::TurnsAcrossGrid] {
+            for model in Model::ALL {
+                for layout in LAYOUTS {
+                    for drafting in [Drafting::Chain { k }, Drafting::Tree] {
+                        for counts in [Counts::Timely, Counts::Late] {
+                            let mode = SpecMode { drafting, counts };
+                            let cfg = RunConfig::scripted(ps, layout, model, workload, Reuse::Off);
+                            let (off, off_stats) = serve_speculative_or_exit(&cfg, mode);
+                            let on_cfg = RunConfig {
+                                reuse: Reuse::On,
+                                ..cfg.clone()
+                            };
+                            let (on, stats) = serve_speculative_or_exit(&on_cfg, mode);
+                            let (want, _, _) = reference_outputs(&cfg, &off);
+                            let verdict = check_speculative_reuse(
+                                &cfg,
+                                (&off, &off_stats),
+                                (&on, &stats),
+                                &want,
                             );
-                            std::process::exit(1);
-                        });
-                        let (want, _, _) = reference_outputs(&cfg, &jobs);
-                        println!(
-                            "  {:<12} {:<7} {:<14} acceptance {:>5.1} %  tokens/verify {:>4.2}  \
-                             verifies {:>3}  settled late {:>3}  finished mid-verify {:>2}  \
-                             prefix hits {:>2}  requests {:>2}",
-                            model.as_str(),
-                            layout.as_str(),
-                            mode.label(),
-                            100.0 * stats.acceptance(),
-                            stats.tokens_per_verify(),
-                            stats.verifies,
-                            stats.late_settles,
-                            stats.finished_mid_verify,
-                            stats.prefix_hits,
-                            jobs.len(),
-                        );
-                        all_identical &= report(compare(&jobs, &want));
+                            let served = &stats.served;
+                            println!(
+                                "  {:<13} {:<12} {:<7} {:<14} acceptance {:>5.1} %  \
+                                 tokens/verify {:>4.2}  verifies {:>3}  settled late {:>3}  \
+                                 finished mid-verify {:>2}  hits {:>2}  reused {:>4} of {:>4} \
+                                 prompt tokens  resumes checked {:>2} ({:>2} in an output)  \
+                                 requests {:>2}",
+                                workload.as_str(),
+                                model.as_str(),
+                                layout.as_str(),
+                                mode.label(),
+                                100.0 * stats.acceptance(),
+                                stats.tokens_per_verify(),
+                                stats.verifies,
+                                stats.late_settles,
+                                stats.finished_mid_verify,
+                                served.prefix_hits,
+                                served.hit_tokens,
+                                served.prompt_tokens,
+                                served.resumes_checked,
+                                stats.resumed_in_output,
+                                on.len(),
+                            );
+                            resumes += served.resumes_checked;
+                            in_output += stats.resumed_in_output;
+                            all_identical &= report(verdict.map(|n| n as usize));
+                        }
                     }
                 }
             }
         }
     }
+    println!(
+        "resumed states checked: {resumes} ({in_output} inside an earlier request's output), \
+         every one equal to its recompute: {}",
+        if all_identical { "yes" } else { "no" }
+    );
     all_identical
+}
+
+/// Serves `cfg` speculatively, or exits with status 1 when the cache refuses.
+fn serve_speculative_or_exit(cfg: &RunConfig, mode: SpecMode) -> (Vec<Job>, SpecStats) {
+    serve_speculative(cfg, mode).unwrap_or_else(|e| {
+        eprintln!(
+            "tiny_engine: page size {} {} {} {} {} reuse {}: {e}",
+            cfg.page_size,
+            cfg.layout.as_str(),
+            cfg.model.as_str(),
+            cfg.workload.as_str(),
+            mode.label(),
+            cfg.reuse.as_str()
+        );
+        std::process::exit(1);
+    })
 }
 
 /// The plain matrix; whether every output was identical.

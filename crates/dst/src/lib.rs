@@ -171,7 +171,7 @@ pub fn run_command(args: &SimArgs, out: &mut impl std::io::Write) -> std::io::Re
             .and_then(|()| {
                 writeln!(
                     out,
-                    "sim: speculative: {} verify steps ({} requests verified, {} draft trees; {} verify metadata built and translated, {} translated ids checked, {} compactions, {} faults in those calls), {} settled ({} a step late), {} tokens accepted, {} aborts, {} retractions and {} finishes mid-verify, {} wrong calls refused, {} settlements struck by a fault after taking effect",
+                    "sim: speculative: {} verify steps ({} requests verified, {} draft trees; {} verify metadata built and translated, {} translated ids checked, {} compactions, {} faults in those calls), {} settled ({} a step late; {} checkpoints they saved checked), {} tokens accepted, {} aborts, {} retractions and {} finishes mid-verify, {} wrong calls refused, {} settlements struck by a fault after taking effect",
                     total.verify_steps,
                     total.verifies,
                     total.tree_verifies,
@@ -181,6 +181,7 @@ pub fn run_command(args: &SimArgs, out: &mut impl std::io::Write) -> std::io::Re
                     total.verify_call_faults,
                     total.settles,
                     total.late_settles,
+                    total.settled_checkpoints_checked,
                     total.accepted_tokens,
                     total.mid_verify_aborts,
                     total.mid_verify_retractions,
@@ -286,6 +287,10 @@ mod tests {
                 total.mid_verify_aborts.min(total.mid_verify_retractions),
             ),
             ("finishes mid-verify", total.finished_mid_verify),
+            (
+                "checkpoints saved by settlements",
+                total.settled_checkpoints_checked,
+            ),
             ("refused wrong calls", total.refused_calls),
             ("verify metadata builds", total.verify_metadata_builds),
             ("translated verify ids checked", total.verify_ids_checked),

@@ -48,6 +48,9 @@ pub struct Outcome {
     pub refused_calls: u64,
     /// Settlements a fault struck after they took effect (copying checkpoints out).
     pub settle_faults_after_effect: u64,
+    /// Checkpoints settlements saved (at the positions the accepted tokens crossed), each
+    /// read back at once: its slot held the accepted prefix's state.
+    pub settled_checkpoints_checked: u64,
     /// Verify metadata built (`build_verify_metadata`, each for a verify step's batch)
     /// and translated (`translate_verify`).
     pub verify_metadata_builds: u64,
@@ -85,6 +88,7 @@ impl Outcome {
         self.finished_mid_verify += o.finished_mid_verify;
         self.refused_calls += o.refused_calls;
         self.settle_faults_after_effect += o.settle_faults_after_effect;
+        self.settled_checkpoints_checked += o.settled_checkpoints_checked;
         self.verify_metadata_builds += o.verify_metadata_builds;
         self.verify_ids_checked += o.verify_ids_checked;
         self.compactions += o.compactions;

@@ -1,11 +1,12 @@
 //! The checks: a run against the reference, two runs against each other, a resumed
 //! recurrent state against a contiguous recompute of its prefix, and reuse happening
-//! exactly when it is on.
+//! exactly when it is on, for plain and speculative serving.
 
 use super::model::{States, Weights};
 use super::reference::{Output, reference_state};
 use super::serve::{Reuse, RunConfig, RunStats};
-use super::workload::Job;
+use super::spec::SpecStats;
+use super::workload::{Job, Workload};
 use unikv::TokenId;
 
 /// Compares a resumed state with the state a contiguous recompute of `prefix` reaches,
@@ -148,6 +149,41 @@ pub fn check_reuse(
         }
     }
     Ok(compared)
+}
+
+/// Checks two speculative runs of `cfg`'s workload (its `reuse` aside), `off` with reuse
+/// off and `on` with reuse on, against each other and `reference`, the plain greedy
+/// decode: [`check_reuse`] for each (the same jobs with bit-identical outputs, equal to
+/// the reference; every resumed state equal to a recompute of its prefix; reuse exactly
+/// when on). On a recurrent model with reuse on, every hit resumed a state, and on
+/// [`Workload::TurnsAcrossGrid`] some of them lie inside an earlier turn's output (a
+/// speculative turn left them), so the check cannot pass on prompt states alone.
+/// Returns the resumed states checked.
+pub fn check_speculative_reuse(
+    cfg: &RunConfig,
+    off: (&[Job], &SpecStats),
+    on: (&[Job], &SpecStats),
+    reference: &[Output],
+) -> Result<u64, String> {
+    let with = |reuse| RunConfig {
+        reuse,
+        ..cfg.clone()
+    };
+    check_reuse(&with(Reuse::Off), off.0, &off.1.served, off.0, reference)
+        .map_err(|d| format!("reuse off: {d}"))?;
+    check_reuse(&with(Reuse::On), on.0, &on.1.served, off.0, reference)
+        .map_err(|d| format!("reuse on: {d}"))?;
+    let stats = on.1;
+    if cfg.model.is_recurrent()
+        && cfg.workload == Workload::TurnsAcrossGrid
+        && stats.resumed_in_output == 0
+    {
+        return Err(format!(
+            "reuse on, but none of {} resumed states lies inside an earlier turn's output",
+            stats.served.resumes_checked
+        ));
+    }
+    Ok(stats.served.resumes_checked)
 }
 
 /// The bit patterns of `l`.

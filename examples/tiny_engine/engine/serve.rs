@@ -76,10 +76,10 @@ pub struct RunConfig {
 }
 
 impl RunConfig {
-    /// A run of a scripted reuse workload ([`Workload::SharedPrefix`] or
-    /// [`Workload::MultiTurn`]) at page size `page_size`: room for every request's KV
-    /// and states at once, so nothing a later request could hit is evicted; prefill in
-    /// chunks of up to two grid intervals.
+    /// A run of a scripted reuse workload ([`Workload::SharedPrefix`],
+    /// [`Workload::MultiTurn`] or [`Workload::TurnsAcrossGrid`]) at page size
+    /// `page_size`: room for every request's KV and states at once, so nothing a later
+    /// request could hit is evicted; prefill in chunks of up to two grid intervals.
     pub fn scripted(
         page_size: u32,
         layout: Layout,

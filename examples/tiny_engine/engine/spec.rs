@@ -17,10 +17,18 @@
 //! counts and paths into a device table the next step's metadata and the tree compaction
 //! read. Settled rows before a verify are read at the kernel ids the cache's mirror
 //! holds for them (what the step metadata's FULL and SWA tables carry).
+//!
+//! With reuse on, prefill chunks and finished requests enter the prefix cache (a request
+//! may finish with a verify in flight), so a later request resumes from a state a
+//! speculative turn left: a checkpoint a settlement copied out of a verify's scratch
+//! group, or the running state a finished request cached. Its first step compares that
+//! state, bit for bit, with a contiguous recompute of its prefix, as the plain serving
+//! loop does ([`SpecStats::served`]); with reuse off nothing is cached.
 
 use super::buffer::{BufferKv, IdKv, load_states, step_table, store_states};
+use super::check::check_resumed_state;
 use super::model::{Rng, States, WINDOW, Weights, argmax, forward, zero_states};
-use super::serve::{RunConfig, checkpoint_grid, memory_bytes};
+use super::serve::{Fault, Reuse, RunConfig, RunStats, checkpoint_grid, memory_bytes};
 use super::workload::{Job, arrive, workload};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -120,9 +128,14 @@ pub struct SpecStats {
     pub late_settles: u64,
     /// Requests finished with a verify in flight.
     pub finished_mid_verify: u64,
-    /// Admissions with a prefix hit.
-    pub prefix_hits: u64,
-    /// Wall time of the run.
+    /// What a plain run counts of admissions and reuse: prompt and prefilled tokens,
+    /// prefix hits, reused and KV-hit tokens, and the resumed states checked against a
+    /// recompute ([`RunStats::resumed_states`]); the rest stays 0.
+    pub served: RunStats,
+    /// Of the resumed states, those inside an earlier request's output: only its verifies
+    /// computed those positions, so the state is one a speculative turn left.
+    pub resumed_in_output: u64,
+    /// Wall time of the run (not of the resumed-state checks).
     pub elapsed: Duration,
 }
 
@@ -155,6 +168,9 @@ struct Running {
     pending: Option<TokenId>,
     /// Verifies the device ran and the host has not settled, oldest first.
     unsettled: VecDeque<Verified>,
+    /// Resumed from a cached state after this many tokens, not yet checked: its first
+    /// step (a prefill chunk) compares the state it reads with a recompute.
+    resumed_at: Option<usize>,
 }
 
 impl Running {
@@ -177,8 +193,9 @@ struct Models<'a> {
     slots: Option<SlotLayout>,
 }
 
-/// Serves `cfg`'s workload through unikv, speculatively. Returns every job as it ran
-/// and the run's counts. The budget holds every request (nothing is retracted).
+/// Serves `cfg`'s workload through unikv, speculatively, with `cfg.reuse` and
+/// `cfg.fault`. Returns every job as it ran and the run's counts. The budget holds every
+/// request (nothing is retracted).
 pub fn serve_speculative(cfg: &RunConfig, mode: SpecMode) -> Result<(Vec<Job>, SpecStats), Error> {
     let mut rng = Rng::new(cfg.seed);
     let weights = Weights::random(cfg.seed ^ 0x5eed, cfg.model);
@@ -233,6 +250,8 @@ pub fn serve_speculative(cfg: &RunConfig, mode: SpecMode) -> Result<(Vec<Job>, S
         Counts::Late => 1,
     };
     let started = Instant::now();
+    // Time spent recomputing resumed states to check them (not serving).
+    let mut checking = Duration::ZERO;
 
     while !(queue.is_empty() && running.is_empty() && waiting.is_empty()) {
         arrive(&mut jobs, &mut waiting, &mut queue);
@@ -244,13 +263,25 @@ pub fn serve_speculative(cfg: &RunConfig, mode: SpecMode) -> Result<(Vec<Job>, S
             }
             let req = cache.admit(hit)?;
             queue.pop_front();
-            jobs[j].reused = req.cached_at_admission();
-            stats.prefix_hits += u64::from(req.cached_at_admission() > 0);
+            let cached = req.cached_at_admission();
+            jobs[j].reused = cached;
+            let served = &mut stats.served;
+            served.prompt_tokens += req.tokens().len() as u64;
+            served.kv_hit_tokens += req.kv_hit_at_admission() as u64;
+            let resumed = cached > 0 && cfg.model.is_recurrent();
+            if cached > 0 {
+                served.prefix_hits += 1;
+                served.hit_tokens += cached as u64;
+            }
+            if resumed && reaches_into_output(&jobs, &req.tokens()[..cached]) {
+                stats.resumed_in_output += 1;
+            }
             running.push(Running {
                 job: j,
                 req,
                 pending: None,
                 unsettled: VecDeque::new(),
+                resumed_at: resumed.then_some(cached),
             });
         }
         assert!(!running.is_empty(), "the budget admits no request");
@@ -262,6 +293,7 @@ pub fn serve_speculative(cfg: &RunConfig, mode: SpecMode) -> Result<(Vec<Job>, S
             let n = r.req.remaining_prefill().min(budget);
             if n > 0 {
                 cache.alloc_extend(&mut r.req, n)?;
+                stats.served.prefill_tokens += n as u64;
                 budget -= n;
                 prefill.push((i, n));
             }
@@ -344,10 +376,26 @@ pub fn serve_speculative(cfg: &RunConfig, mode: SpecMode) -> Result<(Vec<Job>, S
             .collect();
         let mut prefill_logits: Vec<Vec<f32>> = Vec::new();
         let mut verified: Vec<(Verified, TokenId, Vec<Vec<f32>>)> = Vec::new();
+        // The states resumed requests read in their first step: (running index, resumed
+        // after, the step's first query, the state).
+        let mut resumed: Vec<(usize, usize, usize, States)> = Vec::new();
         cpu.run_kernel(buffer, |bytes| {
             for (k, &(i, _)) in prefill.iter().enumerate() {
                 let m = view.as_ref().expect("a prefill batch").request(k);
-                prefill_logits.push(prefill_forward(&models, bytes, m, &table, &running[i].req));
+                let resumed_at = running[i].resumed_at.take();
+                let (logits, read) = prefill_forward(
+                    &models,
+                    bytes,
+                    m,
+                    &table,
+                    &running[i].req,
+                    resumed_at.is_some(),
+                    cfg.fault,
+                );
+                prefill_logits.push(logits);
+                if let (Some(at), Some(state)) = (resumed_at, read) {
+                    resumed.push((i, at, m.first_query(), state));
+                }
             }
             if let Some((l, out)) = &verify_ids {
                 for (m, &i) in verifiers.iter().enumerate() {
@@ -365,6 +413,27 @@ pub fn serve_speculative(cfg: &RunConfig, mode: SpecMode) -> Result<(Vec<Job>, S
             }
         })?;
 
+        // The first step after a resume read the cached state: it must be the one a full
+        // recompute of the prefix reaches.
+        for (i, at, first_query, state) in resumed {
+            let watch = Instant::now();
+            let req = &running[i].req;
+            let checked = if first_query == at {
+                check_resumed_state(models.target, &req.tokens()[..at], &state)
+            } else {
+                Err(format!(
+                    "resumed after {at} tokens, but its first step starts at {first_query}"
+                ))
+            };
+            checking += watch.elapsed();
+            stats.served.resumes_checked += 1;
+            if let Err(diff) = checked
+                && stats.served.state_mismatch.is_none()
+            {
+                stats.served.state_mismatch = Some(format!("request {}: {diff}", req.id()));
+            }
+        }
+
         // The accept kernel's outputs; a tree's accepted nodes move to consecutive rows.
         if !verifiers.is_empty() {
             let mut paths = vec![-1i32; b * width];
@@ -379,10 +448,13 @@ pub fn serve_speculative(cfg: &RunConfig, mode: SpecMode) -> Result<(Vec<Job>, S
             }
         }
 
-        // Like the scripted workloads of `serve`, every prefill chunk enters the prefix
-        // cache at once, so a request arriving while this one decodes hits it.
-        for &(i, _) in &prefill {
-            cache.cache_unfinished(&mut running[i].req)?;
+        // Like the scripted workloads of `serve`, with reuse on every prefill chunk enters
+        // the prefix cache at once, so a request arriving while this one decodes hits it.
+        if cfg.reuse == Reuse::On {
+            for &(i, _) in &prefill {
+                cache.cache_unfinished(&mut running[i].req)?;
+                stats.served.cached_unfinished += 1;
+            }
         }
 
         // Prefill outputs: a finished prompt's first token.
@@ -458,14 +530,33 @@ pub fn serve_speculative(cfg: &RunConfig, mode: SpecMode) -> Result<(Vec<Job>, S
         for &i in finished.iter().rev() {
             let r = running.remove(i);
             stats.finished_mid_verify += u64::from(r.req.unsettled_verifies() > 0);
-            cache.cache_finished(r.req)?;
+            // With a verify in flight the cache takes the state at the settled length:
+            // settling copied it into the running slot.
+            match cfg.reuse {
+                Reuse::On => cache.cache_finished(r.req)?,
+                Reuse::Off => drop(cache.release(r.req)?),
+            }
         }
         cache.step_boundary()?;
         stats.steps += 1;
     }
     cpu.free_table(values)?;
-    stats.elapsed = started.elapsed();
+    stats.elapsed = started.elapsed() - checking;
+    stats.served.steps = stats.steps;
+    stats.served.elapsed = stats.elapsed;
     Ok((jobs, stats))
+}
+
+/// Whether `prefix` reaches into an earlier job's output: it is that job's prompt, then
+/// some of its generated tokens. A verify computed each of those positions, so a cached
+/// state at the end of `prefix` is one a speculative turn left.
+fn reaches_into_output(jobs: &[Job], prefix: &[TokenId]) -> bool {
+    jobs.iter().any(|j| {
+        let p = j.prompt.len();
+        prefix.len() > p
+            && prefix.starts_with(&j.prompt)
+            && j.output.tokens.starts_with(&prefix[p..])
+    })
 }
 
 /// The requests `idx` (ascending) of `running`, mutably, in that order.
@@ -519,17 +610,27 @@ fn settled_ids(
 }
 
 /// A prefill chunk's forward: the target (K/V, state, checkpoints) and the draft (its
-/// K/V rows), at the step metadata's ids. Returns the target's logits after the chunk.
+/// K/V rows), at the step metadata's ids. Returns the target's logits after the chunk
+/// and, for a request that `resumed` from a cached state, the state it read from its
+/// slot (first flipping a bit of it under [`Fault::FlipResumedState`]).
 fn prefill_forward(
     models: &Models<'_>,
     bytes: &mut [u8],
     m: unikv::RequestStep<'_>,
     table: &[i32],
     req: &Request,
-) -> Vec<f32> {
+    resumed: bool,
+    fault: Fault,
+) -> (Vec<f32>, Option<States>) {
     let mut states = zero_states(models.target);
+    let mut read = None;
     if let (Some(slot), Some(layout), true) = (m.state_slot, &models.slots, m.first_query() > 0) {
+        if resumed && fault == Fault::FlipResumedState {
+            let at = models.geo.slot_offset(slot) + layout.temporal(0).unwrap().start;
+            bytes[at as usize] ^= 1;
+        }
         load_states(bytes, &models.geo, layout, slot, &mut states);
+        read = resumed.then(|| states.clone());
     }
     let tokens = &req.tokens()[m.first_query()..m.len];
     let mut saved: Vec<(u32, States)> = Vec::new();
@@ -562,11 +663,13 @@ fn prefill_forward(
     );
     if let (Some(slot), Some(layout)) = (m.state_slot, &models.slots) {
         store_states(bytes, &models.geo, layout, slot, &states);
-        for (slot, s) in &saved {
-            store_states(bytes, &models.geo, layout, *slot, s);
+        if fault != Fault::SkipCheckpointWrites {
+            for (slot, s) in &saved {
+                store_states(bytes, &models.geo, layout, *slot, s);
+            }
         }
     }
-    logits
+    (logits, read)
 }
 
 /// One request's verify metadata as its kernels read it: its batch position `m`, the

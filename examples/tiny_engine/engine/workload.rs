@@ -91,6 +91,11 @@ pub enum Workload {
     /// is the previous turn's prompt, its output and new text; the second conversation
     /// starts while the first one's first turn decodes.
     MultiTurn,
+    /// Two conversations of two turns whose first turn's prompt ends half its output
+    /// before a checkpoint grid point, so its decode crosses one: the second turn
+    /// resumes from a state the first turn's decode saved (with speculation, a
+    /// settlement's), at every page size.
+    TurnsAcrossGrid,
 }
 
 impl Workload {
@@ -100,6 +105,7 @@ impl Workload {
             Workload::Mixed { .. } => "mixed",
             Workload::SharedPrefix => "shared-prefix",
             Workload::MultiTurn => "multi-turn",
+            Workload::TurnsAcrossGrid => "turns-x-grid",
         }
     }
 }
@@ -118,6 +124,7 @@ pub(super) fn workload(cfg: &RunConfig, rng: &mut Rng) -> Vec<Job> {
         } => mixed(cfg.page_size, requests, max_new, rng),
         Workload::SharedPrefix => shared_prefix(grid, rng),
         Workload::MultiTurn => multi_turn(grid, rng),
+        Workload::TurnsAcrossGrid => turns_across_grid(grid, rng),
     }
 }
 
@@ -162,16 +169,51 @@ fn shared_prefix(grid: usize, rng: &mut Rng) -> Vec<Job> {
 /// [`Workload::MultiTurn`] for checkpoint grid `grid`: job `2t + c` is turn `t` of
 /// conversation `c`.
 fn multi_turn(grid: usize, rng: &mut Rng) -> Vec<Job> {
+    conversations(grid, grid + 5, 3, rng, |_, _, rng| {
+        rng.range(grid / 4, grid / 2)
+    })
+}
+
+/// [`Workload::TurnsAcrossGrid`] for checkpoint grid `grid`: two turns of two
+/// conversations (job `2t + c` is turn `t` of conversation `c`) after a quarter grid of
+/// shared system prompt; the first turn's prompt ends half its output before the first
+/// grid point past a quarter grid of own text, the second turn's text is a quarter grid.
+/// (Short, so that the debug-build test runs in seconds at page size 256, where a grid
+/// point is 256 tokens away.)
+fn turns_across_grid(grid: usize, rng: &mut Rng) -> Vec<Job> {
+    let half_out = scripted_max_new(grid) / 2;
+    conversations(grid, grid / 4, 2, rng, |turn, before, _| match turn {
+        0 => (before + grid / 4 + half_out).next_multiple_of(grid) - half_out - before,
+        _ => grid / 4,
+    })
+}
+
+/// Two conversations of `turns` turns on a shared system prompt of `system` tokens (job
+/// `2t + c` is turn `t` of conversation `c`; the second starts while the first one's
+/// first turn decodes), each turn's own text `text_len(turn, tokens before it, rng)` tokens.
+fn conversations(
+    grid: usize,
+    system: usize,
+    turns: usize,
+    rng: &mut Rng,
+    mut text_len: impl FnMut(usize, usize, &mut Rng) -> usize,
+) -> Vec<Job> {
     /// Conversations.
     const CONVERSATIONS: usize = 2;
-    /// Turns of each.
-    const TURNS: usize = 3;
-    let system = random_tokens(rng, grid + 5);
+    let system = random_tokens(rng, system);
     let max_new = scripted_max_new(grid);
-    let mut jobs = Vec::new();
-    for turn in 0..TURNS {
+    let mut jobs: Vec<Job> = Vec::new();
+    // Each turn's prompt length (scripted turns are never aborted, so a follow-up's
+    // prompt is its previous turn's prompt and `max_new` tokens of output, then its text).
+    let mut prompt_lens: Vec<usize> = Vec::new();
+    for turn in 0..turns {
         for c in 0..CONVERSATIONS {
-            let own = rng.range(grid / 4, grid / 2);
+            let before = match turn {
+                0 => system.len(),
+                _ => prompt_lens[(turn - 1) * CONVERSATIONS + c] + max_new,
+            };
+            let own = text_len(turn, before, rng);
+            prompt_lens.push(before + own);
             let text = random_tokens(rng, own);
             let job = if turn == 0 {
                 let arrival = if c == 0 {

@@ -5,7 +5,9 @@
 //! every verify position's KV and intermediate state at the translated ids,
 //! `compact_accepted` moves a tree's accepted nodes to consecutive rows, and the host settles each step with what was accepted, on
 //! time or a step late (the next verify already allocated), with aborts and retractions
-//! mid-verify and faults injected into both calls. Wrong calls an engine could make
+//! mid-verify and faults injected into both calls; every checkpoint a settlement saves
+//! is read back at once and must hold the accepted prefix's state at its position.
+//! Wrong calls an engine could make
 //! (settling twice, accepting more than a verify's width, a bad parent array) must be
 //! typed errors that change nothing.
 
@@ -657,7 +659,7 @@ impl Sim {
             }
             Err(e) => return Err(self.fail(format!("settle: {e}"))),
         }
-        for ((&i, late), from) in idx.iter().zip(late).zip(settled_before) {
+        for ((&i, late), &from) in idx.iter().zip(late).zip(&settled_before) {
             let r = &mut self.running[i];
             let Some(v) = r.verifies.pop_front() else {
                 continue;
@@ -678,10 +680,49 @@ impl Sim {
             self.out.late_settles += u64::from(late);
             self.out.accepted_tokens += a as u64;
         }
+        self.check_settled_checkpoints(idx, &settled_before)?;
         match struck {
             Some(e) => self.check_bytes(&format!("after a fault in settle ({e})")),
             None => Ok(()),
         }
+    }
+
+    /// The checkpoints a settlement of `running[idx]` saved — those it holds at the
+    /// positions the accepted tokens crossed, past `from[k]` settled tokens — each read
+    /// through the host tables at once: its slot holds the state after the accepted
+    /// prefix at its position (what settling copied out of the verify's scratch group).
+    fn check_settled_checkpoints(&mut self, idx: &[usize], from: &[usize]) -> Result<(), Failure> {
+        let mut saved = Vec::new();
+        for (&i, &from) in idx.iter().zip(from) {
+            let req = &self.running[i].req;
+            let crossed = from + 1..=req.settled_len();
+            saved.extend(
+                req.held_checkpoints()
+                    .filter(|w| crossed.contains(&w.at_len))
+                    .map(|w| (i, w)),
+            );
+        }
+        if saved.is_empty() {
+            return Ok(());
+        }
+        let bytes = self.buffer_bytes()?;
+        for (i, w) in saved {
+            let req = &self.running[i].req;
+            let hashes = prefix_hashes(&req.tokens()[..w.at_len]);
+            let want = state_stamp(hash_at(&hashes, w.at_len));
+            let span = self.slot_span(w.slot)?;
+            self.out.stamps_checked += 1;
+            self.out.settled_checkpoints_checked += 1;
+            if !Self::check_span(&bytes, span, want) {
+                let got = bytes[span.offset as usize];
+                return Err(self.fail(format!(
+                    "request {}'s settlement saved a checkpoint at {} tokens whose slot holds the state {got}, not the accepted prefix's {want}",
+                    req.id(),
+                    w.at_len
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Wrong settlements: settling a request with nothing in flight (settling twice)
