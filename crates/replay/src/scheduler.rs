@@ -24,6 +24,10 @@
 //!   verify is settled in the step after it, once that step's verify is allocated; a
 //!   request finished (or retracted) with a verify in flight drops it, as an overlap
 //!   scheduler drops the step it launched for a request that had already finished.
+//!   On a model with recurrent state at most the cache's verify batch verifies a step
+//!   (`config::verify_lanes`, taken round robin); the other decoders decode one token
+//!   plainly in the same step (an engine turns speculation off past its speculative
+//!   batch), so no request waits and only the verify batch needs scratch states.
 //! - Out of memory, the most recently admitted request is retracted (its KV released, its
 //!   tokens back at the front of the queue) and the allocation retried; a request that
 //!   cannot fit alone is [`ReplayError::BudgetTooSmall`].
@@ -670,8 +674,8 @@ impl<'a> Simulation<'a> {
         };
         let mode = spec.mode;
         let parents = spec.parents.clone();
-        // At most the cache's verify batch verifies; the others wait for a later step,
-        // their turn coming round robin.
+        // At most the cache's verify batch verifies, its members taken round robin; the
+        // others decode plainly after the settlement.
         let all = decoders.clone();
         if decoders.len() > spec.lanes {
             let start = spec.turn % decoders.len();
@@ -774,6 +778,18 @@ impl<'a> Simulation<'a> {
         }
         if !retracted_any {
             self.estimate.decay();
+        }
+        // The decoders beyond the verify batch decode one token plainly, as an engine
+        // turns speculation off past its speculative batch (vLLM's
+        // `speculative_disable_by_batch_size`, TensorRT-LLM's `max_concurrency`): no
+        // request waits a step, and none needs scratch. Their verifies settled above.
+        let rest: Vec<usize> = all
+            .into_iter()
+            .filter(|&i| i < self.running.len() && decoders.binary_search(&i).is_err())
+            .filter(|&i| self.running[i].req.unsettled_verifies() == 0)
+            .collect();
+        if !rest.is_empty() {
+            self.decode(rest)?;
         }
         Ok(true)
     }
@@ -1397,10 +1413,43 @@ mod tests {
                     );
                     let s = spec.speculative.unwrap();
                     // 8 requests of 24 output tokens: the first comes from prefill, the rest
-                    // from verify steps.
-                    assert_eq!(s.accepted_tokens, 8 * 23, "{model} {mode}");
+                    // from verify steps, or, on a recurrent model past its verify batch,
+                    // from plain decodes.
+                    if model.has_recurrent_state() {
+                        assert!(s.accepted_tokens <= 8 * 23, "{model} {mode}");
+                        assert!(s.verify_steps > 0, "{model} {mode}");
+                    } else {
+                        assert_eq!(s.accepted_tokens, 8 * 23, "{model} {mode}");
+                    }
                 }
             }
+        }
+    }
+
+    /// A speculative run never takes more steps than decoding: the decoders beyond the
+    /// verify batch decode plainly in the same step instead of waiting for their turn
+    /// (Qwen3-Next's verify batch at 16 GiB is 2 requests of the chat's 8).
+    #[test]
+    fn decoders_beyond_the_verify_batch_decode_plainly() {
+        let model = ModelSpec::QWEN3_NEXT_80B_A3B;
+        for layout in Layout::BOTH {
+            let mut config = RunConfig::new(model, layout, 1, 16 << 30);
+            config.backend = Backend::None;
+            config.speculation = Some(SpecMode::chain(4).unwrap());
+            assert_eq!(crate::config::verify_lanes(&config), 2);
+            let spec = run(&small_chat(), &config, (), &|_| {}).unwrap();
+            let plain = RunConfig {
+                speculation: None,
+                ..config.clone()
+            };
+            let plain = run(&small_chat(), &plain, (), &|_| {}).unwrap();
+            assert!(
+                spec.steps <= plain.steps,
+                "{layout}: {} > {}",
+                spec.steps,
+                plain.steps
+            );
+            assert_eq!(spec.prefix_hit_tokens, plain.prefix_hit_tokens, "{layout}");
         }
     }
 
