@@ -246,8 +246,10 @@ struct Simulation<'a> {
     computed: Vec<(usize, u64, usize)>,
     /// The step's metadata (reused).
     meta: StepMetadata,
-    /// The host CPU time of this step's metadata build, once built.
+    /// The host CPU time of this step's metadata builds, once built.
     metadata_ns: Option<u64>,
+    /// The first entry of `computed` no build has covered yet.
+    metadata_from: usize,
     /// Whether this step builds its metadata (every [`METADATA_EVERY`]-th).
     metadata_due: bool,
 }
@@ -343,6 +345,7 @@ impl<'a> Simulation<'a> {
             computed: Vec::new(),
             meta: StepMetadata::new(),
             metadata_ns: None,
+            metadata_from: 0,
             metadata_due: false,
         })
     }
@@ -360,6 +363,7 @@ impl<'a> Simulation<'a> {
             self.arrive(step);
             self.computed.clear();
             self.metadata_ns = None;
+            self.metadata_from = 0;
             self.metadata_due = step.is_multiple_of(METADATA_EVERY);
             let started = thread_cpu_time();
             let moved = self.step()?;
@@ -469,17 +473,20 @@ impl<'a> Simulation<'a> {
     }
 
     /// Builds the step's metadata for the requests it computes, as an engine does after
-    /// the step's allocations and before its forward (a verify before its settlement),
-    /// once on every [`METADATA_EVERY`]-th step; its host CPU time (device work excluded,
-    /// as for the step) goes to `metadata_ns`.
+    /// the step's allocations and before its forward (a verify before its settlement), on
+    /// every [`METADATA_EVERY`]-th step: for those computed since the last build (a
+    /// speculative step's plain decodes past its verify batch come after the verifies
+    /// settle, so they are a second build); its host CPU time (device work excluded, as
+    /// for the step) adds to `metadata_ns`.
     fn step_metadata(&mut self) -> Result<(), ReplayError> {
-        if !self.metadata_due || self.metadata_ns.is_some() {
+        let from = self.metadata_from;
+        if !self.metadata_due || (from == self.computed.len() && self.metadata_ns.is_some()) {
             return Ok(());
         }
+        self.metadata_from = self.computed.len();
         let running = &self.running;
         // A retraction pops the newest request: an index still holding its id is current.
-        let batch: Vec<(&Request, usize)> = self
-            .computed
+        let batch: Vec<(&Request, usize)> = self.computed[from..]
             .iter()
             .filter_map(|&(i, id, n)| {
                 let r = running.get(i).filter(|r| r.req.id() == id)?;
@@ -490,13 +497,12 @@ impl<'a> Simulation<'a> {
         let started = thread_cpu_time();
         let built = self.cache.build_step_metadata(&mut self.meta, &batch);
         let device = self.ledger.device_time().saturating_sub(device_before);
-        self.metadata_ns = Some(
-            thread_cpu_time()
-                .saturating_sub(started)
-                .saturating_sub(thread_cpu_time_overhead())
-                .saturating_sub(device)
-                .as_nanos() as u64,
-        );
+        let ns = thread_cpu_time()
+            .saturating_sub(started)
+            .saturating_sub(thread_cpu_time_overhead())
+            .saturating_sub(device)
+            .as_nanos() as u64;
+        self.metadata_ns = Some(self.metadata_ns.unwrap_or(0) + ns);
         built?;
         Ok(())
     }
