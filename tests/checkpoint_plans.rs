@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{LAYOUTS, TINY_MAMBA, TINY_TRI, assert_all_free, page_sizes, text};
+use common::{LAYOUTS, TINY_MAMBA, TINY_TRI, clear_and_assert_all_free, page_sizes, text};
 use std::sync::Arc;
 use unikv::invariants::{Level, scoped_level};
 use unikv::kernels::{CpuDevice, DeviceOp, Error as DeviceError, FaultInjector};
@@ -84,10 +84,7 @@ fn a_second_chunk_in_one_step_never_rewrites_a_slot_the_step_writes() {
                     assert_eq!(req.checkpoint_writes(), rewrites, "{label}");
                     assert_eq!(checkpoint_slots(&req), 2, "{label}");
                     c.cache_finished(req).unwrap();
-                    c.step_boundary().unwrap();
-                    c.evict_all().unwrap();
-                    c.step_boundary().unwrap();
-                    assert_all_free(&c.stats(), &label);
+                    clear_and_assert_all_free(&mut c, &label);
                 }
             }
         }
@@ -170,10 +167,7 @@ fn a_decode_short_of_fresh_slots_keeps_the_writes_into_held_ones() {
                     for r in fillers.into_iter().chain([a, b]) {
                         c.release(r).unwrap();
                     }
-                    c.step_boundary().unwrap();
-                    c.evict_all().unwrap();
-                    c.step_boundary().unwrap();
-                    assert_all_free(&c.stats(), &label);
+                    clear_and_assert_all_free(&mut c, &label);
                 }
             }
         }
@@ -234,10 +228,7 @@ fn a_failed_settlement_copy_gives_back_its_fresh_checkpoint_slots() {
                 );
                 c.step_boundary().unwrap();
                 c.release(req).unwrap();
-                c.step_boundary().unwrap();
-                c.evict_all().unwrap();
-                c.step_boundary().unwrap();
-                assert_all_free(&c.stats(), &label);
+                clear_and_assert_all_free(&mut c, &label);
             }
         }
     });

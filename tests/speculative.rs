@@ -75,10 +75,7 @@ fn each(speculation: Speculation, case: impl Fn(&mut HybridCache, &str, usize) -
                     for req in live {
                         c.release(req).unwrap();
                     }
-                    c.step_boundary().unwrap();
-                    c.evict_all().unwrap();
-                    c.step_boundary().unwrap();
-                    common::assert_all_free(&c.stats(), &label);
+                    common::clear_and_assert_all_free(&mut c, &label);
                 }
             }
         }
@@ -589,10 +586,7 @@ fn a_verify_writes_a_scratch_group_and_settling_copies_the_accepted_state_into_t
                     "{label}: the request's own slots and the kept scratch group"
                 );
                 c.release(req).unwrap();
-                c.step_boundary().unwrap();
-                c.evict_all().unwrap();
-                c.step_boundary().unwrap();
-                common::assert_all_free(&c.stats(), &label);
+                common::clear_and_assert_all_free(&mut c, &label);
             }
         }
     });
@@ -654,10 +648,7 @@ fn a_settled_verify_crossing_a_grid_point_saves_its_state_there_on_time_and_late
                         "{label}: the resumed state is the state after 16 tokens"
                     );
                     c.release(req).unwrap();
-                    c.step_boundary().unwrap();
-                    c.evict_all().unwrap();
-                    c.step_boundary().unwrap();
-                    common::assert_all_free(&c.stats(), &label);
+                    common::clear_and_assert_all_free(&mut c, &label);
                 }
             }
         }
@@ -1047,10 +1038,7 @@ fn admission_prices_the_verify_rows_and_scratch_of_a_running_request() {
                             .unwrap();
                         }
                         c.release(req).unwrap();
-                        c.step_boundary().unwrap();
-                        c.evict_all().unwrap();
-                        c.step_boundary().unwrap();
-                        common::assert_all_free(&c.stats(), &label);
+                        common::clear_and_assert_all_free(&mut c, &label);
                     }
                 }
             }
@@ -1130,10 +1118,7 @@ fn a_follow_up_turn_after_a_speculative_turn_resumes_from_the_end_of_its_output(
                             "{label}: from the state after the whole output"
                         );
                         c.release(req).unwrap();
-                        c.step_boundary().unwrap();
-                        c.evict_all().unwrap();
-                        c.step_boundary().unwrap();
-                        common::assert_all_free(&c.stats(), &label);
+                        common::clear_and_assert_all_free(&mut c, &label);
                     }
                 }
             }
@@ -1185,10 +1170,7 @@ fn a_finish_with_a_verify_in_flight_caches_the_running_state() {
                         "{label}"
                     );
                     c.release(req).unwrap();
-                    c.step_boundary().unwrap();
-                    c.evict_all().unwrap();
-                    c.step_boundary().unwrap();
-                    common::assert_all_free(&c.stats(), &label);
+                    common::clear_and_assert_all_free(&mut c, &label);
                 }
             }
         }

@@ -610,6 +610,15 @@ pub fn assert_all_free(s: &unikv::CacheStats, label: &str) {
     }
 }
 
+/// Ends the step, clears the prefix cache and ends the step again; then every page and
+/// slot of every side must be free (what a test ends with once it released its requests).
+pub fn clear_and_assert_all_free(cache: &mut HybridCache, label: &str) {
+    cache.step_boundary().unwrap();
+    cache.evict_all().unwrap();
+    cache.step_boundary().unwrap();
+    assert_all_free(&cache.stats(), label);
+}
+
 /// Builds step metadata for `requests` (each with the new tokens its pending checkpoints
 /// need, at least one; those whose window would reach below their window cursor left
 /// out: no forward reads such a window) on the device and on
