@@ -1320,3 +1320,49 @@ fn a_verify_never_reads_a_state_slot_it_writes() {
         }
     }
 }
+
+/// At the step boundary the cache keeps `max_batch × max_in_flight` scratch groups idle
+/// for the next verifies and frees the rest (groups made past the declared batch are
+/// transient): 4 requests with 2 verifies each in flight hold 8 groups; once they
+/// settle, a batch of 3 keeps 6.
+#[test]
+fn the_step_boundary_keeps_the_declared_scratch_groups_and_frees_the_rest() {
+    scoped_level(Level::Strict, || {
+        for layout in LAYOUTS {
+            let spec = Speculation::chain(K as u32).in_flight(2).batch(3);
+            let (mut c, _) = state_cache(TINY_MAMBA, layout, 1, spec);
+            let label = format!("{} {}", TINY_MAMBA.name, layout.as_str());
+            let mut reqs: Vec<Request> = (0..4).map(|_| prefill(&mut c, 10)).collect();
+            c.step_boundary().unwrap();
+            for _ in 0..2 {
+                let mut batch: Vec<&mut Request> = reqs.iter_mut().collect();
+                c.alloc_verify(&mut batch, &[Draft::Chain { k: K }; 4])
+                    .unwrap();
+                c.step_boundary().unwrap();
+            }
+            let group = 1 + K;
+            assert_eq!(c.stats().verify_scratch_slots, 8 * group, "{label}: held");
+            let accepted = tokens(900, 1);
+            for _ in 0..2 {
+                let mut batch: Vec<&mut Request> = reqs.iter_mut().collect();
+                c.settle(&mut batch, &[Accepted::chain(&accepted); 4])
+                    .unwrap();
+            }
+            assert_eq!(
+                c.stats().verify_scratch_slots,
+                8 * group,
+                "{label}: given back"
+            );
+            c.step_boundary().unwrap();
+            assert_eq!(
+                c.stats().verify_scratch_slots,
+                3 * 2 * group,
+                "{label}: the batch's groups kept, the rest freed"
+            );
+            for req in reqs {
+                c.release(req).unwrap();
+            }
+            common::clear_and_assert_all_free(&mut c, &label);
+        }
+    });
+}
