@@ -1009,11 +1009,18 @@ fn bad_speculative_values_are_one_line_errors_with_status_2() {
 #[test]
 fn a_recorded_speculative_trace_reruns_under_bench_ops() {
     let dir = scratch("spec-ops");
-    for (model, spec) in [
-        ("gpt-oss-20b", &["--spec", "4"][..]),
-        ("nemotron-h-8b", &["--spec-tree", "6", "--spec-late"]),
+    // The static layout of a recurrent model sizes its slot pool with the verify scratch
+    // (the header carries it, so bench-ops rebuilds the same pool).
+    for (model, layout, spec) in [
+        ("gpt-oss-20b", "unified", &["--spec", "4"][..]),
+        (
+            "nemotron-h-8b",
+            "unified",
+            &["--spec-tree", "6", "--spec-late"],
+        ),
+        ("nemotron-h-8b", "static", &["--spec", "4"]),
     ] {
-        let ops = dir.join(format!("{model}.jsonl"));
+        let ops = dir.join(format!("{model}-{layout}.jsonl"));
         let mut args = vec![
             "replay",
             "--model",
@@ -1023,7 +1030,7 @@ fn a_recorded_speculative_trace_reruns_under_bench_ops() {
             "--page-size",
             "4",
             "--layout",
-            "unified",
+            layout,
             "--memory",
             "2GiB",
             "--json",

@@ -26,6 +26,7 @@ pub fn allocator_for(
         page_size,
         memory_bytes,
         swa_full_ratio,
+        scratch_slots,
         ..
     } = header
     else {
@@ -41,7 +42,8 @@ pub fn allocator_for(
     })?;
     // The sides the builder gives the model, through the same mappings: each attention
     // kind's rows (`kv_sub_pools`), the state slots (`slot_pool`) and, for the static
-    // layout, the fixed slot pool (`static_slot_pool`).
+    // layout, the fixed slot pool (`static_slot_pool`, plus the verify scratch the
+    // header names).
     let (full, swa) = m.kv_sub_pools();
     let swa = (m.swa_layers > 0).then_some(swa);
     let slots = if m.has_recurrent_state() {
@@ -66,7 +68,12 @@ pub fn allocator_for(
         )
         .map(|a| Box::new(a) as Box<dyn KvAllocator>),
         "static" => slots
-            .map(|spec| unikv::static_slot_pool(spec, *memory_bytes))
+            .map(|spec| {
+                unikv::static_slot_pool(spec, *memory_bytes).map(|pool| unikv::pools::StaticSlots {
+                    slots: pool.slots + scratch_slots,
+                    ..pool
+                })
+            })
             .transpose()
             .and_then(|mamba| {
                 StaticSwa::new(

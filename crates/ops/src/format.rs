@@ -163,6 +163,10 @@ pub enum Op {
         memory_bytes: u64,
         /// The static layout's SWA:FULL token ratio.
         swa_full_ratio: f64,
+        /// State slots the static layout adds to its reference slot pool for verify
+        /// scratch (`unikv::verify_scratch_slots` of the run's speculation; absent: 0).
+        #[serde(default, skip_serializing_if = "no_slots")]
+        scratch_slots: u32,
     },
     /// `alloc_extend`, with the ids it returned.
     AllocExtend {
@@ -340,6 +344,11 @@ impl Op {
     pub fn is_speculative(&self) -> bool {
         matches!(self, Op::Verify { .. } | Op::Settle { .. })
     }
+}
+
+/// Whether a header's optional slot count is absent (0).
+fn no_slots(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Checks what the replay needs of a header: the schema, a known layout and model, a page

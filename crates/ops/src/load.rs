@@ -129,6 +129,7 @@ pub(crate) mod tests {
             page_size: 4,
             memory_bytes: 1 << 30,
             swa_full_ratio: 0.8,
+            scratch_slots: 0,
         })
         .unwrap();
         let path = std::env::temp_dir().join(format!("unikv-sim-{}-{name}", std::process::id()));
@@ -203,6 +204,7 @@ pub(crate) mod tests {
             page_size: 4,
             memory_bytes: 1 << 30,
             swa_full_ratio: 0.8,
+            scratch_slots: 0,
         })
         .unwrap();
         std::fs::write(&path, format!("{header}\n{settle}\n")).unwrap();

@@ -258,7 +258,7 @@ pub(crate) fn cache_builder(
         .layout(layout)
         .device(device);
     match config.speculation {
-        Some(mode) => builder.speculation(mode.speculation().batch(verify_lanes(config))),
+        Some(_) => builder.speculation(speculation(config).expect("a speculative run")),
         None => builder,
     }
 }
@@ -271,6 +271,14 @@ pub(crate) fn cache_builder(
 /// their progress: on `mamba-starvation` at 16 GiB a quarter lost up to 30 % of the
 /// no-spec hit rate on Qwen3-Next and all of it on synthetic-tri.
 pub const VERIFY_SCRATCH_SHARE: (u64, u64) = (1, 16);
+
+/// The speculation a run's cache is built with (`None` without): its mode's, with the
+/// verify batch [`verify_lanes`] declares.
+pub fn speculation(config: &RunConfig) -> Option<unikv::Speculation> {
+    config
+        .speculation
+        .map(|mode| mode.speculation().batch(verify_lanes(config)))
+}
 
 /// The verify batch a speculative run declares ([`unikv::Speculation::max_batch`]) and
 /// admits at most, for a model with recurrent state: as many requests as

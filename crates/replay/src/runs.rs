@@ -135,6 +135,12 @@ fn run_one(
                 page_size: config.page_size,
                 memory_bytes: config.memory_bytes,
                 swa_full_ratio: config.swa_full_ratio,
+                scratch_slots: match config.layout {
+                    crate::Layout::Static => {
+                        unikv::verify_scratch_slots(crate::config::speculation(config))
+                    }
+                    crate::Layout::Unified => 0,
+                },
             };
             let (recorder, status) = Recorder::create(path, header)?;
             (Some(recorder), Some(status))
