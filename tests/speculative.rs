@@ -1366,3 +1366,121 @@ fn the_step_boundary_keeps_the_declared_scratch_groups_and_frees_the_rest() {
         }
     });
 }
+
+/// A verify refused at any of its fallible allocator calls (its fresh scratch slots, its
+/// rows) changes nothing: the scratch it took goes back, the request keeps its rows, and
+/// once everything is released every page and slot is free.
+#[test]
+fn a_verify_refused_at_any_allocator_call_gives_its_fresh_scratch_back() {
+    use common::probe::{Probe, ProbeState};
+    use std::sync::{Arc, Mutex};
+    scoped_level(Level::Strict, || {
+        for layout in LAYOUTS {
+            let mut refused = 0;
+            for n in 0.. {
+                let label = format!("{} {} call {n}", TINY_MAMBA.name, layout.as_str());
+                let state = Arc::new(Mutex::new(ProbeState::default()));
+                let wrapped = state.clone();
+                let mut c = HybridCache::builder()
+                    .model(TINY_MAMBA)
+                    .memory_bytes(8 << 20)
+                    .layout(layout)
+                    .checkpoint_interval(16)
+                    .speculation(Speculation::chain(K as u32))
+                    .wrap_allocator(move |inner| Box::new(Probe::new(inner, wrapped)))
+                    .build()
+                    .unwrap();
+                let mut req = prefill(&mut c, 10);
+                c.step_boundary().unwrap();
+                let (rows, slots) = (req.len(), req.state_slots());
+                {
+                    let mut s = state.lock().unwrap();
+                    s.fail_call = Some(s.fallible_calls + n);
+                }
+                let result = c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }]);
+                let injected = {
+                    let mut s = state.lock().unwrap();
+                    s.fail_call = None; // past the verify: nothing else fails
+                    s.injected
+                };
+                if injected == 0 {
+                    result.unwrap_or_else(|e| panic!("{label}: {e}"));
+                    c.release(req).unwrap();
+                    common::clear_and_assert_all_free(&mut c, &label);
+                    break;
+                }
+                assert!(result.is_err(), "{label}: the injected fault is its error");
+                refused += 1;
+                assert_eq!((req.len(), req.state_slots()), (rows, slots), "{label}");
+                assert_eq!(
+                    c.stats().verify_scratch_slots,
+                    0,
+                    "{label}: no scratch kept"
+                );
+                c.step_boundary().unwrap();
+                c.release(req).unwrap();
+                common::clear_and_assert_all_free(&mut c, &label);
+            }
+            assert!(
+                refused >= 2,
+                "{}: the slots and the rows refused",
+                layout.as_str()
+            );
+        }
+    });
+}
+
+/// A verify's fresh scratch slots are priced with its rows in one eviction loop: on the
+/// static layout, whose slot pool is full of cached states while its KV has room, the
+/// verify evicts cached states to make its scratch instead of failing short of slots.
+#[test]
+fn a_verify_evicts_cached_states_to_make_its_scratch() {
+    // States of 4 KiB, so a 1 MiB budget's slot pool fills before its KV.
+    const BIG_STATE: ModelSpec = ModelSpec {
+        recurrent: unikv::RecurrentState {
+            state_size: 256,
+            ..TINY_MAMBA.recurrent
+        },
+        ..TINY_MAMBA
+    };
+    scoped_level(Level::Strict, || {
+        let layout = LAYOUTS[1];
+        assert!(matches!(layout, Layout::Static { .. }));
+        let label = format!("{} {}", BIG_STATE.name, layout.as_str());
+        let mut c = HybridCache::builder()
+            .model(BIG_STATE)
+            .memory_bytes(1 << 20)
+            .layout(layout)
+            .checkpoint_interval(16)
+            .speculation(Speculation::chain(K as u32))
+            .build()
+            .unwrap();
+        let mut req = prefill(&mut c, 10);
+        c.step_boundary().unwrap();
+        let mut cached = 0u32;
+        while c.stats().mamba.available_pages > K {
+            let hit = c.match_prefix(tokens(1_000_000 * (cached + 1), 40));
+            let mut r = c.admit(hit).unwrap();
+            c.alloc_extend(&mut r, 40).unwrap();
+            c.cache_finished(r).unwrap();
+            c.step_boundary().unwrap();
+            cached += 1;
+            assert!(cached < 10_000, "{label}: the slot pool never filled");
+        }
+        assert!(
+            c.stats().full.available_pages > 2 * (1 + K),
+            "{label}: KV has room"
+        );
+        let evicted = c.stats().evictions;
+        c.alloc_verify(&mut [&mut req], &[Draft::Chain { k: K }])
+            .unwrap_or_else(|e| panic!("{label}: {e}"));
+        assert_ne!(
+            c.stats().evictions,
+            evicted,
+            "{label}: cached states evicted"
+        );
+        c.step_boundary().unwrap();
+        c.release(req).unwrap();
+        common::clear_and_assert_all_free(&mut c, &label);
+    });
+}
