@@ -174,6 +174,24 @@ fn main() {
     let only_ps: Option<u32> = value("--ps").map(|p| p.parse().expect("--ps N"));
     let only_level = value("--level");
     let models = [ModelSpec::GPT_OSS_20B, QWEN3_NEXT_SCALED_STATE];
+    // A filter that picks no cell is refused, not run as an empty table.
+    if let Some(m) = &only_model {
+        assert!(
+            models
+                .iter()
+                .any(|model| model.name.starts_with(m.as_str())),
+            "--model {m}: no benchmarked model's name starts with it"
+        );
+    }
+    if let Some(p) = only_ps {
+        assert!([1, 16, 256].contains(&p), "--ps {p}: one of 1, 16, 256");
+    }
+    if let Some(l) = &only_level {
+        assert!(
+            ["off", "strict"].contains(&l.as_str()),
+            "--level {l}: off or strict"
+        );
+    }
     let layouts = [
         (
             "static",
