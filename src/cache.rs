@@ -1,19 +1,37 @@
 //! `HybridCache`: the allocator and the prefix tree behind one API that owns a request's
 //! lifecycle, applies the tree's actions in one place and runs the eviction loop.
+//!
+//! Its methods live with the part of the lifecycle they serve:
+//!
+//! | part | methods | file |
+//! |---|---|---|
+//! | set-up | `builder`, [`HybridCacheBuilder::build`] | `cache/builder.rs` |
+//! | admission | `match_prefix`, `can_admit`, `admit` | `cache.rs` |
+//! | allocation | `alloc_extend`, `alloc_decode` | `cache.rs` |
+//! | the sliding window | `release_out_of_window` (and the batch form the allocations call) | `cache/window.rs` |
+//! | checkpoints | planned inside allocations and settlements | `cache/checkpoints.rs` |
+//! | eviction | `evict_to_free`, `evict_all`, the loop that makes room | `cache/evict.rs` |
+//! | speculative decoding | `alloc_verify`, `settle` (verify scratch: `cache/scratch.rs`) | `cache/speculative.rs` |
+//! | finishing | `cache_unfinished`, `cache_finished`, `release` | `cache.rs` |
+//! | the step boundary | `step_boundary`, `stats` | `cache.rs` |
+//! | step metadata | `reserve_step_metadata`, `build_step_metadata`, `step_view`, `kv_geometry` | `step.rs` |
+//! | verify metadata | `reserve_verify_metadata`, `build_verify_metadata`, `translate_verify`, `compact_accepted` | `verify.rs` |
+//!
+//! The device tables the last two fill are owned here and kept in `tables.rs`, a leaf.
 
 use crate::error::Error;
 use crate::invariants_decl::CONSERVATION;
 use crate::model::ModelSpec;
 use crate::request::{PrefixMatch, Request, RequestState};
 use crate::stats::{CacheStats, EvictionCounts, SideStats, StepReport};
-use crate::step::StepTable;
+use crate::tables::{DeviceTables, Lanes};
 use std::sync::Arc;
 use unikv_invariants::Scope;
 use unikv_kernels::{Device, TableId};
 use unikv_mamba::{PlanMarks, StatePolicy};
 use unikv_pools::{
-    DecodeRequest, ExtendRequest, FreeOp, KvAllocator, PageDemand, Reclaimable, Segment, Side,
-    VirtualSlot, VirtualToken as PoolToken,
+    DecodeRequest, ExtendRequest, FreeOp, KvAllocator, PageDemand, Reclaimable, Side, VirtualSlot,
+    VirtualToken as PoolToken,
 };
 use unikv_radix::{
     InsertRequest, MambaSlot, RadixTree, StateCheckpoint, TokenId, Tokens,
@@ -24,7 +42,8 @@ mod builder;
 mod checkpoints;
 mod evict;
 mod scratch;
-mod spec;
+mod speculative;
+mod window;
 
 pub use builder::{
     DEFAULT_EVICTION_INTERVAL, HybridCacheBuilder, Layout, static_slot_pool, verify_scratch_slots,
@@ -163,11 +182,8 @@ pub struct HybridCache {
     /// Mirror uploads that carried changes: step metadata built at another generation,
     /// or while the mirror is behind, names pages that may have moved.
     mirror_generation: u64,
-    /// The device table step metadata is uploaded to (reused, grown when short).
-    step_table: Option<StepTable>,
-    /// Each running request's row of virtual pages on the device (step metadata's
-    /// source).
-    lanes: crate::step::Lanes,
+    /// Its device tables: step metadata, verify metadata and the requests' lanes.
+    tables: DeviceTables,
     /// The checkpoint plan of an allocation (reused across calls).
     plan: CheckpointPlan,
     /// What verify steps it was built for (`None`: no speculation).
@@ -175,10 +191,6 @@ pub struct HybridCache {
     /// Verify scratch: the groups of state slots verify steps write, the cache's (never
     /// a request's, never in the tree).
     verify_scratch: scratch::VerifyScratch,
-    /// The device tables of verify metadata: inputs uploaded, outputs translated on the
-    /// device (reused, grown when short).
-    verify_inputs: Option<StepTable>,
-    verify_outputs: Option<StepTable>,
 }
 
 impl HybridCache {
@@ -280,66 +292,6 @@ impl HybridCache {
         self.check_owner(req)
     }
 
-    /// Uploads a step's metadata image into the step table (one op), growing the table
-    /// first when it is shorter than `len` entries (`image` is its first entries). A failed
-    /// upload leaves the table as it was.
-    pub(crate) fn upload_step_table(
-        &mut self,
-        image: &[i32],
-        len: usize,
-    ) -> Result<TableId, Error> {
-        let table = self.grown(self.step_table, len)?;
-        self.step_table = Some(table);
-        self.device.upload_table(table.id, 0, image)?;
-        Ok(table.id)
-    }
-
-    /// Makes sure the verify tables hold `layout`'s inputs and outputs (growing them is
-    /// an allocation: set-up work); returns both tables.
-    pub(crate) fn verify_tables(
-        &mut self,
-        layout: crate::verify::VerifyLayout,
-    ) -> Result<(TableId, TableId), Error> {
-        let inputs = self.grown(self.verify_inputs, layout.inputs_len)?;
-        // Kept at once, so a failure below leaks nothing.
-        self.verify_inputs = Some(inputs);
-        let outputs = self.grown(self.verify_outputs, layout.outputs_len)?;
-        self.verify_outputs = Some(outputs);
-        Ok((inputs.id, outputs.id))
-    }
-
-    /// Uploads verify metadata's inputs (`layout`'s image) into the verify tables, grown
-    /// first when they are short; returns both tables.
-    pub(crate) fn upload_verify_tables(
-        &mut self,
-        layout: crate::verify::VerifyLayout,
-        image: &[i32],
-    ) -> Result<(TableId, TableId), Error> {
-        let (inputs, outputs) = self.verify_tables(layout)?;
-        self.device.upload_table(inputs, 0, image)?;
-        Ok((inputs, outputs))
-    }
-
-    /// `table` when it holds `len` entries, else a new one of at least twice its length
-    /// (the old one freed: set-up work, off the steady state, as a table only grows).
-    fn grown(&self, table: Option<StepTable>, len: usize) -> Result<StepTable, Error> {
-        match table {
-            Some(t) if t.len >= len => Ok(t),
-            old => {
-                let len = len.max(old.map_or(0, |t| 2 * t.len)).max(1024);
-                let id = self.device.alloc_table(len, 0)?;
-                if let Some(old) = old
-                    && let Err(e) = self.device.free_table(old.id)
-                {
-                    // Nothing changes: the new table goes back, the old one stays in use.
-                    let _ = self.device.free_table(id);
-                    return Err(e.into());
-                }
-                Ok(StepTable { id, len })
-            }
-        }
-    }
-
     /// What verify steps it was built for.
     pub(crate) fn speculation(&self) -> Option<crate::Speculation> {
         self.speculation
@@ -361,13 +313,18 @@ impl HybridCache {
     }
 
     /// The requests' lanes.
-    pub(crate) fn lanes(&self) -> &crate::step::Lanes {
-        &self.lanes
+    pub(crate) fn lanes(&self) -> &Lanes {
+        &self.tables.lanes
     }
 
     /// The requests' lanes, to write.
-    pub(crate) fn lanes_mut(&mut self) -> &mut crate::step::Lanes {
-        &mut self.lanes
+    pub(crate) fn lanes_mut(&mut self) -> &mut Lanes {
+        &mut self.tables.lanes
+    }
+
+    /// Its device tables and the device they live on (to grow and fill them).
+    pub(crate) fn tables_mut(&mut self) -> (&mut DeviceTables, &dyn Device) {
+        (&mut self.tables, self.device.as_ref())
     }
 
     /// The prefix tree, for read-only inspection (sizes, dumps).
@@ -709,59 +666,6 @@ impl HybridCache {
         result
     }
 
-    /// Releases the SWA KV of `req`'s rows that left the window: once the cursor lags by at
-    /// least the eviction interval, it moves up to `⌊len⌋ − ⌈W⌉` (whole pages: `len`
-    /// rounded down, the window rounded up). So the live SWA behind the last whole page,
-    /// where a follow-up turn's match ends, covers at least a window even when the page
-    /// size does not divide it; and the live SWA behind `len` covers one too. The cursor
-    /// only moves up, stays page-aligned and never goes below the tree-owned prefix.
-    /// Returns the tokens released. Called by the alloc methods; engines may call it too.
-    pub fn release_out_of_window(&mut self, req: &mut Request) -> Result<usize, Error> {
-        self.check_owner(req)?;
-        let Some(rows) = self.out_of_window(req) else {
-            return Ok(0);
-        };
-        self.alloc
-            .free_swa_segment(Segment::of_row(&req.row, rows.clone()))?;
-        self.window_released(req, rows.end)?;
-        Ok(rows.len())
-    }
-
-    /// The rows of `req` whose SWA [`HybridCache::release_out_of_window`] releases now
-    /// (from the cursor to the new cursor), if any.
-    fn out_of_window(&self, req: &Request) -> Option<std::ops::Range<usize>> {
-        if !self.has_swa {
-            return None;
-        }
-        // Every unsettled verify position lies past the settled rows, so a window behind
-        // them is behind every position a verify reads (`W + k` rows stay live).
-        let len = req.settled_len();
-        let evicted = req.cursor.max(req.protected);
-        let keep = self.window.div_ceil(self.ps) * self.ps;
-        if len < evicted + keep + self.interval {
-            return None;
-        }
-        let new_cursor = len / self.ps * self.ps - keep;
-        (new_cursor > evicted).then_some(evicted..new_cursor)
-    }
-
-    /// Moves `req`'s cursor to `new_cursor` once the SWA below it is freed.
-    fn window_released(&mut self, req: &mut Request, new_cursor: usize) -> Result<(), Error> {
-        let before = self.held(req);
-        req.cursor = new_cursor;
-        self.account(before, self.held(req));
-        // Once the window has left the cached prefix, the prefix's SWA may be evicted.
-        if let Some(lock) = req.lock
-            && !req.window_lock_released
-            && new_cursor >= req.protected
-        {
-            self.tree.release_window(lock)?;
-            req.window_lock_released = true;
-            self.epoch += 1;
-        }
-        Ok(())
-    }
-
     // ----- finishing, caching, releasing -------------------------------------------------
 
     /// Caches what `req` computed so far and keeps it running: its whole pages enter the
@@ -790,7 +694,7 @@ impl HybridCache {
         for (slot, v) in req.row[req.protected..cached].iter_mut().zip(values.iter()) {
             *slot = PoolToken(v.0);
         }
-        self.lanes.invalidate(req.id, req.protected, self.ps);
+        self.tables.lanes.invalidate(req.id, req.protected, self.ps);
         req.protected = cached;
         req.cursor = req.cursor.max(cached);
         self.account(before, self.held(req));
@@ -804,7 +708,7 @@ impl HybridCache {
     /// a state the tree already has, or cannot hold, is freed with its other slots.
     pub fn cache_finished(&mut self, req: Request) -> Result<(), Error> {
         self.check_owner(&req)?;
-        self.lanes.release(req.id);
+        self.tables.lanes.release(req.id);
         let before = self.held(&req);
         let len = req.settled_len();
         let mut checkpoints = self.held_checkpoints(&req);
@@ -880,7 +784,7 @@ impl HybridCache {
     /// retracted request can be matched and admitted again later.
     pub fn release(&mut self, req: Request) -> Result<Vec<TokenId>, Error> {
         self.check_owner(&req)?;
-        self.lanes.release(req.id);
+        self.tables.lanes.release(req.id);
         let before = self.held(&req);
         let len = req.len();
         let dead_lo = req.protected;
@@ -1133,19 +1037,10 @@ impl HybridCache {
 }
 
 impl Drop for HybridCache {
-    /// Frees the step and verify tables (the allocator frees its own memory when it drops next), so a
-    /// dropped cache leaves the device as it found it.
+    /// Frees its device tables (the allocator frees its own memory when it drops next),
+    /// so a dropped cache leaves the device as it found it.
     fn drop(&mut self) {
-        let tables = [
-            self.step_table.take(),
-            self.verify_inputs.take(),
-            self.verify_outputs.take(),
-        ];
-        let lanes = self.lanes.table();
-        for table in tables.into_iter().flatten().map(|t| t.id).chain(lanes) {
-            // Nothing to report to: a failed free of a table no one reads only leaks it.
-            let _ = self.device.free_table(table);
-        }
+        self.tables.free(self.device.as_ref());
     }
 }
 

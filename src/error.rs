@@ -155,6 +155,34 @@ pub enum Error {
         /// The verify's positions.
         width: usize,
         /// What is wrong.
-        reason: crate::spec::AcceptedFault,
+        reason: AcceptedFault,
+    },
+}
+
+/// Why [`crate::HybridCache::settle`] refused an [`crate::Accepted`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AcceptedFault {
+    /// None, or more than the verify's positions.
+    #[error("a verify keeps 1 ..= its width positions")]
+    Count,
+    /// A path for a chain verify.
+    #[error("a chain verify's accepted positions are a prefix, not a path")]
+    PathForChain,
+    /// No path for a tree verify.
+    #[error("a tree verify needs the accepted path")]
+    NoPath,
+    /// A path whose length is not the number of tokens.
+    #[error("the path has {path} nodes")]
+    PathLength {
+        /// Nodes in the path.
+        path: usize,
+    },
+    /// A path that does not start at the root or leaves the tree.
+    #[error("node {node} at index {index} is not a child of the node before it")]
+    NotAPath {
+        /// Its index in the path.
+        index: usize,
+        /// The node.
+        node: u32,
     },
 }

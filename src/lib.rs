@@ -29,21 +29,22 @@ mod error;
 mod invariants_decl;
 mod model;
 mod request;
-mod spec;
+mod speculative;
 mod stats;
 mod step;
+mod tables;
 mod verify;
 
 pub use cache::{
     DEFAULT_EVICTION_INTERVAL, HybridCache, HybridCacheBuilder, Layout, TREE_SANITY_INTERVAL,
     static_slot_pool, verify_scratch_slots,
 };
-pub use error::Error;
+pub use error::{AcceptedFault, Error};
 pub use model::{KvRows, ModelSpec, RecurrentState};
 pub use request::{PrefixMatch, Request};
-pub use spec::{
-    Accepted, AcceptedFault, DEFAULT_VERIFY_BATCH, Draft, MAX_IN_FLIGHT, MAX_VERIFY_BATCH,
-    MAX_VERIFY_WIDTH, Speculation,
+pub use speculative::{
+    Accepted, DEFAULT_VERIFY_BATCH, Draft, MAX_IN_FLIGHT, MAX_VERIFY_BATCH, MAX_VERIFY_WIDTH,
+    Speculation,
 };
 pub use stats::{CacheStats, EvictionCounts, SideStats, StepReport};
 pub use step::{

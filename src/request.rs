@@ -73,7 +73,7 @@ pub struct Request {
     /// Its recurrent state slots (a model with Mamba/GDN layers).
     pub(crate) state: Option<RequestState>,
     /// Its unsettled verify steps, oldest first; their rows follow the settled ones.
-    pub(crate) verifies: std::collections::VecDeque<crate::spec::PendingVerify>,
+    pub(crate) verifies: std::collections::VecDeque<crate::speculative::PendingVerify>,
 }
 
 /// The Mamba state slots a request owns.

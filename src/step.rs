@@ -3,7 +3,7 @@
 //! requests' context lengths.
 //!
 //! Each running request's row lives on the device as a **lane** of virtual pages
-//! (lanes.rs): a step writes only the pages it added. One device table per step holds a
+//! (`crate::tables`, lanes.rs): a step writes only the pages it added. One device table per step holds a
 //! small header the host writes — per request its new tokens, page counts, window start
 //! and lane, the write locations of its new tokens, its state slot and checkpoints:
 //! O(batch + new tokens) — and the page tables kernels read, which one
@@ -20,11 +20,8 @@
 //! metadata with [`Error::StaleStepMetadata`], and the view it returns borrows the cache,
 //! so nothing can change the tables while it is read.
 
-mod lanes;
-
-pub(crate) use lanes::Lanes;
-use lanes::Shape;
-pub use lanes::StepCapacity;
+pub use crate::tables::StepCapacity;
+use crate::tables::{DeviceTables, Shape, to_i32};
 
 use crate::cache::HybridCache;
 use crate::error::Error;
@@ -335,21 +332,6 @@ impl<'a> StepView<'a> {
     }
 }
 
-/// The step table a cache owns: one device table, grown when a step needs more entries
-/// than any before.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct StepTable {
-    pub(crate) id: TableId,
-    pub(crate) len: usize,
-}
-
-fn to_i32(request: u64, what: &str, n: usize) -> Result<i32, Error> {
-    i32::try_from(n).map_err(|_| Error::BadRequest {
-        request,
-        reason: format!("{what} {n} does not fit the step table's i32 entries"),
-    })
-}
-
 /// Where the page tables are built.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum PageTables {
@@ -371,6 +353,16 @@ fn page_id(
 }
 
 impl HybridCache {
+    /// Uploads a step's metadata image into the step table (one op), growing the table
+    /// first when it is shorter than `len` entries (`image` is its first entries). A failed
+    /// upload leaves the table as it was.
+    fn upload_step_table(&mut self, image: &[i32], len: usize) -> Result<TableId, Error> {
+        let (tables, device) = self.tables_mut();
+        let table = DeviceTables::grow(device, &mut tables.step, len)?;
+        device.upload_table(table, 0, image)?;
+        Ok(table)
+    }
+
     /// The byte geometry kernels address the buffer with (see [`KvGeometry`]).
     pub fn kv_geometry(&self) -> KvGeometry {
         let alloc = self.allocator();
@@ -564,7 +556,7 @@ impl HybridCache {
             l.swa_pages = section(swa_capacity);
             l.len = at;
         }
-        to_i32(u64::MAX, "step table length", l.len)?;
+        to_i32(u64::MAX, "step table length", "step", l.len)?;
         let written = match tables {
             PageTables::Device => l.header_len(),
             PageTables::Host => l.len,
@@ -712,7 +704,7 @@ impl HybridCache {
                     ),
                 });
             }
-            to_i32(req.id(), "row count", req.len())?;
+            to_i32(req.id(), "row count", "step", req.len())?;
         }
         Ok(())
     }

@@ -25,6 +25,7 @@
 use crate::cache::HybridCache;
 use crate::error::Error;
 use crate::request::Request;
+use crate::tables::{DeviceTables, to_i32};
 use unikv_kernels::{RowGather, TableId, WindowTranslate};
 use unikv_pools::Side;
 
@@ -205,6 +206,28 @@ impl VerifyMetadata {
 }
 
 impl HybridCache {
+    /// Makes sure the verify tables hold `layout`'s inputs and outputs (growing them is
+    /// an allocation: set-up work); returns both tables.
+    fn verify_tables(&mut self, layout: VerifyLayout) -> Result<(TableId, TableId), Error> {
+        let (tables, device) = self.tables_mut();
+        // Each kept as it grows, so a failure below leaks nothing.
+        let inputs = DeviceTables::grow(device, &mut tables.verify_inputs, layout.inputs_len)?;
+        let outputs = DeviceTables::grow(device, &mut tables.verify_outputs, layout.outputs_len)?;
+        Ok((inputs, outputs))
+    }
+
+    /// Uploads verify metadata's inputs (`layout`'s image) into the verify tables, grown
+    /// first when they are short; returns both tables.
+    fn upload_verify_tables(
+        &mut self,
+        layout: VerifyLayout,
+        image: &[i32],
+    ) -> Result<(TableId, TableId), Error> {
+        let (inputs, outputs) = self.verify_tables(layout)?;
+        self.device().upload_table(inputs, 0, image)?;
+        Ok((inputs, outputs))
+    }
+
     /// Sizes the device tables verify metadata for `meta`'s maximum batch needs, so that
     /// no later [`HybridCache::build_verify_metadata`] allocates: an allocation may make
     /// the host wait on a GPU, so call this once at set-up (where an engine captures its
@@ -277,7 +300,7 @@ impl HybridCache {
             let newest = req.verifies.back().expect("checked above");
             let settled = req.settled_len();
             img[l.widths + r] = newest.width as i32;
-            img[l.settled + r] = to_i32(req.id, "settled length", settled)?;
+            img[l.settled + r] = to_i32(req.id, "settled length", "verify", settled)?;
             let tree = &mut img[l.parents + r * width..l.parents + (r + 1) * width];
             for i in 0..newest.width {
                 tree[i] = match &newest.parents {
@@ -285,7 +308,7 @@ impl HybridCache {
                     None => i as i32 - 1,
                 };
             }
-            let mut masks = [0u64; crate::spec::MAX_VERIFY_WIDTH as usize];
+            let mut masks = [0u64; crate::speculative::MAX_VERIFY_WIDTH as usize];
             for i in 0..newest.width {
                 let parent = img[l.parents + r * width + i];
                 (img[l.depths + r * width + i], masks[i]) = if parent < 0 {
@@ -466,11 +489,4 @@ impl HybridCache {
             _ => Err(Error::UnbuiltStepMetadata),
         }
     }
-}
-
-fn to_i32(request: u64, what: &str, n: usize) -> Result<i32, Error> {
-    i32::try_from(n).map_err(|_| Error::BadRequest {
-        request,
-        reason: format!("{what} {n} does not fit the verify table's i32 entries"),
-    })
 }

@@ -17,7 +17,7 @@
 //! checks catch it. Plain loops instead of a tensor crate: the model is a few hundred
 //! weights, and CI compiles and runs it on 2 cores many times over.
 //!
-//! With speculative decoding ([`serve_speculative`], module `spec`) a draft model
+//! With speculative decoding ([`serve_speculative`], module `speculative`) a draft model
 //! proposes chains or trees of tokens that the target verifies in one step through
 //! unikv's verify metadata; greedy acceptance keeps the output the plain decode's, token
 //! for token, with the counts settled at once or one step late ([`SpecMode`]). Served
@@ -26,8 +26,8 @@
 //! contiguous recompute of its prefix, bit for bit.
 //!
 //! The modules: `model` (the decoder and its one forward), `reference` (contiguous K/V),
-//! `workload` (the jobs and their arrivals), `serve` (the serving loop on unikv, over
-//! `buffer`: rows and states in unikv's buffer), `spec` (the speculative one) and `check`
+//! `config` (a run's shape), `workload` (the jobs and their arrivals), `serve` (the serving loop on unikv, over
+//! `buffer`: rows and states in unikv's buffer), `speculative` and `check`
 //! (the comparisons). Used by `examples/tiny_engine/main.rs` and, through `#[path]`, by
 //! `tests/tiny_engine.rs`, `tests/tiny_engine_reuse.rs` and `tests/tiny_engine_spec.rs`.
 
@@ -39,24 +39,29 @@
 mod buffer;
 #[path = "engine/check.rs"]
 mod check;
+#[path = "engine/config.rs"]
+mod config;
 #[path = "engine/model.rs"]
 mod model;
 #[path = "engine/reference.rs"]
 mod reference;
 #[path = "engine/serve.rs"]
 mod serve;
-#[path = "engine/spec.rs"]
-mod spec;
+#[path = "engine/speculative.rs"]
+mod speculative;
 #[path = "engine/workload.rs"]
 mod workload;
 
 // The example and the tests use different parts.
 #[allow(unused_imports)]
 pub use {
-    check::{check_reuse, check_speculative_reuse, compare, compare_runs},
+    check::{compare, compare_runs},
+    config::{Fault, Reuse, RunConfig},
     model::{Model, Weights},
-    reference::{Output, reference, reference_outputs, reference_state},
-    serve::{Fault, Reuse, RunConfig, RunStats, checkpoint_grid, serve},
-    spec::{Counts, Drafting, SpecMode, SpecStats, TREE, serve_speculative},
-    workload::{Arrival, Job, Workload},
+    reference::{reference, reference_outputs, reference_state},
+    serve::{RunStats, check_reuse, serve},
+    speculative::{
+        Counts, Drafting, SpecMode, SpecStats, TREE, check_speculative_reuse, serve_speculative,
+    },
+    workload::{Arrival, Job, Output, Workload, checkpoint_grid},
 };

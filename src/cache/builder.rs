@@ -432,13 +432,10 @@ impl HybridCacheBuilder {
             decode_scratch: Vec::new(),
             device: step_device,
             mirror_generation: 0,
-            step_table: None,
-            lanes: Default::default(),
+            tables: Default::default(),
             plan: CheckpointPlan::default(),
             speculation: self.speculation,
             verify_scratch: Default::default(),
-            verify_inputs: None,
-            verify_outputs: None,
         })
     }
 }

@@ -1,20 +1,13 @@
 //! The crate's error type.
 
-use crate::Violations;
+use crate::{BadLevel, Violations};
 
 /// Everything the invariants crate can report.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// `UNIKV_INVARIANT_CHECK` holds a value that is not a level.
-    #[error(
-        "invalid {var}={value:?}: expected one of off, warn, strict, 0, 1, 2 (case-insensitive)"
-    )]
-    BadLevel {
-        /// The variable's name.
-        var: &'static str,
-        /// The value found.
-        value: String,
-    },
+    #[error(transparent)]
+    BadLevel(#[from] BadLevel),
     /// Two declarations use the same invariant name.
     #[error("invariant {name:?} is declared twice: in {first} and in {second}")]
     DuplicateInvariant {

@@ -1,6 +1,5 @@
 //! The check level: `UNIKV_INVARIANT_CHECK`, read once, with programmatic and scoped overrides.
 
-use crate::Error;
 use once_cell::sync::OnceCell;
 use std::cell::Cell;
 use std::ffi::OsStr;
@@ -9,6 +8,16 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 /// The environment variable that sets the default level.
 pub const ENV_VAR: &str = "UNIKV_INVARIANT_CHECK";
+
+/// A value of [`ENV_VAR`] (or given to [`Level::parse`]) that is not a level.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid {var}={value:?}: expected one of off, warn, strict, 0, 1, 2 (case-insensitive)")]
+pub struct BadLevel {
+    /// The variable's name.
+    pub var: &'static str,
+    /// The value found.
+    pub value: String,
+}
 
 /// How much invariant checking runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
@@ -28,12 +37,12 @@ impl Level {
     pub const ALL: [Level; 3] = [Level::Off, Level::Warn, Level::Strict];
 
     /// Parses `off|warn|strict|0|1|2`, case-insensitive, surrounding spaces ignored.
-    pub fn parse(value: &str) -> Result<Level, Error> {
+    pub fn parse(value: &str) -> Result<Level, BadLevel> {
         match value.trim().to_ascii_lowercase().as_str() {
             "off" | "0" => Ok(Level::Off),
             "warn" | "1" => Ok(Level::Warn),
             "strict" | "2" => Ok(Level::Strict),
-            _ => Err(Error::BadLevel {
+            _ => Err(BadLevel {
                 var: ENV_VAR,
                 value: value.to_string(),
             }),
@@ -41,13 +50,13 @@ impl Level {
     }
 
     /// The level an environment value gives: unset or empty means `Off`.
-    pub fn from_env_value(value: Option<&OsStr>) -> Result<Level, Error> {
+    pub fn from_env_value(value: Option<&OsStr>) -> Result<Level, BadLevel> {
         match value {
             None => Ok(Level::Off),
             Some(v) if v.is_empty() => Ok(Level::Off),
             Some(v) => match v.to_str() {
                 Some(s) => Level::parse(s),
-                None => Err(Error::BadLevel {
+                None => Err(BadLevel {
                     var: ENV_VAR,
                     value: v.to_string_lossy().into_owned(),
                 }),
@@ -81,8 +90,8 @@ impl fmt::Display for Level {
 }
 
 impl std::str::FromStr for Level {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Level, Error> {
+    type Err = BadLevel;
+    fn from_str(s: &str) -> Result<Level, BadLevel> {
         Level::parse(s)
     }
 }
@@ -101,7 +110,7 @@ thread_local! {
 
 /// The level in force on this thread: the innermost scoped override, else the
 /// process-wide override, else `UNIKV_INVARIANT_CHECK`.
-pub fn try_level() -> Result<Level, Error> {
+pub fn try_level() -> Result<Level, BadLevel> {
     if let Some(level) = SCOPED.with(Cell::get) {
         return Ok(level);
     }

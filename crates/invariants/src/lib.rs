@@ -62,7 +62,7 @@ pub use bucket::Bucket;
 pub use check::{FailMode, Failure, LOG_EVERY, Violations, enabled};
 pub use error::Error;
 pub use level::{
-    ENV_VAR, Level, LevelGuard, level, override_level, scoped_level, set_level, try_level,
+    BadLevel, ENV_VAR, Level, LevelGuard, level, override_level, scoped_level, set_level, try_level,
 };
 pub use registry::{Declaration, Invariant, Registry, registry};
 pub use report::{Report, ReportRow};

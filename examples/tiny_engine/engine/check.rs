@@ -1,12 +1,11 @@
-//! The checks: a run against the reference, two runs against each other, a resumed
-//! recurrent state against a contiguous recompute of its prefix, and reuse happening
-//! exactly when it is on, for plain and speculative serving.
+//! The checks: a run against the reference, two runs against each other, and a resumed
+//! recurrent state against a contiguous recompute of its prefix. The run-level reuse
+//! checks build on them beside their runs (`serve::check_reuse`,
+//! `speculative::check_speculative_reuse`).
 
 use super::model::{States, Weights};
-use super::reference::{Output, reference_state};
-use super::serve::{Reuse, RunConfig, RunStats};
-use super::spec::SpecStats;
-use super::workload::{Job, Workload};
+use super::reference::reference_state;
+use super::workload::{Job, Output};
 use unikv::TokenId;
 
 /// Compares a resumed state with the state a contiguous recompute of `prefix` reaches,
@@ -100,90 +99,6 @@ pub fn compare_runs(a: &[Job], b: &[Job]) -> Result<usize, String> {
         }
     }
     Ok(a.len())
-}
-
-/// Checks one run of a scripted reuse workload against `baseline`, a run of the same
-/// workload (reuse off, say) whose outputs equal `reference`: the same jobs with the same
-/// prompts and bit-identical outputs, equal to the reference; every state a request
-/// resumed from equal, bit for bit, to a contiguous recompute of its prefix; and reuse
-/// happened exactly when it is on (on: states resumed, fewer prompt tokens prefilled
-/// than admitted; off: not one token hit), so the check cannot pass vacuously. Returns
-/// the jobs compared.
-pub fn check_reuse(
-    cfg: &RunConfig,
-    jobs: &[Job],
-    stats: &RunStats,
-    baseline: &[Job],
-    reference: &[Output],
-) -> Result<usize, String> {
-    let resumed = stats.resumed_states()?;
-    compare_runs(baseline, jobs)?;
-    let compared = compare(jobs, reference)?;
-    match cfg.reuse {
-        Reuse::On => {
-            if stats.prefix_hits == 0 {
-                return Err("reuse on, but no request hit the prefix cache".into());
-            }
-            if cfg.model.is_recurrent() && resumed + stats.resumes_retracted != stats.prefix_hits {
-                return Err(format!(
-                    "{} hits but {resumed} resumed states checked ({} retracted first)",
-                    stats.prefix_hits, stats.resumes_retracted
-                ));
-            }
-            if stats.prefill_tokens >= stats.prompt_tokens {
-                return Err(format!(
-                    "reuse on, but {} of {} prompt tokens were prefilled",
-                    stats.prefill_tokens, stats.prompt_tokens
-                ));
-            }
-        }
-        Reuse::Off => {
-            // (A request retracted mid-prefill is admitted again, so its prompt counts
-            // twice while only part of it was prefilled the first time.)
-            if stats.prefix_hits > 0 || stats.kv_hit_tokens > 0 {
-                return Err(format!(
-                    "reuse off, but {} hits ({} tokens of KV)",
-                    stats.prefix_hits, stats.kv_hit_tokens
-                ));
-            }
-        }
-    }
-    Ok(compared)
-}
-
-/// Checks two speculative runs of `cfg`'s workload (its `reuse` aside), `off` with reuse
-/// off and `on` with reuse on, against each other and `reference`, the plain greedy
-/// decode: [`check_reuse`] for each (the same jobs with bit-identical outputs, equal to
-/// the reference; every resumed state equal to a recompute of its prefix; reuse exactly
-/// when on). On a recurrent model with reuse on, every hit resumed a state, and on
-/// [`Workload::TurnsAcrossGrid`] some of them lie inside an earlier turn's output (a
-/// speculative turn left them), so the check cannot pass on prompt states alone.
-/// Returns the resumed states checked.
-pub fn check_speculative_reuse(
-    cfg: &RunConfig,
-    off: (&[Job], &SpecStats),
-    on: (&[Job], &SpecStats),
-    reference: &[Output],
-) -> Result<u64, String> {
-    let with = |reuse| RunConfig {
-        reuse,
-        ..cfg.clone()
-    };
-    check_reuse(&with(Reuse::Off), off.0, &off.1.served, off.0, reference)
-        .map_err(|d| format!("reuse off: {d}"))?;
-    check_reuse(&with(Reuse::On), on.0, &on.1.served, off.0, reference)
-        .map_err(|d| format!("reuse on: {d}"))?;
-    let stats = on.1;
-    if cfg.model.is_recurrent()
-        && cfg.workload == Workload::TurnsAcrossGrid
-        && stats.resumed_in_output == 0
-    {
-        return Err(format!(
-            "reuse on, but none of {} resumed states lies inside an earlier turn's output",
-            stats.served.resumes_checked
-        ));
-    }
-    Ok(stats.served.resumes_checked)
 }
 
 /// The bit patterns of `l`.

@@ -1,8 +1,8 @@
 //! The reference: each request alone, prefilled in one pass, with plain contiguous K/V.
 
+use super::config::RunConfig;
 use super::model::{KV, KvStore, LayerKind, States, Weights, argmax, forward, zero_states};
-use super::serve::RunConfig;
-use super::workload::Job;
+use super::workload::{Job, Output};
 use std::time::{Duration, Instant};
 use unikv::TokenId;
 
@@ -41,15 +41,6 @@ impl KvStore for ContiguousKv {
         k.copy_from_slice(&self.k[s][pos * KV..(pos + 1) * KV]);
         v.copy_from_slice(&self.v[s][pos * KV..(pos + 1) * KV]);
     }
-}
-
-/// What a request produced: its generated tokens and the logits that chose the last one.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Output {
-    /// Generated tokens.
-    pub tokens: Vec<TokenId>,
-    /// The logits of the last step (empty before the first token).
-    pub logits: Vec<f32>,
 }
 
 /// The reference: `prompt` prefilled in one pass, then `max_new` greedy tokens, K/V in

@@ -3,9 +3,13 @@
 //! run's shape ([`RunConfig`]) and counts ([`RunStats`]).
 
 use super::buffer::{BufferKv, load_states, step_table, store_states};
-use super::check::check_resumed_state;
-use super::model::{Model, Rng, States, Weights, argmax, forward, zero_states};
-use super::workload::{Arrival, Job, Workload, arrive, random_tokens, workload};
+use super::check::{check_resumed_state, compare, compare_runs};
+use super::config::{Fault, Reuse, RunConfig};
+use super::model::{Rng, States, Weights, argmax, forward, zero_states};
+
+use super::workload::{
+    Arrival, Job, Output, Workload, arrive, checkpoint_grid, random_tokens, workload,
+};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,102 +19,6 @@ use unikv::kernels::{
 };
 use unikv::mamba::MambaSpec;
 use unikv::{Error, HybridCache, Layout, ModelSpec, PrefixMatch, Request, StepMetadata, TokenId};
-
-/// Whether the engine reuses cached prefixes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Reuse {
-    /// Every prefill chunk and every finished request enters the prefix cache, and
-    /// admission resumes from the deepest cached state (FULL/SWA KV with it).
-    On,
-    /// Nothing enters the prefix cache (requests are released, never cached), so no
-    /// admission hits and every token is computed from scratch.
-    Off,
-}
-
-impl Reuse {
-    /// `on` or `off`.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Reuse::On => "on",
-            Reuse::Off => "off",
-        }
-    }
-}
-
-/// A deliberate engine bug, so a test can show that the checks catch a wrong reuse.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Fault {
-    /// No bug.
-    None,
-    /// Flips one bit of the state a request resumes from (in its slot, before the first
-    /// step reads it): a wrong state copy.
-    FlipResumedState,
-    /// Never writes the checkpoints the step metadata lists: the cache then holds stale
-    /// slot bytes where it believes a state is.
-    SkipCheckpointWrites,
-}
-
-/// The shape of a serving run.
-#[derive(Clone, Debug)]
-pub struct RunConfig {
-    /// Seed of the workload and the scheduler's choices.
-    pub seed: u64,
-    /// Tokens per page.
-    pub page_size: u32,
-    /// Static or unified.
-    pub layout: Layout,
-    /// The model served.
-    pub model: Model,
-    /// What is served.
-    pub workload: Workload,
-    /// Whether cached prefixes are reused.
-    pub reuse: Reuse,
-    /// Room for this many tokens of FULL and SWA KV (the budget).
-    pub budget_tokens: u64,
-    /// Most requests running at once.
-    pub max_running: usize,
-    /// Most prefill tokens per step.
-    pub prefill_budget: usize,
-    /// A deliberate bug ([`Fault::None`] for a real run).
-    pub fault: Fault,
-}
-
-impl RunConfig {
-    /// A run of a scripted reuse workload ([`Workload::SharedPrefix`],
-    /// [`Workload::MultiTurn`] or [`Workload::TurnsAcrossGrid`]) at page size
-    /// `page_size`: room for every request's KV and states at once, so nothing a later
-    /// request could hit is evicted; prefill in chunks of up to two grid intervals.
-    pub fn scripted(
-        page_size: u32,
-        layout: Layout,
-        model: Model,
-        workload: Workload,
-        reuse: Reuse,
-    ) -> RunConfig {
-        let grid = checkpoint_grid(page_size) as usize;
-        RunConfig {
-            seed: 11,
-            page_size,
-            layout,
-            model,
-            workload,
-            reuse,
-            budget_tokens: 32 * grid as u64,
-            max_running: 4,
-            prefill_budget: 2 * grid,
-            fault: Fault::None,
-        }
-    }
-}
-
-/// The checkpoint grid the engine asks for at page size `ps`: two pages, at least 16
-/// tokens, at most 256 tokens and at least a page. At page sizes 1 and 16 a grid point
-/// is not on every page, so a prompt's last whole page and its branching point are
-/// states of their own; at 256 the grid is the page, which keeps the prompts (and the
-/// debug-build test) short.
-pub fn checkpoint_grid(ps: u32) -> u32 {
-    (2 * ps).clamp(16, 256).max(ps)
-}
 
 /// What a serving run went through.
 #[derive(Clone, Debug, Default)]
@@ -256,7 +164,7 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
     let geo = cache.kv_geometry();
     let buffer = cache.allocator().buffer();
 
-    let mut jobs = workload(cfg, &mut rng);
+    let mut jobs = workload(cfg.workload, cfg.page_size, &mut rng);
     let mut waiting: Vec<usize> = (0..jobs.len()).collect();
     let mut queue: VecDeque<usize> = VecDeque::new();
     let mut running: Vec<Running> = Vec::new();
@@ -605,4 +513,53 @@ fn retract(
     queue.push_front(r.job);
     cache.release(r.req)?;
     Ok(())
+}
+
+/// Checks one run of a scripted reuse workload against `baseline`, a run of the same
+/// workload (reuse off, say) whose outputs equal `reference`: the same jobs with the same
+/// prompts and bit-identical outputs, equal to the reference; every state a request
+/// resumed from equal, bit for bit, to a contiguous recompute of its prefix; and reuse
+/// happened exactly when it is on (on: states resumed, fewer prompt tokens prefilled
+/// than admitted; off: not one token hit), so the check cannot pass vacuously. Returns
+/// the jobs compared.
+pub fn check_reuse(
+    cfg: &RunConfig,
+    jobs: &[Job],
+    stats: &RunStats,
+    baseline: &[Job],
+    reference: &[Output],
+) -> Result<usize, String> {
+    let resumed = stats.resumed_states()?;
+    compare_runs(baseline, jobs)?;
+    let compared = compare(jobs, reference)?;
+    match cfg.reuse {
+        Reuse::On => {
+            if stats.prefix_hits == 0 {
+                return Err("reuse on, but no request hit the prefix cache".into());
+            }
+            if cfg.model.is_recurrent() && resumed + stats.resumes_retracted != stats.prefix_hits {
+                return Err(format!(
+                    "{} hits but {resumed} resumed states checked ({} retracted first)",
+                    stats.prefix_hits, stats.resumes_retracted
+                ));
+            }
+            if stats.prefill_tokens >= stats.prompt_tokens {
+                return Err(format!(
+                    "reuse on, but {} of {} prompt tokens were prefilled",
+                    stats.prefill_tokens, stats.prompt_tokens
+                ));
+            }
+        }
+        Reuse::Off => {
+            // (A request retracted mid-prefill is admitted again, so its prompt counts
+            // twice while only part of it was prefilled the first time.)
+            if stats.prefix_hits > 0 || stats.kv_hit_tokens > 0 {
+                return Err(format!(
+                    "reuse off, but {} hits ({} tokens of KV)",
+                    stats.prefix_hits, stats.kv_hit_tokens
+                ));
+            }
+        }
+    }
+    Ok(compared)
 }

@@ -2,8 +2,6 @@
 //! scripted shared-prefix batch and multi-turn conversation) and their arrivals.
 
 use super::model::{Rng, VOCAB};
-use super::reference::Output;
-use super::serve::{RunConfig, checkpoint_grid};
 use std::collections::VecDeque;
 use unikv::TokenId;
 
@@ -43,6 +41,24 @@ impl Job {
     pub fn finished(&self) -> bool {
         !self.aborted && self.output.tokens.len() == self.max_new
     }
+}
+
+/// What a request produced: its generated tokens and the logits that chose the last one.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Output {
+    /// Generated tokens.
+    pub tokens: Vec<TokenId>,
+    /// The logits of the last step (empty before the first token).
+    pub logits: Vec<f32>,
+}
+
+/// The checkpoint grid the engine asks for at page size `ps`: two pages, at least 16
+/// tokens, at most 256 tokens and at least a page. At page sizes 1 and 16 a grid point
+/// is not on every page, so a prompt's last whole page and its branching point are
+/// states of their own; at 256 the grid is the page, which keeps the prompts (and the
+/// debug-build test) short.
+pub fn checkpoint_grid(ps: u32) -> u32 {
+    (2 * ps).clamp(16, 256).max(ps)
 }
 
 /// When a job enters the admission queue.
@@ -115,13 +131,13 @@ pub(super) fn random_tokens(rng: &mut Rng, n: usize) -> Vec<TokenId> {
     (0..n).map(|_| TokenId(rng.below(VOCAB) as u32)).collect()
 }
 
-/// The jobs of `cfg`'s workload.
-pub(super) fn workload(cfg: &RunConfig, rng: &mut Rng) -> Vec<Job> {
-    let grid = checkpoint_grid(cfg.page_size) as usize;
-    match cfg.workload {
+/// The jobs of `kind` served at page size `page_size`.
+pub(super) fn workload(kind: Workload, page_size: u32, rng: &mut Rng) -> Vec<Job> {
+    let grid = checkpoint_grid(page_size) as usize;
+    match kind {
         Workload::Mixed {
             requests, max_new, ..
-        } => mixed(cfg.page_size, requests, max_new, rng),
+        } => mixed(page_size, requests, max_new, rng),
         Workload::SharedPrefix => shared_prefix(grid, rng),
         Workload::MultiTurn => multi_turn(grid, rng),
         Workload::TurnsAcrossGrid => turns_across_grid(grid, rng),

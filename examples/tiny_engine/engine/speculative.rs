@@ -27,9 +27,11 @@
 
 use super::buffer::{BufferKv, IdKv, load_states, step_table, store_states};
 use super::check::check_resumed_state;
+use super::config::{Fault, Reuse, RunConfig};
 use super::model::{Rng, States, WINDOW, Weights, argmax, forward, zero_states};
-use super::serve::{Fault, Reuse, RunConfig, RunStats, checkpoint_grid, memory_bytes};
-use super::workload::{Job, arrive, workload};
+
+use super::serve::{RunStats, check_reuse, memory_bytes};
+use super::workload::{Job, Output, Workload, arrive, checkpoint_grid, workload};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -237,7 +239,7 @@ pub fn serve_speculative(cfg: &RunConfig, mode: SpecMode) -> Result<(Vec<Job>, S
     let values: TableId = cpu.alloc_table(2 * b + b * width, 0)?;
     let at = |at| DeviceValues { table: values, at };
 
-    let mut jobs = workload(cfg, &mut rng);
+    let mut jobs = workload(cfg.workload, cfg.page_size, &mut rng);
     let mut waiting: Vec<usize> = (0..jobs.len()).collect();
     let mut queue: VecDeque<usize> = VecDeque::new();
     let mut running: Vec<Running> = Vec::new();
@@ -810,4 +812,39 @@ fn verify_forward(
         bonus,
         logits,
     )
+}
+
+/// Checks two speculative runs of `cfg`'s workload (its `reuse` aside), `off` with reuse
+/// off and `on` with reuse on, against each other and `reference`, the plain greedy
+/// decode: [`check_reuse`] for each (the same jobs with bit-identical outputs, equal to
+/// the reference; every resumed state equal to a recompute of its prefix; reuse exactly
+/// when on). On a recurrent model with reuse on, every hit resumed a state, and on
+/// [`Workload::TurnsAcrossGrid`] some of them lie inside an earlier turn's output (a
+/// speculative turn left them), so the check cannot pass on prompt states alone.
+/// Returns the resumed states checked.
+pub fn check_speculative_reuse(
+    cfg: &RunConfig,
+    off: (&[Job], &SpecStats),
+    on: (&[Job], &SpecStats),
+    reference: &[Output],
+) -> Result<u64, String> {
+    let with = |reuse| RunConfig {
+        reuse,
+        ..cfg.clone()
+    };
+    check_reuse(&with(Reuse::Off), off.0, &off.1.served, off.0, reference)
+        .map_err(|d| format!("reuse off: {d}"))?;
+    check_reuse(&with(Reuse::On), on.0, &on.1.served, off.0, reference)
+        .map_err(|d| format!("reuse on: {d}"))?;
+    let stats = on.1;
+    if cfg.model.is_recurrent()
+        && cfg.workload == Workload::TurnsAcrossGrid
+        && stats.resumed_in_output == 0
+    {
+        return Err(format!(
+            "reuse on, but none of {} resumed states lies inside an earlier turn's output",
+            stats.served.resumes_checked
+        ));
+    }
+    Ok(stats.served.resumes_checked)
 }

@@ -5,7 +5,7 @@
 use super::{CheckpointPlan, Checkpoints, HybridCache};
 use crate::error::Error;
 use crate::request::Request;
-use crate::spec::{Accepted, Draft, PendingVerify};
+use crate::speculative::{Accepted, Draft, PendingVerify};
 use unikv_pools::{ExtendRequest, FreeOp, PageDemand, VirtualSlot};
 
 impl HybridCache {
@@ -295,30 +295,5 @@ impl HybridCache {
             self.alloc.free_batch(&[FreeOp::Slots(plan.fresh_slots())]);
             Error::from(e)
         })
-    }
-
-    /// Releases the SWA of every request of the batch that left the window of its settled
-    /// rows, in one allocator call (every segment checked before any page is freed).
-    pub(super) fn release_batch_windows(
-        &mut self,
-        batch: &mut [&mut Request],
-    ) -> Result<(), Error> {
-        let released: Vec<(usize, std::ops::Range<usize>)> = batch
-            .iter()
-            .enumerate()
-            .filter_map(|(i, req)| self.out_of_window(req).map(|rows| (i, rows)))
-            .collect();
-        if released.is_empty() {
-            return Ok(());
-        }
-        let segments: Vec<unikv_pools::Segment<'_>> = released
-            .iter()
-            .map(|(i, rows)| unikv_pools::Segment::of_row(&batch[*i].row, rows.clone()))
-            .collect();
-        self.alloc.free_swa_segments(&segments)?;
-        for (i, rows) in released {
-            self.window_released(batch[i], rows.end)?;
-        }
-        Ok(())
     }
 }
