@@ -3,7 +3,7 @@
 //! - `cargo xtask test` — the whole test matrix: features {default, cuda} ×
 //!   `UNIKV_INVARIANT_CHECK` {off, warn, strict} × `UNIKV_TEST_PAGE_SIZE` {1, 16, 256}
 //!   under nextest, then the doctests; prints a table of cells.
-//! - `cargo xtask ci` — what CI runs: fmt check, clippy `-D warnings` (both feature
+//! - `cargo xtask ci` — what CI runs: fmt check, the module-cycle check, clippy `-D warnings` (both feature
 //!   sets), rustdoc with warnings denied, the NVRTC compile check of every `.cu`, the
 //!   test matrix, the loom models and a CI-sized run of the simulator.
 //! - `cargo xtask gpu` — the one script to run on a GPU machine: driver and NVRTC
@@ -20,10 +20,13 @@
 //! - `cargo xtask bench-scale [ARGS]` — the scaling table (`unikv bench-scale`, release):
 //!   by default random-2048-512 at page size 1 on the unified layout, bookkeeping only,
 //!   at 1×, 4× and 16× the pool and the requests; ARGS replace those defaults.
+//! - `cargo xtask cycles` — fails when sibling modules of a crate depend on each other
+//!   (directly or through a chain), naming the references that close each cycle.
 //! - `cargo xtask nvrtc` — installs libnvrtc (from PyPI) under `target/nvrtc` and
 //!   compile-checks every kernel.
 
 mod cmd;
+mod cycles;
 mod nvrtc;
 mod tasks;
 
@@ -41,6 +44,7 @@ fn main() -> ExitCode {
         Some("sim") => tasks::sim(&args[1..]),
         Some("mutants") => tasks::mutants(&args[1..]),
         Some("nvrtc") => tasks::nvrtc_check(),
+        Some("cycles") => cycles::cycles(),
         Some("help" | "--help" | "-h") | None => {
             println!("{}", USAGE);
             Ok(())
@@ -61,7 +65,7 @@ const USAGE: &str = "usage: cargo xtask <task>
 tasks:
   test [--quick]   the test matrix (features x invariant levels x page sizes), then doctests;
                    --quick runs only the default-feature cells
-  ci               fmt, clippy, rustdoc, NVRTC check, the test matrix, loom models,
+  ci               fmt, module cycles, clippy, rustdoc, NVRTC check, the test matrix, loom models,
                    the simulator over CI_SIM_SEEDS seeds
   sim [--seeds N] [--first S | --seed S]
                    the deterministic simulator with faults: N seeds (default 10000) from
@@ -76,4 +80,5 @@ tasks:
                    tokens/s and step times at 1x, 4x, 16x the pool and the requests
                    (unikv bench-scale; ARGS replace the default random-2048-512, page
                    size 1, unified, --device none, --invariants off)
+  cycles           fail on modules of a crate that depend on each other (std-only scan)
   nvrtc            install libnvrtc under target/nvrtc and compile every kernel";

@@ -189,6 +189,7 @@ pub fn mutants(args: &[String]) -> Result<(), String> {
 pub fn ci() -> Result<(), String> {
     let started = Instant::now();
     Cmd::cargo(&["fmt", "--all", "--", "--check"]).run()?;
+    crate::cycles::cycles()?;
     for (_, feature_args) in FEATURE_SETS {
         Cmd::cargo(&["clippy", "--workspace", "--all-targets", "--locked"])
             .args(feature_args)
