@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::QWEN3_NEXT_SCALED_STATE;
+use common::{LAYOUTS, QWEN3_NEXT_SCALED_STATE, prefilled};
 use divan::Bencher;
 use unikv::{HybridCache, Layout, ModelSpec, Request, TokenId};
 
@@ -46,29 +46,9 @@ fn decoding_model(model: ModelSpec, layout: Layout, page_size: u32) -> (HybridCa
         .layout(layout)
         .build()
         .expect("the cache builds");
-    let mut requests = Vec::with_capacity(BATCH);
-    for r in 0..BATCH as u32 {
-        let prompt: Vec<TokenId> = (0..prompt_len as u32)
-            .map(|t| TokenId(r * 1_000_000 + t))
-            .collect();
-        let hit = cache.match_prefix(prompt);
-        let mut req = cache.admit(hit).expect("admitted");
-        cache.alloc_extend(&mut req, prompt_len).expect("prefilled");
-        requests.push(req);
-    }
-    cache.step_boundary().expect("a clean step");
+    let requests = prefilled(&mut cache, BATCH, prompt_len, prompt_len);
     (cache, requests)
 }
-
-const LAYOUTS: [(&str, Layout); 2] = [
-    (
-        "static",
-        Layout::Static {
-            swa_full_tokens_ratio: 0.8,
-        },
-    ),
-    ("unified", Layout::Unified),
-];
 
 /// One decode step of `BATCH` requests of `model`: `alloc_decode` for the batch (with
 /// each request's window release and checkpoint bookkeeping) and the step boundary

@@ -14,7 +14,7 @@
 
 mod common;
 
-use common::QWEN3_NEXT_SCALED_STATE;
+use common::{LAYOUTS, QWEN3_NEXT_SCALED_STATE, median, prefilled};
 use std::sync::Arc;
 use std::time::Duration;
 use unikv::invariants::{Level, scoped_level};
@@ -37,11 +37,6 @@ struct Cell {
     meta: Duration,
     boundary: Duration,
     host_meta: Duration,
-}
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort_unstable();
-    v[v.len() / 2]
 }
 
 fn timed<R>(f: impl FnOnce() -> R) -> (R, Duration) {
@@ -78,22 +73,7 @@ fn decoding(model: ModelSpec, layout: Layout, ps: u32, ctx: usize) -> (HybridCac
             max_new_tokens: BATCH,
         })
         .expect("lanes reserved");
-    let mut requests = Vec::with_capacity(BATCH);
-    for r in 0..BATCH as u32 {
-        let prompt: Vec<TokenId> = (0..ctx as u32)
-            .map(|t| TokenId(r * 1_000_000 + t))
-            .collect();
-        let hit = cache.match_prefix(prompt);
-        let mut req = cache.admit(hit).expect("admitted");
-        while req.remaining_prefill() > 0 {
-            let chunk = req.remaining_prefill().min(CHUNK);
-            if let Err(e) = cache.alloc_extend(&mut req, chunk) {
-                panic!("{} {layout:?} ps {ps} ctx {ctx}: prefill: {e}", model.name);
-            }
-            cache.step_boundary().expect("a clean step");
-        }
-        requests.push(req);
-    }
+    let requests = prefilled(&mut cache, BATCH, ctx, CHUNK);
     (cache, requests)
 }
 
@@ -192,15 +172,6 @@ fn main() {
             "--level {l}: off or strict"
         );
     }
-    let layouts = [
-        (
-            "static",
-            Layout::Static {
-                swa_full_tokens_ratio: 0.8,
-            },
-        ),
-        ("unified", Layout::Unified),
-    ];
     for level in [Level::Off, Level::Strict] {
         if only_level.as_ref().is_some_and(|l| *l != level.to_string()) {
             continue;
@@ -221,7 +192,7 @@ fn main() {
             {
                 continue;
             }
-            for (name, layout) in layouts {
+            for (name, layout) in LAYOUTS {
                 for ps in [1, 16, 256] {
                     if only_ps.is_some_and(|p| p != ps) {
                         continue;

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::QWEN3_NEXT_SCALED_STATE;
+use common::{LAYOUTS, QWEN3_NEXT_SCALED_STATE, median, prefilled};
 use std::time::Duration;
 use unikv::kernels::thread_cpu_time;
 use unikv::{
@@ -24,15 +24,6 @@ const WARMUP: usize = 10;
 const STEPS: usize = 100;
 
 fn main() {
-    let layouts = [
-        (
-            "static",
-            Layout::Static {
-                swa_full_tokens_ratio: 0.8,
-            },
-        ),
-        ("unified", Layout::Unified),
-    ];
     println!(
         "{:<36} {:>8} {:>4} {:>12} {:>12} {:>7}",
         "model", "layout", "ps", "decode µs", "verify µs", "ratio"
@@ -41,7 +32,7 @@ fn main() {
         (ModelSpec::GPT_OSS_20B, [1u32, 256]),
         (QWEN3_NEXT_SCALED_STATE, [1, 64]),
     ] {
-        for (name, layout) in layouts {
+        for (name, layout) in LAYOUTS {
             for ps in sizes {
                 let decode = median(decode_steps(model, layout, ps));
                 let verify = median(verify_steps(model, layout, ps));
@@ -59,11 +50,6 @@ fn main() {
     }
 }
 
-fn median(mut samples: Vec<Duration>) -> Duration {
-    samples.sort_unstable();
-    samples[samples.len() / 2]
-}
-
 /// A cache with `BATCH` requests past prefill.
 fn decoding(model: ModelSpec, layout: Layout, ps: u32) -> (HybridCache, Vec<Request>) {
     let mut cache = HybridCache::builder()
@@ -74,17 +60,7 @@ fn decoding(model: ModelSpec, layout: Layout, ps: u32) -> (HybridCache, Vec<Requ
         .speculation(Speculation::chain(K as u32))
         .build()
         .expect("the cache builds");
-    let mut requests = Vec::with_capacity(BATCH);
-    for r in 0..BATCH as u32 {
-        let prompt: Vec<TokenId> = (0..PROMPT as u32)
-            .map(|t| TokenId(r * 1_000_000 + t))
-            .collect();
-        let hit = cache.match_prefix(prompt);
-        let mut req = cache.admit(hit).expect("admitted");
-        cache.alloc_extend(&mut req, PROMPT).expect("prefilled");
-        requests.push(req);
-    }
-    cache.step_boundary().expect("a clean step");
+    let requests = prefilled(&mut cache, BATCH, PROMPT, PROMPT);
     (cache, requests)
 }
 
