@@ -208,9 +208,12 @@ pub fn replay(args: &ReplayArgs, out: &mut dyn Write) -> Result<Outcome, CliErro
 
 /// `unikv bench-ops FILE`: replays a recorded operation trace against a fresh allocator.
 ///
-/// Reads the trace once, then at each level replays it `passes` times, each against a
+/// Reads the trace once and checks it ([`unikv_ops::bench::check`]: one untimed replay
+/// at level strict, so an illegal free is the trace's error on its line, whatever level
+/// the passes run at), then at each level replays it `passes` times, each against a
 /// fresh allocator, and prints the ops/s and tokens/s per op kind of the pass whose total
-/// time is the median (a table, or one JSON object with `--json`). A speculative trace's
+/// time is the median (a table, or one JSON object, schema [`unikv_ops::bench::SCHEMA`],
+/// with `--json`). A speculative trace's
 /// `verify` and `settle` lines are kinds of their own: the time of the allocator calls
 /// each made, so the table's time per call is the allocator's time per verify step and
 /// per settlement. A single pass is
@@ -218,6 +221,7 @@ pub fn replay(args: &ReplayArgs, out: &mut dyn Write) -> Result<Outcome, CliErro
 /// runs in, and robust to a preempted pass on a shared machine.
 pub fn bench_ops(args: &BenchOpsArgs, out: &mut dyn Write) -> Result<(), CliError> {
     let trace = unikv_ops::load::load(&args.file)?;
+    unikv_ops::bench::check(&trace, args.backend.ledger())?;
     let mut results = Vec::new();
     for &level in &args.levels {
         let mut passes = (0..args.passes.max(1))
@@ -233,10 +237,18 @@ pub fn bench_ops(args: &BenchOpsArgs, out: &mut dyn Write) -> Result<(), CliErro
     }
     let write = CliError::Output;
     if args.json {
-        let json: BTreeMap<&str, &BTreeMap<&str, unikv_ops::bench::OpThroughput>> = results
+        let levels: BTreeMap<&str, &BTreeMap<&str, unikv_ops::bench::OpThroughput>> = results
             .iter()
             .map(|(level, r)| (level.as_str(), r))
             .collect();
+        let json = serde_json::json!({
+            "schema": unikv_ops::bench::SCHEMA,
+            "file": args.file.display().to_string(),
+            "operations": trace.ops.len(),
+            "passes": args.passes.max(1),
+            "device": args.backend.as_str(),
+            "levels": levels,
+        });
         let text = serde_json::to_string_pretty(&json)?;
         writeln!(out, "{text}").map_err(write)?;
         return out.flush().map_err(write);

@@ -735,7 +735,7 @@ fn a_recorded_mamba_hybrid_trace_reruns_under_bench_ops() {
         for level in ["off", "strict"] {
             // Every slot the run allocated is allocated again, the same slots (a replay
             // that diverges is an error), and freed again.
-            let calls = |op: &str| doc[level][op]["calls"].as_u64().unwrap_or(0);
+            let calls = |op: &str| doc["levels"][level][op]["calls"].as_u64().unwrap_or(0);
             assert_eq!(
                 calls("alloc_slots") as usize,
                 trace.matches("\"op\":\"alloc_slots\"").count(),
@@ -797,7 +797,7 @@ fn a_real_budget_runs_bookkeeping_only_on_device_none() {
         ]);
         assert_eq!(status, Some(0), "{device}: {stderr}");
         let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
-        doc["strict"]["all"]["calls"].as_u64().unwrap()
+        doc["levels"]["strict"]["all"]["calls"].as_u64().unwrap()
     };
     assert_eq!(calls("cpu"), calls("none"));
     let _ = std::fs::remove_dir_all(&dir);
@@ -1081,12 +1081,15 @@ fn a_recorded_speculative_trace_reruns_under_bench_ops() {
         let bench: serde_json::Value = serde_json::from_str(&table).unwrap();
         for level in ["off", "strict"] {
             assert_eq!(
-                bench[level]["settle"]["calls"].as_u64().unwrap() as usize,
+                bench["levels"][level]["settle"]["calls"].as_u64().unwrap() as usize,
                 settles,
                 "{model} {level}: {table}"
             );
-            assert_eq!(bench[level]["settle"]["tokens"].as_u64().unwrap(), accepted);
-            assert!(bench[level]["verify"]["calls"].as_u64().unwrap() > 0);
+            assert_eq!(
+                bench["levels"][level]["settle"]["tokens"].as_u64().unwrap(),
+                accepted
+            );
+            assert!(bench["levels"][level]["verify"]["calls"].as_u64().unwrap() > 0);
         }
         let (status, text, _) = unikv(&["bench-ops", ops.to_str().unwrap(), "--passes", "1"]);
         assert_eq!(status, Some(0));
@@ -1350,5 +1353,88 @@ fn an_output_never_overwrites_an_input() {
             assert_eq!(std::fs::read_to_string(&trace).unwrap(), content);
         }
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A trace whose frees the allocator can only contain (it skips the page and records a
+/// breach, so a pass at level off would time it and exit 0) is the typed error
+/// docs/ops-trace.md promises, on its line, at every level the passes run at.
+#[test]
+fn an_illegal_free_in_an_ops_trace_is_its_typed_error() {
+    let dir = scratch("illegal-frees");
+    let header = r#"{"op":"header","schema":"unikv.ops.v1","layout":"unified","model":"gpt-oss-20b","page_size":4,"memory_bytes":1073741824,"swa_full_ratio":0.8}"#;
+    let alloc = r#"{"op":"alloc_extend","requests":[{"prefix_len":0,"seq_len":8,"last_token":null}],"out":[[4,8]]}"#;
+    let free = r#"{"op":"free","ids":[[4,8]]}"#;
+    for (name, lines, needle) in [
+        (
+            "twice",
+            vec![alloc, free, free],
+            "twice.jsonl:4: free: the allocator refused it: invariant violations at level \
+             strict: pool.double_free (fatal-containable) ×2: two-sided free of virtual page 2, \
+             which is not live on FULL",
+        ),
+        (
+            "twice-in-a-group",
+            vec![r#"{"op":"group_begin"}"#, alloc, free, free],
+            "twice-in-a-group.jsonl:5: free: the allocator refused it: invariant violations \
+             at level strict: pool.one_free_per_page_per_group (guard) ×2: virtual page 2 is \
+             freed twice in one free group",
+        ),
+        (
+            "sink",
+            vec![r#"{"op":"free","ids":[[0,4]]}"#],
+            "sink.jsonl:2: free: the allocator refused it: invariant violations at level \
+             strict: pool.sink_reserved (fatal-containable) ×1: two-sided free: the sink page \
+             was handed to a free",
+        ),
+        (
+            "never-allocated",
+            vec![r#"{"op":"free_segment","start":0,"ids":[[400,4]]}"#],
+            "never-allocated.jsonl:2: free_segment: the allocator refused it: invariant \
+             violations at level strict: pool.double_free (fatal-containable) ×1: two-sided \
+             free of virtual page 100, which is not live on FULL",
+        ),
+    ] {
+        let path = dir.join(format!("{name}.jsonl"));
+        std::fs::write(&path, format!("{header}\n{}\n", lines.join("\n"))).unwrap();
+        for level in ["off", "strict"] {
+            assert_one_line_error(
+                &["bench-ops", path.to_str().unwrap(), "--invariants", level],
+                needle,
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--passes` is bounded, the limit in the message; the JSON carries its schema.
+#[test]
+fn bench_ops_passes_are_bounded_and_its_json_has_a_schema() {
+    assert_one_line_error(
+        &["bench-ops", "ops.jsonl", "--passes", "1000000000"],
+        "expected a whole number of passes, at least 1 and at most 1,000",
+    );
+    let dir = scratch("bench-ops-json");
+    let ops = dir.join("ops.jsonl");
+    let mut args = SMOKE.to_vec();
+    args.extend(["--record-ops", ops.to_str().unwrap()]);
+    let (status, _, stderr) = unikv(&args);
+    assert_eq!(status, Some(0), "{stderr}");
+    let (status, stdout, stderr) = unikv(&[
+        "bench-ops",
+        ops.to_str().unwrap(),
+        "--json",
+        "--passes",
+        "1",
+    ]);
+    assert_eq!(status, Some(0), "{stderr}");
+    let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(doc["schema"], "unikv.bench-ops.v1");
+    assert_eq!((&doc["passes"], &doc["device"]), (&1.into(), &"cpu".into()));
+    assert!(doc["operations"].as_u64().unwrap() > 0, "{doc}");
+    assert!(
+        doc["levels"]["off"]["all"]["calls"].as_u64().unwrap() > 0,
+        "{doc}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
