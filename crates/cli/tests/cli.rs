@@ -1438,3 +1438,36 @@ fn bench_ops_passes_are_bounded_and_its_json_has_a_schema() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A budget whose grids would pass the kernels' i32 ids names the largest budget that
+/// fits, exactly: that one runs, one byte more does not.
+#[test]
+fn a_budget_past_the_kernel_id_range_names_the_largest_that_fits() {
+    let run = |memory: &str| {
+        unikv(&[
+            "replay",
+            "--workload",
+            "smoke",
+            "--page-size",
+            "1",
+            "--layout",
+            "unified",
+            "--device",
+            "none",
+            "--no-timing",
+            "--memory",
+            memory,
+        ])
+    };
+    let largest = "(a budget of at most 2199023271935 bytes keeps every side's ids in range)";
+    for too_large in ["4TiB", "2199023271936"] {
+        let (status, _, stderr) = run(too_large);
+        assert_eq!(status, Some(2), "{stderr}");
+        assert!(
+            stderr.contains("do not fit kernel ids in i32") && stderr.contains(largest),
+            "{stderr}"
+        );
+    }
+    let (status, _, stderr) = run("2199023271935");
+    assert_eq!(status, Some(0), "{stderr}");
+}
