@@ -324,7 +324,6 @@ mod tests {
         let kv = SubPoolSpec::mha("full", 1, 1, 1, 1);
         let ps = PageSize::new(1).unwrap();
         // The largest budget a layout names is the least over its sides.
-        let kv = SubPoolSpec::mha("full", 1, 1, 1, 1);
         let ps4 = PageSize::new(4).unwrap();
         let largest = largest_total(&[&kv], Some(&slots), ps4);
         assert_eq!(
