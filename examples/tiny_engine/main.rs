@@ -44,12 +44,34 @@ const LAYOUTS: [Layout; 2] = [
 ];
 
 /// Runs every cell, prints its row, and the verdict.
+/// What `tiny_engine --help` prints.
+const HELP: &str = "\
+tiny_engine: a tiny hybrid decoder served through unikv against a contiguous-K/V
+reference, for page sizes 1, 16 and 256, static and unified; exit status 0 when every
+output is identical and every resumed state equals its recompute, 1 otherwise, 2 on
+bad arguments.
+
+Usage: cargo run --release --example tiny_engine [-- --spec K]
+
+Options:
+  --spec K    decode speculatively: a draft model proposes chains of K tokens (1 to 8)
+              and a draft tree, the target verifies them through unikv's verify metadata
+  -h, --help  print this help
+
+Environment:
+  UNIKV_INVARIANT_CHECK   off|warn|strict|0|1|2";
+
 fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    // The help first, whatever the environment holds: it says what it should hold.
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!("{HELP}");
+        return;
+    }
     if let Err(e) = unikv::init() {
         eprintln!("tiny_engine: {e}");
         std::process::exit(2);
     }
-    let args: Vec<String> = std::env::args().skip(1).collect();
     let all_identical = match args.as_slice() {
         [] => plain(),
         [flag, k] if flag == "--spec" => match k.parse::<usize>() {
@@ -71,7 +93,7 @@ fn main() {
 
 /// The usage line and status 2.
 fn usage(error: &str) -> ! {
-    eprintln!("tiny_engine: {error}\nusage: tiny_engine [--spec K]");
+    eprintln!("tiny_engine: {error}\nusage: tiny_engine [--spec K] (try `tiny_engine --help`)");
     std::process::exit(2);
 }
 

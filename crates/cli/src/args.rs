@@ -24,7 +24,7 @@ use unikv_invariants::Level;
 use unikv_replay::scale::BenchScaleArgs;
 use unikv_replay::{Backend, Layout, ReplayOptions, SpecMode};
 use unikv_workload::Preset;
-use unikv_workload::units::MAX_PAGE_SIZE;
+use unikv_workload::units::{MAX_PAGE_SIZE, group_digits};
 
 /// The command line of `unikv`.
 #[derive(Debug, Parser)]
@@ -32,12 +32,13 @@ use unikv_workload::units::MAX_PAGE_SIZE;
     name = "unikv",
     about = "unikv: GPU memory for hybrid LLMs (FULL, SWA and Mamba state in one buffer), on the CPU",
     after_help = help::MAIN_AFTER,
-    disable_version_flag = true
+    version,
+    arg_required_else_help = true
 )]
 pub struct Cli {
-    /// The command; without one, the help is printed.
+    /// The command; without one, the help is printed on stderr with status 2.
     #[command(subcommand)]
-    pub command: Option<CommandCli>,
+    pub command: CommandCli,
 }
 
 /// The subcommands.
@@ -62,17 +63,19 @@ pub enum CommandCli {
     Sim(SimCli),
 }
 
-/// `unikv replay`'s options (also `bench-scale`'s).
+/// What runs: the options `unikv replay` and `unikv bench-scale` share (the workloads,
+/// the model, the cache, speculation and the ops recording).
 #[derive(Clone, Debug, Args)]
-pub struct ReplayCli {
+pub struct RunCli {
     /// A preset to run; repeatable; `all` = the five defaults, and mamba-starvation too for
     /// a model with recurrent state [default: all, or none when --trace is given]
     #[arg(long = "workload", value_name = "NAME[,NAME]", value_parser = parse_workloads)]
     pub workloads: Vec<WorkloadList>,
-    /// Also run the requests of a JSON Lines trace (format below)
+    /// Also run the requests of a JSON Lines trace (its format: `unikv replay --help`)
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
-    /// The model's KV shapes; K=V pairs change its geometry (keys below)
+    /// The model's KV shapes; K=V pairs change its geometry (models and keys: `unikv
+    /// replay --help`)
     #[arg(
         long,
         value_name = "NAME[:K=V,...]",
@@ -102,16 +105,6 @@ pub struct ReplayCli {
     /// off|warn|strict (or 0|1|2)
     #[arg(long, value_name = "LEVEL", default_value = "strict", value_parser = parse_level)]
     pub invariants: Level,
-    /// Print one JSON object instead of the table
-    #[arg(long)]
-    pub json: bool,
-    /// Leave out CPU time per step (the one measurement that varies between runs), for
-    /// byte-identical output
-    #[arg(long = "no-timing")]
-    pub no_timing: bool,
-    /// Write one SVG per run: each sub-pool's bytes over steps
-    #[arg(long, value_name = "DIR")]
-    pub svg: Option<PathBuf>,
     /// Record every allocator operation of the run (JSON Lines, for `unikv bench-ops`);
     /// needs exactly one run
     #[arg(long = "record-ops", value_name = "FILE")]
@@ -141,6 +134,24 @@ pub struct ReplayCli {
     pub spec_late: bool,
 }
 
+/// `unikv replay`'s options: what runs, and the report's outputs.
+#[derive(Clone, Debug, Args)]
+pub struct ReplayCli {
+    /// What runs.
+    #[command(flatten)]
+    pub run: RunCli,
+    /// Print one JSON object instead of the table
+    #[arg(long)]
+    pub json: bool,
+    /// Leave out CPU time per step (the one measurement that varies between runs), for
+    /// byte-identical output
+    #[arg(long = "no-timing")]
+    pub no_timing: bool,
+    /// Write one SVG per run: each sub-pool's bytes over steps
+    #[arg(long, value_name = "DIR")]
+    pub svg: Option<PathBuf>,
+}
+
 /// `unikv bench-ops`'s arguments.
 #[derive(Clone, Debug, Args)]
 pub struct BenchOpsCli {
@@ -155,8 +166,8 @@ pub struct BenchOpsCli {
     /// no bytes kept)
     #[arg(long, value_name = "D", default_value = "cpu", value_parser = parse_backend)]
     pub device: Backend,
-    /// Replays per level, each against a fresh allocator; the pass with the median total
-    /// time is reported
+    /// Replays per level (1 to 1,000), each against a fresh allocator; the pass with the
+    /// median total time is reported
     #[arg(long, value_name = "N", default_value = "5", value_parser = parse_passes)]
     pub passes: usize,
     /// Print one JSON object instead of the table
@@ -164,7 +175,9 @@ pub struct BenchOpsCli {
     pub json: bool,
 }
 
-/// `unikv bench-scale`'s arguments: the scales and the replay's options.
+/// `unikv bench-scale`'s arguments: the scales, what one scale-1 run is (the replay's
+/// options but its outputs: the table times every run, so there is no `--no-timing`,
+/// and it draws no plot, so there is no `--svg`) and `--json`.
 #[derive(Clone, Debug, Args)]
 pub struct BenchScaleCli {
     /// The scales K, each from 1 to 256; repeatable
@@ -172,7 +185,10 @@ pub struct BenchScaleCli {
     pub scales: Vec<Scales>,
     /// What one scale-1 run is.
     #[command(flatten)]
-    pub replay: ReplayCli,
+    pub run: RunCli,
+    /// Print one JSON object (schema unikv.bench-scale.v1) instead of the tables
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `unikv sim`'s arguments.
@@ -192,8 +208,6 @@ pub struct SimCli {
 /// A parsed command.
 #[derive(Debug)]
 pub enum Command {
-    /// Print the main help and exit successfully (no command given).
-    Help,
     /// `unikv replay`.
     Replay(ReplayArgs),
     /// `unikv bench-ops FILE`.
@@ -237,14 +251,10 @@ impl Cli {
     /// The command these arguments give, with the rules that span options checked.
     pub fn into_command(self) -> Result<Command, CliError> {
         Ok(match self.command {
-            None => Command::Help,
-            Some(CommandCli::Replay(replay)) => Command::Replay(replay.resolve()?),
-            Some(CommandCli::BenchOps(b)) => Command::BenchOps(b.resolve()),
-            Some(CommandCli::BenchScale(b)) => Command::BenchScale(BenchScaleArgs {
-                scales: union(b.scales.into_iter().map(|s| s.0)),
-                replay: b.replay.resolve()?.options,
-            }),
-            Some(CommandCli::Sim(sim)) => Command::Sim(sim.resolve()),
+            CommandCli::Replay(replay) => Command::Replay(replay.resolve()?),
+            CommandCli::BenchOps(b) => Command::BenchOps(b.resolve()),
+            CommandCli::BenchScale(b) => Command::BenchScale(b.resolve()?),
+            CommandCli::Sim(sim) => Command::Sim(sim.resolve()?),
         })
     }
 }
@@ -265,6 +275,43 @@ impl ReplayCli {
     /// that span options checked (a workload that needs recurrent state, `--record-ops`
     /// with one run).
     pub fn resolve(self) -> Result<ReplayArgs, CliError> {
+        let options = self.run.resolve(!self.no_timing)?;
+        if options.record_ops.is_some() && options.runs() != 1 {
+            return Err(CliError::RecordOpsNeedsOneRun {
+                runs: options.runs(),
+            });
+        }
+        Ok(ReplayArgs {
+            options,
+            json: self.json,
+            svg_dir: self.svg,
+        })
+    }
+}
+
+impl BenchScaleCli {
+    /// The resolved options: the runs at every scale, always timed; `--record-ops` only
+    /// when the runs and the scales make one run (one file records one run: recording
+    /// each into the same file would keep only the last).
+    pub fn resolve(self) -> Result<BenchScaleArgs, CliError> {
+        let replay = self.run.resolve(true)?;
+        let scales = union(self.scales.into_iter().map(|s| s.0));
+        let runs = replay.runs().saturating_mul(scales.len());
+        if replay.record_ops.is_some() && runs != 1 {
+            return Err(CliError::ScaleRecordOpsNeedsOneRun { runs });
+        }
+        Ok(BenchScaleArgs {
+            replay,
+            scales,
+            json: self.json,
+        })
+    }
+}
+
+impl RunCli {
+    /// What runs: `all` expanded for the model, lists merged, the workload that needs
+    /// recurrent state and `--spec-late` alone refused; `timing` as the command has it.
+    pub fn resolve(self, timing: bool) -> Result<ReplayOptions, CliError> {
         let model = self.model;
         let mut items: Vec<Option<Preset>> = self.workloads.into_iter().flat_map(|w| w.0).collect();
         if items.is_empty() && self.trace.is_none() {
@@ -301,21 +348,12 @@ impl ReplayCli {
             layouts: self.layout.0,
             seed: self.seed,
             invariant_level: self.invariants,
-            timing: !self.no_timing,
+            timing,
             record_ops: self.record_ops,
             backend: self.device,
             speculation,
         };
-        if options.record_ops.is_some() && options.runs() != 1 {
-            return Err(CliError::RecordOpsNeedsOneRun {
-                runs: options.runs(),
-            });
-        }
-        Ok(ReplayArgs {
-            options,
-            json: self.json,
-            svg_dir: self.svg,
-        })
+        Ok(options)
     }
 }
 
@@ -337,18 +375,14 @@ impl BenchOpsCli {
 }
 
 impl SimCli {
-    /// The seeds to run: `--seed` alone, or the range of `--first` and `--seeds`.
-    pub fn resolve(self) -> SimArgs {
-        match self.seed {
-            Some(seed) => SimArgs {
-                first: seed,
-                seeds: 1,
-            },
-            None => SimArgs {
-                first: self.first,
-                seeds: self.seeds,
-            },
-        }
+    /// The seeds to run: `--seed` alone, or the range of `--first` and `--seeds`, which
+    /// must hold a seed and end at `u64::MAX` at the latest.
+    pub fn resolve(self) -> Result<SimArgs, CliError> {
+        let (first, seeds) = match self.seed {
+            Some(seed) => (seed, 1),
+            None => (self.first, self.seeds),
+        };
+        Ok(SimArgs::new(first, seeds)?)
     }
 }
 
@@ -463,13 +497,23 @@ fn parse_seed(value: &str) -> Result<u64, String> {
         .map_err(|_| "expected an integer from 0 to 2^64-1".to_string())
 }
 
+/// The most passes `bench-ops --passes` takes: each pass replays the whole trace (up to
+/// 2^24 operations) at every level, so a thousand is already minutes of a large trace;
+/// a larger number is a typo, not a measurement.
+pub const MAX_PASSES: usize = 1_000;
+
 fn parse_passes(value: &str) -> Result<usize, String> {
     value
         .trim()
         .parse::<usize>()
         .ok()
-        .filter(|&n| n > 0)
-        .ok_or_else(|| "expected a whole number of passes, at least 1".to_string())
+        .filter(|n| (1..=MAX_PASSES).contains(n))
+        .ok_or_else(|| {
+            format!(
+                "expected a whole number of passes, at least 1 and at most {}",
+                group_digits(MAX_PASSES as u64)
+            )
+        })
 }
 
 fn parse_level(value: &str) -> Result<Level, String> {
@@ -515,9 +559,11 @@ pub fn recurrent_models() -> impl Iterator<Item = ModelSpec> {
 }
 
 /// clap's error as one line: its first paragraph (without clap's `error: ` and its tips,
-/// usage and pointer to `--help`), its lines joined, and a pointer to the help of the
+/// usage and pointer to `--help`), its lines joined, what clap suggests for a misspelt
+/// command or option (`did you mean 'replay'?`), and a pointer to the help of the
 /// command `args` named (`unikv replay --help`), or the main help.
 pub fn one_line(err: &clap::Error, args: &[std::ffi::OsString]) -> String {
+    use clap::error::{ContextKind, ContextValue};
     let text = err.to_string();
     let text = text.strip_prefix("error: ").unwrap_or(&text);
     let first: Vec<&str> = text
@@ -533,7 +579,22 @@ pub fn one_line(err: &clap::Error, args: &[std::ffi::OsString]) -> String {
         Some(command) => format!("unikv {command} --help"),
         None => "unikv --help".to_string(),
     };
-    format!("{} (try `{help}`)", first.join(" "))
+    let suggested: Vec<String> = [ContextKind::SuggestedSubcommand, ContextKind::SuggestedArg]
+        .into_iter()
+        .filter_map(|kind| err.get(kind))
+        .flat_map(|value| match value {
+            ContextValue::String(s) => vec![s.clone()],
+            ContextValue::Strings(v) => v.clone(),
+            _ => Vec::new(),
+        })
+        .collect();
+    let hint = if suggested.is_empty() {
+        String::new()
+    } else {
+        let names: Vec<String> = suggested.iter().map(|s| format!("'{s}'")).collect();
+        format!("did you mean {}? ", names.join(" or "))
+    };
+    format!("{} ({hint}try `{help}`)", first.join(" "))
 }
 
 #[cfg(test)]
@@ -895,6 +956,21 @@ mod tests {
         }
         let err = sim(&["sim", "--seeds", "x"]).unwrap_err();
         assert!(err.contains("--seeds"), "{err}");
+        // Every seed of the range exists: none past u64::MAX, and at least one.
+        assert_eq!(
+            sim(&["sim", "--seed", "18446744073709551615"]),
+            Ok(SimArgs {
+                first: u64::MAX,
+                seeds: 1
+            })
+        );
+        let err = sim(&["sim", "--first", "18446744073709551613", "--seeds", "5"]).unwrap_err();
+        assert!(
+            err.contains("goes past the last seed 18446744073709551615 (at most 3 seeds"),
+            "{err}"
+        );
+        let err = sim(&["sim", "--seeds", "0"]).unwrap_err();
+        assert!(err.contains("runs no seed"), "{err}");
     }
 
     #[test]
@@ -923,10 +999,16 @@ mod tests {
             bench(&["bench-ops", "f", "--passes", "3"]).unwrap().passes,
             3
         );
-        for bad in ["0", "x"] {
+        for bad in ["0", "x", "1001", "1000000000"] {
             let err = bench(&["bench-ops", "f", "--passes", bad]).unwrap_err();
-            assert!(err.contains("at least 1"), "{err}");
+            assert!(err.contains("at least 1 and at most 1,000"), "{err}");
         }
+        assert_eq!(
+            bench(&["bench-ops", "f", "--passes", "1000"])
+                .unwrap()
+                .passes,
+            1_000
+        );
         assert!(bench(&["bench-ops"]).unwrap_err().contains("<FILE>"));
         assert!(bench(&["bench-ops", "a", "b"]).is_err());
         assert!(bench(&["bench-ops", "a", "--seed", "1"]).is_err());
@@ -950,6 +1032,10 @@ mod tests {
         assert_eq!(b.scales, [2, 1]);
         assert_eq!(b.replay.workloads, [Preset::Smoke]);
         assert_eq!(b.replay.backend, Backend::None);
+        assert!(
+            b.replay.timing && !b.json,
+            "bench-scale always times its runs"
+        );
         let Command::BenchScale(b) = parse(&["bench-scale"]).unwrap() else {
             panic!("not bench-scale")
         };
@@ -958,6 +1044,45 @@ mod tests {
             let err = parse(&["bench-scale", "--scales", bad]).unwrap_err();
             assert!(err.contains("--scales"), "{err}");
         }
+        // The replay's outputs it does not honour are not options of bench-scale.
+        for flag in [&["--svg", "plots"][..], &["--no-timing"]] {
+            let mut args = vec!["bench-scale"];
+            args.extend_from_slice(flag);
+            let err = parse(&args).unwrap_err();
+            assert!(
+                err.starts_with(&format!("unexpected argument '{}' found", flag[0])),
+                "{err}"
+            );
+        }
+        let Command::BenchScale(b) = parse(&["bench-scale", "--json"]).unwrap() else {
+            panic!("not bench-scale")
+        };
+        assert!(b.json);
+        // One ops file records one run: runs × scales must be 1.
+        let one = [
+            "--workload",
+            "smoke",
+            "--page-size",
+            "4",
+            "--layout",
+            "unified",
+        ];
+        let mut args = vec![
+            "bench-scale",
+            "--record-ops",
+            "ops.jsonl",
+            "--scales",
+            "1,4",
+        ];
+        args.extend(one);
+        let err = parse(&args).unwrap_err();
+        assert!(
+            err.contains("--record-ops records one run, but these options give 2 (runs × scales)"),
+            "{err}"
+        );
+        let mut args = vec!["bench-scale", "--record-ops", "ops.jsonl", "--scales", "4"];
+        args.extend(one);
+        assert!(parse(&args).is_ok());
     }
 
     #[test]
@@ -967,6 +1092,31 @@ mod tests {
             err.contains("'rerun'") && err.ends_with("(try `unikv --help`)"),
             "{err}"
         );
-        assert!(matches!(parse(&[]), Ok(Command::Help)));
+        // No command: clap's help as an error (printed on stderr, status 2, by main).
+        let argv: Vec<std::ffi::OsString> = vec!["unikv".into()];
+        let err = Cli::try_parse_from(&argv).unwrap_err();
+        assert_eq!(
+            err.kind(),
+            clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+        );
+    }
+
+    /// A misspelt command or option gets clap's suggestion, on the one line.
+    #[test]
+    fn a_misspelling_gets_a_suggestion() {
+        let err = parse(&["repaly"]).unwrap_err();
+        assert_eq!(
+            err,
+            "unrecognized subcommand 'repaly' (did you mean 'replay'? try `unikv --help`)"
+        );
+        let err = replay(&["--worklod", "smoke"]).unwrap_err();
+        assert_eq!(
+            err,
+            "unexpected argument '--worklod' found (did you mean '--workload'? try \
+             `unikv replay --help`)"
+        );
+        // Nothing like it: no suggestion.
+        let err = replay(&["--frobnicate"]).unwrap_err();
+        assert!(!err.contains("did you mean"), "{err}");
     }
 }

@@ -1,20 +1,27 @@
 //! The commands end to end: `unikv replay` (check the configuration and the outputs,
 //! build the workloads, run every (workload, page size, layout) through the scheduler,
 //! render the report and the plots), `unikv bench-ops` (replay a recorded ops trace and
-//! print its throughput) and `unikv bench-scale`.
+//! print its throughput) and `unikv bench-scale` (check the outputs, run the scales with
+//! their bars).
+//!
+//! An output never overwrites an input: a `--record-ops` file or a plot that is the
+//! `--trace` file (the same path, a symbolic or a hard link to it) is refused before
+//! anything is read or written ([`check_not_input`]).
 //!
 //! [`replay_with`] takes the scheduler as a parameter ([`RunFn`]) so the whole path can be
 //! tested with a stand-in; [`replay`] uses the real one ([`unikv_replay::run`]).
 
 use crate::args::{BenchOpsArgs, ReplayArgs};
 use crate::error::CliError;
-use crate::progress::ReplayProgress;
+use crate::progress::{ReplayProgress, ScaleBars};
 use crate::svg;
 use std::collections::BTreeMap;
 use std::io::Write;
+use std::path::Path;
 use unikv_invariants::scoped_level;
 use unikv_replay::runs::{build_workloads, check_configs, check_writable_file, plan};
-use unikv_replay::{Report, RunConfig, RunStats, StepProgress};
+use unikv_replay::scale::BenchScaleArgs;
+use unikv_replay::{ReplayOptions, Report, RunConfig, RunStats, StepProgress};
 use unikv_workload::Workload;
 
 /// A scheduler: the real one ([`unikv_replay::run`] with the replay's `--record-ops`), or
@@ -54,7 +61,9 @@ pub fn replay_with(
         // Each plot's own file too (an existing read-only file, a directory of its name).
         for (w, config) in &planned {
             let name = svg::plot_file_name_of(&workloads[*w].name, config.page_size, config.layout);
-            check_writable_file(&dir.join(name))?;
+            let plot = dir.join(name);
+            check_not_input(options, "--svg", &plot)?;
+            check_writable_file(&plot)?;
         }
     }
     let mut runs = Vec::new();
@@ -101,9 +110,7 @@ pub fn replay_with(
 /// `--record-ops` file, and the `--svg` directory (created if missing) and a new file in
 /// it. Leaves no file behind.
 pub fn check_output_paths(args: &ReplayArgs) -> Result<(), CliError> {
-    if let Some(path) = &args.options.record_ops {
-        check_writable_file(path)?;
-    }
+    check_record_ops(&args.options)?;
     if let Some(dir) = &args.svg_dir {
         let io = |source| CliError::Io {
             path: dir.display().to_string(),
@@ -124,6 +131,67 @@ pub fn check_output_paths(args: &ReplayArgs) -> Result<(), CliError> {
     Ok(())
 }
 
+/// Checks that the `--record-ops` file `options` name (if any) is not their `--trace`
+/// and can be written, leaving it as it was.
+fn check_record_ops(options: &ReplayOptions) -> Result<(), CliError> {
+    if let Some(path) = &options.record_ops {
+        // First: the writability check opens the file, and it must never touch an input.
+        check_not_input(options, "--record-ops", path)?;
+        check_writable_file(path)?;
+    }
+    Ok(())
+}
+
+/// Refuses an output (`output` names its option) that is the `--trace` file of
+/// `options`: the same path, or a link to the same file.
+pub fn check_not_input(
+    options: &ReplayOptions,
+    output: &'static str,
+    path: &Path,
+) -> Result<(), CliError> {
+    match &options.trace {
+        Some(trace) if same_file(path, trace) => Err(CliError::OutputIsInput {
+            output,
+            input: "--trace",
+            path: path.display().to_string(),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Whether `a` and `b` name one existing file: the same path, a symbolic link to it or,
+/// on Unix, a hard link (same device and inode). A path that does not exist names no
+/// input (an input must exist to be read), so it is never the same file.
+pub fn same_file(a: &Path, b: &Path) -> bool {
+    let (Ok(meta_a), Ok(meta_b)) = (std::fs::metadata(a), std::fs::metadata(b)) else {
+        return false;
+    };
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        meta_a.dev() == meta_b.dev() && meta_a.ino() == meta_b.ino()
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (meta_a, meta_b);
+        matches!(
+            (std::fs::canonicalize(a), std::fs::canonicalize(b)),
+            (Ok(x), Ok(y)) if x == y
+        )
+    }
+}
+
+/// `unikv bench-scale`: checks the configurations and the `--record-ops` file before
+/// any run, then runs every scale with a bar per run on a terminal's stderr (plain lines
+/// on any other), the table or the JSON object on `out`.
+pub fn bench_scale(args: &BenchScaleArgs, out: &mut dyn Write) -> Result<(), CliError> {
+    check_record_ops(&args.replay)?;
+    check_configs(&args.replay)?;
+    let mut progress = ScaleBars::for_stderr(args.replay.runs() * args.scales.len());
+    unikv_replay::scale::bench_scale(args, out, &mut progress)?;
+    Ok(())
+}
+
 /// `unikv replay`: [`replay_with`] the real scheduler and a progress bar on stderr, once
 /// every layout and page size was checked to be a cache the builder makes
 /// ([`check_configs`]): a combination it refuses is reported before any run, not after
@@ -140,9 +208,12 @@ pub fn replay(args: &ReplayArgs, out: &mut dyn Write) -> Result<Outcome, CliErro
 
 /// `unikv bench-ops FILE`: replays a recorded operation trace against a fresh allocator.
 ///
-/// Reads the trace once, then at each level replays it `passes` times, each against a
+/// Reads the trace once and checks it ([`unikv_ops::bench::check`]: one untimed replay
+/// at level strict, so an illegal free is the trace's error on its line, whatever level
+/// the passes run at), then at each level replays it `passes` times, each against a
 /// fresh allocator, and prints the ops/s and tokens/s per op kind of the pass whose total
-/// time is the median (a table, or one JSON object with `--json`). A speculative trace's
+/// time is the median (a table, or one JSON object, schema [`unikv_ops::bench::SCHEMA`],
+/// with `--json`). A speculative trace's
 /// `verify` and `settle` lines are kinds of their own: the time of the allocator calls
 /// each made, so the table's time per call is the allocator's time per verify step and
 /// per settlement. A single pass is
@@ -150,6 +221,7 @@ pub fn replay(args: &ReplayArgs, out: &mut dyn Write) -> Result<Outcome, CliErro
 /// runs in, and robust to a preempted pass on a shared machine.
 pub fn bench_ops(args: &BenchOpsArgs, out: &mut dyn Write) -> Result<(), CliError> {
     let trace = unikv_ops::load::load(&args.file)?;
+    unikv_ops::bench::check(&trace, args.backend.ledger())?;
     let mut results = Vec::new();
     for &level in &args.levels {
         let mut passes = (0..args.passes.max(1))
@@ -165,10 +237,18 @@ pub fn bench_ops(args: &BenchOpsArgs, out: &mut dyn Write) -> Result<(), CliErro
     }
     let write = CliError::Output;
     if args.json {
-        let json: BTreeMap<&str, &BTreeMap<&str, unikv_ops::bench::OpThroughput>> = results
+        let levels: BTreeMap<&str, &BTreeMap<&str, unikv_ops::bench::OpThroughput>> = results
             .iter()
             .map(|(level, r)| (level.as_str(), r))
             .collect();
+        let json = serde_json::json!({
+            "schema": unikv_ops::bench::SCHEMA,
+            "file": args.file.display().to_string(),
+            "operations": trace.ops.len(),
+            "passes": args.passes.max(1),
+            "device": args.backend.as_str(),
+            "levels": levels,
+        });
         let text = serde_json::to_string_pretty(&json)?;
         writeln!(out, "{text}").map_err(write)?;
         return out.flush().map_err(write);

@@ -45,6 +45,34 @@ pub enum CliError {
         /// How many runs the options give.
         runs: usize,
     },
+    /// `bench-scale --record-ops` with more than one run (runs × scales): one ops file
+    /// describes one run.
+    #[error(
+        "--record-ops records one run, but these options give {runs} (runs × scales); \
+         choose one --workload, one --page-size, one --layout (static or unified) and one \
+         --scales K"
+    )]
+    ScaleRecordOpsNeedsOneRun {
+        /// How many runs the options and the scales give.
+        runs: usize,
+    },
+    /// An output that is one of the command's inputs: writing it would destroy what the
+    /// command reads.
+    #[error(
+        "{output} {path} is the {input} file: an output never overwrites an input \
+         (choose another path)"
+    )]
+    OutputIsInput {
+        /// The output's option (`--record-ops`, `--svg`).
+        output: &'static str,
+        /// The input's option (`--trace`).
+        input: &'static str,
+        /// The path as given.
+        path: String,
+    },
+    /// A range of `sim` seeds that is empty or passes `u64::MAX`.
+    #[error(transparent)]
+    SeedRange(#[from] unikv_dst::SeedRangeError),
     /// `--spec-late` without a draft to settle late.
     #[error("--spec-late needs --spec K or --spec-tree N (it delays their accepted counts)")]
     SpecLateAlone,

@@ -74,7 +74,7 @@ pub fn replay_after() -> String {
         .collect();
     let models: String = ModelSpec::NAMED
         .iter()
-        .map(|m| format!("  {:<17} {}\n", m.name, model_line(m)))
+        .map(|m| model_entry(m) + "\n")
         .collect();
     format!(
         "\
@@ -98,9 +98,43 @@ EXIT STATUS:
     )
 }
 
-/// One model's line in `--help`: its layers and what a token (and a request's state)
-/// costs.
-fn model_line(m: &ModelSpec) -> String {
+/// The help's width: clap wraps its help at 100 columns, and a longer line would be
+/// broken where clap chooses, its rest starting at column 0 where a model name belongs.
+const HELP_WIDTH: usize = 100;
+
+/// The column a model's description starts at: two spaces, the longest name
+/// (`qwen3-next-80b-a3b`, 18) and one space.
+const MODEL_COLUMN: usize = 2 + 18 + 1;
+
+/// One model's entry in `--help`: its name, its layers and what a token (and a
+/// request's state) costs, the description's parts filled into lines of at most
+/// [`HELP_WIDTH`] columns, each continuation line indented to [`MODEL_COLUMN`].
+fn model_entry(m: &ModelSpec) -> String {
+    let parts = model_parts(m);
+    let mut lines: Vec<String> = vec![String::new()];
+    for (i, part) in parts.iter().enumerate() {
+        let piece = if i + 1 < parts.len() {
+            format!("{part},")
+        } else {
+            part.clone()
+        };
+        let line = lines.last_mut().expect("one line at least");
+        if line.is_empty() {
+            line.push_str(&piece);
+        } else if MODEL_COLUMN + line.len() + 1 + piece.len() <= HELP_WIDTH {
+            line.push(' ');
+            line.push_str(&piece);
+        } else {
+            lines.push(piece);
+        }
+    }
+    let indent = format!("\n{:MODEL_COLUMN$}", "");
+    format!("  {:<18} {}", m.name, lines.join(&indent))
+}
+
+/// A model's description, in the parts a line may break between: its layers, what a
+/// token costs and, with recurrent state, what a request's state costs.
+fn model_parts(m: &ModelSpec) -> Vec<String> {
     let mut layers = format!("{} FULL", m.full_layers);
     if m.swa_layers > 0 {
         layers += &format!(" + {} SWA", m.swa_layers);
@@ -126,15 +160,14 @@ fn model_line(m: &ModelSpec) -> String {
             group_digits(m.swa_bytes_per_token())
         )
     };
+    let mut parts = vec![layers, bytes];
     if m.has_recurrent_state() {
-        format!(
-            "{layers}, {bytes},\n{:20}{} bytes of state per request",
-            "",
+        parts.push(format!(
+            "{} bytes of state per request",
             group_digits(m.state_bytes_per_request())
-        )
-    } else {
-        format!("{layers}, {bytes}")
+        ));
     }
+    parts
 }
 
 #[cfg(test)]
@@ -149,7 +182,7 @@ mod tests {
             "may be given once",
             "random-8192-64",
             "mamba-starvation  4,096-token histories",
-            "gemma-4-31b       10 FULL + 50 SWA layers (window 1024), 81,920 + 819,200 bytes/token",
+            "gemma-4-31b        10 FULL + 50 SWA layers (window 1024), 81,920 + 819,200 bytes/token",
             "77,266,944 bytes of state per request",
             "TRACE FORMAT",
             "prefix_len",
@@ -159,5 +192,40 @@ mod tests {
         ] {
             assert!(help.contains(needle), "{needle}");
         }
+    }
+
+    /// Every model entry fits the help's width (clap would break a longer line and start
+    /// its rest at column 0, where a reader looks for a model name), its continuation
+    /// lines indented to the description's column.
+    #[test]
+    fn model_entries_fit_the_width_and_continue_at_their_column() {
+        for m in ModelSpec::NAMED {
+            let entry = model_entry(&m);
+            let mut lines = entry.lines();
+            let first = lines.next().unwrap();
+            assert!(first.starts_with(&format!("  {} ", m.name)), "{entry}");
+            assert_eq!(
+                first[MODEL_COLUMN - 1..].chars().next(),
+                Some(' '),
+                "{entry}"
+            );
+            assert_ne!(first[MODEL_COLUMN..].chars().next(), Some(' '), "{entry}");
+            for line in entry.lines() {
+                assert!(line.len() <= HELP_WIDTH, "{line}");
+            }
+            for line in lines {
+                assert!(line.starts_with(&" ".repeat(MODEL_COLUMN)), "{entry}");
+                assert_ne!(line[MODEL_COLUMN..].chars().next(), Some(' '), "{entry}");
+            }
+        }
+        let tri = model_entry(&ModelSpec::SYNTHETIC_TRI);
+        assert_eq!(
+            tri,
+            format!(
+                "  synthetic-tri      4 FULL + 12 SWA + 16 recurrent layers (window 1024),\n{:21}\
+                 16,384 + 49,152 bytes/token, 68,091,904 bytes of state per request",
+                ""
+            )
+        );
     }
 }

@@ -4,9 +4,10 @@
 //! runs the deterministic simulator with injected faults.
 //!
 //! Exit status: 0 success (every run passed), 1 a report was printed and some run failed
-//! its checks, 2 an error (bad options, unreadable input, a run that could not finish,
-//! an output that could not be written). Every error is one line on stderr; help goes to
-//! stdout with status 0.
+//! its checks, 2 an error (bad options, no command, unreadable input, a run that could
+//! not finish, an output that could not be written). Every error is one line on stderr
+//! (but a missing command, which prints the help there); `--help` and `--version` go to
+//! stdout with status 0, and are printed before the environment is checked.
 //!
 //! The binary owns the command line ([`args`], clap's derive API, and the long help
 //! texts in [`help`]), the commands' glue ([`commands`]), the progress bars
@@ -23,7 +24,7 @@ mod svg;
 
 use crate::args::{Cli, Command};
 use crate::error::CliError;
-use clap::{CommandFactory, Parser};
+use clap::Parser;
 use std::io::Write;
 use std::process::ExitCode;
 
@@ -32,16 +33,23 @@ fn main() -> ExitCode {
     if let Err(err) = stdout_is_open() {
         return fail(&err);
     }
-    // Start-up checks first: a bad UNIKV_INVARIANT_CHECK is a one-line error, not a run.
-    if let Err(err) = unikv::init() {
-        return fail(&err);
-    }
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let command = match Cli::try_parse_from(&argv) {
         Ok(cli) => cli.into_command(),
-        // `--help`, `-h`, `help [COMMAND]`: clap's text, on stdout.
-        Err(e) if matches!(e.kind(), clap::error::ErrorKind::DisplayHelp) => {
+        // `--help`, `-h`, `help [COMMAND]`, `--version`: on stdout, whatever the
+        // environment holds (the help is how a user finds out what it should hold).
+        Err(e)
+            if matches!(
+                e.kind(),
+                clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion
+            ) =>
+        {
             return print_help(&e.to_string());
+        }
+        // No command at all: the help, on stderr, and the usage error's status.
+        Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = writeln!(std::io::stderr(), "{}", e.to_string().trim_end());
+            return ExitCode::from(2);
         }
         Err(e) => Err(CliError::Usage(args::one_line(&e, &argv))),
     };
@@ -49,10 +57,14 @@ fn main() -> ExitCode {
         Ok(command) => command,
         Err(err) => return fail(&err),
     };
+    // Start-up checks before any command runs: a bad UNIKV_INVARIANT_CHECK is a one-line
+    // error, not a run.
+    if let Err(err) = unikv::init() {
+        return fail(&err);
+    }
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     match command {
-        Command::Help => print_help(&Cli::command().render_help().to_string()),
         Command::Replay(args) => match commands::replay(&args, &mut out) {
             Ok(outcome) if outcome.pass() => ExitCode::SUCCESS,
             Ok(_) => ExitCode::from(1),
@@ -62,15 +74,18 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => fail(&err),
         },
-        Command::BenchScale(args) => match unikv_replay::scale::bench_scale(&args, &mut out) {
-            Ok(_) => ExitCode::SUCCESS,
+        Command::BenchScale(args) => match commands::bench_scale(&args, &mut out) {
+            Ok(()) => ExitCode::SUCCESS,
             Err(err) => fail(&err),
         },
-        Command::Sim(args) => match unikv_dst::run_command(&args, &mut out) {
-            Ok(true) => ExitCode::SUCCESS,
-            Ok(false) => ExitCode::from(1),
-            Err(err) => fail(&CliError::Output(err)),
-        },
+        Command::Sim(args) => {
+            let mut progress = progress::SimBar::for_stderr(args.seeds);
+            match unikv_dst::run_command(&args, &mut out, &mut progress) {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::from(1),
+                Err(err) => fail(&CliError::Output(err)),
+            }
+        }
     }
 }
 

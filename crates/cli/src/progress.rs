@@ -1,9 +1,15 @@
-//! The progress bar on stderr while the replay runs (indicatif).
+//! The progress shown on stderr while a command runs (indicatif): never on stdout, so a
+//! report, a table or a JSON object there is never mixed with it.
 //!
-//! One bar per run, cleared when the run ends, so the terminal keeps only the report.
-//! The bar is drawn only when stderr is a terminal ([`ReplayProgress::for_stderr`]); with
-//! stderr redirected (CI, `2> log`) nothing is drawn. `--json` does not hide it: the JSON
-//! goes to stdout, and a bar on a terminal's stderr does not mix with it.
+//! - `replay`: one bar per run, cleared when the run ends, so the terminal keeps only the
+//!   report. Drawn only when stderr is a terminal ([`ReplayProgress::for_stderr`]); with
+//!   stderr redirected (CI, `2> log`) nothing is drawn. `--json` does not hide it: the
+//!   JSON goes to stdout, and a bar on a terminal's stderr does not mix with it.
+//! - `bench-scale` ([`ScaleBars`]): the same bar for each run at each scale, cleared
+//!   before the scale's row is written; without a terminal, one plain line per run
+//!   instead.
+//! - `sim` ([`SimBar`]): one bar over the seeds, cleared before the summary; without a
+//!   terminal, a plain line every tenth of the seeds.
 //!
 //! The scheduler drives it through the callback [`RunProgress::callback`] gives, called
 //! once per step with cumulative counts; indicatif redraws at most 20 times a second, so
@@ -114,6 +120,101 @@ impl RunProgress {
     /// Ends the run's bar and clears it from the terminal.
     pub fn finish(self) {
         self.bar.finish_and_clear();
+    }
+}
+
+/// `bench-scale`'s progress: a bar per (run, scale) on a terminal, a plain line per
+/// (run, scale) on stderr otherwise.
+#[derive(Debug)]
+pub struct ScaleBars {
+    bars: ReplayProgress,
+    /// Plain lines instead of bars (stderr is not a terminal).
+    plain: bool,
+    current: Option<RunProgress>,
+}
+
+impl ScaleBars {
+    /// Bars on a terminal's stderr, plain lines on any other stderr; `runs_total` is
+    /// runs × scales.
+    pub fn for_stderr(runs_total: usize) -> ScaleBars {
+        let terminal = std::io::stderr().is_terminal();
+        ScaleBars {
+            bars: ReplayProgress::new(terminal, runs_total),
+            plain: !terminal,
+            current: None,
+        }
+    }
+}
+
+impl unikv_replay::scale::ScaleProgress for ScaleBars {
+    fn start(&mut self, label: &str, total_tokens: u64, total_requests: u64) {
+        if self.plain {
+            eprintln!("bench-scale: {label}, {total_requests} requests");
+        }
+        self.current = Some(self.bars.start_run(label, total_tokens, total_requests));
+    }
+
+    fn step(&self, progress: StepProgress) {
+        if let Some(run) = &self.current {
+            run.update(progress);
+        }
+    }
+
+    fn finish(&mut self) {
+        if let Some(run) = self.current.take() {
+            run.finish();
+        }
+    }
+}
+
+/// `sim`'s progress: a bar over the seeds on a terminal's stderr, else a plain line on
+/// stderr every tenth of them.
+#[derive(Debug)]
+pub struct SimBar {
+    bar: Option<ProgressBar>,
+    started: std::time::Instant,
+}
+
+impl SimBar {
+    /// A bar when stderr is a terminal, plain lines otherwise.
+    pub fn for_stderr(seeds: u64) -> SimBar {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = ProgressBar::with_draw_target(Some(seeds), ProgressDrawTarget::stderr());
+            // The template is a constant; should indicatif ever refuse it, keep the default.
+            if let Ok(style) = ProgressStyle::with_template(
+                "sim [{bar:32}] {pos}/{len} seeds clean ({elapsed}, about {eta} left)",
+            ) {
+                bar.set_style(style.progress_chars("=> "));
+            }
+            bar
+        });
+        SimBar {
+            bar,
+            started: std::time::Instant::now(),
+        }
+    }
+}
+
+impl unikv_dst::SimProgress for SimBar {
+    fn seed_done(&mut self, done: u64, total: u64) {
+        match &self.bar {
+            Some(bar) => bar.set_position(done),
+            None => {
+                let every = (total / 10).max(1);
+                if done.is_multiple_of(every) && done < total {
+                    eprintln!(
+                        "sim: {done} of {total} seeds clean ({:.1} s)",
+                        self.started.elapsed().as_secs_f64()
+                    );
+                }
+            }
+        }
+    }
+
+    fn finish(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
     }
 }
 

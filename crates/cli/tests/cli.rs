@@ -73,10 +73,10 @@ fn replay_help_documents_the_options_the_defaults_and_the_trace_format() {
         "shared-prefix",
         "REPORT ROWS",
         "EXIT STATUS",
-        "gemma-4-31b       10 FULL + 50 SWA layers (window 1024), 81,920 + 819,200 bytes/token",
+        "gemma-4-31b        10 FULL + 50 SWA layers (window 1024), 81,920 + 819,200 bytes/token",
         "qwen3-next-80b-a3b 12 FULL + 36 recurrent layers, 24,576 bytes/token,\n",
         "77,266,944 bytes of state per request",
-        "synthetic-tri     4 FULL + 12 SWA + 16 recurrent layers (window 1024)",
+        "synthetic-tri      4 FULL + 12 SWA + 16 recurrent layers (window 1024),\n",
         "mamba-starvation  4,096-token histories",
         "[default for a model with recurrent state]",
     ] {
@@ -106,7 +106,7 @@ fn every_command_has_its_help_three_ways() {
         }
         assert_eq!(texts[0], texts[1], "{command}: `help` and `--help` agree");
     }
-    for args in [&["--help"][..], &["help"], &[], &["-h"]] {
+    for args in [&["--help"][..], &["help"], &["-h"]] {
         let (status, stdout, _) = unikv(args);
         assert_eq!(status, Some(0), "{args:?}");
         for command in [
@@ -735,7 +735,7 @@ fn a_recorded_mamba_hybrid_trace_reruns_under_bench_ops() {
         for level in ["off", "strict"] {
             // Every slot the run allocated is allocated again, the same slots (a replay
             // that diverges is an error), and freed again.
-            let calls = |op: &str| doc[level][op]["calls"].as_u64().unwrap_or(0);
+            let calls = |op: &str| doc["levels"][level][op]["calls"].as_u64().unwrap_or(0);
             assert_eq!(
                 calls("alloc_slots") as usize,
                 trace.matches("\"op\":\"alloc_slots\"").count(),
@@ -797,7 +797,7 @@ fn a_real_budget_runs_bookkeeping_only_on_device_none() {
         ]);
         assert_eq!(status, Some(0), "{device}: {stderr}");
         let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
-        doc["strict"]["all"]["calls"].as_u64().unwrap()
+        doc["levels"]["strict"]["all"]["calls"].as_u64().unwrap()
     };
     assert_eq!(calls("cpu"), calls("none"));
     let _ = std::fs::remove_dir_all(&dir);
@@ -1081,16 +1081,393 @@ fn a_recorded_speculative_trace_reruns_under_bench_ops() {
         let bench: serde_json::Value = serde_json::from_str(&table).unwrap();
         for level in ["off", "strict"] {
             assert_eq!(
-                bench[level]["settle"]["calls"].as_u64().unwrap() as usize,
+                bench["levels"][level]["settle"]["calls"].as_u64().unwrap() as usize,
                 settles,
                 "{model} {level}: {table}"
             );
-            assert_eq!(bench[level]["settle"]["tokens"].as_u64().unwrap(), accepted);
-            assert!(bench[level]["verify"]["calls"].as_u64().unwrap() > 0);
+            assert_eq!(
+                bench["levels"][level]["settle"]["tokens"].as_u64().unwrap(),
+                accepted
+            );
+            assert!(bench["levels"][level]["verify"]["calls"].as_u64().unwrap() > 0);
         }
         let (status, text, _) = unikv(&["bench-ops", ops.to_str().unwrap(), "--passes", "1"]);
         assert_eq!(status, Some(0));
         assert!(text.contains("verify") && text.contains("settle"), "{text}");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+// Issue 38: every tool does what it says or refuses; clap's conventions.
+
+/// The tiny bench-scale the tests run: one run (smoke, page size 4, unified, no bytes
+/// kept) at scales 1 and 2.
+const SCALE: [&str; 13] = [
+    "bench-scale",
+    "--workload",
+    "smoke",
+    "--page-size",
+    "4",
+    "--layout",
+    "unified",
+    "--device",
+    "none",
+    "--memory",
+    "256MiB",
+    "--scales",
+    "1,2",
+];
+
+#[test]
+fn bench_scale_json_is_one_object_with_its_schema() {
+    let mut args = SCALE.to_vec();
+    args.push("--json");
+    let (status, stdout, stderr) = unikv(&args);
+    assert_eq!(status, Some(0), "{stderr}");
+    let doc: serde_json::Value = serde_json::from_str(&stdout).expect("--json prints JSON");
+    assert_eq!(doc["schema"], "unikv.bench-scale.v1");
+    assert_eq!(doc["scales"], serde_json::json!([1, 2]));
+    let rows = doc["runs"][0]["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{doc}");
+    assert_eq!(
+        rows[1]["requests"],
+        2 * rows[0]["requests"].as_u64().unwrap()
+    );
+}
+
+/// `--svg` and `--no-timing` are `replay`'s: bench-scale refuses them (status 2) instead
+/// of listing them in its help and ignoring them.
+#[test]
+fn bench_scale_refuses_the_replay_outputs_it_does_not_honour() {
+    let (_, help, _) = unikv(&["bench-scale", "--help"]);
+    for (flag, value) in [("--svg", Some("plots")), ("--no-timing", None)] {
+        assert!(!help.contains(flag), "{flag} still in the help:\n{help}");
+        let mut args = SCALE.to_vec();
+        args.push(flag);
+        args.extend(value);
+        assert_one_line_error(&args, &format!("unexpected argument '{flag}' found"));
+    }
+}
+
+#[test]
+fn bench_scale_records_ops_of_one_run_only() {
+    let dir = scratch("scale-record");
+    let ops = dir.join("ops.jsonl");
+    let mut args = SCALE.to_vec();
+    args.extend(["--record-ops", ops.to_str().unwrap()]);
+    assert_one_line_error(
+        &args,
+        "--record-ops records one run, but these options give 2 (runs × scales)",
+    );
+    assert!(!ops.exists(), "nothing recorded");
+    // One scale: one run, recorded, and its trace reruns.
+    let mut args: Vec<&str> = SCALE[..SCALE.len() - 2].to_vec();
+    args.extend(["--scales", "2", "--record-ops", ops.to_str().unwrap()]);
+    let (status, _, stderr) = unikv(&args);
+    assert_eq!(status, Some(0), "{stderr}");
+    let (status, _, stderr) = unikv(&["bench-ops", ops.to_str().unwrap(), "--passes", "1"]);
+    assert_eq!(status, Some(0), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Off a terminal, progress is plain lines on stderr; stdout holds only the table.
+#[test]
+fn bench_scale_progress_goes_to_stderr_never_into_the_table() {
+    let (status, stdout, stderr) = unikv(&SCALE);
+    assert_eq!(status, Some(0), "{stderr}");
+    assert_eq!(
+        stderr.lines().collect::<Vec<_>>(),
+        [
+            "bench-scale: smoke · page size 4 · unified · scale 1, 8 requests",
+            "bench-scale: smoke · page size 4 · unified · scale 2, 16 requests",
+        ],
+        "{stderr}"
+    );
+    assert!(!stdout.contains("bench-scale:"), "{stdout}");
+    assert!(stdout.contains("tokens/s at 2× over 1×"), "{stdout}");
+}
+
+/// The last seed runs (it used to print "1 passed" after 0 steps), and a range past it
+/// is refused instead of reporting seeds that never ran.
+#[test]
+fn sim_runs_the_last_seed_and_refuses_a_range_past_it() {
+    let (status, stdout, stderr) = unikv(&["sim", "--seed", "18446744073709551615"]);
+    assert_eq!(status, Some(0), "{stderr}");
+    assert!(
+        stdout.starts_with("sim: seeds 18446744073709551615..=18446744073709551615 clean"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains(" 0 steps"), "the seed ran: {stdout}");
+    assert!(stdout.ends_with("sim: 1 passed, 0 failed\n"), "{stdout}");
+    assert_one_line_error(
+        &["sim", "--first", "18446744073709551613", "--seeds", "5"],
+        "--first 18446744073709551613 --seeds 5 goes past the last seed \
+         18446744073709551615 (at most 3 seeds start at 18446744073709551613)",
+    );
+    assert_one_line_error(&["sim", "--seeds", "0"], "--seeds 0 runs no seed");
+    let (status, stdout, stderr) =
+        unikv(&["sim", "--first", "18446744073709551613", "--seeds", "3"]);
+    assert_eq!(status, Some(0), "{stderr}");
+    assert!(stdout.ends_with("sim: 3 passed, 0 failed\n"), "{stdout}");
+}
+
+/// Off a terminal, sim's progress is a plain line every tenth of the seeds, on stderr;
+/// stdout holds only the summary.
+#[test]
+fn sim_progress_goes_to_stderr_never_into_the_summary() {
+    let (status, stdout, stderr) = unikv(&["sim", "--seeds", "10", "--first", "100"]);
+    assert_eq!(status, Some(0), "{stderr}");
+    assert_eq!(stdout.lines().count(), 3, "{stdout}");
+    assert!(stdout.lines().all(|l| l.starts_with("sim: ")), "{stdout}");
+    assert!(!stdout.contains("seeds clean ("), "{stdout}");
+    assert_eq!(stderr.lines().count(), 9, "{stderr}");
+    assert!(stderr.starts_with("sim: 1 of 10 seeds clean ("), "{stderr}");
+}
+
+#[test]
+fn version_prints_the_version() {
+    for flag in ["--version", "-V"] {
+        let (status, stdout, stderr) = unikv(&[flag]);
+        assert_eq!(status, Some(0), "{stderr}");
+        assert_eq!(stdout, format!("unikv {}\n", env!("CARGO_PKG_VERSION")));
+    }
+}
+
+#[test]
+fn a_misspelt_command_or_option_gets_a_suggestion() {
+    assert_one_line_error(
+        &["repaly"],
+        "unrecognized subcommand 'repaly' (did you mean 'replay'? try `unikv --help`)",
+    );
+    assert_one_line_error(
+        &["replay", "--worklod", "smoke"],
+        "unexpected argument '--worklod' found (did you mean '--workload'? try \
+         `unikv replay --help`)",
+    );
+}
+
+/// A bare `unikv` is a usage error: the help on stderr, nothing on stdout, status 2.
+#[test]
+fn no_command_is_a_usage_error_with_the_help_on_stderr() {
+    let (status, stdout, stderr) = unikv(&[]);
+    assert_eq!(status, Some(2), "{stderr}");
+    assert!(stdout.is_empty(), "{stdout}");
+    assert!(stderr.contains("Usage: unikv <COMMAND>"), "{stderr}");
+    assert!(stderr.contains("bench-scale"), "{stderr}");
+}
+
+/// The help (and the version) print whatever UNIKV_INVARIANT_CHECK holds: the help is
+/// where a user learns what it should hold. A command still refuses the bad value.
+#[test]
+fn help_prints_whatever_the_environment_holds() {
+    for args in [
+        &["--help"][..],
+        &["replay", "--help"],
+        &["help", "sim"],
+        &["--version"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_unikv"))
+            .args(args)
+            .env("UNIKV_INVARIANT_CHECK", "bogus")
+            .output()
+            .expect("the binary runs");
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.starts_with("unikv"), "{args:?}: {stdout}");
+    }
+}
+
+/// `-h` gives the short help, which has no models, keys or trace format after it: its
+/// lines point to where they are, and say nothing is "below".
+#[test]
+fn the_short_help_says_where_the_long_texts_are() {
+    let (status, stdout, stderr) = unikv(&["replay", "-h"]);
+    assert_eq!(status, Some(0), "{stderr}");
+    assert!(!stdout.contains("below"), "{stdout}");
+    assert!(stdout.contains("models and"), "{stdout}");
+    assert!(!stdout.contains("TRACE FORMAT"), "{stdout}");
+}
+
+/// In `replay --help` every model entry's lines start with its name or at its
+/// description's column (the synthetic-tri entry used to wrap so that "bytes/token,"
+/// started a line where a model name would).
+#[test]
+fn the_model_list_keeps_its_columns() {
+    let (_, stdout, _) = unikv(&["replay", "--help"]);
+    let models: Vec<&str> = stdout
+        .lines()
+        .skip_while(|l| *l != "MODELS:")
+        .skip(1)
+        .take_while(|l| !l.is_empty())
+        .collect();
+    assert!(models.len() >= 6, "{stdout}");
+    for line in &models {
+        let named = ["gpt-oss", "gemma", "qwen3", "nemotron", "synthetic"]
+            .iter()
+            .any(|name| line.starts_with(&format!("  {name}")));
+        assert!(
+            named || line.starts_with(&" ".repeat(21)),
+            "a line that is neither a model nor its continuation: {line:?}"
+        );
+    }
+}
+
+/// An output that is the input is refused before anything is written, the input left
+/// as it was: the same path, another spelling of it, a symbolic link.
+#[test]
+fn an_output_never_overwrites_an_input() {
+    let dir = scratch("output-is-input");
+    let trace = dir.join("trace.jsonl");
+    let content = "{\"arrival_step\": 0, \"prompt_len\": 8, \"output_len\": 2}\n";
+    std::fs::write(&trace, content).unwrap();
+    let link = dir.join("link.jsonl");
+    std::os::unix::fs::symlink(&trace, &link).unwrap();
+    let trace_path = trace.to_str().unwrap();
+    let dotted = format!("{}/./trace.jsonl", dir.display());
+    for output in [trace_path, dotted.as_str(), link.to_str().unwrap()] {
+        for command in ["replay", "bench-scale"] {
+            let mut args = vec![
+                command,
+                "--trace",
+                trace_path,
+                "--page-size",
+                "4",
+                "--layout",
+                "unified",
+                "--record-ops",
+                output,
+            ];
+            if command == "bench-scale" {
+                args.extend(["--scales", "1"]);
+            }
+            assert_one_line_error(
+                &args,
+                &format!(
+                    "--record-ops {output} is the --trace file: an output never overwrites an input"
+                ),
+            );
+            assert_eq!(std::fs::read_to_string(&trace).unwrap(), content);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A trace whose frees the allocator can only contain (it skips the page and records a
+/// breach, so a pass at level off would time it and exit 0) is the typed error
+/// docs/ops-trace.md promises, on its line, at every level the passes run at.
+#[test]
+fn an_illegal_free_in_an_ops_trace_is_its_typed_error() {
+    let dir = scratch("illegal-frees");
+    let header = r#"{"op":"header","schema":"unikv.ops.v1","layout":"unified","model":"gpt-oss-20b","page_size":4,"memory_bytes":1073741824,"swa_full_ratio":0.8}"#;
+    let alloc = r#"{"op":"alloc_extend","requests":[{"prefix_len":0,"seq_len":8,"last_token":null}],"out":[[4,8]]}"#;
+    let free = r#"{"op":"free","ids":[[4,8]]}"#;
+    for (name, lines, needle) in [
+        (
+            "twice",
+            vec![alloc, free, free],
+            "twice.jsonl:4: free: the allocator refused it: invariant violations at level \
+             strict: pool.double_free (fatal-containable) ×2: two-sided free of virtual page 2, \
+             which is not live on FULL",
+        ),
+        (
+            "twice-in-a-group",
+            vec![r#"{"op":"group_begin"}"#, alloc, free, free],
+            "twice-in-a-group.jsonl:5: free: the allocator refused it: invariant violations \
+             at level strict: pool.one_free_per_page_per_group (guard) ×2: virtual page 2 is \
+             freed twice in one free group",
+        ),
+        (
+            "sink",
+            vec![r#"{"op":"free","ids":[[0,4]]}"#],
+            "sink.jsonl:2: free: the allocator refused it: invariant violations at level \
+             strict: pool.sink_reserved (fatal-containable) ×1: two-sided free: the sink page \
+             was handed to a free",
+        ),
+        (
+            "never-allocated",
+            vec![r#"{"op":"free_segment","start":0,"ids":[[400,4]]}"#],
+            "never-allocated.jsonl:2: free_segment: the allocator refused it: invariant \
+             violations at level strict: pool.double_free (fatal-containable) ×1: two-sided \
+             free of virtual page 100, which is not live on FULL",
+        ),
+    ] {
+        let path = dir.join(format!("{name}.jsonl"));
+        std::fs::write(&path, format!("{header}\n{}\n", lines.join("\n"))).unwrap();
+        for level in ["off", "strict"] {
+            assert_one_line_error(
+                &["bench-ops", path.to_str().unwrap(), "--invariants", level],
+                needle,
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--passes` is bounded, the limit in the message; the JSON carries its schema.
+#[test]
+fn bench_ops_passes_are_bounded_and_its_json_has_a_schema() {
+    assert_one_line_error(
+        &["bench-ops", "ops.jsonl", "--passes", "1000000000"],
+        "expected a whole number of passes, at least 1 and at most 1,000",
+    );
+    let dir = scratch("bench-ops-json");
+    let ops = dir.join("ops.jsonl");
+    let mut args = SMOKE.to_vec();
+    args.extend(["--record-ops", ops.to_str().unwrap()]);
+    let (status, _, stderr) = unikv(&args);
+    assert_eq!(status, Some(0), "{stderr}");
+    let (status, stdout, stderr) = unikv(&[
+        "bench-ops",
+        ops.to_str().unwrap(),
+        "--json",
+        "--passes",
+        "1",
+    ]);
+    assert_eq!(status, Some(0), "{stderr}");
+    let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(doc["schema"], "unikv.bench-ops.v1");
+    assert_eq!((&doc["passes"], &doc["device"]), (&1.into(), &"cpu".into()));
+    assert!(doc["operations"].as_u64().unwrap() > 0, "{doc}");
+    assert!(
+        doc["levels"]["off"]["all"]["calls"].as_u64().unwrap() > 0,
+        "{doc}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A budget whose grids would pass the kernels' i32 ids names the largest budget that
+/// fits, exactly: that one runs, one byte more does not.
+#[test]
+fn a_budget_past_the_kernel_id_range_names_the_largest_that_fits() {
+    let run = |memory: &str| {
+        unikv(&[
+            "replay",
+            "--workload",
+            "smoke",
+            "--page-size",
+            "1",
+            "--layout",
+            "unified",
+            "--device",
+            "none",
+            "--no-timing",
+            "--memory",
+            memory,
+        ])
+    };
+    let largest = "(a budget of at most 2199023271935 bytes keeps every side's ids in range)";
+    for too_large in ["4TiB", "2199023271936"] {
+        let (status, _, stderr) = run(too_large);
+        assert_eq!(status, Some(2), "{stderr}");
+        assert!(
+            stderr.contains("do not fit kernel ids in i32") && stderr.contains(largest),
+            "{stderr}"
+        );
+    }
+    let (status, _, stderr) = run("2199023271935");
+    assert_eq!(status, Some(0), "{stderr}");
 }

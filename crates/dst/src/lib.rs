@@ -78,7 +78,7 @@
 //! | [`outcome`] | what a seed did ([`Outcome`]) or which check it broke ([`Failure`]) |
 //! | `engine` | the random engine of one seed and, in `engine::checks`, what it checks |
 //! | `stamps` | the bytes the engine stamps, derived from the token prefix |
-//! | here | [`run`], [`run_many`], [`run_command`] and their arguments ([`SimArgs`]) |
+//! | here | [`run`], [`run_many`], [`run_command`], their arguments ([`SimArgs`], whose range never passes `u64::MAX`) and what a run reports as it goes ([`SimProgress`]) |
 //!
 //! It depends on the facade and the seeded generator of `unikv-workload` only: no
 //! scheduler, report or command line.
@@ -105,15 +105,19 @@ pub fn run(seed: u64) -> Result<Outcome, Failure> {
     scoped_level(Level::Strict, || engine::Sim::new(sc.clone())?.run())
 }
 
-/// Runs seeds `first..first + count`, calling `progress` after each; stops at the first
-/// failure.
+/// Runs the `count` seeds from `first` (`first..first + count`, which may end at
+/// `u64::MAX` itself), calling `progress` after each; stops at the first failure. Seeds
+/// past `u64::MAX` do not exist: a range that would reach them runs none of them (check
+/// it first with [`SimArgs::new`]); `progress` is called once per seed that ran.
 pub fn run_many(
     first: u64,
     count: u64,
     mut progress: impl FnMut(u64, &Outcome),
 ) -> Result<Outcome, Failure> {
     let mut total = Outcome::default();
-    for seed in first..first.saturating_add(count) {
+    // `(0..count)` rather than `first..first + count`: the last seed, u64::MAX, has no
+    // exclusive end, and a sum past it must not wrap to seed 0.
+    for seed in (0..count).map_while(|i| first.checked_add(i)) {
         let o = run(seed)?;
         total.add(&o);
         progress(seed, &o);
@@ -121,42 +125,102 @@ pub fn run_many(
     Ok(total)
 }
 
-/// What `unikv sim` runs: seeds `first..first + seeds`.
+/// What `unikv sim` runs: seeds `first..first + seeds`, every one of them a `u64` (built
+/// through [`SimArgs::new`], which refuses a range past `u64::MAX`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SimArgs {
     /// The first seed (`--first`, or `--seed` for one seed).
     pub first: u64,
-    /// How many seeds (`--seeds`; 1 with `--seed`).
+    /// How many seeds (`--seeds`; 1 with `--seed`), at least 1.
     pub seeds: u64,
+}
+
+/// A range of seeds [`SimArgs::new`] refuses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SeedRangeError {
+    /// `--seeds 0`: a run of no seed would report success having checked nothing.
+    #[error("--seeds 0 runs no seed (give at least 1)")]
+    NoSeeds,
+    /// The range goes past the last seed, `u64::MAX`.
+    #[error(
+        "--first {first} --seeds {seeds} goes past the last seed {last} (at most {room} \
+         seeds start at {first})",
+        last = u64::MAX
+    )]
+    PastLastSeed {
+        /// The first seed.
+        first: u64,
+        /// The seeds asked for.
+        seeds: u64,
+        /// The most seeds that start at `first`.
+        room: u128,
+    },
+}
+
+impl SimArgs {
+    /// The `seeds` seeds from `first`, refused when there are none or when they would go
+    /// past `u64::MAX`.
+    pub fn new(first: u64, seeds: u64) -> Result<SimArgs, SeedRangeError> {
+        if seeds == 0 {
+            return Err(SeedRangeError::NoSeeds);
+        }
+        if first.checked_add(seeds - 1).is_none() {
+            return Err(SeedRangeError::PastLastSeed {
+                first,
+                seeds,
+                room: u128::from(u64::MAX - first) + 1,
+            });
+        }
+        Ok(SimArgs { first, seeds })
+    }
 }
 
 /// Seeds `unikv sim` runs without `--seeds`.
 pub const DEFAULT_SIM_SEEDS: u64 = 10_000;
 
-/// `unikv sim`: runs the seeds of `args`, a progress line on stderr every tenth of them,
-/// and a summary on `out`. `Ok(false)` when a seed failed (its failure and reproduce
-/// command are on stderr); an error is a summary that could not be written.
-pub fn run_command(args: &SimArgs, out: &mut impl std::io::Write) -> std::io::Result<bool> {
+/// What `unikv sim` reports while it runs (the binary draws a bar on a terminal, plain
+/// lines otherwise; this crate draws nothing, so it needs no terminal library).
+pub trait SimProgress {
+    /// Seed `done` of `total` ran clean (`done` counts from 1).
+    fn seed_done(&mut self, done: u64, total: u64);
+    /// The run is over (before the summary or the failure is written): clear what was
+    /// drawn.
+    fn finish(&mut self);
+}
+
+/// No progress at all.
+impl SimProgress for () {
+    fn seed_done(&mut self, _: u64, _: u64) {}
+    fn finish(&mut self) {}
+}
+
+/// `unikv sim`: runs the seeds of `args`, telling `progress` after each, and writes a
+/// summary on `out`. `Ok(false)` when a seed failed (its failure and reproduce command
+/// are on stderr); an error is a summary that could not be written. The summary counts
+/// the seeds that ran, never the seeds asked for.
+pub fn run_command(
+    args: &SimArgs,
+    out: &mut impl std::io::Write,
+    progress: &mut dyn SimProgress,
+) -> std::io::Result<bool> {
     let started = std::time::Instant::now();
-    let every = (args.seeds / 10).max(1);
-    let result = run_many(args.first, args.seeds, |seed, _| {
-        let done = seed - args.first + 1;
-        if done.is_multiple_of(every) && done < args.seeds {
-            eprintln!(
-                "sim: {done} of {} seeds clean ({:.1} s)",
-                args.seeds,
-                started.elapsed().as_secs_f64()
-            );
-        }
+    let mut ran = 0u64;
+    let result = run_many(args.first, args.seeds, |_, _| {
+        ran += 1;
+        progress.seed_done(ran, args.seeds);
     });
+    progress.finish();
     let secs = started.elapsed().as_secs_f64();
+    // `first..end`, or `first..=last` when the range ends at u64::MAX itself.
+    let range = match args.first.checked_add(ran) {
+        Some(end) => format!("{}..{end}", args.first),
+        None => format!("{}..={}", args.first, u64::MAX),
+    };
     match result {
         Ok(total) => {
             writeln!(
                 out,
-                "sim: seeds {}..{} clean in {secs:.1} s: {} steps, {} requests admitted, {} finished, {} released, {} prompt tokens hit, {} faults injected ({} in allocator calls), {} stamps checked, {} checkpoints saved ({} forwards saved several)",
-                args.first,
-                args.first.saturating_add(args.seeds),
+                "sim: seeds {range} clean in {secs:.1} s: {} steps, {} requests admitted, {} finished, {} released, {} prompt tokens hit, {} faults injected ({} in allocator calls), {} stamps checked, {} checkpoints saved ({} forwards saved several)",
                 total.steps,
                 total.admitted,
                 total.finished,
@@ -190,12 +254,12 @@ pub fn run_command(args: &SimArgs, out: &mut impl std::io::Write) -> std::io::Re
                     total.settle_faults_after_effect
                 )
             })
-            .and_then(|()| writeln!(out, "sim: {} passed, 0 failed", args.seeds))?;
+            .and_then(|()| writeln!(out, "sim: {ran} passed, 0 failed"))?;
             Ok(true)
         }
         Err(failure) => {
             eprintln!("sim: {failure}");
-            writeln!(out, "sim: {} passed, 1 failed", failure.seed - args.first)?;
+            writeln!(out, "sim: {ran} passed, 1 failed")?;
             Ok(false)
         }
     }
@@ -206,6 +270,48 @@ mod tests {
     use super::*;
     use unikv::Layout;
     use unikv::mamba::MAX_CHECKPOINTS_PER_STEP;
+
+    /// A range is refused, naming how many seeds fit, when it would pass `u64::MAX`;
+    /// one that ends at it exactly is a range like any other.
+    #[test]
+    fn a_seed_range_never_passes_the_last_seed() {
+        assert_eq!(SimArgs::new(0, 0), Err(SeedRangeError::NoSeeds));
+        assert_eq!(
+            SimArgs::new(u64::MAX - 2, 5),
+            Err(SeedRangeError::PastLastSeed {
+                first: u64::MAX - 2,
+                seeds: 5,
+                room: 3
+            })
+        );
+        let message = SimArgs::new(u64::MAX - 2, 5).unwrap_err().to_string();
+        assert_eq!(
+            message,
+            "--first 18446744073709551613 --seeds 5 goes past the last seed \
+             18446744073709551615 (at most 3 seeds start at 18446744073709551613)"
+        );
+        assert!(SimArgs::new(u64::MAX - 2, 3).is_ok());
+        assert!(SimArgs::new(u64::MAX, 1).is_ok());
+        assert!(SimArgs::new(0, u64::MAX).is_ok());
+    }
+
+    /// The last seed runs (an exclusive range `first..first + 1` could not name it), and
+    /// the summary counts the seeds that ran.
+    #[test]
+    fn the_last_seed_runs_and_is_counted() {
+        let mut seen = Vec::new();
+        run_many(u64::MAX, 1, |seed, _| seen.push(seed)).unwrap_or_else(|f| panic!("{f}"));
+        assert_eq!(seen, [u64::MAX]);
+        let mut out = Vec::new();
+        let args = SimArgs::new(u64::MAX, 1).unwrap();
+        assert!(run_command(&args, &mut out, &mut ()).unwrap());
+        let text = String::from_utf8(out).unwrap();
+        assert!(
+            text.contains("sim: seeds 18446744073709551615..=18446744073709551615 clean")
+                && text.ends_with("sim: 1 passed, 0 failed\n"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn a_seed_fixes_its_scenario_and_its_outcome() {

@@ -1,6 +1,12 @@
 //! The bench replay: `unikv bench-ops FILE` replays a loaded trace against a fresh
 //! allocator, built from the header through the cache builder's own mappings, and times
 //! every operation.
+//!
+//! Before any timed pass, [`check`] replays the trace once at invariant level strict,
+//! polling the allocator's invariants after every line: an operation the allocator
+//! contains instead of refusing (a double free, a free of the sink page or of a page
+//! never allocated: the allocator skips it and records a breach, so a timed pass at
+//! level off would go on and report a number) is the trace's typed error on its line.
 
 use crate::error::{OpsError, OpsProblem};
 use crate::format::{Op, check_header, from_runs, to_runs};
@@ -9,6 +15,7 @@ use serde::Serialize;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
+use unikv::invariants::{FailMode, Level, scoped_level};
 use unikv::kernels::SyncLedger;
 use unikv::pools::{
     DecodeRequest, ExtendRequest, KvAllocator, PageDemand, Reclaimable, Segment, StaticSwa,
@@ -139,6 +146,28 @@ pub fn replay(
     trace: &Trace,
     ledger: Arc<SyncLedger>,
 ) -> Result<BTreeMap<&'static str, OpThroughput>, OpsError> {
+    replay_lines(trace, ledger, false)
+}
+
+/// The schema name of `unikv bench-ops --json`'s object.
+pub const SCHEMA: &str = "unikv.bench-ops.v1";
+
+/// Replays `trace` once, untimed, at invariant level strict, and polls the
+/// allocator's invariants after every line: the first line whose operation broke one
+/// (a double free, a free of the sink page, a free of a page never allocated: breaches
+/// the allocator contains rather than refuses) is
+/// [`OpsProblem::Breach`] on that line. Every error
+/// [`replay`] gives is found here too.
+pub fn check(trace: &Trace, ledger: Arc<SyncLedger>) -> Result<(), OpsError> {
+    scoped_level(Level::Strict, || replay_lines(trace, ledger, true)).map(drop)
+}
+
+/// [`replay`], and with `checked` [`check`]'s poll after every line.
+fn replay_lines(
+    trace: &Trace,
+    ledger: Arc<SyncLedger>,
+    checked: bool,
+) -> Result<BTreeMap<&'static str, OpThroughput>, OpsError> {
     let mut alloc = allocator_for(&trace.header, ledger.clone()).map_err(|e| match e {
         // A header the allocator cannot be built from (a budget too small for one
         // window, a ratio out of range): the header's line is the cause.
@@ -166,7 +195,28 @@ pub fn replay(
     let mut span: Vec<(u64, Option<Vec<usize>>)> = Vec::new();
     let mut out = Vec::new();
     let mut scratch_slots: Vec<VirtualSlot> = Vec::new();
+    if checked {
+        alloc.invariant_scope().set_fail_mode(FailMode::Error);
+    }
+    // The line before the current one: a breach found by the poll at the top of an
+    // iteration (or after the loop) is that line's.
+    let mut previous: Option<(usize, &'static str)> = None;
+    let poll = |alloc: &dyn KvAllocator, previous: Option<(usize, &'static str)>| match (
+        alloc.invariant_scope().poll(),
+        previous,
+    ) {
+        (Ok(()), _) | (Err(_), None) => Ok(()),
+        (Err(error), Some((line, op))) => Err(OpsError::OpsLine {
+            source_name: trace.source_name.clone(),
+            line,
+            problem: OpsProblem::Breach { op, error },
+        }),
+    };
     for (line, op) in &trace.ops {
+        if checked {
+            poll(&*alloc, previous)?;
+            previous = Some((*line, op.name()));
+        }
         let at = |problem| OpsError::OpsLine {
             source_name: trace.source_name.clone(),
             line: *line,
@@ -433,6 +483,9 @@ pub fn replay(
         let nanos = host_nanos(started);
         add(&mut by_kind, op.name(), tokens, nanos);
         span.push((nanos, None));
+    }
+    if checked {
+        poll(&*alloc, previous)?;
     }
     // `verify` and `settle` are spans over the allocator calls counted above.
     let all = by_kind

@@ -137,6 +137,15 @@ pub enum OpsProblem {
         /// The allocator's error.
         error: unikv::pools::Error,
     },
+    /// The operation broke an invariant of the allocator, which contained it instead of
+    /// refusing it (a double free, a free of the sink page, a free of a page never
+    /// allocated): found by [`crate::bench::check`] at level strict.
+    Breach {
+        /// The operation.
+        op: &'static str,
+        /// The breaches, with the allocator's message of the last one.
+        error: unikv::invariants::Error,
+    },
     /// An alloc returned other ids than recorded.
     Diverged {
         /// The operation.
@@ -232,6 +241,9 @@ impl fmt::Display for OpsProblem {
                  {page_size}), not the first"
             ),
             OpsProblem::Refused { op, error } => {
+                write!(f, "{op}: the allocator refused it: {error}")
+            }
+            OpsProblem::Breach { op, error } => {
                 write!(f, "{op}: the allocator refused it: {error}")
             }
             OpsProblem::Diverged { op } => write!(

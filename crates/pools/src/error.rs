@@ -22,14 +22,20 @@ pub enum Error {
         floor: Bs1Floor,
     },
     /// A kernel id (`physical page × stride + offset`) of this layout would not fit in i32.
-    #[error("{side}: {pages} pages × stride {stride} do not fit kernel ids in i32")]
+    #[error(
+        "{side}: {pages} pages × stride {stride} do not fit kernel ids in i32 (a budget of at \
+         most {largest_bytes} bytes keeps every side's ids in range)"
+    )]
     KernelIdOverflow {
-        /// `full` or `swa`.
+        /// `full`, `swa` or `mamba`.
         side: &'static str,
         /// Pages of the grid.
         pages: u64,
         /// Rows per page envelope.
         stride: u64,
+        /// The largest buffer whose grids, on every side of the layout, keep their
+        /// kernel ids in i32: the budget to give instead.
+        largest_bytes: u64,
     },
     /// Not enough capacity for the demand; nothing was allocated.
     #[error(
@@ -228,6 +234,28 @@ impl std::fmt::Display for Bs1Floor {
                 "one window of {w} tokens of SWA and FULL and {s} Mamba state slots"
             ),
             (None, s) => write!(f, "{s} Mamba state slots and one FULL page"),
+        }
+    }
+}
+
+impl Error {
+    /// A kernel-id overflow names `largest` as the buffer that fits (the least over the
+    /// layout's sides, where the grid that overflowed knew only its own); any other error
+    /// is unchanged.
+    pub(crate) fn at_layout_limit(self, largest: u64) -> Error {
+        match self {
+            Error::KernelIdOverflow {
+                side,
+                pages,
+                stride,
+                largest_bytes,
+            } => Error::KernelIdOverflow {
+                side,
+                pages,
+                stride,
+                largest_bytes: largest_bytes.min(largest),
+            },
+            other => other,
         }
     }
 }

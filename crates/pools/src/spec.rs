@@ -118,6 +118,7 @@ impl SlotPoolSpec {
                 side: "mamba",
                 pages,
                 stride: 1,
+                largest_bytes: self.largest_total(),
             });
         }
         let min_page = floor.div_ceil(self.bytes_per_slot).max(1);
@@ -128,6 +129,36 @@ impl SlotPoolSpec {
             stride: 1,
         })
     }
+}
+
+impl SlotPoolSpec {
+    /// The largest buffer whose slot grid keeps its ids in i32: `i32::MAX` slots and
+    /// the bytes short of one more.
+    pub fn largest_total(&self) -> u64 {
+        largest_total_of(self.bytes_per_slot, 1)
+    }
+}
+
+/// The largest buffer, in bytes, whose grid of `envelope`-byte pages with `stride` rows
+/// each keeps every kernel id (`page × stride + offset`) in i32 ([`Grid::new`]'s test):
+/// the most pages that fit, and the bytes short of one more page.
+fn largest_total_of(envelope: u64, stride: u64) -> u64 {
+    let pages = i32::MAX as u64 / stride.max(1);
+    (pages + 1).saturating_mul(envelope).saturating_sub(1)
+}
+
+/// The largest buffer whose grids on every side (`kv` and the `slots`, at page size
+/// `ps`) keep their kernel ids in i32: what [`Error::KernelIdOverflow`] names as the
+/// budget to give instead.
+pub fn largest_total(kv: &[&SubPoolSpec], slots: Option<&SlotPoolSpec>, ps: PageSize) -> u64 {
+    kv.iter()
+        .map(|spec| {
+            let envelope = spec.bytes_per_token.saturating_mul(ps.get() as u64);
+            largest_total_of(envelope, spec.rows_per_token as u64 * ps.get() as u64)
+        })
+        .chain(slots.map(SlotPoolSpec::largest_total))
+        .min()
+        .unwrap_or(u64::MAX)
 }
 
 /// The geometry of one sub-pool's grid inside the buffer.
@@ -181,6 +212,8 @@ impl Grid {
                 side,
                 pages,
                 stride,
+                // This side's; the layout's constructor names the least over its sides.
+                largest_bytes: largest_total_of(envelope, stride),
             });
         }
         let min_page = floor.div_ceil(envelope).max(1);
@@ -285,11 +318,20 @@ mod tests {
         assert_eq!(slots.grid(fits, 0).unwrap().pages, i32::MAX as u32);
         assert!(matches!(
             slots.grid(fits + 8, 0),
-            Err(Error::KernelIdOverflow { side: "mamba", pages, stride: 1 })
-                if pages == i32::MAX as u64 + 1
+            Err(Error::KernelIdOverflow { side: "mamba", pages, stride: 1, largest_bytes })
+                if pages == i32::MAX as u64 + 1 && largest_bytes == fits + 7
         ));
         let kv = SubPoolSpec::mha("full", 1, 1, 1, 1);
         let ps = PageSize::new(1).unwrap();
+        // The largest budget a layout names is the least over its sides.
+        let ps4 = PageSize::new(4).unwrap();
+        let largest = largest_total(&[&kv], Some(&slots), ps4);
+        assert_eq!(
+            largest,
+            slots.largest_total().min(largest_total(&[&kv], None, ps4))
+        );
+        assert!(Grid::new(&kv, ps4, largest_total(&[&kv], None, ps4), 0, "full").is_ok());
+        assert!(Grid::new(&kv, ps4, largest_total(&[&kv], None, ps4) + 1, 0, "full").is_err());
         // Two bytes a token (K and V): rows × pages must fit too.
         assert!(Grid::new(&kv, ps, 2 * i32::MAX as u64, 0, "full").is_err());
         assert!(Grid::new(&kv, ps, i32::MAX as u64, 0, "full").is_ok());

@@ -30,8 +30,8 @@ use crate::invariants::CONSERVATION;
 use crate::memory::DeviceMemory;
 use crate::resident::{resident_list, resident_table};
 use crate::spec::{
-    BS1_STATE_SLOTS, Grid, Side, SlotPoolSpec, SubPoolSpec, bs1_floor, check_bs1_floor, sink_floor,
-    window_pages,
+    BS1_STATE_SLOTS, Grid, Side, SlotPoolSpec, SubPoolSpec, bs1_floor, check_bs1_floor,
+    largest_total, sink_floor, window_pages,
 };
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
@@ -178,13 +178,14 @@ impl StaticSwa {
         let total = config.total_bytes;
         let kv_specs: Vec<&SubPoolSpec> = std::iter::once(&config.full).chain(swa_spec).collect();
         let floor = sink_floor(&kv_specs, slot_spec, ps);
-        let full_grid = Grid::new(&config.full, ps, total, floor, "full")?;
+        let at_limit = |e: Error| e.at_layout_limit(largest_total(&kv_specs, slot_spec, ps));
+        let full_grid = Grid::new(&config.full, ps, total, floor, "full").map_err(at_limit)?;
         let swa_grid = match swa_spec {
-            Some(spec) => Grid::new(spec, ps, total, floor, "swa")?,
+            Some(spec) => Grid::new(spec, ps, total, floor, "swa").map_err(at_limit)?,
             None => Grid::ABSENT,
         };
         let slot_grid = match slot_spec {
-            Some(spec) => spec.grid(total, floor)?,
+            Some(spec) => spec.grid(total, floor).map_err(at_limit)?,
             None => Grid::ABSENT,
         };
         let (ef, es, eslot) = (full_grid.envelope, swa_grid.envelope, slot_grid.envelope);

@@ -29,7 +29,7 @@ use crate::invariants::CONSERVATION;
 use crate::memory::DeviceMemory;
 use crate::spec::{
     BS1_STATE_SLOTS, Grid, Grow, Side, SlotPoolSpec, SubPoolSpec, bs1_floor, check_bs1_floor,
-    sink_floor, window_pages,
+    largest_total, sink_floor, window_pages,
 };
 use crate::sub::{CompactionPlan, Keep, RelayPlan, Release, SubAllocator};
 use crate::virtual_ids::VirtualIds;
@@ -140,7 +140,8 @@ impl UnifiedSwa {
                     .transpose()?,
             ))
         };
-        let (full_grid, swa_grid, slot_grid) = grids(total)?;
+        let (full_grid, swa_grid, slot_grid) =
+            grids(total).map_err(|e| e.at_layout_limit(largest_total(&kv, slot_spec, ps)))?;
         let floor_need = bs1_floor(ps, swa_spec.map(|_| config.window), slot_spec.is_some());
         let wp = window_pages(ps, config.window);
         // One request at batch size 1: its slots packed above the floor (or the floor),
