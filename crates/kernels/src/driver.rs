@@ -54,6 +54,12 @@ pub struct SyncHazards {
     pub last: Option<SyncHazard>,
 }
 
+/// `u64` words per window in `unikv_translate_windows`' list (`cu/translate.cu`): the
+/// record the backend stages and the emulated driver reads back.
+pub(crate) const WINDOW_WORDS: usize = 12;
+/// `u64` words per translation in `unikv_translate_lanes`' list (`cu/translate.cu`).
+pub(crate) const LANE_WORDS: usize = 12;
+
 /// The kernels of `cu/`, by name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kernel {

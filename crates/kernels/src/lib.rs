@@ -91,7 +91,6 @@ mod intercept;
 mod ledger;
 mod null;
 pub mod nvrtc;
-mod sparse;
 
 pub use clock::{thread_cpu_time, thread_cpu_time_overhead};
 pub use cpu::CpuDevice;
