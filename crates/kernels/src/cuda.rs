@@ -35,8 +35,8 @@ use staging::{FENCES, Ring, STAGE_ALIGN};
 
 use crate::check;
 use crate::driver::{
-    Arg, DevPtr, Driver, DriverCall, EventHandle, GraphHandle, Grid, Kernel, LANE_WORDS,
-    StreamKind, SyncHazard, SyncHazards, WINDOW_WORDS,
+    Arg, DevPtr, Driver, DriverCall, EventHandle, GraphHandle, Grid, Kernel, LANE_WORDS, RawEvent,
+    RawStream, StreamKind, SyncHazard, SyncHazards, WINDOW_WORDS,
 };
 use crate::emulated::EmulatedDriver;
 use crate::handles::Handles;
@@ -46,13 +46,6 @@ use crate::{
 };
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-
-/// A raw CUDA stream handle (`CUstream`) an engine hands to
-/// [`CudaDevice::on_engine_stream`].
-pub type RawStream = *mut std::ffi::c_void;
-
-/// A raw CUDA event handle (`CUevent`), of an engine's or of a [`DeviceEvent`].
-pub type RawEvent = *mut std::ffi::c_void;
 
 /// Threads per block of every launch.
 pub(crate) const BLOCK: u32 = 256;
