@@ -2,7 +2,7 @@
 //! ([`Backend`]), one run's settings ([`RunConfig`]) and a replay's grid of runs
 //! ([`ReplayOptions`]), with the defaults `unikv replay` documents.
 
-use crate::spec::SpecMode;
+use crate::speculative::SpecMode;
 use serde::Serialize;
 use std::fmt;
 use std::path::PathBuf;

@@ -11,7 +11,7 @@
 //! | [`stats`] | [`RunStats`], [`MambaStats`], samples, timing, why a run fails |
 //! | [`report`] | [`Report`]: the table, the JSON object, the verdict |
 //! | [`scale`] | `bench-scale`: the runs at growing pool and request counts |
-//! | [`spec`] | speculative runs: [`SpecMode`], the draft tree, the seeded acceptance |
+//! | [`speculative`] | speculative runs: [`SpecMode`], the draft tree, the seeded acceptance |
 //!
 //! It owns no command line, progress bar or plot: those are the `unikv` binary's
 //! (`crates/cli`), and this crate builds without them.
@@ -35,7 +35,7 @@ pub mod runs;
 pub mod samples;
 pub mod scale;
 pub mod scheduler;
-pub mod spec;
+pub mod speculative;
 pub mod stats;
 
 pub use config::{Backend, Layout, ReplayOptions, RunConfig};
@@ -43,5 +43,5 @@ pub use error::ReplayError;
 pub use report::Report;
 pub use runs::run;
 pub use scheduler::StepProgress;
-pub use spec::SpecMode;
+pub use speculative::SpecMode;
 pub use stats::{MambaStats, RunStats, StepSample};

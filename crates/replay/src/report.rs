@@ -87,7 +87,7 @@
 
 use crate::config::Layout;
 use crate::error::ReplayError;
-use crate::spec::ACCEPT_PROBABILITY;
+use crate::speculative::ACCEPT_PROBABILITY;
 use crate::stats::{Failure, MambaStats, RunStats, SpecStats, Timing};
 use serde::Serialize;
 use std::collections::BTreeMap;

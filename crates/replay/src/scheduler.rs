@@ -18,7 +18,7 @@
 //! - Speculating ([`RunConfig::speculation`]), that decode is a verify step instead: one
 //!   `alloc_verify` for the batch (each request's next token and its drafts), then one
 //!   `settle` with the positions each request accepted, drawn from the seed
-//!   ([`crate::spec::Acceptance`]) and capped by the output left; the accepted tokens are
+//!   ([`crate::speculative::Acceptance`]) and capped by the output left; the accepted tokens are
 //!   the workload's next output tokens, so the token stream is the one decoding gives,
 //!   several tokens a step. With counts a step late (`SpecMode::late`), a request's
 //!   verify is settled in the step after it, once that step's verify is allocated; a
@@ -57,7 +57,7 @@
 
 use crate::config::{RunConfig, cache_builder};
 use crate::error::ReplayError;
-use crate::spec::{Acceptance, DraftShape, SpecMode, tree_parents};
+use crate::speculative::{Acceptance, DraftShape, SpecMode, tree_parents};
 use crate::stats::{MambaStats, RunStats, SampleRecorder, SpecStats};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -1142,7 +1142,7 @@ mod tests {
         assert_eq!(e.ratio, 1.0);
     }
     use crate::config::{Backend, Layout};
-    use crate::spec::SpecMode;
+    use crate::speculative::SpecMode;
     use unikv_invariants::Level;
     use unikv_workload::Preset;
 
