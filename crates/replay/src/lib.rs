@@ -5,7 +5,7 @@
 //!
 //! | module | what it holds |
 //! |---|---|
-//! | [`config`] | [`Layout`], [`Backend`], one run's [`RunConfig`], a replay's [`ReplayOptions`] |
+//! | [`config`] | [`LAYOUTS`], [`Backend`], one run's [`RunConfig`], a replay's [`ReplayOptions`] |
 //! | [`scheduler`] | the scheduler: [`scheduler::run`], [`StepProgress`] |
 //! | [`runs`] | a replay's workloads and runs in order; [`run`]: one run, its ops recorded if asked |
 //! | [`stats`] | [`RunStats`], [`MambaStats`], samples, timing, why a run fails |
@@ -38,10 +38,12 @@ pub mod scheduler;
 pub mod speculative;
 pub mod stats;
 
-pub use config::{Backend, Layout, ReplayOptions, RunConfig};
+pub use config::{Backend, LAYOUTS, ReplayOptions, RunConfig};
 pub use error::ReplayError;
 pub use report::Report;
 pub use runs::run;
 pub use scheduler::StepProgress;
 pub use speculative::SpecMode;
 pub use stats::{MambaStats, RunStats, StepSample};
+/// The facade's layout, the one a run is configured with (re-exported for the binary).
+pub use unikv::Layout;

@@ -1141,8 +1141,9 @@ mod tests {
         e.retracted(5000, 2000, 10);
         assert_eq!(e.ratio, 1.0);
     }
-    use crate::config::{Backend, Layout};
+    use crate::config::{Backend, LAYOUTS};
     use crate::speculative::SpecMode;
+    use unikv::Layout;
     use unikv_invariants::Level;
     use unikv_workload::Preset;
 
@@ -1153,7 +1154,7 @@ mod tests {
 
     #[test]
     fn every_request_finishes_with_no_sync_violation_or_leak() {
-        for layout in Layout::BOTH {
+        for layout in LAYOUTS {
             for ps in unikv_invariants::testing::page_sizes() {
                 let stats = smoke(layout, ps, 1 << 30).unwrap();
                 assert_eq!(
@@ -1195,7 +1196,7 @@ mod tests {
             s.step_with_metadata_cpu_ns.clear();
             s
         };
-        for layout in Layout::BOTH {
+        for layout in LAYOUTS {
             let a = strip(smoke(layout, 4, 1 << 30).unwrap());
             let b = strip(smoke(layout, 4, 1 << 30).unwrap());
             assert_eq!(a, b);
@@ -1205,7 +1206,7 @@ mod tests {
     #[test]
     fn memory_pressure_retracts_and_still_finishes_everything() {
         // Enough for a few requests at once, not for the whole batch.
-        let stats = smoke(Layout::Static, 4, 48 << 20).unwrap();
+        let stats = smoke(LAYOUTS[0], 4, 48 << 20).unwrap();
         assert_eq!(stats.requests_completed, stats.requests_total);
         assert_eq!(stats.leaked_pages, 0);
     }
@@ -1339,7 +1340,7 @@ mod tests {
             SpecMode::tree(6).unwrap().late(),
         ];
         for model in [ModelSpec::GPT_OSS_20B, ModelSpec::NEMOTRON_H_8B] {
-            for layout in Layout::BOTH {
+            for layout in LAYOUTS {
                 for ps in unikv_invariants::testing::page_sizes() {
                     for mode in modes {
                         let label = format!("{model} {layout} ps {ps} {mode}");
@@ -1397,7 +1398,7 @@ mod tests {
                 SpecMode::chain(4).unwrap(),
                 SpecMode::tree(6).unwrap().late(),
             ] {
-                for layout in Layout::BOTH {
+                for layout in LAYOUTS {
                     let mut config = RunConfig::new(model, layout, 1, 16 << 30);
                     config.backend = Backend::None;
                     config.speculation = Some(mode);
@@ -1438,7 +1439,7 @@ mod tests {
     #[test]
     fn decoders_beyond_the_verify_batch_decode_plainly() {
         let model = ModelSpec::QWEN3_NEXT_80B_A3B;
-        for layout in Layout::BOTH {
+        for layout in LAYOUTS {
             let mut config = RunConfig::new(model, layout, 1, 16 << 30);
             config.backend = Backend::None;
             config.speculation = Some(SpecMode::chain(4).unwrap());
