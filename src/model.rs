@@ -5,6 +5,7 @@
 //! comment names the configuration fields it read and where they were found.
 
 use std::fmt;
+use unikv_mamba::{checked_product, saturated};
 use unikv_pools::SubPoolSpec;
 
 /// The KV rows one attention layer of one kind writes per token: `kv_heads` K rows and
@@ -342,27 +343,6 @@ impl ModelSpec {
             self.full.sub_pool("full", self.full_envelope_layers()),
             self.swa.sub_pool("swa", self.swa_layers),
         )
-    }
-}
-
-/// The product of `factors` in 64 bits, or `None` when it overflows.
-const fn checked_product(factors: &[u32]) -> Option<u64> {
-    let mut bytes: u64 = 1;
-    let mut i = 0;
-    while i < factors.len() {
-        bytes = match bytes.checked_mul(factors[i] as u64) {
-            Some(b) => b,
-            None => return None,
-        };
-        i += 1;
-    }
-    Some(bytes)
-}
-
-const fn saturated(bytes: Option<u64>) -> u64 {
-    match bytes {
-        Some(b) => b,
-        None => u64::MAX,
     }
 }
 

@@ -5,6 +5,8 @@ use super::{CheckpointPlan, HybridCache};
 use crate::error::Error;
 use crate::model::ModelSpec;
 use crate::stats::EvictionCounts;
+use std::fmt;
+use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use unikv_invariants::Scope;
@@ -32,11 +34,40 @@ pub enum Layout {
 }
 
 impl Layout {
+    /// The reference engine's default `--swa-full-tokens-ratio`: the ratio of a
+    /// [`Layout::Static`] parsed from `"static"`.
+    pub const DEFAULT_SWA_FULL_TOKENS_RATIO: f64 = 0.8;
+
     /// `static` or `unified`.
     pub const fn as_str(&self) -> &'static str {
         match self {
             Layout::Static { .. } => "static",
             Layout::Unified => "unified",
+        }
+    }
+}
+
+/// `static` or `unified` (the ratio is not shown).
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// `static` (with [`Layout::DEFAULT_SWA_FULL_TOKENS_RATIO`]) or `unified`, in lower case
+/// as [`Layout::as_str`] writes them; any other name is [`Error::Config`].
+impl FromStr for Layout {
+    type Err = Error;
+
+    fn from_str(name: &str) -> Result<Layout, Error> {
+        match name {
+            "static" => Ok(Layout::Static {
+                swa_full_tokens_ratio: Layout::DEFAULT_SWA_FULL_TOKENS_RATIO,
+            }),
+            "unified" => Ok(Layout::Unified),
+            _ => Err(Error::Config(format!(
+                "unknown layout {name:?} (expected static or unified)"
+            ))),
         }
     }
 }
@@ -437,5 +468,28 @@ impl HybridCacheBuilder {
             speculation: self.speculation,
             verify_scratch: Default::default(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_layout_prints_and_parses_by_its_lower_case_name() {
+        for layout in [
+            Layout::Static {
+                swa_full_tokens_ratio: Layout::DEFAULT_SWA_FULL_TOKENS_RATIO,
+            },
+            Layout::Unified,
+        ] {
+            assert_eq!(layout.to_string().parse::<Layout>().unwrap(), layout);
+        }
+        assert_eq!(Layout::Unified.to_string(), "unified");
+        let err = "Static".parse::<Layout>().unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "invalid cache configuration: unknown layout \"Static\" (expected static or unified)"
+        );
     }
 }

@@ -22,7 +22,7 @@ use unikv::ModelSpec;
 use unikv_dst::SimArgs;
 use unikv_invariants::Level;
 use unikv_replay::scale::BenchScaleArgs;
-use unikv_replay::{Backend, Layout, ReplayOptions, SpecMode};
+use unikv_replay::{Backend, LAYOUTS, Layout, ReplayOptions, SpecMode};
 use unikv_workload::Preset;
 use unikv_workload::units::{MAX_PAGE_SIZE, group_digits};
 
@@ -471,9 +471,9 @@ fn parse_scales(value: &str) -> Result<Scales, String> {
 
 fn parse_layouts(value: &str) -> Result<Layouts, String> {
     Ok(Layouts(match value.trim().to_ascii_lowercase().as_str() {
-        "static" => vec![Layout::Static],
+        "static" => vec![LAYOUTS[0]],
         "unified" => vec![Layout::Unified],
-        "both" => Layout::BOTH.to_vec(),
+        "both" => LAYOUTS.to_vec(),
         _ => {
             return Err(format!(
                 "unknown layout {value:?} (expected static, unified or both)"

@@ -292,7 +292,7 @@ mod tests {
     use super::*;
     use std::collections::BTreeMap;
     use unikv_invariants::Level;
-    use unikv_replay::{Backend, Layout, ReplayOptions, StepSample};
+    use unikv_replay::{Backend, LAYOUTS, Layout, ReplayOptions, StepSample};
     use unikv_workload::Preset;
 
     /// A stand-in scheduler for testing the path around it: it reports every request of
@@ -368,9 +368,9 @@ mod tests {
         assert_eq!(
             order,
             [
-                ("smoke".into(), 1, Layout::Static),
+                ("smoke".into(), 1, LAYOUTS[0]),
                 ("smoke".into(), 1, Layout::Unified),
-                ("smoke".into(), 16, Layout::Static),
+                ("smoke".into(), 16, LAYOUTS[0]),
                 ("smoke".into(), 16, Layout::Unified),
             ]
         );

@@ -1,11 +1,11 @@
 //! The random engine of one seed ([`Sim`]): arrivals sharing prefixes of a few prompt
 //! families, admission checked against the oracle, aborts, chunked prefill, batched
 //! decode, retraction, finishing, and faults armed at random; every injected fault is
-//! retried and checked. On a speculative seed decode steps are verify steps ([`spec`]).
+//! retried and checked. On a speculative seed decode steps are verify steps ([`speculative`]).
 //! What it checks after each step is in [`checks`].
 
 mod checks;
-mod spec;
+mod speculative;
 
 use crate::outcome::{Failure, Outcome};
 use crate::scenario::Scenario;
@@ -31,7 +31,7 @@ struct Running {
     /// Whether the engine aborts it when its prefill is done.
     abort_after_prefill: bool,
     /// Its verify steps not settled yet, oldest first (speculative seeds).
-    verifies: VecDeque<spec::InFlight>,
+    verifies: VecDeque<speculative::InFlight>,
 }
 
 impl Running {
@@ -174,11 +174,11 @@ impl Sim {
         };
         let (verify_meta, values) = match sc.speculation {
             Some(spec) => {
-                let meta = VerifyMetadata::new(spec::VERIFY_BATCH);
+                let meta = VerifyMetadata::new(speculative::VERIFY_BATCH);
                 cache
                     .reserve_verify_metadata(&meta)
                     .map_err(|e| fail(format!("reserving the verify metadata: {e}")))?;
-                let b = spec::VERIFY_BATCH;
+                let b = speculative::VERIFY_BATCH;
                 let values = dev
                     .alloc_table(2 * b + b * spec.max_width as usize, 0)
                     .map_err(|e| fail(format!("the verify value table: {e}")))?;

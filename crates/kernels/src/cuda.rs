@@ -35,8 +35,8 @@ use staging::{FENCES, Ring, STAGE_ALIGN};
 
 use crate::check;
 use crate::driver::{
-    Arg, DevPtr, Driver, DriverCall, EventHandle, GraphHandle, Grid, Kernel, StreamKind,
-    SyncHazard, SyncHazards,
+    Arg, DevPtr, Driver, DriverCall, EventHandle, GraphHandle, Grid, Kernel, LANE_WORDS, RawEvent,
+    RawStream, StreamKind, SyncHazard, SyncHazards, WINDOW_WORDS,
 };
 use crate::emulated::EmulatedDriver;
 use crate::handles::Handles;
@@ -47,21 +47,10 @@ use crate::{
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-/// A raw CUDA stream handle (`CUstream`) an engine hands to
-/// [`CudaDevice::on_engine_stream`].
-pub type RawStream = *mut std::ffi::c_void;
-
-/// A raw CUDA event handle (`CUevent`), of an engine's or of a [`DeviceEvent`].
-pub type RawEvent = *mut std::ffi::c_void;
-
 /// Threads per block of every launch.
 pub(crate) const BLOCK: u32 = 256;
 /// Most blocks of one grid dimension; the kernels use grid-stride loops, so any size works.
 const MAX_BLOCKS: u64 = 65_535;
-/// `u64` words per window in `unikv_translate_windows`' list (`cu/translate.cu`).
-pub(crate) const WINDOW_WORDS: usize = 12;
-/// `u64` words per translation in `unikv_translate_lanes`' list.
-pub(crate) const LANE_WORDS: usize = 12;
 /// Bytes of a span one block handles at a time (`UNIKV_CHUNK` of `cu/spans.cu`: 16
 /// 16-byte words per thread).
 const CHUNK: u64 = 16 * 16 * BLOCK as u64;

@@ -17,7 +17,7 @@ mod imp {
     /// Nothing is done with `stream` in this build.
     pub(crate) unsafe fn open_on(
         ordinal: usize,
-        stream: crate::RawStream,
+        stream: crate::driver::RawStream,
     ) -> Result<Arc<dyn Driver>, Error> {
         let _ = (ordinal, stream);
         Err(Error::NotCompiledWithCuda)
@@ -115,7 +115,7 @@ mod imp {
     /// driver (see [`CudaDevice::on_engine_stream`](crate::CudaDevice::on_engine_stream)).
     pub(crate) unsafe fn open_on(
         ordinal: usize,
-        stream: crate::RawStream,
+        stream: crate::driver::RawStream,
     ) -> Result<Arc<dyn Driver>, Error> {
         boot(ordinal, |ctx| {
             let kind = if stream.is_null() {

@@ -54,6 +54,20 @@ pub struct SyncHazards {
     pub last: Option<SyncHazard>,
 }
 
+/// A raw CUDA stream handle (`CUstream`) an engine hands to
+/// [`CudaDevice::on_engine_stream`](crate::CudaDevice::on_engine_stream).
+pub type RawStream = *mut std::ffi::c_void;
+
+/// A raw CUDA event handle (`CUevent`), of an engine's or of a
+/// [`DeviceEvent`](crate::DeviceEvent).
+pub type RawEvent = *mut std::ffi::c_void;
+
+/// `u64` words per window in `unikv_translate_windows`' list (`cu/translate.cu`): the
+/// record the backend stages and the emulated driver reads back.
+pub(crate) const WINDOW_WORDS: usize = 12;
+/// `u64` words per translation in `unikv_translate_lanes`' list (`cu/translate.cu`).
+pub(crate) const LANE_WORDS: usize = 12;
+
 /// The kernels of `cu/`, by name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kernel {

@@ -16,7 +16,8 @@
 use crate::Error;
 use crate::check;
 use crate::driver::{
-    Arg, DevPtr, Driver, EventHandle, GraphHandle, Grid, Kernel, Pinned, StreamKind,
+    Arg, DevPtr, Driver, EventHandle, GraphHandle, Grid, Kernel, LANE_WORDS, Pinned, StreamKind,
+    WINDOW_WORDS,
 };
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -331,7 +332,7 @@ impl Emulation {
             Kernel::Spin => Ok(()),
             Kernel::TranslateWindows => {
                 let (list, count) = (u(0)?, u(1)?);
-                let words = crate::cuda::WINDOW_WORDS;
+                let words = WINDOW_WORDS;
                 for a in self.u64s(list, words as u64 * count)?.chunks_exact(words) {
                     let (rows, batch, width) = (a[3], a[6], a[7]);
                     let v2p = self.i32s(a[0], a[1])?;
@@ -357,7 +358,7 @@ impl Emulation {
             }
             Kernel::TranslateLanes => {
                 let (list, count) = (u(0)?, u(1)?);
-                let words = crate::cuda::LANE_WORDS;
+                let words = LANE_WORDS;
                 for a in self.u64s(list, words as u64 * count)?.chunks_exact(words) {
                     let (batch, lane_len, stride) = (a[8], a[4] as usize, a[9] as i32);
                     let v2p = self.i32s(a[0], a[1])?;

@@ -91,19 +91,17 @@ mod intercept;
 mod ledger;
 mod null;
 pub mod nvrtc;
-mod sparse;
 
 pub use clock::{thread_cpu_time, thread_cpu_time_overhead};
 pub use cpu::CpuDevice;
-pub use cuda::{
-    CapturedGraph, CudaDevice, DEFAULT_STAGING_BYTES, DeviceEvent, DriverRecord, RawEvent,
-    RawStream,
-};
+pub use cuda::{CapturedGraph, CudaDevice, DEFAULT_STAGING_BYTES, DeviceEvent, DriverRecord};
 pub use device::{
     ByteSpan, BytesId, Device, DeviceOp, HostSync, LaneTranslate, Readback, RowGather, SpanMove,
     TableId, TableScatter, TableSpans, Translate, WindowTranslate,
 };
-pub use driver::{DriverCall, Grid, Kernel, StreamKind, SyncHazard, SyncHazards};
+pub use driver::{
+    DriverCall, Grid, Kernel, RawEvent, RawStream, StreamKind, SyncHazard, SyncHazards,
+};
 pub use error::Error;
 pub use fault::{FaultHooks, FaultInjector, InjectedFault};
 pub use intercept::{DeviceCall, DeviceHooks, Intercepted};

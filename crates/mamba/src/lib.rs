@@ -12,6 +12,8 @@
 //! - [`RecurrentState`]: the per-layer state shape (the facade's `ModelSpec.recurrent`).
 //! - [`MambaSpec`] → [`SlotLayout`]: the byte ranges inside one slot envelope.
 //! - [`StatePolicy`], [`PlanMarks`]: the checkpoint grid and the positions a step saves.
+//! - [`checked_product`], [`saturated`]: byte counts of memory shapes in 64 bits (the
+//!   facade's KV rows use them too).
 //!
 //! # Invariants this crate keeps
 //! - A [`SlotLayout`]'s ranges are disjoint and in slot order (every layer's conv state,
@@ -28,11 +30,13 @@
 //!   page boundary inside the step's new rows, at most
 //!   [`StatePolicy::checkpoints_per_step`] of them.
 
+mod bytes;
 mod error;
 mod layout;
 mod policy;
 mod state;
 
+pub use bytes::{checked_product, saturated};
 pub use error::Error;
 pub use layout::{MambaSpec, SLOT_ALIGN, SlotLayout, SlotPart};
 pub use policy::{

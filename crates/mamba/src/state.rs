@@ -1,6 +1,8 @@
 //! The state one recurrent layer keeps per request (moved here from the facade's model
 //! specs so that the slot layout and the model spec share one vocabulary type).
 
+use crate::bytes::{checked_product, saturated};
+
 /// The state one recurrent layer (a Mamba2 mixer or a Gated DeltaNet) keeps per request,
 /// in the shape the reference engine allocates (`Mamba2StateShape` in SGLang's
 /// `python/sglang/srt/configs/mamba_utils.py`, which serves Mamba2 and GDN alike):
@@ -102,27 +104,6 @@ impl RecurrentState {
     /// [`RecurrentState::checked_state_bytes_per_layer`], `u64::MAX` past 64 bits.
     pub const fn state_bytes_per_layer(&self) -> u64 {
         saturated(self.checked_state_bytes_per_layer())
-    }
-}
-
-/// The product of `factors` in 64 bits, or `None` when it overflows.
-const fn checked_product(factors: &[u32]) -> Option<u64> {
-    let mut bytes: u64 = 1;
-    let mut i = 0;
-    while i < factors.len() {
-        bytes = match bytes.checked_mul(factors[i] as u64) {
-            Some(b) => b,
-            None => return None,
-        };
-        i += 1;
-    }
-    Some(bytes)
-}
-
-const fn saturated(bytes: Option<u64>) -> u64 {
-    match bytes {
-        Some(b) => b,
-        None => u64::MAX,
     }
 }
 

@@ -1,14 +1,13 @@
-//! What a run and a replay are configured with: the layouts ([`Layout`]), the device
+//! What a run and a replay are configured with: the layouts (the facade's [`Layout`],
+//! both in [`LAYOUTS`]), the device
 //! ([`Backend`]), one run's settings ([`RunConfig`]) and a replay's grid of runs
 //! ([`ReplayOptions`]), with the defaults `unikv replay` documents.
 
-use crate::spec::SpecMode;
-use serde::Serialize;
-use std::fmt;
+use crate::speculative::SpecMode;
 use std::path::PathBuf;
 use std::sync::Arc;
 use unikv::kernels::SyncLedger;
-use unikv::{HybridCache, ModelSpec};
+use unikv::{HybridCache, Layout, ModelSpec};
 use unikv_invariants::Level;
 use unikv_workload::Preset;
 
@@ -38,39 +37,23 @@ pub const DEFAULT_PAGE_SIZES: [u32; 2] = [1, 256];
 /// The default seed.
 pub const DEFAULT_SEED: u64 = 1;
 
-/// How the KV memory is organised.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Layout {
-    /// The baseline: fixed pools sized at start-up — FULL and SWA split by
-    /// [`RunConfig::swa_full_ratio`] with a FULL→SWA index map, and for a model with
-    /// recurrent state a fixed slot pool sized as the reference engine sizes it
-    /// ([`unikv::static_slot_pool`]) (`StaticSwa`). The `Default`, so that
-    /// `RunStats::default()` exists.
-    #[default]
-    Static,
-    /// One byte buffer, FULL growing from one end and SWA or the Mamba state slots from
-    /// the other, the split following the workload (`UnifiedSwa`).
-    Unified,
-}
+/// Both layouts, static first (the table's column order; `--layout both`, the default):
+/// the static one with the reference engine's SWA:FULL token ratio
+/// ([`Layout::DEFAULT_SWA_FULL_TOKENS_RATIO`], 0.8).
+pub const LAYOUTS: [Layout; 2] = [
+    Layout::Static {
+        swa_full_tokens_ratio: Layout::DEFAULT_SWA_FULL_TOKENS_RATIO,
+    },
+    Layout::Unified,
+];
 
-impl Layout {
-    /// Both layouts, static first (the table's column order).
-    pub const BOTH: [Layout; 2] = [Layout::Static, Layout::Unified];
-
-    /// `static` or `unified`.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Layout::Static => "static",
-            Layout::Unified => "unified",
-        }
-    }
-}
-
-impl fmt::Display for Layout {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
+/// Serialises a layout as its name, `"static"` or `"unified"` (the facade's [`Layout`]
+/// has no serde; a report's JSON shows the name only).
+pub(crate) fn serialize_layout<S: serde::Serializer>(
+    layout: &Layout,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(layout.as_str())
 }
 
 /// The device a run's buffer lives on (`--device`).
@@ -119,16 +102,14 @@ impl Backend {
 pub struct RunConfig {
     /// The model whose KV shapes size the sub-pools.
     pub model: ModelSpec,
-    /// Static or unified.
+    /// Static (with its SWA:FULL token ratio, the reference engine's 0.8 by default) or
+    /// unified.
     pub layout: Layout,
     /// Tokens per page (≥ 1).
     pub page_size: u32,
     /// The KV budget in bytes: the one buffer of the unified layout, or both pools of the
     /// static one together.
     pub memory_bytes: u64,
-    /// The static layout's SWA tokens per FULL token (the reference engine's default
-    /// `swa_full_tokens_ratio`, 0.8). Ignored by the unified layout.
-    pub swa_full_ratio: f64,
     /// The seed the workload was generated from; also seeds any tie-break the scheduler
     /// makes at random.
     pub seed: u64,
@@ -149,8 +130,6 @@ pub struct RunConfig {
 }
 
 impl RunConfig {
-    /// The reference engine's default SWA:FULL token ratio for the static pools.
-    pub const DEFAULT_SWA_FULL_RATIO: f64 = 0.8;
     /// The default prefill chunk: 8,192 tokens per step (a common
     /// `--chunked-prefill-size`; the reference engine picks 2,048 to 16,384 by GPU memory).
     pub const DEFAULT_CHUNK_TOKENS: u32 = 8_192;
@@ -167,7 +146,6 @@ impl RunConfig {
             layout,
             page_size,
             memory_bytes,
-            swa_full_ratio: RunConfig::DEFAULT_SWA_FULL_RATIO,
             seed: 0,
             invariant_level: Level::Strict,
             chunk_tokens: RunConfig::DEFAULT_CHUNK_TOKENS,
@@ -220,7 +198,7 @@ impl Default for ReplayOptions {
             model: ModelSpec::GPT_OSS_20B,
             page_sizes: DEFAULT_PAGE_SIZES.to_vec(),
             memory_bytes: DEFAULT_MEMORY_BYTES,
-            layouts: Layout::BOTH.to_vec(),
+            layouts: LAYOUTS.to_vec(),
             seed: DEFAULT_SEED,
             invariant_level: Level::Strict,
             record_ops: None,
@@ -245,17 +223,11 @@ pub(crate) fn cache_builder(
     config: &RunConfig,
     device: Arc<SyncLedger>,
 ) -> unikv::HybridCacheBuilder {
-    let layout = match config.layout {
-        Layout::Static => unikv::Layout::Static {
-            swa_full_tokens_ratio: config.swa_full_ratio,
-        },
-        Layout::Unified => unikv::Layout::Unified,
-    };
     let builder = HybridCache::builder()
         .model(config.model)
         .page_size(config.page_size)
         .memory_bytes(config.memory_bytes)
-        .layout(layout)
+        .layout(config.layout)
         .device(device);
     match config.speculation {
         Some(_) => builder.speculation(speculation(config).expect("a speculative run")),
@@ -310,9 +282,15 @@ mod tests {
 
     #[test]
     fn layouts_print_and_serialise_in_lower_case() {
-        assert_eq!(Layout::Static.to_string(), "static");
+        #[derive(serde::Serialize)]
+        struct Named(#[serde(serialize_with = "serialize_layout")] Layout);
+        assert_eq!(LAYOUTS[0].to_string(), "static");
         assert_eq!(
-            serde_json::to_string(&Layout::Unified).unwrap(),
+            serde_json::to_string(&Named(LAYOUTS[0])).unwrap(),
+            "\"static\""
+        );
+        assert_eq!(
+            serde_json::to_string(&Named(LAYOUTS[1])).unwrap(),
             "\"unified\""
         );
     }
@@ -322,7 +300,7 @@ mod tests {
         let r = ReplayOptions::default();
         assert_eq!(r.workloads, Preset::DEFAULTS);
         assert_eq!(r.page_sizes, [1, 256]);
-        assert_eq!(r.layouts, [Layout::Static, Layout::Unified]);
+        assert_eq!(r.layouts, LAYOUTS);
         assert_eq!(r.model, ModelSpec::GPT_OSS_20B);
         assert_eq!(r.memory_bytes, 16 << 30);
         assert_eq!(r.invariant_level, Level::Strict);

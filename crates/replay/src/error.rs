@@ -1,7 +1,7 @@
 //! The crate's one error type, [`ReplayError`]: a run that cannot be configured, finish
 //! or report, or an input or output of the replay that fails.
 
-use crate::config::Layout;
+use unikv::Layout;
 
 /// What can go wrong in a replay: the cache refused the configuration or an operation,
 /// a run cannot finish, a workload, trace or ops trace is bad, an output cannot be

@@ -5,13 +5,13 @@
 //!
 //! | module | what it holds |
 //! |---|---|
-//! | [`config`] | [`Layout`], [`Backend`], one run's [`RunConfig`], a replay's [`ReplayOptions`] |
+//! | [`config`] | [`LAYOUTS`], [`Backend`], one run's [`RunConfig`], a replay's [`ReplayOptions`] |
 //! | [`scheduler`] | the scheduler: [`scheduler::run`], [`StepProgress`] |
 //! | [`runs`] | a replay's workloads and runs in order; [`run`]: one run, its ops recorded if asked |
 //! | [`stats`] | [`RunStats`], [`MambaStats`], samples, timing, why a run fails |
 //! | [`report`] | [`Report`]: the table, the JSON object, the verdict |
 //! | [`scale`] | `bench-scale`: the runs at growing pool and request counts |
-//! | [`spec`] | speculative runs: [`SpecMode`], the draft tree, the seeded acceptance |
+//! | [`speculative`] | speculative runs: [`SpecMode`], the draft tree, the seeded acceptance |
 //!
 //! It owns no command line, progress bar or plot: those are the `unikv` binary's
 //! (`crates/cli`), and this crate builds without them.
@@ -35,13 +35,15 @@ pub mod runs;
 pub mod samples;
 pub mod scale;
 pub mod scheduler;
-pub mod spec;
+pub mod speculative;
 pub mod stats;
 
-pub use config::{Backend, Layout, ReplayOptions, RunConfig};
+pub use config::{Backend, LAYOUTS, ReplayOptions, RunConfig};
 pub use error::ReplayError;
 pub use report::Report;
 pub use runs::run;
 pub use scheduler::StepProgress;
-pub use spec::SpecMode;
+pub use speculative::SpecMode;
 pub use stats::{MambaStats, RunStats, StepSample};
+/// The facade's layout, the one a run is configured with (re-exported for the binary).
+pub use unikv::Layout;

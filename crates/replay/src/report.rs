@@ -85,14 +85,14 @@
 //! Everything but the two timings is a function of the seed: with `--no-timing` the same
 //! seed prints the same bytes.
 
-use crate::config::Layout;
+use crate::config::serialize_layout;
 use crate::error::ReplayError;
-use crate::spec::ACCEPT_PROBABILITY;
+use crate::speculative::ACCEPT_PROBABILITY;
 use crate::stats::{Failure, MambaStats, RunStats, SpecStats, Timing};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use unikv::ModelSpec;
+use unikv::{Layout, ModelSpec};
 use unikv_invariants::Level;
 use unikv_workload::units::{format_bytes, format_ns, group_digits};
 
@@ -184,7 +184,7 @@ impl Report {
             }
         }
         for (_, _, runs) in &mut groups {
-            runs.sort_by_key(|r| r.layout);
+            runs.sort_by_key(|r| r.layout == Layout::Unified); // static first (stable)
         }
         groups
     }
@@ -222,7 +222,9 @@ impl Report {
     fn render_group(&self, runs: &[&RunStats]) -> String {
         // With both layouts: static, unified, ratio. Otherwise the runs as they are.
         let pair = match runs {
-            [s, u] if s.layout == Layout::Static && u.layout == Layout::Unified => Some((*s, *u)),
+            [s, u] if matches!(s.layout, Layout::Static { .. }) && u.layout == Layout::Unified => {
+                Some((*s, *u))
+            }
             _ => None,
         };
         let mut table = Table::new(runs.iter().map(|r| r.layout.as_str()), pair.is_some());
@@ -551,6 +553,7 @@ impl From<unikv::KvRows> for JsonRows {
 #[derive(Serialize)]
 struct JsonRun<'a> {
     workload: &'a str,
+    #[serde(serialize_with = "serialize_layout")]
     layout: Layout,
     page_size: u32,
     requests_total: u64,
@@ -690,6 +693,7 @@ fn union_keys<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::LAYOUTS;
     use crate::samples::{sample_mamba_report, sample_pair, sample_report, sample_spec_report};
 
     #[test]
@@ -910,11 +914,7 @@ mod tests {
         assert_eq!(
             groups,
             [
-                (
-                    "shared-prefix".to_string(),
-                    256,
-                    vec![Layout::Static, Layout::Unified]
-                ),
+                ("shared-prefix".to_string(), 256, LAYOUTS.to_vec()),
                 ("smoke".to_string(), 1, vec![Layout::Unified]),
             ]
         );

@@ -9,6 +9,7 @@ use crate::error::ReplayError;
 use crate::scheduler::{self, SpecNote, StepProgress};
 use crate::stats::RunStats;
 use std::path::Path;
+use unikv::Layout;
 use unikv_ops::{Op, Recorder};
 use unikv_workload::{Workload, trace};
 
@@ -134,12 +135,18 @@ fn run_one(
                 model: config.model.name.to_string(),
                 page_size: config.page_size,
                 memory_bytes: config.memory_bytes,
-                swa_full_ratio: config.swa_full_ratio,
+                // The unified layout has no ratio; its header carries the default.
+                swa_full_ratio: match config.layout {
+                    Layout::Static {
+                        swa_full_tokens_ratio,
+                    } => swa_full_tokens_ratio,
+                    Layout::Unified => Layout::DEFAULT_SWA_FULL_TOKENS_RATIO,
+                },
                 scratch_slots: match config.layout {
-                    crate::Layout::Static => {
+                    Layout::Static { .. } => {
                         unikv::verify_scratch_slots(crate::config::speculation(config))
                     }
-                    crate::Layout::Unified => 0,
+                    Layout::Unified => 0,
                 },
             };
             let (recorder, status) = Recorder::create(path, header)?;

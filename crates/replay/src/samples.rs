@@ -1,10 +1,11 @@
 //! Hand-made reports for tests of the renderings (here and in the command line's plots):
 //! compiled for this crate's tests and, with the `testing` feature, for other crates'.
 
-use crate::config::Layout;
+use crate::config::LAYOUTS;
 use crate::report::Report;
 use crate::stats::{MambaStats, RunStats, SpecStats, StepSample};
 use std::collections::BTreeMap;
+use unikv::Layout;
 use unikv::ModelSpec;
 use unikv_invariants::Level;
 
@@ -22,7 +23,7 @@ pub fn sample_pair() -> Vec<RunStats> {
         ..RunStats::default()
     };
     let statik = RunStats {
-        layout: Layout::Static,
+        layout: LAYOUTS[0],
         requests_completed: 192,
         peak_admitted: 141,
         retractions: 37,
@@ -134,7 +135,7 @@ pub fn sample_mamba_report() -> Report {
         ..RunStats::default()
     };
     let statik = RunStats {
-        layout: Layout::Static,
+        layout: LAYOUTS[0],
         prompt_tokens: 713_216,
         prefix_hit_tokens: 114_688,
         kv_hit_tokens: 147_456,

@@ -262,7 +262,8 @@ pub fn bench_scale(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Backend, Layout};
+    use crate::config::Backend;
+    use unikv::Layout;
     use unikv_workload::Preset;
     use unikv_workload::workload::VOCAB_SIZE;
 

@@ -2,10 +2,11 @@
 //! ([`MambaStats`]), the bounded per-step samples the plots draw ([`SampleRecorder`]),
 //! the CPU time summary ([`Timing`]) and why a run fails the verdict ([`Failure`]).
 
-use crate::config::{Layout, RunConfig};
+use crate::config::{LAYOUTS, RunConfig, serialize_layout};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt;
+use unikv::Layout;
 use unikv_workload::Workload;
 
 /// The bytes each sub-pool held at one step.
@@ -94,11 +95,12 @@ impl SpecStats {
 }
 
 /// What one run (a workload × a layout × a page size) did.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RunStats {
     /// The workload's name.
     pub workload: String,
-    /// The layout.
+    /// The layout (its name in JSON).
+    #[serde(serialize_with = "serialize_layout")]
     pub layout: Layout,
     /// Tokens per page.
     pub page_size: u32,
@@ -161,6 +163,39 @@ pub struct RunStats {
     pub samples: Vec<StepSample>,
     /// A speculative run's verify steps and its baseline (`None` without speculation).
     pub speculative: Option<SpecStats>,
+}
+
+/// Empty statistics of the static layout (the facade's [`Layout`] has no default): no
+/// workload, every count 0.
+impl Default for RunStats {
+    fn default() -> RunStats {
+        RunStats {
+            workload: String::new(),
+            layout: LAYOUTS[0],
+            page_size: 0,
+            memory_bytes: 0,
+            requests_total: 0,
+            requests_completed: 0,
+            peak_admitted: 0,
+            retractions: 0,
+            prompt_tokens: 0,
+            prefix_hit_tokens: 0,
+            kv_hit_tokens: 0,
+            recomputed_tokens: 0,
+            evictions_by_kind: BTreeMap::new(),
+            peak_bytes_by_subpool: BTreeMap::new(),
+            mamba: None,
+            host_syncs: 0,
+            steps: 0,
+            step_cpu_ns: Vec::new(),
+            step_with_metadata_cpu_ns: Vec::new(),
+            pages_handled: 0,
+            invariant_violations: 0,
+            leaked_pages: 0,
+            samples: Vec::new(),
+            speculative: None,
+        }
+    }
 }
 
 impl RunStats {

@@ -9,8 +9,8 @@
 //! compares the two on random ops). [`Buffer::dense_mut`] turns the buffer into one flat
 //! vector for good, for a kernel that needs a slice of it.
 
+use super::memory::filled;
 use crate::Error;
-use crate::cpu::filled;
 
 /// Bytes per chunk: larger than a page envelope at small page sizes, small enough that a
 /// stamped byte materialises little.
