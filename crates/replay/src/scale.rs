@@ -90,8 +90,9 @@ pub struct ScaleRun {
     pub workload: String,
     /// Tokens per page.
     pub page_size: u32,
-    /// The layout.
-    pub layout: crate::config::Layout,
+    /// The layout (its name in JSON).
+    #[serde(serialize_with = "crate::config::serialize_layout")]
+    pub layout: unikv::Layout,
     /// One row per scale, in `--scales` order.
     pub rows: Vec<ScaleRow>,
 }
