@@ -18,6 +18,43 @@
 //! | verify metadata | `reserve_verify_metadata`, `build_verify_metadata`, `translate_verify`, `compact_accepted` | `verify.rs` |
 //!
 //! The device tables the last two fill are owned here and kept in `tables.rs`, a leaf.
+//!
+//! # Sizes and refusals
+//! Every size a caller passes is checked without arithmetic that can wrap, and a page
+//! demand beyond a side's total is refused before the allocator or the eviction loop
+//! sees it: [`HybridCache::can_admit`] says `false`, the allocations return
+//! [`Error::OutOfMemory`] and nothing is evicted
+//! (`a_demand_beyond_every_page_is_out_of_memory_and_evicts_nothing`,
+//! `alloc_extend_past_usize_max_is_a_bad_request_and_changes_nothing`); the builder
+//! refuses a model whose page bytes overflow 64 bits
+//! (`a_model_whose_page_bytes_overflow_64_bits_is_a_config_error`).
+//!
+//! # The step boundary
+//! [`HybridCache::step_boundary`] closes the step's free group, checks conservation per
+//! side (available + evictable + protected + held = total; on the Mamba side `held`
+//! counts the verify scratch groups with the requests' slots), uploads the mirror, opens
+//! the next group, publishes the states the step wrote, runs the tree's `sanity_check`
+//! at `Strict` every [`TREE_SANITY_INTERVAL`]-th step and polls the cache's invariant
+//! scope — each part whatever an earlier one returned, so an error still leaves the next
+//! group open and nothing pending (`a_failed_mirror_upload_still_reopens_the_free_group`,
+//! `a_failed_group_end_still_applies_the_steps_frees_and_keeps_a_group_open`,
+//! `a_failed_conservation_check_leaves_nothing_pending`).
+//!
+//! # Recurrent state
+//! For a model with recurrent layers, [`HybridCache::admit`] allocates the request's
+//! running slot (the eviction loop evicts FULL donors when the bytes are short, cached
+//! states last) and copies the state its match ended at into it; the allocations plan
+//! the step's checkpoints (`cache/checkpoints.rs`) and take their slots in the same
+//! eviction loop as the KV. [`HybridCache::cache_unfinished`] and
+//! [`HybridCache::cache_finished`] insert every held checkpoint at its position (and
+//! `cache_finished` the running state when its rows end a page); a state the step in
+//! flight writes ends no match and cannot be evicted until the step boundary publishes
+//! it (`a_state_written_in_the_current_step_is_matched_only_after_the_boundary`);
+//! [`HybridCache::release`] frees them all, and `apply` frees the slots of the tree's
+//! `EvictMambaState` / `FreeMambaSlot` actions. tests/recurrent_reuse.rs,
+//! tests/mamba_lifecycle.rs and tests/mamba_proptest.rs hold the lifecycle
+//! (`a_finished_request_caches_its_checkpoints_and_a_follow_up_copies_the_deepest`,
+//! `a_slot_shortfall_with_free_slot_ids_evicts_full_donors_and_never_loops`).
 
 use crate::error::Error;
 use crate::invariants_decl::CONSERVATION;

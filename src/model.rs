@@ -3,6 +3,14 @@
 //!
 //! Every named spec's numbers come from the model's published configuration; each doc
 //! comment names the configuration fields it read and where they were found.
+//!
+//! Each attention kind has its own [`KvRows`], mapped by [`ModelSpec::kv_sub_pools`] to
+//! one [`SubPoolSpec`](unikv_pools::SubPoolSpec) per side; the builder and `bench-ops`'s
+//! rebuild of a recorded allocator use that one mapping
+//! (`each_side_pages_its_own_rows`,
+//! `a_request_lives_and_ends_on_a_model_with_asymmetric_rows`). A model with recurrent
+//! layers carries a [`RecurrentState`] (Qwen3-Next-80B-A3B, Nemotron-H-8B, a synthetic
+//! FULL+SWA+Mamba spec; `named_models_with_recurrent_layers_build_on_both_layouts`).
 
 use std::fmt;
 use unikv_mamba::{checked_product, saturated};

@@ -7,6 +7,37 @@
 //! host learns them when it learns them (one step late under an overlap scheduler), so
 //! nothing waits for them: [`crate::HybridCache::settle`] applies them whenever they
 //! arrive, oldest verify first.
+//!
+//! # Where the parts live
+//! | part | file |
+//! |---|---|
+//! | the vocabulary ([`Speculation`], [`Draft`], [`Accepted`]) | `speculative.rs` (here) |
+//! | `alloc_verify`, `settle` | `cache/speculative.rs` |
+//! | the scratch groups a verify writes its states into | `cache/scratch.rs` |
+//! | verify metadata and `compact_accepted` | `verify.rs` |
+//!
+//! # What holds
+//! - A bad setting is refused at build (`a_bad_speculation_setting_is_refused_at_build`).
+//! - Draft tokens never enter the tree; a request with an unsettled verify refuses a
+//!   plain decode or prefill ([`crate::Error::Unsettled`]), and every bad draft or
+//!   settlement is a typed error that changes nothing
+//!   (`bad_settlements_and_drafts_are_typed_errors_that_change_nothing`; random
+//!   lifecycles with every byte checked in tests/speculative_proptest.rs).
+//! - Admission prices what a verifying request transiently holds: the rows of
+//!   `max_width × max_in_flight` positions and the scratch its verifies need where the
+//!   cache has made none to spare
+//!   (`admission_prices_the_verify_rows_and_scratch_of_a_running_request`).
+//! - The draft model's KV shares the FULL envelope
+//!   ([`ModelSpec::draft_layers`](crate::ModelSpec::draft_layers): FULL layers past the
+//!   target's).
+//! - The tiny engine's `--spec` (tests/tiny_engine_spec.rs) drafts with the target's
+//!   first layer, verifies chains and a tree through the verify metadata with counts
+//!   settled at once and one step late, and its outputs equal the plain greedy decode bit
+//!   for bit, with reuse off and on; every state a request resumes from equals a
+//!   contiguous recompute of its prefix
+//!   (`speculative_turns_on_full_swa_match_plain_decoding_with_reuse_off_and_on`,
+//!   `speculative_turns_on_the_tri_pool_resume_exact_states`,
+//!   `a_flipped_bit_in_a_state_resumed_after_a_speculative_turn_fails_the_state_check`).
 
 use crate::error::{AcceptedFault, Error};
 use unikv_pools::VirtualSlot;

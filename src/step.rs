@@ -18,7 +18,29 @@
 //! metadata is only readable while the tables it was built from are unchanged:
 //! [`HybridCache::step_view`] checks the cache's mirror generation and refuses stale
 //! metadata with [`Error::StaleStepMetadata`], and the view it returns borrows the cache,
-//! so nothing can change the tables while it is read.
+//! so nothing can change the tables while it is read
+//! (`metadata_built_before_a_compacting_allocation_is_refused_and_a_rebuild_names_the_moved_pages`).
+//!
+//! # The fixed layout
+//! [`HybridCache::reserve_step_metadata`] fixes a [`StepCapacity`]: every section of the
+//! step table is sized for it and the batch padded with empty runs, so every step within
+//! it has the same offsets and a CUDA graph captured once reads them
+//! (`a_reserved_capacity_gives_every_step_the_same_layout`); beyond it the shape grows by
+//! doubling. Once reserved, a build issues no host sync and allocates nothing
+//! (`step_metadata_from_the_lanes_issues_no_host_sync`).
+//!
+//! # Checks
+//! - The device-built table equals the host-built one entry for entry after every step
+//!   of the Mamba and speculative property tests (`tests/common`'s
+//!   `assert_device_tables_match_host`), and the first cases pin worked examples
+//!   (`metadata_names_the_host_kernel_ids_and_is_uploaded_in_one_op`).
+//! - A window page below the request's window cursor that reads the sink counts as
+//!   `step.window_live` (`a_window_below_the_window_cursor_is_a_window_live_breach`).
+//! - A verify step's context comes from the same tables: the verifiers go into the
+//!   step's batch with their reserved rows as new tokens (the tiny engine's `--spec`).
+//! - `benches/step_cost.rs` prints the host cost of a whole decode step at batch 256
+//!   (allocator, metadata, boundary) from 512 to 64k tokens of context, beside the
+//!   host-built metadata's.
 
 pub use crate::tables::StepCapacity;
 use crate::tables::{DeviceTables, Shape, to_i32};

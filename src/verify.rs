@@ -21,6 +21,15 @@
 //! After the verify forward, [`HybridCache::compact_accepted`] moves a tree verify's
 //! accepted nodes' KV to consecutive rows with one fixed-shape device copy that reads
 //! the accepted paths on the device.
+//!
+//! The tables are sized once by [`HybridCache::reserve_verify_metadata`] (set-up: an
+//! allocation); after it nothing on the speculative path waits for the device
+//! (`every_speculative_path_issues_no_host_sync`, which builds, translates and compacts
+//! verify metadata on the CPU and emulated CUDA backends). Padding requests and the
+//! positions past a draft name the sink, after a late verify too
+//! (`verify_metadata_is_fixed_shape_and_pads_to_the_sink`,
+//! `a_late_verify_pads_past_its_draft_to_the_sink`). `benches/verify.rs` times a verify
+//! step against a decode step in one run.
 
 use crate::cache::HybridCache;
 use crate::error::Error;

@@ -1,6 +1,21 @@
 //! Checkpoint plans: which states each request of an allocation saves this step, the
 //! slots they take (reused held ones first, then fresh ones priced with the KV), and what
 //! a request holds once the allocation succeeds.
+//!
+//! The plan reuses the slots of checkpoints the request holds from earlier steps first,
+//! never one the step's forward already writes
+//! (`a_second_chunk_in_one_step_never_rewrites_a_slot_the_step_writes`,
+//! `a_decoding_request_rewrites_one_checkpoint_slot`). A prefill chunk's checkpoints are
+//! priced like its KV; a decode's are best effort, saved only when their fresh slots fit
+//! beside the KV, never at the price of a failed decode, while the writes into held slots
+//! stay (`a_decode_checkpoint_never_costs_the_decode_its_memory`,
+//! `a_decode_short_of_fresh_slots_keeps_the_writes_into_held_ones`). When the KV
+//! allocation (or a settlement's copy) fails, the fresh slots go back
+//! (`a_failed_settlement_copy_gives_back_its_fresh_checkpoint_slots`); the simulator's
+//! allocator faults catch a leaked slot as broken conservation.
+//! [`Request::checkpoint_writes`](crate::Request::checkpoint_writes) tells the engine where
+//! to save, and the step metadata carries the writes as a prefix-summed section
+//! (`checkpoint_writes_are_a_prefix_summed_section_of_the_step_table`).
 
 use super::HybridCache;
 use crate::error::Error;

@@ -1,5 +1,21 @@
 //! The tree's actions turned into frees (the one place), and eviction: `make_room`, the
 //! loop every allocation short of memory runs, `evict_to_free` and `evict_all`.
+//!
+//! `apply` is the one place tree actions become frees: one `free_batch` per action list,
+//! which cannot fail, so nothing can fail between a tree change and its frees (the
+//! finishing methods' own row frees go the same way). Every action list is applied
+//! whole, with no flush and no allocation between its actions, so no virtual id is
+//! recycled while an action naming it is unapplied, though ids freed in a step are
+//! recycled in that step after a flush
+//! (`ids_freed_in_a_step_are_recycled_in_that_step_after_a_flush`,
+//! `no_free_names_an_id_that_is_not_owned_any_more`).
+//!
+//! `make_room` is the one eviction loop: flush deferred frees, ask the allocator's
+//! `reclaim_plan`, evict, check the fit again. A FULL pass evicts node by node until the
+//! plan's `full_floor_pages` (at least one node) is released, since no fit needs less
+//! FULL; an SWA pass evicts one node
+//! (`s30_eviction_continues_until_the_joint_allocation_fits_and_no_further`,
+//! `s31_reclaim_evicts_nothing_when_impossible_and_enough_when_possible`).
 
 use super::{HybridCache, Layout};
 use crate::error::Error;

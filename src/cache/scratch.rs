@@ -7,7 +7,28 @@
 //! since this step's forward may still read it (a later verify of the same request reads
 //! its accepted state there). At the step boundary the cache keeps up to
 //! [`Speculation::scratch_groups`] groups for the next verifies and frees the rest, so
-//! in the steady state the scratch is made once and priced once.
+//! in the steady state the scratch is made once and priced once, and draft states never
+//! take the room of cached ones
+//! (`a_verify_writes_a_scratch_group_and_settling_copies_the_accepted_state_into_the_running_slot`,
+//! `the_step_boundary_keeps_the_declared_scratch_groups_and_frees_the_rest`). A verify
+//! takes an idle group or makes one from fresh slots priced in the same eviction loop as
+//! its KV, evicting cached states if it must, and a verify refused at any allocator call
+//! gives its fresh scratch back (`a_verify_evicts_cached_states_to_make_its_scratch`,
+//! `a_verify_refused_at_any_allocator_call_gives_its_fresh_scratch_back`).
+//!
+//! With counts a step late a request holds two groups, so a verify never reads a state
+//! slot it writes: the verify metadata's slots are `[running, earlier verify's group,
+//! newest group]`, the input the running slot or the earlier group's slot at its last
+//! accepted node (a device offset), the outputs the newest group
+//! (`a_verify_never_reads_a_state_slot_it_writes` checks every late configuration).
+//!
+//! The design follows SGLang's `intermediate_ssm_state_cache` — per-draft states in a
+//! buffer apart from the prefix cache's states, sized by the running batch × draft
+//! tokens — with two differences: the groups live in the same slot machinery (the
+//! unified layout lends the buffer's bytes to them only while they are made; the static
+//! layout sizes its slot pool
+//! [`verify_scratch_slots`](crate::verify_scratch_slots) beyond the reference pool, the
+//! KV pools getting the rest), and two groups per request with counts a step late.
 
 use crate::Speculation;
 use crate::request::Request;

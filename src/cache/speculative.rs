@@ -1,6 +1,29 @@
 //! Verify steps ([`HybridCache::alloc_verify`]) and their settlement
 //! ([`HybridCache::settle`]): the host reserves every position a verify may keep, and
 //! gives back what was rejected when the accepted counts arrive, whenever that is.
+//!
+//! `alloc_verify` reserves, per request, the rows of every position its draft verifies
+//! for the worst case — every earlier unsettled verify accepted whole — after releasing
+//! the SWA that left the window of the *settled* rows, so every position a verify reads
+//! keeps its window, `W + k`
+//! (`swa_keeps_the_window_behind_every_verify_position_across_a_release`). `settle`
+//! applies accepted counts oldest first (at most `max_in_flight` verifies of a request
+//! unsettled): the accepted tokens join the request, and the rows past what a later
+//! unsettled verify may still read are freed as whole pages in one `free_batch`, a partly
+//! used page staying (`late_counts_settle_in_order_and_free_only_what_no_verify_may_read`,
+//! `a_partial_tail_frees_whole_pages_only_inside_one_page_and_across_a_boundary`).
+//!
+//! On a recurrent model a request runs on **one** running slot, as without speculation;
+//! each unsettled verify writes the state after each of its positions into a scratch
+//! group (`cache/scratch.rs`). Settling *copies* the last accepted position's state into
+//! the running slot, and the states of the checkpoints the accepted positions cross into
+//! their slots, in one `copy_slots` issued before anything changes on the host — settled
+//! in the step or a step late alike, since a later verify writes a group of its own
+//! (`a_settled_verify_crossing_a_grid_point_saves_its_state_there_on_time_and_late`). So
+//! the running slot always holds the state at the settled length, and a request that
+//! finishes with a verify in flight caches it
+//! (`a_finish_with_a_verify_in_flight_caches_the_running_state`,
+//! `a_follow_up_turn_after_a_speculative_turn_resumes_from_the_end_of_its_output`).
 
 use super::{CheckpointPlan, Checkpoints, HybridCache};
 use crate::error::Error;
@@ -23,8 +46,9 @@ impl HybridCache {
     /// accepted ones join the request at [`HybridCache::settle`].
     ///
     /// On a model with recurrent layers the verify writes the state after its position
-    /// `i` into the `i`-th slot of the request's slot group ([`Request::state_group`]),
-    /// reading the running state ([`Request::state_slot`]).
+    /// `i` into the `i`-th slot of a scratch group ([`Request::state_group`]), reading
+    /// the running state ([`Request::state_slot`]) or, with an earlier verify unsettled,
+    /// that verify's group at its last accepted position (a device offset).
     ///
     /// Errors, before anything changes: a cache built without speculation
     /// ([`Error::SpeculationOff`]), a draft wider than it was built for
@@ -161,19 +185,19 @@ impl HybridCache {
     /// KV is moved there on the device by a fixed-shape copy that reads the accepted path
     /// there (the verify's metadata carries what it needs), so the host moves nothing.
     ///
-    /// On a model with recurrent layers the last accepted position's slot of the group
-    /// becomes the running state (a selection, not a copy). When no later verify of the
-    /// request is in flight, the grid points, branching point and prompt end the accepted
-    /// positions cross are saved as checkpoints, copied out of the group (best effort:
-    /// only into slots that fit without evicting the accepted KV's room); a later verify
-    /// already in flight rewrites the group, so a late-settled step saves none.
+    /// On a model with recurrent layers the last accepted position's state is copied
+    /// from the verify's scratch group into the request's running slot, and the grid
+    /// points, branching point and prompt end the accepted positions cross are saved as
+    /// checkpoints, copied out of the group too (best effort: only into slots that fit
+    /// without evicting the accepted KV's room) — in one device copy, settled on time or
+    /// late alike (a later verify writes a group of its own). The group goes back to the
+    /// cache.
     ///
     /// Errors, before anything changes: a request with no unsettled verify
-    /// ([`Error::NothingToSettle`], e.g. settled twice) or accepted positions that do not
+    /// ([`Error::NothingToSettle`], e.g. settled twice), accepted positions that do not
     /// fit its verify ([`Error::BadAccepted`]: none, more than its width, a path for a
-    /// chain, a path that is not a root-to-node path of its tree). A device error while
-    /// copying checkpoints out is returned after the settlement took effect, without
-    /// those checkpoints.
+    /// chain, a path that is not a root-to-node path of its tree), or a device error of
+    /// the state copy, which is issued before the host changes anything.
     pub fn settle(
         &mut self,
         batch: &mut [&mut Request],

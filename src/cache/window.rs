@@ -1,6 +1,17 @@
 //! The sliding window: SWA KV a request's rows left behind is released once the cursor
 //! lags by the eviction interval, one request ([`HybridCache::release_out_of_window`]) or
 //! a batch in one allocator call (before a decode or verify batch allocates).
+//!
+//! The release keeps the window rounded up to whole pages behind the last whole page
+//! (`⌊len⌋ − ⌈W⌉`), so a finished conversation's follow-up turn can end its match there
+//! even when the page size does not divide the window
+//! (`a_follow_up_turn_hits_its_history_whatever_the_page_size_and_window`). The cursor
+//! only moves up, in whole pages, never below the tree-owned prefix
+//! (`s20_ratchet_keeps_the_window_live_and_only_moves_up_in_pages`,
+//! `s21_window_eviction_never_frees_the_tree_owned_prefix`). The batch form checks every
+//! segment before any page is freed, and at page size 1 without checks is one
+//! release pass in the pools (`a_window_batch_equals_the_segment_frees_one_by_one`,
+//! `a_window_batch_without_checks_equals_the_checked_page_by_page_release`).
 
 use super::HybridCache;
 use crate::error::Error;

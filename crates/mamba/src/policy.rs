@@ -17,6 +17,12 @@
 //! A step saves at most [`StatePolicy::checkpoints_per_step`] states, so a request holds
 //! at most one running slot and that many checkpoint slots
 //! ([`StatePolicy::slots_per_request`]).
+//!
+//! By default the interval is 256 tokens (SGLang's `mamba_track_interval`) and a step
+//! saves at most 2 states, so a request holds at most three slots. The plan and the grid are
+//! checked against brute-force models in `tests/properties.rs`
+//! (`a_plan_keeps_the_worthiest_distinct_page_boundaries_inside_the_step`,
+//! `grid_queries_match_brute_force`).
 
 use std::num::NonZeroU32;
 use std::ops::Range;

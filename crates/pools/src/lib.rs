@@ -25,6 +25,25 @@
 //! entries), [`VirtualIds`] (an id owner's free ids), [`Grid`], [`SubPoolSpec`],
 //! [`SlotPoolSpec`] and [`sink_floor`].
 //!
+//! # Mamba slots and absent sides
+//! State slots are a third side of the same machinery, not an allocator of their own: a
+//! [`SlotPoolSpec`] (bytes per slot, 8-aligned) gives a grid of page size 1, and a
+//! [`SubAllocator`] with its own [`VirtualIds`] ([`VirtualSlot`], 0 = sink) holds the
+//! slots, with holes, lazy compaction that moves whole slot envelopes through
+//! `move_spans` and a slot mirror that `translate` reads at stride 1
+//! (`compaction_moves_whole_slot_envelopes_and_every_slot_keeps_its_bytes`). Slot calls
+//! are the free family's slot path (`free_slots`, deferred in a group through the fifth
+//! list), `copy_slots` (copy-on-write, every pair checked before one move batch) and
+//! `alloc_slots` (transactional like a page allocation). [`KvAllocator::reclaim_plan`]
+//! reclaims SWA, then Mamba states, then FULL, so for a byte-bound slot shortfall FULL
+//! is the donor and a cached state the last resort
+//! (`a_slot_shortfall_with_spare_ids_is_paid_by_full_donors_and_states_last`,
+//! `reclaim_plan_sizes_slot_eviction_after_flushing_the_slot_list`). A layout without a
+//! side treats it as absent: an empty grid (`Grid::ABSENT`), no mirror, every id the
+//! sink, slot calls [`Error::NoSlotPool`], SWA-only calls [`Error::NoSwaSide`]
+//! (`slot_demands_on_a_pool_without_slots_are_typed_errors_that_change_nothing`,
+//! `a_full_only_static_allocator_binds_full_and_refuses_swa_frees`).
+//!
 //! ```
 //! use std::sync::Arc;
 //! use unikv_kernels::CpuDevice;

@@ -10,6 +10,12 @@
 //! This file holds the layout, the tables the free family works on and the
 //! [`KvAllocator`] implementation; `fit` is the feasibility check (and where a float's
 //! pages go), `room` the shortfall ladder, `alloc` the allocation paths.
+//!
+//! The float's moves are checked from both ends in `tests/tri_pool.rs`
+//! (`scenario_34_the_float_lands_at_the_midpoint_parks_when_empty_and_never_walls_off_full`,
+//! `scenario_35_full_needing_the_floats_bytes_relays_the_fewest_boundary_swa_pages`), and
+//! a device fault anywhere in the ladder changes nothing a caller sees
+//! (`a_device_fault_anywhere_in_the_ladder_changes_nothing_a_caller_sees`).
 
 mod alloc;
 mod fit;

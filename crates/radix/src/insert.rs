@@ -27,6 +27,15 @@
 //! holds no more than the cap: first the states that serve no reuse (neither the deepest
 //! state above a node where paths diverge nor copied by an admission), then the others,
 //! each group least recently used first.
+//!
+//! Checks: the model test (`random_request_lifecycles_keep_the_tree_and_the_ledger_consistent`)
+//! runs every sequence with and without [`InsertRequest::after`] in lockstep and compares
+//! the trees, and the `tree` bench times both. The path cap values a state by the reuse
+//! it serves because recency alone misleads there (a path's own inserts make every older
+//! state on it look stale): `the_mamba_path_cap_keeps_the_state_other_paths_branch_from`,
+//! `the_mamba_path_cap_keeps_a_state_an_admission_copied`, and in the facade
+//! `every_request_after_the_first_branch_resumes_from_its_state` (a shared prompt's
+//! branch state survives the chunk states of the request that saved it).
 
 use crate::error::RadixError;
 use crate::lock::State;
