@@ -1,5 +1,5 @@
 //! Facade benchmarks: the allocator + tree CPU time of one scheduler step
-//! (DESIGN.md §10: a decode step of a batch of 256 at page size 1 within 20 µs), the
+//! (the target: a decode step of a batch of 256 at page size 1 within 20 µs), the
 //! same for a Mamba hybrid, the lifecycle operations around it and a match against the
 //! shared-prefix preset's tree. Run with
 //! `cargo bench -p unikv --bench step`.

@@ -236,7 +236,7 @@ pub struct BenchOpsArgs {
     /// The ops file written by `unikv replay --record-ops`.
     pub file: PathBuf,
     /// The invariant levels to measure at, in order, without duplicates (default off and
-    /// strict, the two levels of the throughput targets in DESIGN.md §10).
+    /// strict, the two levels of the throughput targets).
     pub levels: Vec<Level>,
     /// Print one JSON object instead of the table.
     pub json: bool,

@@ -31,7 +31,7 @@ use unikv_workload::Preset;
 /// gpt-oss-20b's ~13 GB of weights.
 pub const DEFAULT_MEMORY_BYTES: u64 = 16 << 30;
 
-/// The default page sizes: 1 and 256 (DESIGN.md §9).
+/// The default page sizes: 1 and 256.
 pub const DEFAULT_PAGE_SIZES: [u32; 2] = [1, 256];
 
 /// The default seed.

@@ -1,7 +1,7 @@
 //! The replay library behind `unikv replay` and `unikv bench-scale`: a deterministic
 //! scheduler that drives the cache the way an engine would, once with the static paged
 //! pools (fixed FULL, SWA and Mamba state slot pools) and once with the unified pool,
-//! and the side-by-side report of what each did (DESIGN.md §9).
+//! and the side-by-side report of what each did.
 //!
 //! | module | what it holds |
 //! |---|---|

@@ -564,6 +564,13 @@ impl<'a> Simulation<'a> {
         }
     }
 
+    /// The whole size of running request `i`: its workload prompt and every output token,
+    /// what it needs at its end (not the rows it holds now).
+    fn full_size(&self, i: usize) -> usize {
+        let spec = &self.workload.requests[self.running[i].spec];
+        spec.total_len() as usize
+    }
+
     fn too_small(&self, tokens: usize) -> ReplayError {
         let m = &self.config.model;
         let per_token = m.full_bytes_per_token() + m.swa_bytes_per_token();

@@ -419,7 +419,7 @@ impl Preset {
         Preset::MambaStarvation,
     ];
 
-    /// The four presets of DESIGN.md §9 and `multi-turn`, which `unikv replay` runs for
+    /// The four reference presets and `multi-turn`, which `unikv replay` runs for
     /// every model when no `--workload` is given (not `smoke`; see
     /// [`Preset::defaults_for`]).
     pub const DEFAULTS: [Preset; 5] = [

@@ -137,7 +137,7 @@ impl Simulation<'_> {
                 }
                 Err(unikv::Error::OutOfMemory { .. }) => {
                     if self.retract_newest()?.is_none() {
-                        return Err(self.too_small(self.running[i].req.tokens().len()));
+                        return Err(self.too_small(self.full_size(i)));
                     }
                 }
                 Err(e) => return Err(e.into()),
@@ -178,7 +178,9 @@ impl Simulation<'_> {
             match alloc(self, decoders) {
                 Ok(()) => return Ok(Some(retracted_any)),
                 Err(unikv::Error::OutOfMemory { .. }) => {
-                    let need = self.running[decoders[0]].req.len() + extra;
+                    let need = self
+                        .full_size(decoders[0])
+                        .max(self.running[decoders[0]].req.len() + extra);
                     match self.retract_newest()? {
                         Some(retracted) => {
                             retracted_any = true;

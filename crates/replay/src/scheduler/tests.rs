@@ -83,6 +83,34 @@ fn an_impossible_budget_is_a_clear_error_not_a_hang() {
     }
 }
 
+/// A request that is admitted (its reserve is clipped) but cannot decode to its end
+/// alone is refused with its whole size, not the rows it held when memory ran out.
+#[test]
+fn a_request_too_large_to_finish_alone_is_refused_with_its_whole_size() {
+    let model = ModelSpec::GPT_OSS_20B;
+    let per_token = model.full_bytes_per_token() + model.swa_bytes_per_token();
+    let workload = unikv_workload::Workload {
+        name: "one long request".into(),
+        concurrency: 1,
+        requests: vec![unikv_workload::RequestSpec {
+            id: 0,
+            arrival_step: 0,
+            prompt: (0..1_000).collect(),
+            output_len: 200_000,
+            after: None,
+            output: None,
+        }],
+    };
+    // Room for the prompt and the clipped reserve, far from 201,000 tokens.
+    let config = RunConfig::new(model, Layout::Unified, 16, per_token * 20_000);
+    let err = run(&workload, &config, (), &|_| {}).unwrap_err();
+    assert!(matches!(err, ReplayError::BudgetTooSmall { .. }), "{err:?}");
+    assert!(
+        err.to_string().contains("one request of 201000 tokens"),
+        "{err}"
+    );
+}
+
 /// A run reports its own cache's breaches only: another scope of the process (another
 /// cache, another rank) breaching at every step of the run does not show in it.
 #[test]
