@@ -37,7 +37,8 @@ pub enum ReplayError {
     /// never finish (reported up front instead of hanging).
     #[error(
         "{workload} ({layout}, page size {page_size}): a budget of {budget_bytes} bytes \
-         cannot run it: {reason} (needs at least {needed_bytes} bytes)"
+         cannot run it: {reason} (its KV and states alone take {needed_bytes} bytes{})",
+        split_note(*.layout)
     )]
     BudgetTooSmall {
         /// The workload.
@@ -48,7 +49,9 @@ pub enum ReplayError {
         page_size: u32,
         /// The budget given.
         budget_bytes: u64,
-        /// The least budget that could finish the run.
+        /// The bytes that request's KV and states take on their own: the least budget
+        /// that could finish the run in the unified layout (the static one splits the
+        /// budget between fixed pools, so it may need more).
         needed_bytes: u64,
         /// Which request or sub-pool does not fit.
         reason: String,
@@ -78,4 +81,12 @@ pub enum ReplayError {
         /// Why it stopped.
         reason: String,
     },
+}
+
+/// What a static layout adds to a budget's shortfall: its pools split the budget.
+fn split_note(layout: Layout) -> &'static str {
+    match layout {
+        Layout::Static { .. } => ", and the static layout splits the budget between fixed pools",
+        Layout::Unified => "",
+    }
 }
