@@ -2,10 +2,13 @@
 //!
 //! - `cargo xtask test` — the whole test matrix: features {default, cuda} ×
 //!   `UNIKV_INVARIANT_CHECK` {off, warn, strict} × `UNIKV_TEST_PAGE_SIZE` {1, 16, 256}
-//!   under nextest, then the doctests; prints a table of cells.
+//!   under nextest, then the doctests; prints a table of cells; then the Python stage:
+//!   the `unikv` wheel built by maturin into `target/py-venv`, its pytest suite and
+//!   `mypy --strict`.
 //! - `cargo xtask ci` — what CI runs: fmt check, the module-cycle check, clippy `-D warnings` (both feature
 //!   sets), rustdoc with warnings denied, the NVRTC compile check of every `.cu`, the
-//!   test matrix, the loom models and a CI-sized run of the simulator.
+//!   test matrix, the Python stage, the loom models and a CI-sized run of the simulator.
+//! - `cargo xtask python` — the Python stage alone (the bindings' wheel, pytest, mypy).
 //! - `cargo xtask gpu` — the one script to run on a GPU machine: driver and NVRTC
 //!   versions, NVRTC compile check, CPU-vs-CUDA parity tests. Says so when there is no GPU.
 //! - `cargo xtask gpu-bundle [DIR]` — the same checks for a GPU machine without Rust: the
@@ -28,6 +31,7 @@
 mod cmd;
 mod cycles;
 mod nvrtc;
+mod python;
 mod tasks;
 
 use std::process::ExitCode;
@@ -45,6 +49,7 @@ fn main() -> ExitCode {
         Some("mutants") => tasks::mutants(&args[1..]),
         Some("nvrtc") => tasks::nvrtc_check(),
         Some("cycles") => cycles::cycles(),
+        Some("python") => python::python_tests(),
         Some("help" | "--help" | "-h") | None => {
             println!("{}", USAGE);
             Ok(())
@@ -63,10 +68,12 @@ fn main() -> ExitCode {
 const USAGE: &str = "usage: cargo xtask <task>
 
 tasks:
-  test [--quick]   the test matrix (features x invariant levels x page sizes), then doctests;
-                   --quick runs only the default-feature cells
-  ci               fmt, module cycles, clippy, rustdoc, NVRTC check, the test matrix, loom models,
-                   the simulator over CI_SIM_SEEDS seeds
+  test [--quick]   the test matrix (features x invariant levels x page sizes), then doctests,
+                   then the Python bindings' pytest suite and mypy --strict (a virtualenv
+                   under target/py-venv); --quick runs only the default-feature cells
+  ci               fmt, module cycles, clippy, rustdoc, NVRTC check, the test matrix, the
+                   Python stage, loom models, the simulator over CI_SIM_SEEDS seeds
+  python           the Python stage alone: the bindings' wheel, pytest and mypy --strict
   sim [--seeds N] [--first S | --seed S]
                    the deterministic simulator with faults: N seeds (default 10000) from
                    S (default 0), or the one seed S; a failure prints its seed

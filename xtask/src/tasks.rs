@@ -39,7 +39,8 @@ pub fn test(args: &[String]) -> Result<(), String> {
             "unknown option {bad:?} for test (expected --quick)"
         ));
     }
-    run_matrix(quick, &[])
+    run_matrix(quick, &[])?;
+    crate::python::python_tests()
 }
 
 /// Runs the matrix with extra environment for every cell; then doctests.
@@ -205,6 +206,7 @@ pub fn ci() -> Result<(), String> {
     // The matrix runs with libnvrtc on the library path, so the cuda cells compile the
     // kernels for real instead of skipping.
     run_matrix(false, &[("LD_LIBRARY_PATH", library_path)])?;
+    crate::python::python_tests()?;
     loom()?;
     // The simulator, sized for CI (the dev build the matrix made; `cargo xtask sim` runs
     // thousands in release).

@@ -1,0 +1,40 @@
+"""unikv: one byte buffer for a hybrid LLM's FULL and SWA KV and recurrent state, with a
+radix prefix cache on top, for engines that schedule in Python.
+
+The extension (``unikv._unikv``) is thin: every call releases the GIL, locks the cache
+and runs the Rust facade. See ``HybridCache`` for the request lifecycle.
+"""
+
+from ._unikv import (
+    DeviceError,
+    Error,
+    HybridCache,
+    InternalError,
+    InvalidArgument,
+    InvariantViolation,
+    OutOfMemory,
+    PrefixMatch,
+    Request,
+    SideStats,
+    Stats,
+    StepReport,
+    __version__,
+    models,
+)
+
+__all__ = [
+    "DeviceError",
+    "Error",
+    "HybridCache",
+    "InternalError",
+    "InvalidArgument",
+    "InvariantViolation",
+    "OutOfMemory",
+    "PrefixMatch",
+    "Request",
+    "SideStats",
+    "Stats",
+    "StepReport",
+    "__version__",
+    "models",
+]

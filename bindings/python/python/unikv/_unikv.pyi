@@ -1,0 +1,126 @@
+"""Type stubs of the Rust extension ``unikv._unikv`` (see ``unikv``)."""
+
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import numpy as np
+from typing_extensions import Buffer
+
+__version__: str
+
+Tokens = Union[Buffer, "np.ndarray[Any, Any]", Sequence[int]]
+"""Token ids: a C-contiguous int32/int64 buffer (numpy array, ``array('q')``) or ints."""
+
+class Error(Exception):
+    """Everything unikv raises: a failed cache operation changes nothing it was given."""
+
+class OutOfMemory(Error):
+    """Not enough memory even after evicting every unlocked prefix."""
+
+    full_pages: int
+    swa_pages: int
+    mamba_slots: int
+    full_available: int
+    swa_available: int
+    mamba_available: int
+
+class InvalidArgument(Error):
+    """An argument the cache refuses (bad configuration, request, count or buffer)."""
+
+    request: Optional[int]
+    """The request it concerns, when there is one."""
+
+class InvariantViolation(Error):
+    """An invariant failed at the current ``UNIKV_INVARIANT_CHECK`` level."""
+
+class DeviceError(Error):
+    """The device refused an operation."""
+
+class InternalError(Error):
+    """A bug in unikv (a Rust panic caught at the boundary)."""
+
+class PrefixMatch:
+    """What the prefix cache holds for a prompt; admitting it consumes it."""
+
+    @property
+    def cached_tokens(self) -> int: ...
+    @property
+    def kv_hit_tokens(self) -> int: ...
+    @property
+    def prompt_len(self) -> int: ...
+
+class Request:
+    """A running request; ``cache_finished`` and ``release`` consume it."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def len(self) -> int: ...
+    @property
+    def remaining_prefill(self) -> int: ...
+    @property
+    def cached_at_admission(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    def tokens(self) -> list[int]: ...
+
+class StepReport:
+    """What a step boundary reports."""
+
+    step: int
+    text: str
+
+class SideStats:
+    """One side's pages (``full``, ``swa``) or slots (``mamba``)."""
+
+    total: int
+    available: int
+    evictable: int
+    protected: int
+    held: int
+
+class Stats:
+    """The cache's counters."""
+
+    step: int
+    full: SideStats
+    swa: SideStats
+    mamba: SideStats
+    live_requests: int
+    hit_tokens: int
+
+class HybridCache:
+    """One byte buffer for a hybrid model's KV and state, with the prefix cache on top."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        memory: Union[int, str],
+        page_size: int = 1,
+        layout: str = "unified",
+        swa_full_tokens_ratio: float = 0.8,
+        checkpoint_interval: Optional[int] = None,
+        checkpoints_per_step: Optional[int] = None,
+    ) -> None: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def step(self) -> int: ...
+    def match_prefix(self, tokens: Tokens) -> PrefixMatch: ...
+    def can_admit(self, hit: PrefixMatch, *, reserve_tokens: int = 0) -> bool: ...
+    def admit(self, hit: PrefixMatch) -> Request: ...
+    def alloc_extend(self, request: Request, tokens: int) -> None: ...
+    def alloc_decode(self, requests: Sequence[Request], next_tokens: Tokens) -> None: ...
+    def release_out_of_window(self, request: Request) -> int: ...
+    def cache_unfinished(self, request: Request) -> None: ...
+    def cache_finished(self, request: Request) -> None: ...
+    def release(self, request: Request) -> list[int]: ...
+    def step_boundary(self) -> StepReport: ...
+    def stats(self) -> Stats: ...
+
+def models() -> list[str]:
+    """The model names ``HybridCache(model=...)`` accepts."""
+
+def _panic_for_tests() -> None: ...
+def _token_ids_for_tests(tokens: Tokens) -> list[int]: ...

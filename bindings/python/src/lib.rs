@@ -1,0 +1,497 @@
+//! `unikv._unikv`: the Python extension behind the `unikv` package. Thin by design: every
+//! method converts its arguments, releases the GIL, locks the cache and calls the facade;
+//! the logic stays in Rust.
+//!
+//! The cache sits behind a `Mutex`, so a second Python thread's call waits for the first
+//! one's (the GIL released meanwhile) and never sees a half-done operation; a request is
+//! a Python object holding the facade's `Request` until `cache_finished` or `release`
+//! consumes it, after which any use raises `unikv.InvalidArgument`.
+
+mod errors;
+mod tokens;
+
+use errors::{guarded, invalid, to_py};
+use pyo3::prelude::*;
+use std::sync::{Mutex, MutexGuard};
+use unikv::{Layout, ModelSpec, TokenId};
+
+/// A `HybridCache` for Python: one byte buffer for a hybrid model's FULL and SWA KV and
+/// recurrent state, with the radix prefix cache on top.
+#[pyclass(module = "unikv", name = "HybridCache", frozen)]
+struct HybridCache {
+    inner: Mutex<unikv::HybridCache>,
+    /// The model's catalogue name (for `repr`).
+    model: String,
+}
+
+/// What the prefix cache holds for a prompt, from `HybridCache.match_prefix`; admitting
+/// it consumes it.
+#[pyclass(module = "unikv", name = "PrefixMatch")]
+struct PrefixMatch {
+    inner: Option<unikv::PrefixMatch>,
+}
+
+/// A running request: its tokens, its rows and its state. `cache_finished` and `release`
+/// consume it; using it afterwards raises `InvalidArgument`.
+#[pyclass(module = "unikv", name = "Request")]
+struct Request {
+    inner: Option<unikv::Request>,
+    /// Its id, kept for messages after it is consumed.
+    id: u64,
+}
+
+impl HybridCache {
+    /// Runs `f` on the cache with the GIL released, mapping its error.
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut unikv::HybridCache) -> Result<T, unikv::Error> + Send,
+    ) -> PyResult<T> {
+        let result = guarded(|| Ok(py.detach(|| f(&mut self.lock()))))?;
+        result.map_err(|e| to_py(py, e))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, unikv::HybridCache> {
+        // A panic inside a call poisoned the lock after `guarded` caught it; the facade
+        // leaves the cache consistent on error, so the next call may go on.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Request {
+    fn get(&mut self) -> PyResult<&mut unikv::Request> {
+        let id = self.id;
+        self.inner
+            .as_mut()
+            .ok_or_else(|| invalid(format!("request {id} was finished or released")))
+    }
+
+    fn take(&mut self) -> PyResult<unikv::Request> {
+        let id = self.id;
+        self.inner
+            .take()
+            .ok_or_else(|| invalid(format!("request {id} was finished or released")))
+    }
+}
+
+/// A layout from its name: `"unified"`, or `"static"` with SWA sized at
+/// `swa_full_tokens_ratio` of FULL's tokens.
+fn layout(name: &str, swa_full_tokens_ratio: f64) -> PyResult<Layout> {
+    match name {
+        "unified" => Ok(Layout::Unified),
+        "static" => Ok(Layout::Static {
+            swa_full_tokens_ratio,
+        }),
+        other => Err(invalid(format!(
+            "unknown layout {other:?} (expected \"unified\" or \"static\")"
+        ))),
+    }
+}
+
+/// A budget: an int (bytes) or a string such as `"16GiB"`, `"512MiB"`, `"1.5GB"`.
+fn memory(value: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if let Ok(n) = value.extract::<u64>() {
+        return Ok(n);
+    }
+    let text: String = value
+        .extract()
+        .map_err(|_| invalid("memory: an int (bytes) or a string such as \"16GiB\""))?;
+    unikv_workload::units::parse_memory(&text).map_err(|e| invalid(format!("memory: {e}")))
+}
+
+#[pymethods]
+impl HybridCache {
+    /// Builds a cache. `model` is a catalogue name (`unikv.models()` lists them),
+    /// `memory` the buffer's bytes (an int or `"16GiB"`), `layout` `"unified"` or
+    /// `"static"`; the checkpoint knobs apply to models with recurrent state.
+    #[new]
+    #[pyo3(signature = (*, model, memory, page_size = 1, layout = "unified", swa_full_tokens_ratio = 0.8, checkpoint_interval = None, checkpoints_per_step = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        model: &str,
+        memory: &Bound<'_, PyAny>,
+        page_size: u32,
+        layout: &str,
+        swa_full_tokens_ratio: f64,
+        checkpoint_interval: Option<u32>,
+        checkpoints_per_step: Option<u32>,
+    ) -> PyResult<HybridCache> {
+        let spec = ModelSpec::by_name(model).ok_or_else(|| {
+            invalid(format!(
+                "unknown model {model:?} (known: {})",
+                model_names().join(", ")
+            ))
+        })?;
+        let bytes = self::memory(memory)?;
+        let layout = self::layout(layout, swa_full_tokens_ratio)?;
+        let mut builder = unikv::HybridCache::builder()
+            .model(spec)
+            .page_size(page_size)
+            .memory_bytes(bytes)
+            .layout(layout);
+        if let Some(n) = checkpoint_interval {
+            builder = builder.checkpoint_interval(n);
+        }
+        if let Some(n) = checkpoints_per_step {
+            builder = builder.checkpoints_per_step(n);
+        }
+        // The builder is not `Send` (it may hold an allocator wrapper), so it builds with
+        // the GIL held; building allocates the buffer and nothing else.
+        let cache = guarded(|| Ok(builder.build()))?.map_err(|e| to_py(py, e))?;
+        Ok(HybridCache {
+            inner: Mutex::new(cache),
+            model: model.to_string(),
+        })
+    }
+
+    /// Tokens per page.
+    #[getter]
+    fn page_size(&self) -> usize {
+        self.lock().page_size()
+    }
+
+    /// The step counter (step boundaries so far).
+    #[getter]
+    fn step(&self) -> u64 {
+        self.lock().step()
+    }
+
+    /// Looks `tokens` up in the prefix cache (any int32/int64 buffer or a list of ints).
+    fn match_prefix(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<PrefixMatch> {
+        let tokens = tokens::token_ids(tokens)?;
+        let hit = self.with(py, |c| Ok(c.match_prefix(tokens)))?;
+        Ok(PrefixMatch { inner: Some(hit) })
+    }
+
+    /// Whether `hit` can be admitted with room for `reserve_tokens` more tokens (evicting
+    /// what the prefix cache may give up, if needed, but admitting nothing).
+    #[pyo3(signature = (hit, *, reserve_tokens = 0))]
+    fn can_admit(
+        &self,
+        py: Python<'_>,
+        hit: &Bound<'_, PrefixMatch>,
+        reserve_tokens: usize,
+    ) -> PyResult<bool> {
+        let hit = hit.borrow();
+        let hit = hit
+            .inner
+            .as_ref()
+            .ok_or_else(|| invalid("this prefix match was admitted already"))?;
+        self.with(py, |c| Ok(c.can_admit(hit, reserve_tokens)))
+    }
+
+    /// Admits `hit` as a running request (consuming the match).
+    fn admit(&self, py: Python<'_>, hit: &Bound<'_, PrefixMatch>) -> PyResult<Request> {
+        let mut hit = hit.borrow_mut();
+        let matched = hit
+            .inner
+            .take()
+            .ok_or_else(|| invalid("this prefix match was admitted already"))?;
+        match self.with(py, |c| c.admit(matched)) {
+            Ok(req) => Ok(Request {
+                id: req.id(),
+                inner: Some(req),
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Allocates the next `tokens` prompt tokens of `request` (a prefill chunk).
+    fn alloc_extend(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, Request>,
+        tokens: usize,
+    ) -> PyResult<()> {
+        let mut r = request.borrow_mut();
+        let req = r.get()?;
+        self.with(py, |c| c.alloc_extend(req, tokens))
+    }
+
+    /// Allocates one decode token for each request of `requests`, whose next tokens are
+    /// `next_tokens` (one per request: an int buffer or a list).
+    fn alloc_decode(
+        &self,
+        py: Python<'_>,
+        requests: Vec<Bound<'_, Request>>,
+        next_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let next = tokens::token_ids(next_tokens)?;
+        if next.len() != requests.len() {
+            return Err(invalid(format!(
+                "{} requests but {} next tokens",
+                requests.len(),
+                next.len()
+            )));
+        }
+        let mut borrowed = Vec::with_capacity(requests.len());
+        for r in &requests {
+            borrowed.push(
+                r.try_borrow_mut()
+                    .map_err(|_| invalid("a request appears twice in the batch"))?,
+            );
+        }
+        let mut batch = Vec::with_capacity(borrowed.len());
+        for r in &mut borrowed {
+            batch.push(r.get()?);
+        }
+        self.with(py, |c| c.alloc_decode(&mut batch, &next))
+    }
+
+    /// Releases the SWA KV of `request`'s rows that left the window; returns the tokens
+    /// released.
+    fn release_out_of_window(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, Request>,
+    ) -> PyResult<usize> {
+        let mut r = request.borrow_mut();
+        let req = r.get()?;
+        self.with(py, |c| c.release_out_of_window(req))
+    }
+
+    /// Caches what `request` computed so far and keeps it running.
+    fn cache_unfinished(&self, py: Python<'_>, request: &Bound<'_, Request>) -> PyResult<()> {
+        let mut r = request.borrow_mut();
+        let req = r.get()?;
+        self.with(py, |c| c.cache_unfinished(req))
+    }
+
+    /// Finishes `request`: its KV (and state) enters the prefix cache. The request cannot
+    /// be used afterwards.
+    fn cache_finished(&self, py: Python<'_>, request: &Bound<'_, Request>) -> PyResult<()> {
+        let req = request.borrow_mut().take()?;
+        self.with(py, |c| c.cache_finished(req))
+    }
+
+    /// Releases `request` without caching it (an abort or a retraction); returns its
+    /// tokens, so it can be admitted again. The request cannot be used afterwards.
+    fn release(&self, py: Python<'_>, request: &Bound<'_, Request>) -> PyResult<Vec<u32>> {
+        let req = request.borrow_mut().take()?;
+        let tokens = self.with(py, |c| c.release(req))?;
+        Ok(tokens.into_iter().map(|t| t.0).collect())
+    }
+
+    /// Ends the step: applies deferred frees, checks conservation and polls the
+    /// invariants. Returns the step's report.
+    fn step_boundary(&self, py: Python<'_>) -> PyResult<StepReport> {
+        let report = self.with(py, |c| c.step_boundary())?;
+        Ok(StepReport {
+            step: report.step,
+            text: format!("{report:?}"),
+        })
+    }
+
+    /// The cache's counters now.
+    fn stats(&self, py: Python<'_>) -> PyResult<Stats> {
+        let s = self.with(py, |c| Ok(c.stats()))?;
+        Ok(Stats::from(&s))
+    }
+
+    fn __repr__(&self) -> String {
+        let c = self.lock();
+        format!(
+            "HybridCache(model={:?}, page_size={}, layout={:?})",
+            self.model,
+            c.page_size(),
+            c.layout()
+        )
+    }
+}
+
+#[pymethods]
+impl PrefixMatch {
+    /// Prompt tokens the request reuses (KV with a live window and, with recurrent
+    /// layers, a cached state at its end).
+    #[getter]
+    fn cached_tokens(&self) -> PyResult<usize> {
+        self.get().map(unikv::PrefixMatch::cached_tokens)
+    }
+
+    /// Prompt tokens whose KV is cached (at least `cached_tokens`).
+    #[getter]
+    fn kv_hit_tokens(&self) -> PyResult<usize> {
+        self.get().map(unikv::PrefixMatch::kv_hit_tokens)
+    }
+
+    /// The prompt's length.
+    #[getter]
+    fn prompt_len(&self) -> PyResult<usize> {
+        self.get().map(unikv::PrefixMatch::prompt_len)
+    }
+
+    fn __repr__(&self) -> String {
+        match &self.inner {
+            Some(m) => format!(
+                "PrefixMatch(cached_tokens={}, kv_hit_tokens={}, prompt_len={})",
+                m.cached_tokens(),
+                m.kv_hit_tokens(),
+                m.prompt_len()
+            ),
+            None => "PrefixMatch(<admitted>)".into(),
+        }
+    }
+}
+
+impl PrefixMatch {
+    fn get(&self) -> PyResult<&unikv::PrefixMatch> {
+        self.inner
+            .as_ref()
+            .ok_or_else(|| invalid("this prefix match was admitted already"))
+    }
+}
+
+#[pymethods]
+impl Request {
+    /// The request's id.
+    #[getter]
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Tokens with KV (prompt rows allocated so far, then decoded ones).
+    #[getter]
+    fn len(&mut self) -> PyResult<usize> {
+        Ok(self.get()?.len())
+    }
+
+    /// Prompt tokens not allocated yet.
+    #[getter]
+    fn remaining_prefill(&mut self) -> PyResult<usize> {
+        Ok(self.get()?.remaining_prefill())
+    }
+
+    /// Prompt tokens reused from the prefix cache at admission.
+    #[getter]
+    fn cached_at_admission(&mut self) -> PyResult<usize> {
+        Ok(self.get()?.cached_at_admission())
+    }
+
+    /// The request's tokens (prompt, then decoded).
+    fn tokens(&mut self) -> PyResult<Vec<u32>> {
+        Ok(self.get()?.tokens().iter().map(|t| t.0).collect())
+    }
+
+    /// Whether the request was finished or released (then any other use raises).
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.is_none()
+    }
+
+    fn __repr__(&self) -> String {
+        match &self.inner {
+            Some(r) => format!("Request(id={}, len={})", self.id, r.len()),
+            None => format!("Request(id={}, <closed>)", self.id),
+        }
+    }
+}
+
+/// What a step boundary reports.
+#[pyclass(module = "unikv", name = "StepReport", frozen, get_all)]
+struct StepReport {
+    /// The step that ended.
+    step: u64,
+    /// The whole report, as Rust prints it.
+    text: String,
+}
+
+/// One side's pages (`full`, `swa`) or slots (`mamba`).
+#[pyclass(module = "unikv", name = "SideStats", frozen, get_all)]
+#[derive(Clone)]
+struct SideStats {
+    /// Pages (or slots) in all.
+    total: usize,
+    /// Free now.
+    available: usize,
+    /// Cached and unlocked: the prefix cache may give them up.
+    evictable: usize,
+    /// Cached and locked by a running request.
+    protected: usize,
+    /// Held by running requests.
+    held: usize,
+}
+
+/// The cache's counters.
+#[pyclass(module = "unikv", name = "Stats", frozen, get_all)]
+struct Stats {
+    /// Step boundaries so far.
+    step: u64,
+    /// FULL pages.
+    full: SideStats,
+    /// SWA pages.
+    swa: SideStats,
+    /// Mamba state slots.
+    mamba: SideStats,
+    /// Requests running.
+    live_requests: usize,
+    /// Prompt tokens reused from the prefix cache, in all.
+    hit_tokens: u64,
+}
+
+impl From<&unikv::SideStats> for SideStats {
+    fn from(s: &unikv::SideStats) -> SideStats {
+        SideStats {
+            total: s.total_pages,
+            available: s.available_pages,
+            evictable: s.evictable_pages,
+            protected: s.protected_pages,
+            held: s.held_pages,
+        }
+    }
+}
+
+impl From<&unikv::CacheStats> for Stats {
+    fn from(s: &unikv::CacheStats) -> Stats {
+        Stats {
+            step: s.step,
+            full: (&s.full).into(),
+            swa: (&s.swa).into(),
+            mamba: (&s.mamba).into(),
+            live_requests: s.live_requests,
+            hit_tokens: s.hit_tokens,
+        }
+    }
+}
+
+/// The catalogue's model names.
+fn model_names() -> Vec<&'static str> {
+    ModelSpec::NAMED.iter().map(|m| m.name).collect()
+}
+
+/// The model names `HybridCache(model=...)` accepts.
+#[pyfunction]
+fn models() -> Vec<&'static str> {
+    model_names()
+}
+
+/// Panics inside Rust, to test that a panic reaches Python as `InternalError`.
+#[pyfunction]
+fn _panic_for_tests() -> PyResult<()> {
+    guarded(|| -> PyResult<()> { panic!("a deliberate panic") })
+}
+
+/// Token ids as the cache sees them, for tests of the buffer conversion.
+#[pyfunction]
+fn _token_ids_for_tests(tokens: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    Ok(tokens::token_ids(tokens)?
+        .into_iter()
+        .map(|t: TokenId| t.0)
+        .collect())
+}
+
+#[pymodule]
+fn _unikv(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
+    m.add_class::<HybridCache>()?;
+    m.add_class::<PrefixMatch>()?;
+    m.add_class::<Request>()?;
+    m.add_class::<StepReport>()?;
+    m.add_class::<Stats>()?;
+    m.add_class::<SideStats>()?;
+    m.add_function(wrap_pyfunction!(models, m)?)?;
+    m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
+    m.add_function(wrap_pyfunction!(_token_ids_for_tests, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

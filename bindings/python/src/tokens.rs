@@ -1,0 +1,83 @@
+//! Token ids from Python: any C-contiguous buffer of 32- or 64-bit integers (a numpy
+//! array, `array('q')`, a CPU torch tensor's `.numpy()`) read through a `memoryview` in
+//! one copy, no Python loop per token; or a list or tuple of ints.
+
+use crate::errors::invalid;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+use unikv::TokenId;
+
+/// The token ids `value` holds. Refuses (with `InvalidArgument`, changing nothing) a
+/// buffer that is not one-dimensional and contiguous, whose items are not 4- or 8-byte
+/// integers, or an id that is negative or past `u32`.
+pub fn token_ids(value: &Bound<'_, PyAny>) -> PyResult<Vec<TokenId>> {
+    if value.is_instance_of::<PyList>() || value.is_instance_of::<PyTuple>() {
+        let ids: Vec<i64> = value
+            .extract()
+            .map_err(|_| invalid("tokens: a list of ints"))?;
+        return ids.into_iter().map(id).collect();
+    }
+    let py = value.py();
+    let view = py
+        .import("builtins")?
+        .getattr("memoryview")?
+        .call1((value,))
+        .map_err(|_| {
+            invalid(format!(
+                "tokens: an int32/int64 buffer or a list of ints, not {}",
+                type_name(value)
+            ))
+        })?;
+    let ndim: usize = view.getattr("ndim")?.extract()?;
+    let contiguous: bool = view.getattr("c_contiguous")?.extract()?;
+    let format: String = view.getattr("format")?.extract()?;
+    let itemsize: usize = view.getattr("itemsize")?.extract()?;
+    if ndim != 1 {
+        return Err(invalid(format!(
+            "tokens: a one-dimensional buffer, not {ndim} dimensions"
+        )));
+    }
+    if !contiguous {
+        return Err(invalid("tokens: a contiguous buffer (this one is strided)"));
+    }
+    // Native or little-endian signed or unsigned integers of 4 or 8 bytes.
+    let kind = format.trim_start_matches(['@', '=', '<']);
+    let integer = matches!(kind, "i" | "l" | "q" | "I" | "L" | "Q" | "n" | "N");
+    if !integer || !(itemsize == 4 || itemsize == 8) {
+        return Err(invalid(format!(
+            "tokens: int32 or int64 items, not format {format:?} of {itemsize} bytes"
+        )));
+    }
+    let signed = kind.chars().all(|c| c.is_ascii_lowercase());
+    let bytes = view.call_method0("tobytes")?;
+    let bytes = bytes.cast::<PyBytes>()?.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len() / itemsize);
+    for chunk in bytes.chunks_exact(itemsize) {
+        let v = match (itemsize, signed) {
+            (4, true) => i64::from(i32::from_ne_bytes(chunk.try_into().expect("4 bytes"))),
+            (4, false) => i64::from(u32::from_ne_bytes(chunk.try_into().expect("4 bytes"))),
+            (_, true) => i64::from_ne_bytes(chunk.try_into().expect("8 bytes")),
+            (_, false) => {
+                let u = u64::from_ne_bytes(chunk.try_into().expect("8 bytes"));
+                i64::try_from(u).unwrap_or(i64::MAX)
+            }
+        };
+        out.push(id(v)?);
+    }
+    Ok(out)
+}
+
+/// A token id, or `InvalidArgument` when `v` is negative or past `u32`.
+fn id(v: i64) -> PyResult<TokenId> {
+    u32::try_from(v)
+        .map(TokenId)
+        .map_err(|_| invalid(format!("tokens: id {v} is not in 0 ..= {}", u32::MAX)))
+}
+
+fn type_name(value: &Bound<'_, PyAny>) -> String {
+    value
+        .get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "this object".into())
+}
