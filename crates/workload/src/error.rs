@@ -58,6 +58,9 @@ pub enum WorkloadError {
         /// What is wrong.
         reason: String,
     },
+    /// A Hugging Face `config.json` that cannot be mapped to a model.
+    #[error("model config: {0}")]
+    HfConfig(#[from] crate::hf::HfConfigError),
     /// A file could not be read.
     #[error("{path}: {source}")]
     Io {
