@@ -8,6 +8,7 @@
 //! consumes it, after which any use raises `unikv.InvalidArgument`.
 
 mod errors;
+mod hf;
 mod tokens;
 
 use errors::{guarded, invalid, to_py};
@@ -101,28 +102,26 @@ fn memory(value: &Bound<'_, PyAny>) -> PyResult<u64> {
 
 #[pymethods]
 impl HybridCache {
-    /// Builds a cache. `model` is a catalogue name (`unikv.models()` lists them),
-    /// `memory` the buffer's bytes (an int or `"16GiB"`), `layout` `"unified"` or
-    /// `"static"`; the checkpoint knobs apply to models with recurrent state.
+    /// Builds a cache. `model` is a catalogue name (`unikv.models()` lists them) or a
+    /// Hugging Face `config.json` as a dict (gpt-oss, Gemma, Qwen3-Next, Nemotron-H;
+    /// `model_name` names it), `memory` the buffer's bytes (an int or `"16GiB"`),
+    /// `layout` `"unified"` or `"static"`; the checkpoint knobs apply to models with
+    /// recurrent state.
     #[new]
-    #[pyo3(signature = (*, model, memory, page_size = 1, layout = "unified", swa_full_tokens_ratio = 0.8, checkpoint_interval = None, checkpoints_per_step = None))]
+    #[pyo3(signature = (*, model, memory, page_size = 1, layout = "unified", swa_full_tokens_ratio = 0.8, checkpoint_interval = None, checkpoints_per_step = None, model_name = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        model: &str,
+        model: &Bound<'_, PyAny>,
         memory: &Bound<'_, PyAny>,
         page_size: u32,
         layout: &str,
         swa_full_tokens_ratio: f64,
         checkpoint_interval: Option<u32>,
         checkpoints_per_step: Option<u32>,
+        model_name: Option<&str>,
     ) -> PyResult<HybridCache> {
-        let spec = ModelSpec::by_name(model).ok_or_else(|| {
-            invalid(format!(
-                "unknown model {model:?} (known: {})",
-                model_names().join(", ")
-            ))
-        })?;
+        let spec = hf::model(model, model_name)?;
         let bytes = self::memory(memory)?;
         let layout = self::layout(layout, swa_full_tokens_ratio)?;
         let mut builder = unikv::HybridCache::builder()
@@ -141,8 +140,14 @@ impl HybridCache {
         let cache = guarded(|| Ok(builder.build()))?.map_err(|e| to_py(py, e))?;
         Ok(HybridCache {
             inner: Mutex::new(cache),
-            model: model.to_string(),
+            model: spec.name.to_string(),
         })
+    }
+
+    /// The model's name (a catalogue name, or the config's).
+    #[getter]
+    fn model(&self) -> &str {
+        &self.model
     }
 
     /// Tokens per page.
@@ -455,7 +460,7 @@ impl From<&unikv::CacheStats> for Stats {
 }
 
 /// The catalogue's model names.
-fn model_names() -> Vec<&'static str> {
+pub(crate) fn model_names() -> Vec<&'static str> {
     ModelSpec::NAMED.iter().map(|m| m.name).collect()
 }
 

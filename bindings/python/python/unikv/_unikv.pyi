@@ -1,6 +1,6 @@
 """Type stubs of the Rust extension ``unikv._unikv`` (see ``unikv``)."""
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -95,14 +95,17 @@ class HybridCache:
     def __init__(
         self,
         *,
-        model: str,
+        model: Union[str, Mapping[str, Any]],
         memory: Union[int, str],
         page_size: int = 1,
         layout: str = "unified",
         swa_full_tokens_ratio: float = 0.8,
         checkpoint_interval: Optional[int] = None,
         checkpoints_per_step: Optional[int] = None,
+        model_name: Optional[str] = None,
     ) -> None: ...
+    @property
+    def model(self) -> str: ...
     @property
     def page_size(self) -> int: ...
     @property
