@@ -9,6 +9,7 @@
 
 mod errors;
 mod hf;
+mod step;
 mod tokens;
 
 use errors::{guarded, invalid, to_py};
@@ -21,6 +22,8 @@ use unikv::{Layout, ModelSpec, TokenId};
 #[pyclass(module = "unikv", name = "HybridCache", frozen)]
 struct HybridCache {
     inner: Mutex<unikv::HybridCache>,
+    /// The last step metadata built, rebuilt in place when nothing else refers to it.
+    last_step: Mutex<Option<Py<step::StepMetadata>>>,
     /// The model's catalogue name (for `repr`).
     model: String,
 }
@@ -140,6 +143,7 @@ impl HybridCache {
         let cache = guarded(|| Ok(builder.build()))?.map_err(|e| to_py(py, e))?;
         Ok(HybridCache {
             inner: Mutex::new(cache),
+            last_step: Mutex::new(None),
             model: spec.name.to_string(),
         })
     }
@@ -286,6 +290,66 @@ impl HybridCache {
             step: report.step,
             text: format!("{report:?}"),
         })
+    }
+
+    /// Builds the step's metadata for `batch`, a sequence of `(request, new_tokens)`
+    /// after the step's allocations: the header on the host (`StepMetadata.host_image`,
+    /// a numpy view) and the page tables on the device, one translation.
+    fn build_step_metadata(
+        &self,
+        py: Python<'_>,
+        batch: Vec<(Bound<'_, Request>, usize)>,
+    ) -> PyResult<Py<step::StepMetadata>> {
+        let mut borrowed = Vec::with_capacity(batch.len());
+        for (r, n) in &batch {
+            borrowed.push((
+                r.try_borrow()
+                    .map_err(|_| invalid("a request of the batch is in use"))?,
+                *n,
+            ));
+        }
+        let mut rows = Vec::with_capacity(borrowed.len());
+        for (r, n) in &borrowed {
+            let id = r.id;
+            let req = r
+                .inner
+                .as_ref()
+                .ok_or_else(|| invalid(format!("request {id} was finished or released")))?;
+            rows.push((req, *n));
+        }
+        // Reuse the last object when only the cache refers to it (no view is alive).
+        let mut last = self.last_step.lock().unwrap_or_else(|p| p.into_inner());
+        let target = match last.take() {
+            Some(meta) if meta.get_refcnt(py) == 1 => meta,
+            _ => Py::new(py, step::StepMetadata::new())?,
+        };
+        let result = {
+            let mut meta = target.borrow_mut(py);
+            let inner = &mut meta.inner;
+            let built = self.with(py, |c| {
+                c.build_step_metadata(inner, &rows)?;
+                let view = c.step_view(inner)?;
+                Ok((
+                    view.host_image().as_ptr() as usize,
+                    view.host_image().len(),
+                    view.device_layout(),
+                    view.device_table().map(|t| t.0),
+                ))
+            });
+            match built {
+                Ok((ptr, len, layout, table)) => {
+                    meta.built((ptr, len), layout, table);
+                    Ok(())
+                }
+                Err(e) => {
+                    // A failed build may have moved the image: nothing may view it.
+                    meta.built((0, 0), unikv::DeviceLayout::default(), None);
+                    Err(e)
+                }
+            }
+        };
+        *last = Some(target.clone_ref(py));
+        result.map(|()| target)
     }
 
     /// The cache's counters now.
@@ -493,6 +557,7 @@ fn _unikv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Request>()?;
     m.add_class::<StepReport>()?;
     m.add_class::<Stats>()?;
+    m.add_class::<step::StepMetadata>()?;
     m.add_class::<SideStats>()?;
     m.add_function(wrap_pyfunction!(models, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
