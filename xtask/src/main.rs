@@ -27,11 +27,14 @@
 //!   (directly or through a chain), naming the references that close each cycle.
 //! - `cargo xtask nvrtc` — installs libnvrtc (from PyPI) under `target/nvrtc` and
 //!   compile-checks every kernel.
+//! - `cargo xtask publish-check` — `cargo publish --dry-run` of every library crate in
+//!   dependency order, one line per crate; license copies, package lists, docs.rs build.
 
 mod cmd;
 mod cycles;
 mod nvrtc;
 mod python;
+mod publish;
 mod tasks;
 
 use std::process::ExitCode;
@@ -50,6 +53,7 @@ fn main() -> ExitCode {
         Some("nvrtc") => tasks::nvrtc_check(),
         Some("cycles") => cycles::cycles(),
         Some("python") => python::python_tests(),
+        Some("publish-check") => publish::publish_check(&args[1..]),
         Some("help" | "--help" | "-h") | None => {
             println!("{}", USAGE);
             Ok(())
@@ -88,4 +92,5 @@ tasks:
                    (unikv bench-scale; ARGS replace the default random-2048-512, page
                    size 1, unified, --device none, --invariants off)
   cycles           fail on modules of a crate that depend on each other (std-only scan)
+  publish-check    cargo publish --dry-run of the library crates in dependency order
   nvrtc            install libnvrtc under target/nvrtc and compile every kernel";
