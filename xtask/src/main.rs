@@ -28,13 +28,14 @@
 //! - `cargo xtask nvrtc` — installs libnvrtc (from PyPI) under `target/nvrtc` and
 //!   compile-checks every kernel.
 //! - `cargo xtask publish-check` — `cargo publish --dry-run` of every library crate in
-//!   dependency order, one line per crate; license copies, package lists, docs.rs build.
+//!   dependency order, one line per crate; license copies, package lists, docs.rs build;
+//!   then the `unikv` wheel (`maturin build --release` into `target/wheels`).
 
 mod cmd;
 mod cycles;
 mod nvrtc;
-mod python;
 mod publish;
+mod python;
 mod tasks;
 
 use std::process::ExitCode;
@@ -92,5 +93,6 @@ tasks:
                    (unikv bench-scale; ARGS replace the default random-2048-512, page
                    size 1, unified, --device none, --invariants off)
   cycles           fail on modules of a crate that depend on each other (std-only scan)
-  publish-check    cargo publish --dry-run of the library crates in dependency order
+  publish-check    cargo publish --dry-run of the library crates in dependency order, then
+                   the unikv wheel (maturin build --release into target/wheels)
   nvrtc            install libnvrtc under target/nvrtc and compile every kernel";

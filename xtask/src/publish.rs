@@ -127,8 +127,31 @@ pub fn publish_check(args: &[String]) -> Result<(), String> {
     }
     doc.env("RUSTDOCFLAGS", "-D warnings").run()?;
 
+    eprintln!("\n=== the wheel: maturin build --release of bindings/python");
+    let wheels = root().join("target").join("wheels");
+    let out = wheels.to_string_lossy().into_owned();
+    crate::python::Venv::ready()?
+        .maturin(&[
+            "build",
+            "--release",
+            "-q",
+            "-m",
+            "bindings/python/Cargo.toml",
+            "--out",
+            &out,
+        ])
+        .run()?;
+    let wheel = std::fs::read_dir(&wheels)
+        .map_err(|e| format!("reading {out}: {e}"))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("unikv-") && n.ends_with(".whl"))
+        .max()
+        .ok_or_else(|| format!("maturin wrote no unikv wheel into {out}"))?;
+    println!("wheel: {out}/{wheel}");
+
     println!(
-        "publish-check: {} crates package and verify, docs build with cuda ({:.0}s)",
+        "publish-check: {} crates package and verify, docs build with cuda, the wheel builds ({:.0}s)",
         results.len(),
         started.elapsed().as_secs_f64()
     );

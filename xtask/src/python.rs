@@ -14,35 +14,57 @@ const REQUIREMENTS: [&str; 5] = [
     "typing_extensions==4.16.0",
 ];
 
+/// The virtualenv under `target/py-venv`, made and filled with [`REQUIREMENTS`] if
+/// needed.
+pub struct Venv {
+    /// Its directory.
+    dir: String,
+    /// Its `bin` directory.
+    bin: std::path::PathBuf,
+    /// Its interpreter.
+    pub python: String,
+}
+
+impl Venv {
+    /// Makes the virtualenv (once) and installs the pinned requirements (pip skips what
+    /// is there).
+    pub fn ready() -> Result<Venv, String> {
+        let dir = root().join("target").join("py-venv");
+        let bin = dir.join("bin");
+        let python = bin.join("python");
+        let dir = dir.to_string_lossy().into_owned();
+        if !python.is_file() {
+            Cmd::new(&system_python(), &["-m", "venv", &dir]).run()?;
+        }
+        let python = python.to_string_lossy().into_owned();
+        Cmd::new(
+            &python,
+            &["-m", "pip", "install", "-q", "--disable-pip-version-check"],
+        )
+        .args(REQUIREMENTS)
+        .run()?;
+        Ok(Venv { dir, bin, python })
+    }
+
+    /// `maturin args...` inside the virtualenv.
+    pub fn maturin(&self, args: &[&str]) -> Cmd {
+        let path = format!(
+            "{}:{}",
+            self.bin.to_string_lossy(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        Cmd::new(&self.bin.join("maturin").to_string_lossy(), args)
+            .env("VIRTUAL_ENV", self.dir.clone())
+            .env("PATH", path)
+    }
+}
+
 /// Builds the extension and runs pytest and mypy; pytest prints its counts.
 pub fn python_tests() -> Result<(), String> {
-    let venv = root().join("target").join("py-venv");
-    let bin = venv.join("bin");
-    let python = bin.join("python");
-    if !python.is_file() {
-        let path = venv.to_string_lossy().into_owned();
-        Cmd::new(&system_python(), &["-m", "venv", &path]).run()?;
-    }
-    let python = python.to_string_lossy().into_owned();
-    Cmd::new(
-        &python,
-        &["-m", "pip", "install", "-q", "--disable-pip-version-check"],
-    )
-    .args(REQUIREMENTS)
-    .run()?;
-    let venv_path = venv.to_string_lossy().into_owned();
-    let path = format!(
-        "{}:{}",
-        bin.to_string_lossy(),
-        std::env::var("PATH").unwrap_or_default()
-    );
-    Cmd::new(
-        &bin.join("maturin").to_string_lossy(),
-        &["develop", "-q", "-m", "bindings/python/Cargo.toml"],
-    )
-    .env("VIRTUAL_ENV", venv_path)
-    .env("PATH", path)
-    .run()?;
+    let venv = Venv::ready()?;
+    let python = venv.python.clone();
+    venv.maturin(&["develop", "-q", "-m", "bindings/python/Cargo.toml"])
+        .run()?;
     Cmd::new(&python, &["-m", "pytest", "-q", "bindings/python/tests"])
         .env("UNIKV_INVARIANT_CHECK", "strict")
         .run()?;
