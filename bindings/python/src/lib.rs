@@ -7,6 +7,8 @@
 //! a Python object holding the facade's `Request` until `cache_finished` or `release`
 //! consumes it, after which any use raises `unikv.InvalidArgument`.
 
+mod batch;
+mod bench;
 mod errors;
 mod hf;
 mod step;
@@ -92,6 +94,19 @@ fn layout(name: &str, swa_full_tokens_ratio: f64) -> PyResult<Layout> {
     }
 }
 
+/// The device a cache's buffer lives on: `"cpu"` (bytes in host memory: the CPU twins
+/// of the kernels run) or `"none"` (lengths only: bookkeeping without bytes, as the
+/// replay's `--device none`).
+pub(crate) fn device(name: &str) -> PyResult<std::sync::Arc<dyn unikv::kernels::Device>> {
+    match name {
+        "cpu" => Ok(std::sync::Arc::new(unikv::kernels::CpuDevice::new())),
+        "none" => Ok(std::sync::Arc::new(unikv::kernels::NullDevice::new())),
+        other => Err(invalid(format!(
+            "unknown device {other:?} (expected \"cpu\" or \"none\")"
+        ))),
+    }
+}
+
 /// A budget: an int (bytes) or a string such as `"16GiB"`, `"512MiB"`, `"1.5GB"`.
 fn memory(value: &Bound<'_, PyAny>) -> PyResult<u64> {
     if let Ok(n) = value.extract::<u64>() {
@@ -111,7 +126,7 @@ impl HybridCache {
     /// `layout` `"unified"` or `"static"`; the checkpoint knobs apply to models with
     /// recurrent state.
     #[new]
-    #[pyo3(signature = (*, model, memory, page_size = 1, layout = "unified", swa_full_tokens_ratio = 0.8, checkpoint_interval = None, checkpoints_per_step = None, model_name = None))]
+    #[pyo3(signature = (*, model, memory, page_size = 1, layout = "unified", swa_full_tokens_ratio = 0.8, checkpoint_interval = None, checkpoints_per_step = None, model_name = None, device = "cpu"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -123,6 +138,7 @@ impl HybridCache {
         checkpoint_interval: Option<u32>,
         checkpoints_per_step: Option<u32>,
         model_name: Option<&str>,
+        device: &str,
     ) -> PyResult<HybridCache> {
         let spec = hf::model(model, model_name)?;
         let bytes = self::memory(memory)?;
@@ -131,7 +147,8 @@ impl HybridCache {
             .model(spec)
             .page_size(page_size)
             .memory_bytes(bytes)
-            .layout(layout);
+            .layout(layout)
+            .device(self::device(device)?);
         if let Some(n) = checkpoint_interval {
             builder = builder.checkpoint_interval(n);
         }
@@ -223,23 +240,17 @@ impl HybridCache {
     fn alloc_decode(
         &self,
         py: Python<'_>,
-        requests: Vec<Bound<'_, Request>>,
+        requests: &Bound<'_, PyAny>,
         next_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let next = tokens::token_ids(next_tokens)?;
-        if next.len() != requests.len() {
+        let mut borrowed = batch::borrow_all(requests)?;
+        if next.len() != borrowed.len() {
             return Err(invalid(format!(
                 "{} requests but {} next tokens",
-                requests.len(),
+                borrowed.len(),
                 next.len()
             )));
-        }
-        let mut borrowed = Vec::with_capacity(requests.len());
-        for r in &requests {
-            borrowed.push(
-                r.try_borrow_mut()
-                    .map_err(|_| invalid("a request appears twice in the batch"))?,
-            );
         }
         let mut batch = Vec::with_capacity(borrowed.len());
         for r in &mut borrowed {
@@ -286,36 +297,30 @@ impl HybridCache {
     /// invariants. Returns the step's report.
     fn step_boundary(&self, py: Python<'_>) -> PyResult<StepReport> {
         let report = self.with(py, |c| c.step_boundary())?;
-        Ok(StepReport {
-            step: report.step,
-            text: format!("{report:?}"),
-        })
+        Ok(StepReport { report })
     }
 
-    /// Builds the step's metadata for `batch`, a sequence of `(request, new_tokens)`
-    /// after the step's allocations: the header on the host (`StepMetadata.host_image`,
-    /// a numpy view) and the page tables on the device, one translation.
+    /// Builds the step's metadata for `requests` computing `new_tokens` tokens each (an
+    /// int for all, or one per request: a buffer or a list), after the step's
+    /// allocations: the header on the host (`StepMetadata.host_image`, a numpy view) and
+    /// the page tables on the device, one translation.
+    #[pyo3(signature = (requests, new_tokens = None))]
     fn build_step_metadata(
         &self,
         py: Python<'_>,
-        batch: Vec<(Bound<'_, Request>, usize)>,
+        requests: &Bound<'_, PyAny>,
+        new_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<step::StepMetadata>> {
-        let mut borrowed = Vec::with_capacity(batch.len());
-        for (r, n) in &batch {
-            borrowed.push((
-                r.try_borrow()
-                    .map_err(|_| invalid("a request of the batch is in use"))?,
-                *n,
-            ));
-        }
+        let borrowed = batch::borrow_all(requests)?;
+        let counts = tokens::counts(new_tokens, borrowed.len())?;
         let mut rows = Vec::with_capacity(borrowed.len());
-        for (r, n) in &borrowed {
+        for (r, n) in borrowed.iter().zip(counts) {
             let id = r.id;
             let req = r
                 .inner
                 .as_ref()
                 .ok_or_else(|| invalid(format!("request {id} was finished or released")))?;
-            rows.push((req, *n));
+            rows.push((req, n));
         }
         // Reuse the last object when only the cache refers to it (no view is alive).
         let mut last = self.last_step.lock().unwrap_or_else(|p| p.into_inner());
@@ -457,12 +462,29 @@ impl Request {
 }
 
 /// What a step boundary reports.
-#[pyclass(module = "unikv", name = "StepReport", frozen, get_all)]
+#[pyclass(module = "unikv", name = "StepReport", frozen)]
 struct StepReport {
+    report: unikv::StepReport,
+}
+
+#[pymethods]
+impl StepReport {
     /// The step that ended.
-    step: u64,
-    /// The whole report, as Rust prints it.
-    text: String,
+    #[getter]
+    fn step(&self) -> u64 {
+        self.report.step
+    }
+
+    /// The whole report, as Rust prints it (formatted when asked: a step's report is
+    /// usually dropped unread).
+    #[getter]
+    fn text(&self) -> String {
+        format!("{:?}", self.report)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("StepReport(step={})", self.report.step)
+    }
 }
 
 /// One side's pages (`full`, `swa`) or slots (`mamba`).
@@ -558,10 +580,12 @@ fn _unikv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StepReport>()?;
     m.add_class::<Stats>()?;
     m.add_class::<step::StepMetadata>()?;
+    m.add_class::<batch::Batch>()?;
     m.add_class::<SideStats>()?;
     m.add_function(wrap_pyfunction!(models, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
     m.add_function(wrap_pyfunction!(_token_ids_for_tests, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::_rust_decode_steps, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

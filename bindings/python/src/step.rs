@@ -8,6 +8,7 @@
 //! drops last step's arrays before building the next) nothing is allocated.
 
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::PyDict;
 use unikv::DeviceLayout;
 
@@ -69,7 +70,12 @@ impl StepMetadata {
     /// the array lives: it keeps this object alive).
     #[getter]
     fn host_image<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        slf.py().import("numpy")?.getattr("asarray")?.call1((slf,))
+        static ASARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+        let py = slf.py();
+        let asarray = ASARRAY.get_or_try_init(py, || {
+            py.import("numpy")?.getattr("asarray").map(Bound::unbind)
+        })?;
+        asarray.bind(py).call1((slf,))
     }
 
     /// Where each section starts in the table, in entries (`query_starts`,

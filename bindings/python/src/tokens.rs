@@ -3,7 +3,9 @@
 //! one copy, no Python loop per token; or a list or tuple of ints.
 
 use crate::errors::invalid;
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 use unikv::TokenId;
 
@@ -18,20 +20,22 @@ pub fn token_ids(value: &Bound<'_, PyAny>) -> PyResult<Vec<TokenId>> {
         return ids.into_iter().map(id).collect();
     }
     let py = value.py();
-    let view = py
-        .import("builtins")?
-        .getattr("memoryview")?
-        .call1((value,))
-        .map_err(|_| {
-            invalid(format!(
-                "tokens: an int32/int64 buffer or a list of ints, not {}",
-                type_name(value)
-            ))
-        })?;
-    let ndim: usize = view.getattr("ndim")?.extract()?;
-    let contiguous: bool = view.getattr("c_contiguous")?.extract()?;
-    let format: String = view.getattr("format")?.extract()?;
-    let itemsize: usize = view.getattr("itemsize")?.extract()?;
+    static MEMORYVIEW: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let memoryview = MEMORYVIEW.get_or_try_init(py, || {
+        py.import("builtins")?
+            .getattr("memoryview")
+            .map(Bound::unbind)
+    })?;
+    let view = memoryview.bind(py).call1((value,)).map_err(|_| {
+        invalid(format!(
+            "tokens: an int32/int64 buffer or a list of ints, not {}",
+            type_name(value)
+        ))
+    })?;
+    let ndim: usize = view.getattr(intern!(py, "ndim"))?.extract()?;
+    let contiguous: bool = view.getattr(intern!(py, "c_contiguous"))?.extract()?;
+    let format: String = view.getattr(intern!(py, "format"))?.extract()?;
+    let itemsize: usize = view.getattr(intern!(py, "itemsize"))?.extract()?;
     if ndim != 1 {
         return Err(invalid(format!(
             "tokens: a one-dimensional buffer, not {ndim} dimensions"
@@ -49,7 +53,7 @@ pub fn token_ids(value: &Bound<'_, PyAny>) -> PyResult<Vec<TokenId>> {
         )));
     }
     let signed = kind.chars().all(|c| c.is_ascii_lowercase());
-    let bytes = view.call_method0("tobytes")?;
+    let bytes = view.call_method0(intern!(py, "tobytes"))?;
     let bytes = bytes.cast::<PyBytes>()?.as_bytes();
     let mut out = Vec::with_capacity(bytes.len() / itemsize);
     for chunk in bytes.chunks_exact(itemsize) {
@@ -80,4 +84,25 @@ fn type_name(value: &Bound<'_, PyAny>) -> String {
         .name()
         .map(|n| n.to_string())
         .unwrap_or_else(|_| "this object".into())
+}
+
+/// Per-request counts: `None` (one each), an int (the same for all) or one per request
+/// (a buffer or a list of `n` non-negative ints).
+pub fn counts(value: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<Vec<usize>> {
+    let Some(value) = value else {
+        return Ok(vec![1; n]);
+    };
+    if let Ok(each) = value.extract::<usize>() {
+        return Ok(vec![each; n]);
+    }
+    let ids = token_ids(value).map_err(|_| {
+        invalid("new_tokens: an int, or one non-negative int per request (a buffer or a list)")
+    })?;
+    if ids.len() != n {
+        return Err(invalid(format!(
+            "new_tokens: {} counts for {n} requests",
+            ids.len()
+        )));
+    }
+    Ok(ids.into_iter().map(|t| t.0 as usize).collect())
 }

@@ -20,7 +20,7 @@ def test_the_header_is_a_numpy_view_with_its_layout() -> None:
     cache = unikv.HybridCache(model="gpt-oss-20b", memory="1GiB", page_size=16)
     reqs = running(cache, 3, 40)
     cache.alloc_decode(reqs, [1, 2, 3])
-    meta = cache.build_step_metadata([(r, 1) for r in reqs])
+    meta = cache.build_step_metadata(reqs)
     img = meta.host_image
     assert img.dtype == np.int32
     assert img.base is not None  # a view, not a copy
@@ -42,11 +42,11 @@ def test_a_view_kept_past_the_next_build_still_reads_its_own_step() -> None:
     cache = unikv.HybridCache(model="gpt-oss-20b", memory="1GiB", page_size=1)
     reqs = running(cache, 2, 10)
     cache.alloc_decode(reqs, [1, 2])
-    first = cache.build_step_metadata([(r, 1) for r in reqs]).host_image
+    first = cache.build_step_metadata(reqs).host_image
     kept = first.copy()
     for step in range(20):
         cache.alloc_decode(reqs, [step, step])
-        cache.build_step_metadata([(r, 1) for r in reqs])
+        cache.build_step_metadata(reqs)
         cache.step_boundary()
     np.testing.assert_array_equal(first, kept)
 
@@ -57,7 +57,7 @@ def test_a_dropped_view_lets_the_next_build_reuse_its_object() -> None:
     ids = set()
     for step in range(5):
         cache.alloc_decode(reqs, [step, step])
-        meta = cache.build_step_metadata([(r, 1) for r in reqs])
+        meta = cache.build_step_metadata(reqs)
         ids.add(id(meta))
         img = meta.host_image
         assert img[meta.layout["query_starts"] + 2] == 2
@@ -72,8 +72,41 @@ def test_a_finished_request_in_the_batch_is_refused() -> None:
     (req,) = running(cache, 1, 20)
     cache.cache_finished(req)
     try:
-        cache.build_step_metadata([(req, 1)])
+        cache.build_step_metadata([req], 1)
     except unikv.InvalidArgument as e:
         assert "finished or released" in str(e)
     else:
         raise AssertionError("a finished request was accepted")
+
+
+def test_a_batch_object_serves_every_step_and_refuses_a_duplicate() -> None:
+    cache = unikv.HybridCache(model="gpt-oss-20b", memory="1GiB", page_size=16, device="none")
+    reqs = running(cache, 3, 20)
+    batch = unikv.Batch(reqs)
+    assert len(batch) == 3
+    assert [r.id for r in batch.requests] == [r.id for r in reqs]
+    for step in range(3):
+        cache.alloc_decode(batch, np.full(3, step, dtype=np.int64))
+        meta = cache.build_step_metadata(batch, np.ones(3, dtype=np.int32))
+        assert meta.layout["batch"] == 3
+        del meta
+        cache.step_boundary()
+    assert [r.len for r in reqs] == [23, 23, 23]
+    try:
+        unikv.Batch([reqs[0], reqs[0]])
+    except unikv.InvalidArgument as e:
+        assert "twice" in str(e)
+    else:
+        raise AssertionError("a duplicate was accepted")
+
+
+def test_new_token_counts_must_match_the_batch() -> None:
+    cache = unikv.HybridCache(model="gpt-oss-20b", memory="1GiB", page_size=16)
+    reqs = running(cache, 2, 20)
+    cache.alloc_decode(reqs, [1, 2])
+    try:
+        cache.build_step_metadata(reqs, [1, 1, 1])
+    except unikv.InvalidArgument as e:
+        assert "3 counts for 2 requests" in str(e)
+    else:
+        raise AssertionError("a count per request was not checked")

@@ -6,6 +6,7 @@ and runs the Rust facade. See ``HybridCache`` for the request lifecycle.
 """
 
 from ._unikv import (
+    Batch,
     DeviceError,
     Error,
     HybridCache,
@@ -24,6 +25,7 @@ from ._unikv import (
 )
 
 __all__ = [
+    "Batch",
     "DeviceError",
     "Error",
     "HybridCache",
