@@ -5,7 +5,6 @@
 
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 pyo3::create_exception!(
@@ -57,12 +56,48 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// The Python exception for a facade error, with its numbers as attributes.
-pub fn to_py(py: Python<'_>, e: unikv::Error) -> PyErr {
+/// The `unikv` exception class a facade error becomes (see [`classify`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Class {
+    /// `unikv.OutOfMemory`.
+    OutOfMemory,
+    /// `unikv.InvalidArgument`.
+    InvalidArgument,
+    /// `unikv.InvariantViolation`.
+    InvariantViolation,
+    /// `unikv.DeviceError`.
+    DeviceError,
+}
+
+impl Class {
+    /// The class's name in the `unikv` module.
+    pub fn name(self) -> &'static str {
+        match self {
+            Class::OutOfMemory => "OutOfMemory",
+            Class::InvalidArgument => "InvalidArgument",
+            Class::InvariantViolation => "InvariantViolation",
+            Class::DeviceError => "DeviceError",
+        }
+    }
+
+    /// An exception of this class with `message`.
+    fn new_err(self, message: String) -> PyErr {
+        match self {
+            Class::OutOfMemory => OutOfMemory::new_err(message),
+            Class::InvalidArgument => InvalidArgument::new_err(message),
+            Class::InvariantViolation => InvariantViolation::new_err(message),
+            Class::DeviceError => DeviceError::new_err(message),
+        }
+    }
+}
+
+/// The exception class a facade error becomes and the attributes it carries: a name
+/// and an int, or `None` (Python's `None`). [`to_py`] raises exactly this; the lockstep
+/// reference (`reference.rs`) records it.
+pub fn classify(e: &unikv::Error) -> (Class, Vec<(&'static str, Option<u64>)>) {
     use unikv::Error as E;
-    let message = e.to_string();
-    let attrs = PyDict::new(py);
-    let err = match &e {
+    let count = |n: &usize| Some(*n as u64);
+    match e {
         E::OutOfMemory {
             full_pages,
             swa_pages,
@@ -70,21 +105,20 @@ pub fn to_py(py: Python<'_>, e: unikv::Error) -> PyErr {
             full_available,
             swa_available,
             mamba_available,
-        } => {
-            let _ = attrs.set_item("full_pages", full_pages);
-            let _ = attrs.set_item("swa_pages", swa_pages);
-            let _ = attrs.set_item("mamba_slots", mamba_slots);
-            let _ = attrs.set_item("full_available", full_available);
-            let _ = attrs.set_item("swa_available", swa_available);
-            let _ = attrs.set_item("mamba_available", mamba_available);
-            OutOfMemory::new_err(message)
-        }
-        E::Conservation { step, .. } => {
-            let _ = attrs.set_item("step", step);
-            InvariantViolation::new_err(message)
-        }
-        E::Invariants(_) => InvariantViolation::new_err(message),
-        E::Device(_) => DeviceError::new_err(message),
+        } => (
+            Class::OutOfMemory,
+            vec![
+                ("full_pages", count(full_pages)),
+                ("swa_pages", count(swa_pages)),
+                ("mamba_slots", count(mamba_slots)),
+                ("full_available", count(full_available)),
+                ("swa_available", count(swa_available)),
+                ("mamba_available", count(mamba_available)),
+            ],
+        ),
+        E::Conservation { step, .. } => (Class::InvariantViolation, vec![("step", Some(*step))]),
+        E::Invariants(_) => (Class::InvariantViolation, vec![]),
+        E::Device(_) => (Class::DeviceError, vec![]),
         E::ForeignRequest { request }
         | E::BadRequest { request, .. }
         | E::SpeculationOff { request }
@@ -94,23 +128,22 @@ pub fn to_py(py: Python<'_>, e: unikv::Error) -> PyErr {
         | E::Unsettled { request, .. }
         | E::NothingToSettle { request }
         | E::BadAccepted { request, .. } => {
-            let _ = attrs.set_item("request", request);
-            InvalidArgument::new_err(message)
+            (Class::InvalidArgument, vec![("request", Some(*request))])
         }
-        _ => {
-            let _ = attrs.set_item("request", py.None());
-            InvalidArgument::new_err(message)
-        }
-    };
+        _ => (Class::InvalidArgument, vec![("request", None)]),
+    }
+}
+
+/// The Python exception for a facade error, with its numbers as attributes.
+pub fn to_py(py: Python<'_>, e: unikv::Error) -> PyErr {
+    let (class, attrs) = classify(&e);
+    let err = class.new_err(e.to_string());
     let value = err.value(py);
-    for (k, v) in attrs.iter() {
-        let _ = value.setattr(
-            k.cast::<pyo3::types::PyString>().ok().map_or_else(
-                || "detail".to_string(),
-                |s| s.to_string_lossy().into_owned(),
-            ),
-            v,
-        );
+    for (name, number) in attrs {
+        let _ = match number {
+            Some(n) => value.setattr(name, n),
+            None => value.setattr(name, py.None()),
+        };
     }
     err
 }

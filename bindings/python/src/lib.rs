@@ -11,6 +11,7 @@ mod batch;
 mod bench;
 mod errors;
 mod hf;
+mod reference;
 mod step;
 mod tokens;
 
@@ -586,6 +587,7 @@ fn _unikv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
     m.add_function(wrap_pyfunction!(_token_ids_for_tests, m)?)?;
     m.add_function(wrap_pyfunction!(bench::_rust_decode_steps, m)?)?;
+    m.add_function(wrap_pyfunction!(reference::_reference_run, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
