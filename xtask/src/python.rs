@@ -76,6 +76,7 @@ pub fn python_tests() -> Result<(), String> {
             "--strict",
             "bindings/python/python",
             "bindings/python/tests",
+            "bindings/python/bench.py",
         ],
     )
     .run()

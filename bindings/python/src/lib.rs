@@ -245,14 +245,16 @@ impl HybridCache {
         next_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let next = tokens::token_ids(next_tokens)?;
-        let mut borrowed = batch::borrow_all(requests)?;
-        if next.len() != borrowed.len() {
+        let n = requests
+            .len()
+            .map_err(|_| invalid("requests: a unikv.Batch or a sequence of unikv.Request"))?;
+        if next.len() != n {
             return Err(invalid(format!(
-                "{} requests but {} next tokens",
-                borrowed.len(),
+                "{n} requests but {} next tokens",
                 next.len()
             )));
         }
+        let mut borrowed = batch::borrow_all(requests)?;
         let mut batch = Vec::with_capacity(borrowed.len());
         for r in &mut borrowed {
             batch.push(r.get()?);
