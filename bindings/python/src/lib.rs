@@ -12,6 +12,7 @@ mod bench;
 mod errors;
 mod hf;
 mod reference;
+mod speculative;
 mod step;
 mod tokens;
 
@@ -127,7 +128,7 @@ impl HybridCache {
     /// `layout` `"unified"` or `"static"`; the checkpoint knobs apply to models with
     /// recurrent state.
     #[new]
-    #[pyo3(signature = (*, model, memory, page_size = 1, layout = "unified", swa_full_tokens_ratio = 0.8, checkpoint_interval = None, checkpoints_per_step = None, model_name = None, device = "cpu"))]
+    #[pyo3(signature = (*, model, memory, page_size = 1, layout = "unified", swa_full_tokens_ratio = 0.8, checkpoint_interval = None, checkpoints_per_step = None, model_name = None, device = "cpu", speculation = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -140,6 +141,7 @@ impl HybridCache {
         checkpoints_per_step: Option<u32>,
         model_name: Option<&str>,
         device: &str,
+        speculation: Option<speculative::Speculation>,
     ) -> PyResult<HybridCache> {
         let spec = hf::model(model, model_name)?;
         let bytes = self::memory(memory)?;
@@ -155,6 +157,9 @@ impl HybridCache {
         }
         if let Some(n) = checkpoints_per_step {
             builder = builder.checkpoints_per_step(n);
+        }
+        if let Some(s) = speculation {
+            builder = builder.speculation(s.into());
         }
         // The builder is not `Send` (it may hold an allocator wrapper), so it builds with
         // the GIL held; building allocates the buffer and nothing else.
@@ -260,6 +265,51 @@ impl HybridCache {
             batch.push(r.get()?);
         }
         self.with(py, |c| c.alloc_decode(&mut batch, &next))
+    }
+
+    /// Allocates one verify step for each request of `requests`: the rows of every
+    /// position its draft verifies. `drafts` holds one draft per request: an int `k` (a
+    /// chain of `k` tokens) or a list of parent indices (a tree). The cache must be built
+    /// with `speculation`.
+    fn alloc_verify(
+        &self,
+        py: Python<'_>,
+        requests: &Bound<'_, PyAny>,
+        drafts: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let drafts = drafts
+            .iter()
+            .map(speculative::DraftArg::extract)
+            .collect::<PyResult<Vec<_>>>()?;
+        let mut borrowed = batch::borrow_all(requests)?;
+        let mut batch = Vec::with_capacity(borrowed.len());
+        for r in &mut borrowed {
+            batch.push(r.get()?);
+        }
+        let drafts: Vec<unikv::Draft<'_>> = drafts.iter().map(|d| d.as_draft()).collect();
+        self.with(py, |c| c.alloc_verify(&mut batch, &drafts))
+    }
+
+    /// Settles the oldest unsettled verify of each request of `requests` with what the
+    /// target accepted: one entry per request, its accepted tokens (a chain) or
+    /// `(path, tokens)` (a tree). Reads nothing from the device.
+    fn settle(
+        &self,
+        py: Python<'_>,
+        requests: &Bound<'_, PyAny>,
+        accepted: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let accepted = accepted
+            .iter()
+            .map(speculative::AcceptedArg::extract)
+            .collect::<PyResult<Vec<_>>>()?;
+        let mut borrowed = batch::borrow_all(requests)?;
+        let mut batch = Vec::with_capacity(borrowed.len());
+        for r in &mut borrowed {
+            batch.push(r.get()?);
+        }
+        let accepted: Vec<unikv::Accepted<'_>> = accepted.iter().map(|a| a.as_accepted()).collect();
+        self.with(py, |c| c.settle(&mut batch, &accepted))
     }
 
     /// Releases the SWA KV of `request`'s rows that left the window; returns the tokens
@@ -433,6 +483,18 @@ impl Request {
         Ok(self.get()?.len())
     }
 
+    /// Rows whose tokens are settled (its length without unsettled verify positions).
+    #[getter]
+    fn settled_len(&mut self) -> PyResult<usize> {
+        Ok(self.get()?.settled_len())
+    }
+
+    /// Verify steps allocated and not settled yet.
+    #[getter]
+    fn unsettled_verifies(&mut self) -> PyResult<usize> {
+        Ok(self.get()?.unsettled_verifies())
+    }
+
     /// Prompt tokens not allocated yet.
     #[getter]
     fn remaining_prefill(&mut self) -> PyResult<usize> {
@@ -553,6 +615,25 @@ pub(crate) fn model_names() -> Vec<&'static str> {
     ModelSpec::NAMED.iter().map(|m| m.name).collect()
 }
 
+/// Sets the invariant level for the whole process: `"off"`, `"warn"` or `"strict"`
+/// (also `0`, `1`, `2`); `None` goes back to `UNIKV_INVARIANT_CHECK`.
+#[pyfunction]
+#[pyo3(signature = (level))]
+fn set_invariant_level(level: Option<&str>) -> PyResult<()> {
+    let level = level
+        .map(unikv::invariants::Level::parse)
+        .transpose()
+        .map_err(|e| invalid(e.to_string()))?;
+    unikv::invariants::set_level(level);
+    Ok(())
+}
+
+/// The invariant level in force on this thread (`"off"`, `"warn"` or `"strict"`).
+#[pyfunction]
+fn invariant_level() -> &'static str {
+    unikv::invariants::level().as_str()
+}
+
 /// The model names `HybridCache(model=...)` accepts.
 #[pyfunction]
 fn models() -> Vec<&'static str> {
@@ -584,6 +665,9 @@ fn _unikv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Stats>()?;
     m.add_class::<step::StepMetadata>()?;
     m.add_class::<batch::Batch>()?;
+    m.add_class::<speculative::Speculation>()?;
+    m.add_function(wrap_pyfunction!(set_invariant_level, m)?)?;
+    m.add_function(wrap_pyfunction!(invariant_level, m)?)?;
     m.add_class::<SideStats>()?;
     m.add_function(wrap_pyfunction!(models, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;

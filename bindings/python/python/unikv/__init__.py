@@ -17,11 +17,14 @@ from ._unikv import (
     PrefixMatch,
     Request,
     SideStats,
+    Speculation,
     Stats,
     StepMetadata,
     StepReport,
     __version__,
+    invariant_level,
     models,
+    set_invariant_level,
 )
 
 __all__ = [
@@ -36,9 +39,12 @@ __all__ = [
     "PrefixMatch",
     "Request",
     "SideStats",
+    "Speculation",
     "Stats",
     "StepMetadata",
     "StepReport",
     "__version__",
+    "invariant_level",
     "models",
+    "set_invariant_level",
 ]
