@@ -15,6 +15,7 @@ mod reference;
 mod speculative;
 mod step;
 mod tokens;
+mod verify;
 
 use errors::{guarded, invalid, to_py};
 use pyo3::prelude::*;
@@ -310,6 +311,58 @@ impl HybridCache {
         }
         let accepted: Vec<unikv::Accepted<'_>> = accepted.iter().map(|a| a.as_accepted()).collect();
         self.with(py, |c| c.settle(&mut batch, &accepted))
+    }
+
+    /// Sizes the device tables for `meta`'s maximum batch (set-up: an allocation), so no
+    /// later build allocates.
+    fn reserve_verify_metadata(
+        &self,
+        py: Python<'_>,
+        meta: &Bound<'_, verify::VerifyMetadata>,
+    ) -> PyResult<()> {
+        let m = meta.borrow();
+        let inner = &m.inner;
+        self.with(py, |c| c.reserve_verify_metadata(inner))
+    }
+
+    /// Builds the verify metadata of `requests` (each one's newest verify) into `meta`
+    /// and uploads its inputs. Refused while a numpy view of `meta.inputs` is alive.
+    fn build_verify_metadata(
+        &self,
+        py: Python<'_>,
+        meta: &Bound<'_, verify::VerifyMetadata>,
+        requests: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let mut m = meta
+            .try_borrow_mut()
+            .map_err(|_| invalid("this verify metadata is in use"))?;
+        m.check_no_views()?;
+        let borrowed = batch::borrow_all(requests)?;
+        let mut batch = Vec::with_capacity(borrowed.len());
+        for r in &borrowed {
+            let id = r.id;
+            batch.push(
+                r.inner
+                    .as_ref()
+                    .ok_or_else(|| invalid(format!("request {id} was finished or released")))?,
+            );
+        }
+        let inner = &mut m.inner;
+        self.with(py, |c| c.build_verify_metadata(inner, &batch))
+    }
+
+    /// Computes the verify metadata's outputs on the device (write ids, input and output
+    /// states), for counts settled in the step (no earlier verify unsettled).
+    fn translate_verify(
+        &self,
+        py: Python<'_>,
+        meta: &Bound<'_, verify::VerifyMetadata>,
+    ) -> PyResult<()> {
+        let mut m = meta
+            .try_borrow_mut()
+            .map_err(|_| invalid("this verify metadata is in use"))?;
+        let inner = &mut m.inner;
+        self.with(py, |c| c.translate_verify(inner, None))
     }
 
     /// Releases the SWA KV of `request`'s rows that left the window; returns the tokens
@@ -666,6 +719,8 @@ fn _unikv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<step::StepMetadata>()?;
     m.add_class::<batch::Batch>()?;
     m.add_class::<speculative::Speculation>()?;
+    m.add_class::<verify::VerifyMetadata>()?;
+    m.add_class::<verify::InputsView>()?;
     m.add_function(wrap_pyfunction!(set_invariant_level, m)?)?;
     m.add_function(wrap_pyfunction!(invariant_level, m)?)?;
     m.add_class::<SideStats>()?;

@@ -51,19 +51,7 @@ impl StepMetadata {
     /// The numpy array interface of the host image (`int32`, read-only, no copy).
     #[getter]
     fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        let (ptr, len) = self.image;
-        // numpy needs a non-null address even for an empty array.
-        let ptr = if len == 0 {
-            std::ptr::NonNull::<i32>::dangling().as_ptr() as usize
-        } else {
-            ptr
-        };
-        d.set_item("shape", (len,))?;
-        d.set_item("typestr", "<i4")?;
-        d.set_item("data", (ptr, true))?;
-        d.set_item("version", 3)?;
-        Ok(d)
+        array_interface(py, self.image)
     }
 
     /// The header the host wrote, as a numpy `int32` array viewing it (valid as long as
@@ -132,4 +120,23 @@ impl StepMetadata {
             self.layout.len
         )
     }
+}
+
+/// The numpy array interface of `len` `i32`s at `ptr` (read-only).
+pub(crate) fn array_interface(
+    py: Python<'_>,
+    (ptr, len): (usize, usize),
+) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    // numpy needs a non-null address even for an empty array.
+    let ptr = if len == 0 {
+        std::ptr::NonNull::<i32>::dangling().as_ptr() as usize
+    } else {
+        ptr
+    };
+    d.set_item("shape", (len,))?;
+    d.set_item("typestr", "<i4")?;
+    d.set_item("data", (ptr, true))?;
+    d.set_item("version", 3)?;
+    Ok(d)
 }

@@ -91,3 +91,34 @@ def test_the_invariant_level_can_be_set_for_the_process() -> None:
     finally:
         unikv.set_invariant_level(None)
     assert unikv.invariant_level() == before
+
+
+def test_verify_metadata_is_a_counted_numpy_view_of_its_inputs() -> None:
+    import gc
+
+    cache = unikv.HybridCache(
+        model="qwen3-next-80b-a3b",
+        memory="8GiB",
+        page_size=16,
+        speculation=unikv.Speculation.chain(3, max_batch=4),
+    )
+    reqs = decoding(cache, 2)
+    meta = unikv.VerifyMetadata(4)
+    cache.reserve_verify_metadata(meta)
+    cache.alloc_verify(reqs, [3, 2])
+    cache.build_verify_metadata(meta, reqs)
+    cache.translate_verify(meta)
+    lay = meta.layout
+    inputs = meta.inputs
+    assert inputs.dtype.name == "int32" and not inputs.flags.writeable
+    assert len(inputs) == lay["inputs_len"]
+    assert inputs[lay["widths"] : lay["widths"] + 2].tolist() == [4, 3]
+    assert inputs[lay["settled"] : lay["settled"] + 2].tolist() == [40, 40]
+    assert meta.device_tables is not None
+    with pytest.raises(unikv.InvalidArgument, match="view"):
+        cache.build_verify_metadata(meta, reqs)
+    del inputs
+    gc.collect()
+    cache.build_verify_metadata(meta, reqs)  # no view left: allowed again
+    cache.settle(reqs, [[1, 2], [3]])
+    cache.step_boundary()
