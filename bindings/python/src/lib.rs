@@ -463,6 +463,38 @@ impl HybridCache {
         result.map(|()| target)
     }
 
+    /// Shapes step metadata for `requests` running requests of up to `max_len` tokens and
+    /// steps of up to `max_new_tokens` new tokens (set-up: a device allocation), so every
+    /// step's table has the same layout and no step within it allocates.
+    #[pyo3(signature = (*, requests, max_len, max_new_tokens))]
+    fn reserve_step_metadata(
+        &self,
+        py: Python<'_>,
+        requests: usize,
+        max_len: usize,
+        max_new_tokens: usize,
+    ) -> PyResult<()> {
+        let capacity = unikv::StepCapacity {
+            requests,
+            max_len,
+            max_new_tokens,
+        };
+        self.with(py, |c| c.reserve_step_metadata(capacity))
+    }
+
+    /// Evicts unlocked prefixes until `full_pages` FULL and `swa_pages` SWA pages can be
+    /// allocated together (`OutOfMemory` when they cannot, even after evicting all).
+    #[pyo3(signature = (*, full_pages = 0, swa_pages = 0))]
+    fn evict_to_free(&self, py: Python<'_>, full_pages: usize, swa_pages: usize) -> PyResult<()> {
+        self.with(py, |c| c.evict_to_free(full_pages, swa_pages))
+    }
+
+    /// Evicts every unlocked prefix (an engine's "flush cache"); returns the tokens
+    /// evicted.
+    fn evict_all(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |c| c.evict_all())
+    }
+
     /// The cache's counters now.
     fn stats(&self, py: Python<'_>) -> PyResult<Stats> {
         let s = self.with(py, |c| Ok(c.stats()))?;

@@ -88,3 +88,45 @@ def test_construction_is_keyword_only_and_models_are_listed() -> None:
         unikv.HybridCache("gpt-oss-20b", "1GiB")  # type: ignore[call-arg]
     assert "qwen3-next-80b-a3b" in unikv.models()
     assert unikv.__version__
+
+
+def test_eviction_on_demand_and_a_flush() -> None:
+    cache = unikv.HybridCache(model="gpt-oss-20b", memory="256MiB", page_size=16)
+    for r in range(3):
+        req = cache.admit(cache.match_prefix(prompt(320, base=10_000 * r)))
+        cache.alloc_extend(req, 320)
+        cache.cache_finished(req)
+    cache.step_boundary()
+    cached = cache.stats().full.evictable
+    assert cached == 3 * 20
+    cache.evict_to_free(full_pages=cache.stats().full.total)  # everything
+    assert cache.stats().full.evictable == 0
+    req = cache.admit(cache.match_prefix(prompt(320)))
+    assert req.cached_at_admission == 0
+    cache.alloc_extend(req, 320)
+    cache.cache_finished(req)
+    assert cache.evict_all() == 320
+    with pytest.raises(unikv.OutOfMemory):
+        cache.evict_to_free(full_pages=cache.stats().full.total + 1)
+
+
+def test_a_reserved_step_shape_keeps_the_layout_fixed() -> None:
+    cache = unikv.HybridCache(model="gpt-oss-20b", memory="1GiB", page_size=16)
+    cache.reserve_step_metadata(requests=8, max_len=1024, max_new_tokens=64)
+    layouts = []
+    for n in (2, 5):
+        new = 60 // n  # within max_new_tokens
+        reqs = [
+            cache.admit(cache.match_prefix(prompt(new, base=1_000 * (n + r)))) for r in range(n)
+        ]
+        for req in reqs:
+            cache.alloc_extend(req, new)
+        meta = cache.build_step_metadata(reqs, new)
+        layouts.append(meta.layout)
+        del meta
+        for req in reqs:
+            cache.release(req)
+        cache.step_boundary()
+    offsets = [{k: v for k, v in lay.items() if k not in ("batch", "len")} for lay in layouts]
+    assert offsets[0] == offsets[1]
+    assert layouts[0]["max_batch"] == 8
