@@ -1471,3 +1471,39 @@ fn a_budget_past_the_kernel_id_range_names_the_largest_that_fits() {
     let (status, _, stderr) = run("2199023271935");
     assert_eq!(status, Some(0), "{stderr}");
 }
+
+/// On a terminal, `sim` and `bench-scale` draw a bar that redraws in place (indicatif's
+/// carriage return and line erase) on stderr, and the plain progress lines are gone. The
+/// terminal is a pseudo-terminal from util-linux's `script` (skipped, loudly, where
+/// there is none).
+#[test]
+fn on_a_terminal_progress_is_a_bar_that_redraws_in_place() {
+    if Command::new("script").arg("--version").output().is_err() {
+        eprintln!("skipped: no `script` to make a pseudo-terminal");
+        return;
+    }
+    let bin = env!("CARGO_BIN_EXE_unikv");
+    for (args, unit) in [
+        ("sim --seeds 30", "seeds clean"),
+        (
+            "bench-scale --workload smoke --scales 1,2 --page-size 16 --layout unified",
+            "scale",
+        ),
+    ] {
+        // stdout goes to a file, so what the terminal shows is stderr alone.
+        let out = Command::new("script")
+            .args(["-qfec", &format!("{bin} {args} > /dev/null"), "/dev/null"])
+            .env_remove("UNIKV_INVARIANT_CHECK")
+            // A terminal that can redraw, whatever the test's own environment says.
+            .env("TERM", "xterm-256color")
+            .output()
+            .expect("script runs");
+        let shown = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{args}: {shown}");
+        assert!(
+            shown.contains("\r\u{1b}[2K"),
+            "{args}: no bar redrawn in place: {shown:?}"
+        );
+        assert!(shown.contains(unit), "{args}: {shown:?}");
+    }
+}
