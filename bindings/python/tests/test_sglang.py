@@ -266,3 +266,23 @@ def test_torch_tensors_come_back_when_torch_is_importable() -> None:
     hit = tree.match_prefix(torch.arange(41, dtype=torch.int64))
     assert isinstance(hit.device_indices, torch.Tensor)
     assert torch.equal(hit.device_indices, out[:32])
+
+
+def test_a_recurrent_model_matches_at_a_cached_state_and_evicts_it_with_its_node() -> None:
+    cache = unikv.HybridCache(
+        model="qwen3-next-80b-a3b", memory="2GiB", page_size=64, checkpoint_interval=64
+    )
+    allocator, tree = sg.adapter(cache, tensors="numpy")
+    start = allocator.available_size()
+    assert allocator.swa_available_size() == 0  # no sliding-window layers
+    req = admit(tree, prompt(256))
+    out = as_array(allocator.alloc_extend([req], [256]))
+    # The state slots share the buffer's bytes with the KV: more than 256 tokens' worth.
+    assert start - allocator.available_size() > 256
+    tree.cache_finished_req(req)
+    cache.step_boundary()
+    hit = tree.match_prefix(prompt(256) + [1, 2])
+    assert np.array_equal(as_array(hit.device_indices), out)
+    result = tree.evict(10**6)
+    assert result.num_tokens_evicted == 256 and result.mamba_num_evicted == 2
+    assert allocator.available_size() == start
