@@ -12,6 +12,7 @@ mod bench;
 mod errors;
 mod hf;
 mod reference;
+mod sglang;
 mod speculative;
 mod step;
 mod tokens;
@@ -761,6 +762,13 @@ fn _unikv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_token_ids_for_tests, m)?)?;
     m.add_function(wrap_pyfunction!(bench::_rust_decode_steps, m)?)?;
     m.add_function(wrap_pyfunction!(reference::_reference_run, m)?)?;
+    m.add_function(wrap_pyfunction!(sglang::_request_kv_indices, m)?)?;
+    m.add_function(wrap_pyfunction!(sglang::_kernel_ids, m)?)?;
+    m.add_function(wrap_pyfunction!(sglang::_prefix_indices, m)?)?;
+    m.add_function(wrap_pyfunction!(sglang::_capacity, m)?)?;
+    m.add_function(wrap_pyfunction!(sglang::_evict_to_free, m)?)?;
+    m.add_function(wrap_pyfunction!(sglang::_evict_all, m)?)?;
+    m.add_function(wrap_pyfunction!(sglang::_request_rows, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -224,3 +224,25 @@ def _rust_decode_steps(
     device: str = "cpu",
 ) -> list[int]: ...
 def _reference_run(ops: str) -> str: ...
+
+# For unikv.sglang (the SGLang-shaped adapter): ids as little-endian bytes.
+def _request_kv_indices(
+    cache: HybridCache,
+    request: Request,
+    side: str = "virtual",
+    start: int = 0,
+    end: Optional[int] = None,
+) -> bytearray:
+    """Rows ``[start, end)`` of ``request``: int64 virtual ids, or int32 kernel ids."""
+def _kernel_ids(cache: HybridCache, ids: Tokens, side: str) -> bytearray:
+    """The int32 kernel ids of virtual ids on ``side`` (``"full"`` or ``"swa"``)."""
+def _prefix_indices(cache: HybridCache, tokens: Tokens, length: int) -> bytearray:
+    """The int64 virtual ids the prefix cache holds for ``tokens[:length]``."""
+def _capacity(cache: HybridCache) -> dict[str, int]:
+    """The allocator's capacity views, in pages."""
+def _evict_to_free(cache: HybridCache, full_pages: int, swa_pages: int) -> None:
+    """Evicts until that many FULL and SWA pages can be allocated together."""
+def _evict_all(cache: HybridCache) -> int:
+    """Evicts every unlocked prefix; returns the tokens evicted."""
+def _request_rows(request: Request) -> tuple[int, int, int]:
+    """``(len, protected_len, window_cursor)`` of ``request``."""
