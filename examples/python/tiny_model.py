@@ -78,7 +78,8 @@ FloatArray = np.ndarray[Any, np.dtype[np.float32]]
 def seq_sum(a: FloatArray, axis: int = -1) -> FloatArray:
     """The sum along ``axis``, strictly left to right (independent of the array's shape)."""
     acc: FloatArray = np.add.accumulate(a, axis=axis)
-    return np.take(acc, -1, axis=axis)
+    last: FloatArray = np.take(acc, -1, axis=axis)
+    return last
 
 
 def linear(x: FloatArray, w: FloatArray) -> FloatArray:

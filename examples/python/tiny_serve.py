@@ -256,14 +256,13 @@ def serve(cfg: RunConfig, weights: Weights) -> tuple[list[Job], RunStats]:
             budget -= n
             step.append((i, n))
         decoders = [
-            i
+            (i, r.pending)
             for i, r in enumerate(running)
             if r.pending is not None and r.req.remaining_prefill == 0 and not r.chunked
         ]
         if decoders:
-            next_tokens = [running[i].pending for i in decoders]
-            cache.alloc_decode([running[i].req for i in decoders], next_tokens)
-            for i in decoders:
+            cache.alloc_decode([running[i].req for i, _ in decoders], [t for _, t in decoders])
+            for i, _ in decoders:
                 running[i].pending = None
                 step.append((i, 1))
         step.sort()
