@@ -11,6 +11,9 @@ use unikv::ModelSpec;
 /// else by its `_name_or_path` or `model_type`). A config it cannot map raises
 /// `InvalidArgument` naming the field.
 pub fn model(value: &Bound<'_, PyAny>, name: Option<&str>) -> PyResult<ModelSpec> {
+    if let Ok(spec) = value.cast::<crate::engine::ModelSpec>() {
+        return Ok(spec.get().spec());
+    }
     if let Ok(text) = value.extract::<String>() {
         return ModelSpec::by_name(&text).ok_or_else(|| {
             invalid(format!(

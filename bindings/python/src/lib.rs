@@ -9,6 +9,7 @@
 
 mod batch;
 mod bench;
+mod engine;
 mod errors;
 mod hf;
 mod reference;
@@ -32,6 +33,8 @@ struct HybridCache {
     last_step: Mutex<Option<Py<step::StepMetadata>>>,
     /// The model's catalogue name (for `repr`).
     model: String,
+    /// The CPU device the buffer lives on, for `CpuBuffer` (`None` on `device="none"`).
+    cpu: Option<std::sync::Arc<unikv::kernels::CpuDevice>>,
 }
 
 /// What the prefix cache holds for a prompt, from `HybridCache.match_prefix`; admitting
@@ -148,12 +151,13 @@ impl HybridCache {
         let spec = hf::model(model, model_name)?;
         let bytes = self::memory(memory)?;
         let layout = self::layout(layout, swa_full_tokens_ratio)?;
+        let (device, cpu) = engine::device(device)?;
         let mut builder = unikv::HybridCache::builder()
             .model(spec)
             .page_size(page_size)
             .memory_bytes(bytes)
             .layout(layout)
-            .device(self::device(device)?);
+            .device(device);
         if let Some(n) = checkpoint_interval {
             builder = builder.checkpoint_interval(n);
         }
@@ -170,6 +174,7 @@ impl HybridCache {
             inner: Mutex::new(cache),
             last_step: Mutex::new(None),
             model: spec.name.to_string(),
+            cpu,
         })
     }
 
@@ -757,6 +762,9 @@ fn _unikv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_invariant_level, m)?)?;
     m.add_function(wrap_pyfunction!(invariant_level, m)?)?;
     m.add_class::<SideStats>()?;
+    m.add_class::<engine::ModelSpec>()?;
+    m.add_class::<engine::KvGeometry>()?;
+    m.add_class::<engine::CpuBuffer>()?;
     m.add_function(wrap_pyfunction!(models, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
     m.add_function(wrap_pyfunction!(_token_ids_for_tests, m)?)?;

@@ -7,12 +7,15 @@ and runs the Rust facade. See ``HybridCache`` for the request lifecycle.
 
 from ._unikv import (
     Batch,
+    CpuBuffer,
     DeviceError,
     Error,
     HybridCache,
     InternalError,
     InvalidArgument,
     InvariantViolation,
+    KvGeometry,
+    ModelSpec,
     OutOfMemory,
     PrefixMatch,
     Request,
@@ -30,12 +33,15 @@ from ._unikv import (
 
 __all__ = [
     "Batch",
+    "CpuBuffer",
     "DeviceError",
     "Error",
     "HybridCache",
     "InternalError",
     "InvalidArgument",
     "InvariantViolation",
+    "KvGeometry",
+    "ModelSpec",
     "OutOfMemory",
     "PrefixMatch",
     "Request",

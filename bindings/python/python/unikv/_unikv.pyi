@@ -153,13 +153,97 @@ class Stats:
     live_requests: int
     hit_tokens: int
 
+class ModelSpec:
+    """A model given by its geometry (FULL, SWA and recurrent layers, one K/V row shape
+    for both attention kinds, one recurrent state per recurrent layer), for small test
+    and example models: ``HybridCache(model=ModelSpec(...))``."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        full_layers: int,
+        swa_layers: int = 0,
+        mamba_layers: int = 0,
+        kv_heads: int,
+        head_dim: int,
+        dtype_bytes: int = 2,
+        window: int = 0,
+        conv_channels: int = 0,
+        conv_kernel: int = 0,
+        state_heads: int = 0,
+        state_head_dim: int = 0,
+        state_size: int = 0,
+        state_dtype_bytes: int = 4,
+    ) -> None: ...
+    name: str
+    full_layers: int
+    swa_layers: int
+    mamba_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    window: int
+    conv_channels: int
+    conv_kernel: int
+    state_heads: int
+    state_head_dim: int
+    state_size: int
+    state_dtype_bytes: int
+
+class KvGeometry:
+    """Where a cache's buffer keeps a kernel id's K/V rows (layer ``l``'s K row at row
+    ``k + 2·l·page_size``, its V row at ``k + (2·l + 1)·page_size``) and a state slot's
+    conv and temporal states. Kernel id 0 and slot 0 are the sink."""
+
+    def __init__(self, cache: HybridCache) -> None: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def full_row_bytes(self) -> int: ...
+    @property
+    def swa_row_bytes(self) -> int: ...
+    @property
+    def slot_bytes(self) -> int: ...
+    def row_offsets(
+        self, side: str, kernel_ids: Tokens, layer: int, *, value: bool
+    ) -> "np.ndarray[Any, np.dtype[np.int64]]":
+        """Byte offsets of layer ``layer``'s K (``value=False``) or V rows of
+        ``kernel_ids`` on ``side`` (``"full"`` or ``"swa"``)."""
+    def slot_offset(self, slot: int) -> int: ...
+    def conv_state(self, layer: int) -> tuple[int, int]:
+        """Byte range of recurrent layer ``layer``'s conv state inside a slot."""
+    def temporal_state(self, layer: int) -> tuple[int, int]:
+        """Byte range of recurrent layer ``layer``'s temporal state inside a slot."""
+
+class CpuBuffer:
+    """The bytes of a ``device="cpu"`` cache's buffer, for an engine whose forward runs
+    on the host: rows copied out and in with the cache locked (the CPU backend's
+    buffer is chunked and moves under compaction, so no view is handed out), and the
+    step's page tables read back from the device table."""
+
+    def __init__(self, cache: HybridCache) -> None: ...
+    @property
+    def geometry(self) -> KvGeometry: ...
+    def read(
+        self, offsets: Tokens, nbytes: int
+    ) -> "np.ndarray[Any, np.dtype[np.uint8]]":
+        """``nbytes`` at each offset: a new ``uint8`` array ``(len(offsets), nbytes)``."""
+    def write(self, offsets: Tokens, rows: Union[Buffer, "np.ndarray[Any, Any]"]) -> None:
+        """Row ``i`` of ``rows`` (C-contiguous, equal rows) at byte ``offsets[i]``."""
+    def read_step_table(
+        self, step: StepMetadata
+    ) -> "np.ndarray[Any, np.dtype[np.int32]]":
+        """The current step's whole device table (header, then the page tables the
+        device wrote), read back to the host: the CPU stand-in for a kernel's read."""
+
 class HybridCache:
     """One byte buffer for a hybrid model's KV and state, with the prefix cache on top."""
 
     def __init__(
         self,
         *,
-        model: Union[str, Mapping[str, Any]],
+        model: Union[str, Mapping[str, Any], ModelSpec],
         memory: Union[int, str],
         page_size: int = 1,
         layout: str = "unified",
