@@ -77,6 +77,7 @@ pub fn python_tests() -> Result<(), String> {
             "bindings/python/python",
             "bindings/python/tests",
             "bindings/python/bench.py",
+            "examples/python",
         ],
     )
     .run()
