@@ -8,7 +8,7 @@
 use crate::errors::invalid;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::PyDict;
+use pyo3::types::{PyCapsule, PyDict};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -120,6 +120,12 @@ impl InputsView {
     #[getter]
     fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         crate::step::array_interface(py, self.image)
+    }
+
+    /// The same as a C struct in a capsule (what numpy reads first).
+    #[getter]
+    fn __array_struct__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
+        crate::step::array_struct(py, self.image)
     }
 }
 
