@@ -436,17 +436,7 @@ fn gated_deltanet(cfg: &Config<'_>) -> Result<ModelSpec, HfConfigError> {
             state_dtype_bytes: cfg.ssm_dtype_bytes()?,
         }
     };
-    Ok(ModelSpec {
-        name: "",
-        full_layers,
-        swa_layers: 0,
-        mamba_layers,
-        full,
-        swa: KvRows::NONE,
-        recurrent,
-        window: 0,
-        draft_layers: 0,
-    })
+    Ok(recurrent_hybrid(full_layers, mamba_layers, full, recurrent))
 }
 
 /// Nemotron-H: Mamba2 (`M`), attention (`*`), MLP (`-`) and MoE (`E`) layers.
@@ -528,17 +518,7 @@ fn mamba2_hybrid(cfg: &Config<'_>) -> Result<ModelSpec, HfConfigError> {
             state_dtype_bytes: cfg.ssm_dtype_bytes()?,
         }
     };
-    Ok(ModelSpec {
-        name: "",
-        full_layers,
-        swa_layers: 0,
-        mamba_layers,
-        full,
-        swa: KvRows::NONE,
-        recurrent,
-        window: 0,
-        draft_layers: 0,
-    })
+    Ok(recurrent_hybrid(full_layers, mamba_layers, full, recurrent))
 }
 
 /// How many of `kinds` are `kind` (at most `num_hidden_layers`, a `u32`).
@@ -614,6 +594,27 @@ fn intern(name: &str) -> &'static str {
     let leaked: &'static str = Box::leak(name.to_owned().into_boxed_str());
     names.push(leaked);
     leaked
+}
+
+/// A model of full-attention and recurrent layers (no sliding window), named by the
+/// caller: the shape Qwen3-Next and Nemotron-H share.
+fn recurrent_hybrid(
+    full_layers: u32,
+    mamba_layers: u32,
+    full: KvRows,
+    recurrent: RecurrentState,
+) -> ModelSpec {
+    ModelSpec {
+        name: "",
+        full_layers,
+        swa_layers: 0,
+        mamba_layers,
+        full,
+        swa: KvRows::NONE,
+        recurrent,
+        window: 0,
+        draft_layers: 0,
+    }
 }
 
 #[cfg(test)]
