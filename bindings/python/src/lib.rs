@@ -64,6 +64,43 @@ impl HybridCache {
         result.map_err(|e| to_py(py, e))
     }
 
+    /// Runs `build` (which fills the step metadata and returns its view's parts) into the
+    /// last step metadata object when nothing else refers to it, else into a new one, and
+    /// records what it built. The cache keeps the object for the next build.
+    fn build_step(
+        &self,
+        py: Python<'_>,
+        build: impl FnOnce(
+            &mut unikv::HybridCache,
+            &mut unikv::StepMetadata,
+        ) -> Result<Built, unikv::Error>
+        + Send,
+    ) -> PyResult<Py<step::StepMetadata>> {
+        // Reuse the last object when only the cache refers to it (no view is alive).
+        let mut last = self.last_step.lock().unwrap_or_else(|p| p.into_inner());
+        let target = match last.take() {
+            Some(meta) if meta.get_refcnt(py) == 1 => meta,
+            _ => Py::new(py, step::StepMetadata::new())?,
+        };
+        let result = {
+            let mut meta = target.borrow_mut(py);
+            let inner = &mut meta.inner;
+            match self.with(py, |c| build(c, inner)) {
+                Ok(Built(image, layout, table)) => {
+                    meta.built(image, layout, table);
+                    Ok(())
+                }
+                Err(e) => {
+                    // A failed build may have moved the image: nothing may view it.
+                    meta.built((0, 0), unikv::DeviceLayout::default(), None);
+                    Err(e)
+                }
+            }
+        };
+        *last = Some(target.clone_ref(py));
+        result.map(|()| target)
+    }
+
     fn lock(&self) -> MutexGuard<'_, unikv::HybridCache> {
         // A panic inside a call poisoned the lock after `guarded` caught it; the facade
         // leaves the cache consistent on error, so the next call may go on.
@@ -85,6 +122,21 @@ impl Request {
             .take()
             .ok_or_else(|| invalid(format!("request {id} was finished or released")))
     }
+}
+
+/// What a step metadata build produced: the host image's address and length, its
+/// layout and its device table.
+struct Built((usize, usize), unikv::DeviceLayout, Option<u32>);
+
+/// The parts of `meta`'s view (after a build) that [`step::StepMetadata`] records.
+fn view_of(c: &unikv::HybridCache, meta: &unikv::StepMetadata) -> Result<Built, unikv::Error> {
+    let view = c.step_view(meta)?;
+    let image = view.host_image();
+    Ok(Built(
+        (image.as_ptr() as usize, image.len()),
+        view.device_layout(),
+        view.device_table().map(|t| t.0),
+    ))
 }
 
 /// A layout from its name: `"unified"`, or `"static"` with SWA sized at
@@ -434,39 +486,41 @@ impl HybridCache {
                 .ok_or_else(|| invalid(format!("request {id} was finished or released")))?;
             rows.push((req, n));
         }
-        // Reuse the last object when only the cache refers to it (no view is alive).
-        let mut last = self.last_step.lock().unwrap_or_else(|p| p.into_inner());
-        let target = match last.take() {
-            Some(meta) if meta.get_refcnt(py) == 1 => meta,
-            _ => Py::new(py, step::StepMetadata::new())?,
-        };
-        let result = {
-            let mut meta = target.borrow_mut(py);
-            let inner = &mut meta.inner;
-            let built = self.with(py, |c| {
-                c.build_step_metadata(inner, &rows)?;
-                let view = c.step_view(inner)?;
-                Ok((
-                    view.host_image().as_ptr() as usize,
-                    view.host_image().len(),
-                    view.device_layout(),
-                    view.device_table().map(|t| t.0),
-                ))
-            });
-            match built {
-                Ok((ptr, len, layout, table)) => {
-                    meta.built((ptr, len), layout, table);
-                    Ok(())
-                }
-                Err(e) => {
-                    // A failed build may have moved the image: nothing may view it.
-                    meta.built((0, 0), unikv::DeviceLayout::default(), None);
-                    Err(e)
-                }
-            }
-        };
-        *last = Some(target.clone_ref(py));
-        result.map(|()| target)
+        self.build_step(py, |c, meta| {
+            c.build_step_metadata(meta, &rows)?;
+            view_of(c, meta)
+        })
+    }
+
+    /// One decode step's allocation and metadata in one call: `alloc_decode(requests,
+    /// next_tokens)` then `build_step_metadata(requests)` (one new token each), with one
+    /// pass over the batch and one release of the GIL. A refused allocation builds
+    /// nothing.
+    fn decode_step(
+        &self,
+        py: Python<'_>,
+        requests: &Bound<'_, PyAny>,
+        next_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<step::StepMetadata>> {
+        let next = tokens::token_ids(next_tokens)?;
+        let mut borrowed = batch::borrow_all(requests)?;
+        if next.len() != borrowed.len() {
+            return Err(invalid(format!(
+                "{} requests but {} next tokens",
+                borrowed.len(),
+                next.len()
+            )));
+        }
+        let mut batch = Vec::with_capacity(borrowed.len());
+        for r in &mut borrowed {
+            batch.push(r.get()?);
+        }
+        self.build_step(py, |c, meta| {
+            c.alloc_decode(&mut batch, &next)?;
+            let rows: Vec<(&unikv::Request, usize)> = batch.iter().map(|r| (&**r, 1)).collect();
+            c.build_step_metadata(meta, &rows)?;
+            view_of(c, meta)
+        })
     }
 
     /// Shapes step metadata for `requests` running requests of up to `max_len` tokens and

@@ -13,4 +13,5 @@ def test_the_benchmark_runs_and_reports_both_sides(capsys: object) -> None:
     spec.loader.exec_module(bench)
     bench.main(["--batch", "8", "--prompt", "32", "--warmup", "2", "--steps", "10"])
     out = capsys.readouterr().out  # type: ignore[attr-defined]
-    assert "python  median" in out and "rust    median" in out
+    assert "python, two calls" in out and "python, decode_step" in out
+    assert "rust " in out

@@ -110,3 +110,33 @@ def test_new_token_counts_must_match_the_batch() -> None:
         assert "3 counts for 2 requests" in str(e)
     else:
         raise AssertionError("a count per request was not checked")
+
+
+def test_decode_step_is_alloc_decode_then_the_metadata() -> None:
+    def build(fused: bool) -> list[int]:
+        cache = unikv.HybridCache(model="gpt-oss-20b", memory="1GiB", page_size=16)
+        reqs = running(cache, 3, 40)
+        out: list[int] = []
+        for step in range(20):
+            tokens = np.full(3, step, dtype=np.int64)
+            if fused:
+                meta = cache.decode_step(reqs, tokens)
+            else:
+                cache.alloc_decode(reqs, tokens)
+                meta = cache.build_step_metadata(reqs)
+            out += meta.host_image.tolist()
+            del meta
+            cache.step_boundary()
+        assert [r.len for r in reqs] == [60, 60, 60]
+        return out
+
+    assert build(fused=True) == build(fused=False)
+    cache = unikv.HybridCache(model="gpt-oss-20b", memory="1GiB", page_size=16)
+    reqs = running(cache, 2, 40)
+    try:
+        cache.decode_step(reqs, [1])
+    except unikv.InvalidArgument as e:
+        assert "2 requests but 1 next tokens" in str(e)
+    else:
+        raise AssertionError("a short token list was accepted")
+    assert [r.len for r in reqs] == [40, 40]

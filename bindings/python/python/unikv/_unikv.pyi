@@ -277,6 +277,8 @@ class HybridCache:
     def build_step_metadata(
         self, requests: Requests, new_tokens: Union[int, Tokens, None] = None
     ) -> StepMetadata: ...
+    def decode_step(self, requests: Requests, next_tokens: Tokens) -> StepMetadata:
+        """``alloc_decode`` then ``build_step_metadata`` (one new token each), one call."""
     def reserve_step_metadata(
         self, *, requests: int, max_len: int, max_new_tokens: int
     ) -> None: ...
