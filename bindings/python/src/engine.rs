@@ -451,8 +451,8 @@ impl CpuBuffer {
         array(py, &table, "int32", &[table.len()])
     }
 
-    fn __repr__(&self) -> String {
-        format!("CpuBuffer(cache={})", self.cache.get().__repr__())
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!("CpuBuffer(cache={})", self.cache.get().__repr__(py))
     }
 }
 

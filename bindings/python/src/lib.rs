@@ -76,9 +76,12 @@ impl HybridCache {
         ) -> Result<Built, unikv::Error>
         + Send,
     ) -> PyResult<Py<step::StepMetadata>> {
-        // Reuse the last object when only the cache refers to it (no view is alive).
-        let mut last = self.last_step.lock().unwrap_or_else(|p| p.into_inner());
-        let target = match last.take() {
+        // Reuse the last object when only the cache refers to it (no view is alive). The
+        // slot's lock is held only for the take (and the put back), never across the build,
+        // whose GIL release would otherwise let a second builder wait for the lock while
+        // holding the GIL the first one needs back.
+        let previous = self.last_slot().take();
+        let target = match previous {
             Some(meta) if meta.get_refcnt(py) == 1 => meta,
             _ => Py::new(py, step::StepMetadata::new())?,
         };
@@ -97,8 +100,13 @@ impl HybridCache {
                 }
             }
         };
-        *last = Some(target.clone_ref(py));
+        *self.last_slot() = Some(target.clone_ref(py));
         result.map(|()| target)
+    }
+
+    /// The last step metadata's slot (locked briefly, with the GIL held).
+    fn last_slot(&self) -> MutexGuard<'_, Option<Py<step::StepMetadata>>> {
+        self.last_step.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn lock(&self) -> MutexGuard<'_, unikv::HybridCache> {
@@ -238,14 +246,15 @@ impl HybridCache {
 
     /// Tokens per page.
     #[getter]
-    fn page_size(&self) -> usize {
-        self.lock().page_size()
+    fn page_size(&self, py: Python<'_>) -> usize {
+        // Waiting for the cache's lock never holds the GIL.
+        py.detach(|| self.lock().page_size())
     }
 
     /// The step counter (step boundaries so far).
     #[getter]
-    fn step(&self) -> u64 {
-        self.lock().step()
+    fn step(&self, py: Python<'_>) -> u64 {
+        py.detach(|| self.lock().step())
     }
 
     /// Looks `tokens` up in the prefix cache (any int32/int64 buffer or a list of ints).
@@ -561,13 +570,14 @@ impl HybridCache {
         Ok(Stats::from(&s))
     }
 
-    fn __repr__(&self) -> String {
-        let c = self.lock();
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let (page_size, layout) = py.detach(|| {
+            let c = self.lock();
+            (c.page_size(), c.layout())
+        });
         format!(
-            "HybridCache(model={:?}, page_size={}, layout={:?})",
-            self.model,
-            c.page_size(),
-            c.layout()
+            "HybridCache(model={:?}, page_size={page_size}, layout={layout:?})",
+            self.model
         )
     }
 }

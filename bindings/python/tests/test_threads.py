@@ -1,6 +1,7 @@
 """The GIL is released during calls, and calls from several threads never corrupt."""
 
 import threading
+import time
 
 import numpy as np
 
@@ -56,3 +57,34 @@ def test_threads_sharing_a_cache_leave_it_consistent() -> None:
     assert errors == []
     cache.step_boundary()  # conservation and every invariant, strict
     assert cache.stats().live_requests == 0
+
+
+def test_threads_building_step_metadata_on_one_cache_never_deadlock() -> None:
+    # Each build releases the GIL; a second builder must never wait for a lock while
+    # holding the GIL the first one needs back.
+    cache = unikv.HybridCache(model="gpt-oss-20b", memory="1GiB", page_size=16)
+    errors: list[BaseException] = []
+
+    def build(base: int) -> None:
+        try:
+            req = cache.admit(cache.match_prefix([base + t for t in range(64)]))
+            cache.alloc_extend(req, 64)
+            for _ in range(300):
+                meta = cache.build_step_metadata([req], 64)
+                assert meta.layout["batch"] == 1
+                assert cache.page_size == 16 and "gpt-oss" in repr(cache)
+                del meta
+            cache.release(req)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=build, args=(1_000_000 * t,), daemon=True) for t in range(4)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "a builder is stuck: a deadlock"
+    assert errors == []
