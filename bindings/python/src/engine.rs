@@ -435,7 +435,9 @@ impl CpuBuffer {
         py: Python<'py>,
         step: &Bound<'py, StepMetadata>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let meta = step.borrow();
+        let meta = step
+            .try_borrow()
+            .map_err(|_| crate::errors::busy("step metadata"))?;
         let inner = &meta.inner;
         let cpu = &self.cpu;
         let table = self.cache.get().with(py, |c| {

@@ -157,6 +157,14 @@ pub fn invalid(message: impl Into<String>) -> PyErr {
     err
 }
 
+/// The `InvalidArgument` for an object another call is using (a second thread's call on
+/// the same request, match or metadata while the first runs with the GIL released).
+pub fn busy(what: &str) -> PyErr {
+    invalid(format!(
+        "this {what} is in use by another call (another thread)"
+    ))
+}
+
 /// Runs `f`, turning a Rust panic into `unikv.InternalError` (never a Python
 /// `PanicException`, which is a `BaseException` an engine's `except Exception` misses).
 pub fn guarded<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {

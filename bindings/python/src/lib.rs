@@ -19,7 +19,7 @@ mod step;
 mod tokens;
 mod verify;
 
-use errors::{guarded, invalid, to_py};
+use errors::{busy, guarded, invalid, to_py};
 use pyo3::prelude::*;
 use std::sync::{Mutex, MutexGuard};
 use unikv::{Layout, ModelSpec, TokenId};
@@ -273,7 +273,7 @@ impl HybridCache {
         hit: &Bound<'_, PrefixMatch>,
         reserve_tokens: usize,
     ) -> PyResult<bool> {
-        let hit = hit.borrow();
+        let hit = hit.try_borrow().map_err(|_| busy("prefix match"))?;
         let hit = hit
             .inner
             .as_ref()
@@ -283,7 +283,7 @@ impl HybridCache {
 
     /// Admits `hit` as a running request (consuming the match).
     fn admit(&self, py: Python<'_>, hit: &Bound<'_, PrefixMatch>) -> PyResult<Request> {
-        let mut hit = hit.borrow_mut();
+        let mut hit = hit.try_borrow_mut().map_err(|_| busy("prefix match"))?;
         let matched = hit
             .inner
             .take()
@@ -304,7 +304,7 @@ impl HybridCache {
         request: &Bound<'_, Request>,
         tokens: usize,
     ) -> PyResult<()> {
-        let mut r = request.borrow_mut();
+        let mut r = request.try_borrow_mut().map_err(|_| busy("request"))?;
         let req = r.get()?;
         self.with(py, |c| c.alloc_extend(req, tokens))
     }
@@ -387,7 +387,7 @@ impl HybridCache {
         py: Python<'_>,
         meta: &Bound<'_, verify::VerifyMetadata>,
     ) -> PyResult<()> {
-        let m = meta.borrow();
+        let m = meta.try_borrow().map_err(|_| busy("verify metadata"))?;
         let inner = &m.inner;
         self.with(py, |c| c.reserve_verify_metadata(inner))
     }
@@ -439,14 +439,14 @@ impl HybridCache {
         py: Python<'_>,
         request: &Bound<'_, Request>,
     ) -> PyResult<usize> {
-        let mut r = request.borrow_mut();
+        let mut r = request.try_borrow_mut().map_err(|_| busy("request"))?;
         let req = r.get()?;
         self.with(py, |c| c.release_out_of_window(req))
     }
 
     /// Caches what `request` computed so far and keeps it running.
     fn cache_unfinished(&self, py: Python<'_>, request: &Bound<'_, Request>) -> PyResult<()> {
-        let mut r = request.borrow_mut();
+        let mut r = request.try_borrow_mut().map_err(|_| busy("request"))?;
         let req = r.get()?;
         self.with(py, |c| c.cache_unfinished(req))
     }
@@ -454,14 +454,20 @@ impl HybridCache {
     /// Finishes `request`: its KV (and state) enters the prefix cache. The request cannot
     /// be used afterwards.
     fn cache_finished(&self, py: Python<'_>, request: &Bound<'_, Request>) -> PyResult<()> {
-        let req = request.borrow_mut().take()?;
+        let req = request
+            .try_borrow_mut()
+            .map_err(|_| busy("request"))?
+            .take()?;
         self.with(py, |c| c.cache_finished(req))
     }
 
     /// Releases `request` without caching it (an abort or a retraction); returns its
     /// tokens, so it can be admitted again. The request cannot be used afterwards.
     fn release(&self, py: Python<'_>, request: &Bound<'_, Request>) -> PyResult<Vec<u32>> {
-        let req = request.borrow_mut().take()?;
+        let req = request
+            .try_borrow_mut()
+            .map_err(|_| busy("request"))?
+            .take()?;
         let tokens = self.with(py, |c| c.release(req))?;
         Ok(tokens.into_iter().map(|t| t.0).collect())
     }

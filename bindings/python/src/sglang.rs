@@ -65,7 +65,9 @@ pub fn _request_kv_indices<'py>(
     end: Option<usize>,
 ) -> PyResult<Bound<'py, PyByteArray>> {
     let space = id_space(side)?;
-    let r = request.borrow();
+    let r = request
+        .try_borrow()
+        .map_err(|_| crate::errors::busy("request"))?;
     let id = r.id;
     let req = r
         .inner
@@ -214,7 +216,9 @@ pub fn _evict_all(py: Python<'_>, cache: &Bound<'_, HybridCache>) -> PyResult<us
 /// cache owns (`[0, protected_len)`) and the row below which its SWA was released.
 #[pyfunction]
 pub fn _request_rows(request: &Bound<'_, Request>) -> PyResult<(usize, usize, usize)> {
-    let mut r = request.borrow_mut();
+    let mut r = request
+        .try_borrow_mut()
+        .map_err(|_| crate::errors::busy("request"))?;
     let req = r.get()?;
     Ok((req.len(), req.protected_len(), req.window_cursor()))
 }

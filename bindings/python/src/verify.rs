@@ -50,7 +50,9 @@ impl VerifyMetadata {
     #[getter]
     fn inputs<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
-        let me = slf.borrow();
+        let me = slf
+            .try_borrow()
+            .map_err(|_| crate::errors::busy("verify metadata"))?;
         let image = me.inner.inputs();
         me.views.fetch_add(1, Ordering::AcqRel);
         let view = Bound::new(

@@ -88,3 +88,23 @@ def test_threads_building_step_metadata_on_one_cache_never_deadlock() -> None:
         t.join(timeout=max(0.0, deadline - time.monotonic()))
     assert not any(t.is_alive() for t in threads), "a builder is stuck: a deadlock"
     assert errors == []
+
+
+def test_a_second_threads_call_on_a_request_in_use_raises_or_works() -> None:
+    cache = unikv.HybridCache(model="gpt-oss-20b", memory="16GiB", page_size=1)
+    prompt = np.arange(300_001, dtype=np.int64)
+    req = cache.admit(cache.match_prefix(prompt))
+    worker = threading.Thread(target=cache.alloc_extend, args=(req, 300_000))
+    worker.start()
+    time.sleep(0.01)
+    try:
+        cache.alloc_extend(req, 1)  # the worker's call may still hold the request
+        second = "worked"
+    except unikv.InvalidArgument as e:
+        assert "in use by another call" in str(e)
+        second = "raised"
+    worker.join()
+    # Never corrupted: the request holds exactly what the calls that ran allocated.
+    assert req.len == (300_001 if second == "worked" else 300_000)
+    cache.release(req)
+    cache.step_boundary()
