@@ -52,6 +52,9 @@ fn main() -> ExitCode {
         Some("sim") => tasks::sim(&args[1..]),
         Some("mutants") => tasks::mutants(&args[1..]),
         Some("nvrtc") => tasks::nvrtc_check(),
+        Some(task @ ("cycles" | "python")) if args.len() > 1 => {
+            Err(format!("{task} takes no arguments (got {:?})", args[1]))
+        }
         Some("cycles") => cycles::cycles(),
         Some("python") => python::python_tests(),
         Some("publish-check") => publish::publish_check(&args[1..]),
