@@ -453,6 +453,34 @@ impl CpuBuffer {
         array(py, &table, "int32", &[table.len()])
     }
 
+    /// The verify metadata's outputs table as the device holds it (`int32`,
+    /// `layout["outputs_len"]` entries: the write ids and state slots
+    /// `HybridCache.translate_verify` wrote). A host read-back: the CPU backend's
+    /// stand-in for a verify kernel reading them on the device.
+    fn read_verify_outputs<'py>(
+        &self,
+        py: Python<'py>,
+        meta: &Bound<'py, crate::verify::VerifyMetadata>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let meta = meta
+            .try_borrow()
+            .map_err(|_| crate::errors::busy("verify metadata"))?;
+        let Some((_, outputs)) = meta.inner.tables() else {
+            return Err(crate::errors::invalid(
+                "read_verify_outputs: this verify metadata was never built",
+            ));
+        };
+        let len = meta.inner.layout().outputs_len;
+        let cpu = &self.cpu;
+        let table = self.cache.get().with(py, |_| {
+            let sync = HostSync::acquire(
+                "unikv.CpuBuffer.read_verify_outputs: a host engine reads its verify ids",
+            );
+            Ok(cpu.read_table(&sync, outputs, 0, len)?)
+        })?;
+        array(py, &table, "int32", &[table.len()])
+    }
+
     fn __repr__(&self, py: Python<'_>) -> String {
         format!("CpuBuffer(cache={})", self.cache.get().__repr__(py))
     }

@@ -9,6 +9,7 @@
 
 mod batch;
 mod bench;
+mod device_values;
 mod engine;
 mod errors;
 mod hf;
@@ -35,6 +36,8 @@ struct HybridCache {
     model: String,
     /// The CPU device the buffer lives on, for `CpuBuffer` (`None` on `device="none"`).
     cpu: Option<std::sync::Arc<unikv::kernels::CpuDevice>>,
+    /// The device the buffer lives on, for the engine's own tables (`DeviceValues`).
+    device: std::sync::Arc<dyn unikv::kernels::Device>,
 }
 
 /// What the prefix cache holds for a prompt, from `HybridCache.match_prefix`; admitting
@@ -121,6 +124,17 @@ impl Request {
         let id = self.id;
         self.inner
             .as_mut()
+            .ok_or_else(|| invalid(format!("request {id} was finished or released")))
+    }
+
+    /// Reads the request through `f`, or raises `InvalidArgument` when it is closed or
+    /// another thread's call is using it (never pyo3's borrow error).
+    fn read<T>(slf: &Bound<'_, Self>, f: impl FnOnce(&unikv::Request) -> T) -> PyResult<T> {
+        let me = slf.try_borrow().map_err(|_| busy("request"))?;
+        let id = me.id;
+        me.inner
+            .as_ref()
+            .map(f)
             .ok_or_else(|| invalid(format!("request {id} was finished or released")))
     }
 
@@ -217,7 +231,7 @@ impl HybridCache {
             .page_size(page_size)
             .memory_bytes(bytes)
             .layout(layout)
-            .device(device);
+            .device(device.clone());
         if let Some(n) = checkpoint_interval {
             builder = builder.checkpoint_interval(n);
         }
@@ -235,6 +249,7 @@ impl HybridCache {
             last_step: Mutex::new(None),
             model: spec.name.to_string(),
             cpu,
+            device,
         })
     }
 
@@ -242,6 +257,15 @@ impl HybridCache {
     #[getter]
     fn model(&self) -> &str {
         &self.model
+    }
+
+    /// The layout: `"unified"` or `"static"`.
+    #[getter]
+    fn layout(&self, py: Python<'_>) -> &'static str {
+        match py.detach(|| self.lock().layout()) {
+            Layout::Unified => "unified",
+            Layout::Static { .. } => "static",
+        }
     }
 
     /// Tokens per page.
@@ -419,17 +443,76 @@ impl HybridCache {
     }
 
     /// Computes the verify metadata's outputs on the device (write ids, input and output
-    /// states), for counts settled in the step (no earlier verify unsettled).
+    /// states). With counts settled in the step pass no offsets; with an earlier verify
+    /// unsettled on the host (counts a step late), `accepted` is `(values, at)`: its
+    /// accepted count per request of the batch, from entry `at` (0 for a request with
+    /// nothing unsettled), and `last_nodes` one past its last accepted node (a tree's;
+    /// a chain's equals the count: leave it out). Reads them on the device only.
+    #[pyo3(signature = (meta, *, accepted = None, last_nodes = None))]
     fn translate_verify(
         &self,
         py: Python<'_>,
         meta: &Bound<'_, verify::VerifyMetadata>,
+        accepted: Option<(PyRef<'_, device_values::DeviceValues>, usize)>,
+        last_nodes: Option<(PyRef<'_, device_values::DeviceValues>, usize)>,
     ) -> PyResult<()> {
+        let offsets = match (&accepted, &last_nodes) {
+            (None, None) => None,
+            (None, Some(_)) => {
+                return Err(invalid(
+                    "translate_verify: last_nodes without accepted (pass the accepted counts)",
+                ));
+            }
+            (Some((values, at)), last) => {
+                let accepted = values.at(&self.device, *at)?;
+                let last_node = match last {
+                    Some((values, at)) => values.at(&self.device, *at)?,
+                    None => accepted,
+                };
+                Some(unikv::VerifyOffsets {
+                    accepted,
+                    last_node,
+                })
+            }
+        };
         let mut m = meta
             .try_borrow_mut()
             .map_err(|_| invalid("this verify metadata is in use"))?;
         let inner = &mut m.inner;
-        self.with(py, |c| c.translate_verify(inner, None))
+        self.with(py, |c| c.translate_verify(inner, offsets))
+    }
+
+    /// After a tree verify's forward, moves each request's accepted nodes' KV to
+    /// consecutive rows on the device, reading the accepted paths there: `paths` is
+    /// `(values, at)`, `width` entries per request from entry `at` (the path's nodes,
+    /// then −1; a chain's `0, 1, …` moves nothing). One fixed-shape device op; call it
+    /// before anything allocates. Nothing is read back.
+    fn compact_accepted(
+        &self,
+        py: Python<'_>,
+        meta: &Bound<'_, verify::VerifyMetadata>,
+        paths: (PyRef<'_, device_values::DeviceValues>, usize),
+    ) -> PyResult<()> {
+        let paths = paths.0.at(&self.device, paths.1)?;
+        let m = meta
+            .try_borrow()
+            .map_err(|_| invalid("this verify metadata is in use"))?;
+        let inner = &m.inner;
+        self.with(py, |c| c.compact_accepted(inner, paths))
+    }
+
+    /// A table of `len` `int32` entries (filled with `fill`) on the cache's device for
+    /// the engine's kernels to write: accepted counts, last accepted nodes and paths,
+    /// which `translate_verify` and `compact_accepted` read on the device. Set-up work
+    /// (an allocation); freed when the object goes.
+    #[pyo3(signature = (len, *, fill = 0))]
+    fn device_values(
+        &self,
+        py: Python<'_>,
+        len: usize,
+        fill: i32,
+    ) -> PyResult<device_values::DeviceValues> {
+        device_values::DeviceValues::new(py, self.device.clone(), len, fill)
     }
 
     /// Releases the SWA KV of `request`'s rows that left the window; returns the tokens
@@ -640,37 +723,45 @@ impl Request {
 
     /// Tokens with KV (prompt rows allocated so far, then decoded ones).
     #[getter]
-    fn len(&mut self) -> PyResult<usize> {
-        Ok(self.get()?.len())
+    fn len(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Request::read(slf, unikv::Request::len)
     }
 
     /// Rows whose tokens are settled (its length without unsettled verify positions).
     #[getter]
-    fn settled_len(&mut self) -> PyResult<usize> {
-        Ok(self.get()?.settled_len())
+    fn settled_len(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Request::read(slf, unikv::Request::settled_len)
     }
 
     /// Verify steps allocated and not settled yet.
     #[getter]
-    fn unsettled_verifies(&mut self) -> PyResult<usize> {
-        Ok(self.get()?.unsettled_verifies())
+    fn unsettled_verifies(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Request::read(slf, unikv::Request::unsettled_verifies)
     }
 
     /// Prompt tokens not allocated yet.
     #[getter]
-    fn remaining_prefill(&mut self) -> PyResult<usize> {
-        Ok(self.get()?.remaining_prefill())
+    fn remaining_prefill(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Request::read(slf, unikv::Request::remaining_prefill)
     }
 
     /// Prompt tokens reused from the prefix cache at admission.
     #[getter]
-    fn cached_at_admission(&mut self) -> PyResult<usize> {
-        Ok(self.get()?.cached_at_admission())
+    fn cached_at_admission(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Request::read(slf, unikv::Request::cached_at_admission)
     }
 
     /// The request's tokens (prompt, then decoded).
-    fn tokens(&mut self) -> PyResult<Vec<u32>> {
-        Ok(self.get()?.tokens().iter().map(|t| t.0).collect())
+    fn tokens(slf: &Bound<'_, Self>) -> PyResult<Vec<u32>> {
+        Request::read(slf, |r| r.tokens().iter().map(|t| t.0).collect())
+    }
+
+    /// The request's running state slot (a virtual slot id; `None` on a model without
+    /// recurrent layers). A kernel reads it through the step metadata, which translates
+    /// it.
+    #[getter]
+    fn state_slot(slf: &Bound<'_, Self>) -> PyResult<Option<u32>> {
+        Request::read(slf, |r| r.state_slot().map(|s| s.0))
     }
 
     /// Whether the request was finished or released (then any other use raises).
@@ -829,6 +920,7 @@ fn _unikv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<speculative::Speculation>()?;
     m.add_class::<verify::VerifyMetadata>()?;
     m.add_class::<verify::InputsView>()?;
+    m.add_class::<device_values::DeviceValues>()?;
     m.add_function(wrap_pyfunction!(set_invariant_level, m)?)?;
     m.add_function(wrap_pyfunction!(invariant_level, m)?)?;
     m.add_class::<SideStats>()?;

@@ -13,11 +13,27 @@ use unikv::TokenId;
 /// buffer that is not one-dimensional and contiguous, whose items are not 4- or 8-byte
 /// integers, or an id that is negative or past `u32`.
 pub fn token_ids(value: &Bound<'_, PyAny>) -> PyResult<Vec<TokenId>> {
+    read_ints(value, "tokens", id)
+}
+
+/// The integers `value` holds (a list or tuple of ints, or a one-dimensional contiguous
+/// buffer of 4- or 8-byte integers), refused as [`token_ids`] refuses, with messages
+/// naming `what`.
+pub fn ints(value: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i64>> {
+    read_ints(value, what, Ok)
+}
+
+/// The integers `value` holds, each through `f`, in one pass.
+fn read_ints<T>(
+    value: &Bound<'_, PyAny>,
+    what: &str,
+    f: impl Fn(i64) -> PyResult<T>,
+) -> PyResult<Vec<T>> {
     if value.is_instance_of::<PyList>() || value.is_instance_of::<PyTuple>() {
         let ids: Vec<i64> = value
             .extract()
-            .map_err(|_| invalid("tokens: a list of ints"))?;
-        return ids.into_iter().map(id).collect();
+            .map_err(|_| invalid(format!("{what}: a list of ints")))?;
+        return ids.into_iter().map(f).collect();
     }
     let py = value.py();
     static MEMORYVIEW: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
@@ -28,7 +44,7 @@ pub fn token_ids(value: &Bound<'_, PyAny>) -> PyResult<Vec<TokenId>> {
     })?;
     let view = memoryview.bind(py).call1((value,)).map_err(|_| {
         invalid(format!(
-            "tokens: an int32/int64 buffer or a list of ints, not {}",
+            "{what}: an int32/int64 buffer or a list of ints, not {}",
             type_name(value)
         ))
     })?;
@@ -38,18 +54,20 @@ pub fn token_ids(value: &Bound<'_, PyAny>) -> PyResult<Vec<TokenId>> {
     let itemsize: usize = view.getattr(intern!(py, "itemsize"))?.extract()?;
     if ndim != 1 {
         return Err(invalid(format!(
-            "tokens: a one-dimensional buffer, not {ndim} dimensions"
+            "{what}: a one-dimensional buffer, not {ndim} dimensions"
         )));
     }
     if !contiguous {
-        return Err(invalid("tokens: a contiguous buffer (this one is strided)"));
+        return Err(invalid(format!(
+            "{what}: a contiguous buffer (this one is strided)"
+        )));
     }
     // Native or little-endian signed or unsigned integers of 4 or 8 bytes.
     let kind = format.trim_start_matches(['@', '=', '<']);
     let integer = matches!(kind, "i" | "l" | "q" | "I" | "L" | "Q" | "n" | "N");
     if !integer || !(itemsize == 4 || itemsize == 8) {
         return Err(invalid(format!(
-            "tokens: int32 or int64 items, not format {format:?} of {itemsize} bytes"
+            "{what}: int32 or int64 items, not format {format:?} of {itemsize} bytes"
         )));
     }
     let signed = kind.chars().all(|c| c.is_ascii_lowercase());
@@ -66,7 +84,7 @@ pub fn token_ids(value: &Bound<'_, PyAny>) -> PyResult<Vec<TokenId>> {
                 i64::try_from(u).unwrap_or(i64::MAX)
             }
         };
-        out.push(id(v)?);
+        out.push(f(v)?);
     }
     Ok(out)
 }

@@ -88,6 +88,9 @@ class Request:
     @property
     def closed(self) -> bool: ...
     def tokens(self) -> list[int]: ...
+    @property
+    def state_slot(self) -> Optional[int]:
+        """Its running state slot (virtual; ``None`` without recurrent layers)."""
 
 class Batch:
     """An immutable list of requests, reused across steps (no list conversion a step)."""
@@ -133,6 +136,20 @@ class VerifyMetadata:
     def layout(self) -> dict[str, int]: ...
     @property
     def device_tables(self) -> Optional[tuple[int, int]]: ...
+
+class DeviceValues:
+    """An ``int32`` table on the cache's device that the engine's kernels write
+    (accepted counts, last accepted nodes, accepted paths), made by
+    ``HybridCache.device_values``; ``translate_verify`` and ``compact_accepted`` read
+    ``(values, at)`` on the device. Freed when the object goes."""
+
+    def __len__(self) -> int: ...
+    @property
+    def table(self) -> int:
+        """The device table's id."""
+    def write(self, values: Tokens, *, at: int = 0) -> None:
+        """Writes ``values`` from entry ``at`` (an asynchronous upload: the CPU
+        backend's stand-in for the engine's accept kernel)."""
 
 class SideStats:
     """One side's pages (``full``, ``swa``) or slots (``mamba``)."""
@@ -236,6 +253,11 @@ class CpuBuffer:
     ) -> "np.ndarray[Any, np.dtype[np.int32]]":
         """The current step's whole device table (header, then the page tables the
         device wrote), read back to the host: the CPU stand-in for a kernel's read."""
+    def read_verify_outputs(
+        self, meta: VerifyMetadata
+    ) -> "np.ndarray[Any, np.dtype[np.int32]]":
+        """The verify metadata's outputs table as the device holds it (write ids and
+        state slots ``translate_verify`` wrote), read back to the host."""
 
 class HybridCache:
     """One byte buffer for a hybrid model's KV and state, with the prefix cache on top."""
@@ -257,6 +279,9 @@ class HybridCache:
     @property
     def model(self) -> str: ...
     @property
+    def layout(self) -> str:
+        """``"unified"`` or ``"static"``."""
+    @property
     def page_size(self) -> int: ...
     @property
     def step(self) -> int: ...
@@ -269,7 +294,24 @@ class HybridCache:
     def settle(self, requests: Requests, accepted: Sequence[Accepted]) -> None: ...
     def reserve_verify_metadata(self, meta: VerifyMetadata) -> None: ...
     def build_verify_metadata(self, meta: VerifyMetadata, requests: Requests) -> None: ...
-    def translate_verify(self, meta: VerifyMetadata) -> None: ...
+    def translate_verify(
+        self,
+        meta: VerifyMetadata,
+        *,
+        accepted: Optional[tuple[DeviceValues, int]] = None,
+        last_nodes: Optional[tuple[DeviceValues, int]] = None,
+    ) -> None:
+        """The verify's write ids and state slots, on the device; with counts a step
+        late, ``accepted`` (and for trees ``last_nodes``) name the device values of
+        each request's earlier unsettled verify."""
+    def compact_accepted(
+        self, meta: VerifyMetadata, paths: tuple[DeviceValues, int]
+    ) -> None:
+        """Moves each tree verify's accepted nodes' KV to consecutive rows, reading
+        the paths (``width`` entries per request, then −1) on the device."""
+    def device_values(self, len: int, *, fill: int = 0) -> DeviceValues:
+        """A table of ``len`` ``int32`` entries on the cache's device for the
+        engine's kernels to write (set-up: an allocation)."""
     def release_out_of_window(self, request: Request) -> int: ...
     def cache_unfinished(self, request: Request) -> None: ...
     def cache_finished(self, request: Request) -> None: ...
