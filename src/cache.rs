@@ -16,6 +16,7 @@
 //! | the step boundary | `step_boundary`, `stats` | `cache.rs` |
 //! | step metadata | `reserve_step_metadata`, `build_step_metadata`, `step_view`, `kv_geometry` | `step.rs` |
 //! | verify metadata | `reserve_verify_metadata`, `build_verify_metadata`, `translate_verify`, `compact_accepted` | `verify.rs` |
+//! | zero-copy readers of the tables | `export_table`, `make_stream_wait`, `device_arc` | `cache.rs` |
 //!
 //! The device tables the last two fill are owned here and kept in `tables.rs`, a leaf.
 //!
@@ -339,9 +340,44 @@ impl HybridCache {
         self.device.as_ref()
     }
 
-    /// The device its buffer lives on, shared (to use beside `&mut self`).
-    pub(crate) fn device_arc(&self) -> Arc<dyn Device> {
+    /// The device its buffer lives on, shared: the one given to the builder (an engine
+    /// or a tool that wrapped it, in a `SyncLedger` say, finds its wrapper by pointer).
+    pub fn device_arc(&self) -> Arc<dyn Device> {
         self.device.clone()
+    }
+
+    /// The memory of `table`, one of this cache's device tables
+    /// ([`StepView::device_table`](crate::StepView::device_table),
+    /// [`VerifyMetadata::tables`](crate::VerifyMetadata::tables)), for a reader that
+    /// reads it in place: a DLPack export, an engine's attention kernel. No copy, no wait.
+    ///
+    /// The address holds until the cache frees the table, which it does only when a
+    /// build needs a larger one; after [`HybridCache::reserve_step_metadata`] and
+    /// [`HybridCache::reserve_verify_metadata`], builds within the reserved shapes reuse
+    /// the same tables. While the export's guard lives, the memory of a freed table is
+    /// kept (no longer written) rather than released. The contents are the last build's,
+    /// overwritten in stream order by the next one; on a GPU, order the reader's stream
+    /// first ([`HybridCache::make_stream_wait`]). See
+    /// [`TableExport`](unikv_kernels::TableExport).
+    ///
+    /// Errors: [`Error::Device`] with `UnknownHandle` for a table this cache's device
+    /// does not hold, or `NotExportable` on a device with no table memory (`NullDevice`).
+    pub fn export_table(&self, table: TableId) -> Result<unikv_kernels::TableExport, Error> {
+        Ok(self.device.export_table(table)?)
+    }
+
+    /// Makes the work enqueued on `consumer` from now on run after every device op the
+    /// cache issued so far (the last build's tables written), without the host waiting:
+    /// on a GPU one event, recorded on the cache's stream and waited for by `consumer`;
+    /// nothing on the CPU backend. See
+    /// [`Device::make_stream_wait`](unikv_kernels::Device::make_stream_wait).
+    ///
+    /// # Safety
+    /// On a GPU, `consumer` is a valid stream of the same GPU's primary context (or
+    /// `0x1`/`0x2`, the legacy and per-thread default streams), alive during the call.
+    pub unsafe fn make_stream_wait(&self, consumer: unikv_kernels::RawStream) -> Result<(), Error> {
+        // SAFETY: forwarded contract.
+        Ok(unsafe { self.device.make_stream_wait(consumer) }?)
     }
 
     /// How recurrent states are checkpointed (`None` without recurrent layers).

@@ -83,6 +83,40 @@ pub fn python_tests() -> Result<(), String> {
     .run()
 }
 
+/// The DLPack GPU check of `cargo xtask gpu`: builds the extension with `--features cuda`
+/// into the virtualenv and runs only the GPU test of `test_dlpack.py` (the step table
+/// exported through DLPack, read on the GPU by torch when importable, else by
+/// `cuMemcpyDtoH`, equals the host table with 0 host syncs counted by the ledger),
+/// requiring the GPU. Returns whether it passed and pytest's output.
+pub fn dlpack_gpu_check(library_path: &str) -> Result<(bool, String), String> {
+    let venv = Venv::ready()?;
+    venv.maturin(&[
+        "develop",
+        "-q",
+        "-m",
+        "bindings/python/Cargo.toml",
+        "--features",
+        "cuda",
+    ])
+    .run()?;
+    Cmd::new(
+        &venv.python,
+        &[
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "bindings/python/tests/test_dlpack.py",
+            "-k",
+            "test_gpu_",
+        ],
+    )
+    .env("LD_LIBRARY_PATH", library_path)
+    .env("UNIKV_REQUIRE_GPU", "1")
+    .env("UNIKV_INVARIANT_CHECK", "strict")
+    .run_reporting()
+}
+
 /// The interpreter that makes the virtualenv: `$PYTHON`, else `python3`.
 fn system_python() -> String {
     std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())

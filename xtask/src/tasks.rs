@@ -374,7 +374,8 @@ pub fn gpu_bundle(args: &[String]) -> Result<(), String> {
 /// backend's emulated driver in `cargo xtask test`. With one, it runs, on the GPU and
 /// requiring it: the NVRTC compile of every kernel, CPU-vs-CUDA parity of every op, the
 /// no-sync proofs (every op and a whole step return while a spin kernel holds the
-/// stream), graph capture and replay, and the bandwidth table; then prints one table and
+/// stream), graph capture and replay, the bandwidth table, and the Python binding's
+/// DLPack export read on the GPU (`python::dlpack_gpu_check`); then prints one table and
 /// fails if any check did.
 pub fn gpu() -> Result<(), String> {
     let require = std::env::var("UNIKV_REQUIRE_GPU").is_ok_and(|v| v == "1");
@@ -431,6 +432,18 @@ pub fn gpu() -> Result<(), String> {
             rows.push((format!("{suite}: (did not run)"), "FAIL"));
         }
     }
+    // The Python binding's DLPack export, read on the GPU (one pytest test).
+    let (ok, output) = crate::python::dlpack_gpu_check(&library_path)?;
+    let verdict = if ok && output.contains("1 passed") {
+        "pass"
+    } else {
+        "FAIL"
+    };
+    rows.push((
+        "python dlpack: test_gpu_the_dlpack_step_table_equals_the_host_table_with_no_host_sync"
+            .to_string(),
+        verdict,
+    ));
     println!("\nGPU: {}  (NVRTC {})", gpu.trim(), lib_dir.display());
     let width = rows.iter().map(|(t, _)| t.len()).max().unwrap_or(0);
     for (test, verdict) in &rows {

@@ -30,11 +30,15 @@ use unikv::{KvRows, RecurrentState};
 type Devices = (Arc<dyn Device>, Option<Arc<CpuDevice>>);
 
 /// The device a cache is built on, and the CPU device behind it when it is `"cpu"` (kept
-/// beside the cache so [`CpuBuffer`] can run kernels over its bytes).
+/// beside the cache so [`CpuBuffer`] can run kernels over its bytes). `"cuda"`,
+/// `"cuda:N"` and `"ledger(...)"` are opened by `dlpack::open_device`.
 pub(crate) fn device(name: &str) -> PyResult<Devices> {
     if name == "cpu" {
         let cpu = Arc::new(CpuDevice::new());
         return Ok((cpu.clone(), Some(cpu)));
+    }
+    if let Some(devices) = Python::attach(|py| crate::dlpack::open_device(py, name))? {
+        return Ok(devices);
     }
     Ok((crate::device(name)?, None))
 }

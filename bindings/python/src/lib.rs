@@ -10,6 +10,7 @@
 mod batch;
 mod bench;
 mod device_values;
+mod dlpack;
 mod engine;
 mod errors;
 mod hf;
@@ -927,6 +928,7 @@ fn _unikv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::ModelSpec>()?;
     m.add_class::<engine::KvGeometry>()?;
     m.add_class::<engine::CpuBuffer>()?;
+    m.add_class::<dlpack::DeviceTable>()?;
     m.add_function(wrap_pyfunction!(models, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
     m.add_function(wrap_pyfunction!(_token_ids_for_tests, m)?)?;
@@ -939,6 +941,9 @@ fn _unikv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sglang::_evict_to_free, m)?)?;
     m.add_function(wrap_pyfunction!(sglang::_evict_all, m)?)?;
     m.add_function(wrap_pyfunction!(sglang::_request_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(dlpack::_host_syncs, m)?)?;
+    m.add_function(wrap_pyfunction!(dlpack::_ledger_ops, m)?)?;
+    m.add_function(wrap_pyfunction!(dlpack::_reset_ledger, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -4,10 +4,11 @@
 //! writes anything, so an op that returns an error has changed nothing.
 
 use crate::check;
+use crate::export::Exports;
 use crate::handles::Handles;
 use crate::{
-    ByteSpan, BytesId, Device, Error, HostSync, LaneTranslate, Readback, RowGather, SpanMove,
-    TableId, TableScatter, TableSpans, Translate, WindowTranslate,
+    ByteSpan, BytesId, Device, Error, ExportDevice, HostSync, LaneTranslate, Readback, RowGather,
+    SpanMove, TableExport, TableId, TableScatter, TableSpans, Translate, WindowTranslate,
 };
 use memory::filled;
 use sparse::Buffer;
@@ -34,6 +35,7 @@ impl Default for CpuDevice {
             state: Mutex::new(State {
                 bytes: Handles::new("bytes", "cpu"),
                 tables: Handles::new("table", "cpu"),
+                exports: Exports::default(),
             }),
         }
     }
@@ -42,7 +44,12 @@ impl Default for CpuDevice {
 #[derive(Debug)]
 struct State {
     bytes: Handles<Buffer>,
+    /// Each table's entries. A table's vector is never resized (ops write in place, and
+    /// `translate_lanes` takes it out and puts the same vector back), so its heap buffer,
+    /// the address [`Device::export_table`] hands out, stays put until it is freed.
     tables: Handles<Vec<i32>>,
+    /// Exported tables, and freed ones kept for a live export.
+    exports: Exports<Vec<i32>>,
 }
 impl CpuDevice {
     /// A device with no buffers or tables.
@@ -114,6 +121,7 @@ impl Device for CpuDevice {
     fn alloc_table(&self, len: usize, fill: i32) -> Result<TableId, Error> {
         let mut st = self.state();
         st.tables.next()?;
+        drop(st.exports.reap());
         let table = filled(len, fill)?;
         Ok(TableId(st.tables.push(table)))
     }
@@ -123,7 +131,23 @@ impl Device for CpuDevice {
     }
 
     fn free_table(&self, table: TableId) -> Result<(), Error> {
-        self.state().tables.remove(table.0)
+        let mut st = self.state();
+        let entries = st.tables.take(table.0)?;
+        drop(st.exports.retire(table.0, entries));
+        drop(st.exports.reap());
+        Ok(())
+    }
+
+    fn export_table(&self, table: TableId) -> Result<TableExport, Error> {
+        let mut st = self.state();
+        let entries = st.table(table)?;
+        let (address, len) = (entries.as_ptr() as u64, entries.len());
+        Ok(TableExport {
+            address,
+            len,
+            device: ExportDevice::Cpu,
+            guard: st.exports.guard(table.0),
+        })
     }
 
     fn upload_table(&self, table: TableId, offset: usize, values: &[i32]) -> Result<(), Error> {

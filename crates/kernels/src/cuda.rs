@@ -39,10 +39,11 @@ use crate::driver::{
     RawStream, StreamKind, SyncHazard, SyncHazards, WINDOW_WORDS,
 };
 use crate::emulated::EmulatedDriver;
+use crate::export::Exports;
 use crate::handles::Handles;
 use crate::{
-    ByteSpan, BytesId, Device, Error, HostSync, LaneTranslate, Readback, RowGather, SpanMove,
-    TableId, TableScatter, TableSpans, Translate, WindowTranslate,
+    ByteSpan, BytesId, Device, Error, ExportDevice, HostSync, LaneTranslate, Readback, RowGather,
+    SpanMove, TableExport, TableId, TableScatter, TableSpans, Translate, WindowTranslate,
 };
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -104,6 +105,8 @@ struct Alloc {
 struct State {
     bytes: Handles<Alloc>,
     tables: Handles<Alloc>,
+    /// Exported tables, and freed ones whose memory is kept for a live export.
+    exports: Exports<DevPtr>,
     ring: Ring,
     /// Rings replaced by a larger one, freed once their fences are done.
     retired: Vec<Ring>,
@@ -267,6 +270,7 @@ impl CudaDevice {
             state: Mutex::new(State {
                 bytes: Handles::new("bytes", "cuda"),
                 tables: Handles::new("table", "cuda"),
+                exports: Exports::default(),
                 ring: Ring::empty(),
                 retired: Vec::new(),
                 spare: Vec::new(),
@@ -378,6 +382,7 @@ impl CudaDevice {
     pub fn end_step(&self) -> Result<(), Error> {
         let mut st = self.state();
         self.free_retired(&mut st, "end_step")?;
+        self.reap_exports(&mut st, "end_step")?;
         let State { ring, spare, .. } = &mut *st;
         self.retire(ring, spare, "end_step", u64::MAX)?; // done fences back to spare
         if st.spare.is_empty() {
@@ -564,6 +569,14 @@ impl CudaDevice {
         })
     }
 
+    /// Frees the memory of freed tables whose last export guard is gone.
+    fn reap_exports(&self, st: &mut State, op: &'static str) -> Result<(), Error> {
+        for ptr in st.exports.reap() {
+            self.issue(op, DriverCall::DeviceFree, |d| d.free(ptr))?;
+        }
+        Ok(())
+    }
+
     /// Waits for the stream and copies `len` `T`-sized elements from `src`.
     fn read<T: Copy>(
         &self,
@@ -592,6 +605,9 @@ impl Drop for CudaDevice {
         let _ = self.driver.synchronize();
         for alloc in st.bytes.drain().chain(st.tables.drain()) {
             let _ = self.driver.free(alloc.ptr);
+        }
+        for ptr in st.exports.drain() {
+            let _ = self.driver.free(ptr);
         }
         let rings = st
             .retired
@@ -660,6 +676,7 @@ impl Device for CudaDevice {
     fn alloc_table(&self, len: usize, fill: i32) -> Result<TableId, Error> {
         let mut st = self.state();
         st.tables.next()?;
+        self.reap_exports(&mut st, "alloc_table")?;
         let count = len.max(1);
         let bytes = count.checked_mul(4).ok_or_else(|| Error::OutOfMemory {
             device: self.name(),
@@ -696,8 +713,46 @@ impl Device for CudaDevice {
     fn free_table(&self, table: TableId) -> Result<(), Error> {
         let mut st = self.state();
         let ptr = st.tables.get(table.0)?.ptr;
-        self.issue("free_table", DriverCall::DeviceFree, |d| d.free(ptr))?;
-        st.tables.remove(table.0)
+        if let Some(ptr) = st.exports.retire(table.0, ptr) {
+            self.issue("free_table", DriverCall::DeviceFree, |d| d.free(ptr))?;
+        }
+        st.tables.remove(table.0)?;
+        self.reap_exports(&mut st, "free_table")
+    }
+
+    fn export_table(&self, table: TableId) -> Result<TableExport, Error> {
+        let mut st = self.state();
+        let t = st.tables.get(table.0)?;
+        let (address, len) = (t.ptr, t.len);
+        let device = match self.driver.ordinal() {
+            Some(ordinal) => ExportDevice::Cuda { ordinal },
+            None => ExportDevice::EmulatedCuda,
+        };
+        Ok(TableExport {
+            address,
+            len,
+            device,
+            guard: st.exports.guard(table.0),
+        })
+    }
+
+    unsafe fn make_stream_wait(&self, consumer: crate::RawStream) -> Result<(), Error> {
+        let stream = consumer as usize;
+        if stream == self.driver.raw_stream() && stream != 0 {
+            return Ok(()); // the device's own stream: already in order
+        }
+        let op = "make_stream_wait";
+        let event = self.issue(op, DriverCall::EventCreate, |d| d.event_create())?;
+        let waited = self
+            .issue(op, DriverCall::EventRecord, |d| d.event_record(event))
+            .and_then(|()| {
+                self.issue(op, DriverCall::ExternalWait, |d| {
+                    d.stream_wait_event(stream, event)
+                })
+            });
+        // Destroying an event a stream still waits for is allowed: the wait holds.
+        let destroyed = self.issue(op, DriverCall::EventDestroy, |d| d.event_destroy(event));
+        waited.and(destroyed)
     }
 
     fn upload_table(&self, table: TableId, offset: usize, values: &[i32]) -> Result<(), Error> {

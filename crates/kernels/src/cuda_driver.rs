@@ -391,6 +391,25 @@ mod imp {
             .map_err(cuda("wait for an event"))
         }
 
+        fn stream_wait_event(&self, stream: usize, event: EventHandle) -> Result<(), Error> {
+            self.bind()?;
+            // SAFETY: `stream` is a valid stream of this context or a special handle
+            // (the caller's contract, `Device::make_stream_wait`), `event` came from
+            // `event_create` and is alive; waiting enqueues a dependency, never blocks.
+            unsafe {
+                result::stream::wait_event(
+                    stream as sys::CUstream,
+                    event.0 as sys::CUevent,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(cuda("make a reader's stream wait for an event"))
+        }
+
+        fn ordinal(&self) -> Option<usize> {
+            Some(self.ordinal)
+        }
+
         fn event_destroy(&self, event: EventHandle) -> Result<(), Error> {
             self.bind()?;
             // SAFETY: `event` came from `event_create` and is destroyed once.

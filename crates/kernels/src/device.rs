@@ -5,6 +5,8 @@
 //! `Arc<dyn Device>`, a trait with no waiting op, so a host sync there does not compile.
 
 use crate::Error;
+use crate::export::ExportGuard;
+use std::sync::Arc;
 
 /// Handle to a byte buffer owned by a [`Device`] (the unified KV buffer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -240,6 +242,52 @@ pub struct TableSpans<'a> {
     pub spans: &'a [(u32, u32)],
 }
 
+/// Where an exported table's memory lives ([`TableExport::device`]): DLPack's
+/// `DLDevice`, less the kinds unikv has no backend for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ExportDevice {
+    /// Host memory ([`CpuDevice`](crate::CpuDevice)): DLPack's `kDLCPU`.
+    Cpu,
+    /// Memory of CUDA GPU `ordinal` ([`CudaDevice`](crate::CudaDevice)): DLPack's
+    /// `kDLCUDA`.
+    Cuda {
+        /// The GPU's ordinal.
+        ordinal: usize,
+    },
+    /// An address of [`CudaDevice::emulated`](crate::CudaDevice::emulated)'s device
+    /// memory: it names the table inside the emulation and cannot be dereferenced.
+    EmulatedCuda,
+}
+
+/// A table's memory, for a reader that reads it in place (DLPack, an engine's kernel):
+/// from [`Device::export_table`].
+///
+/// # Lifetime
+/// - **Address.** A table never moves while it lives, so the address stays valid until
+///   the table is freed. The facade frees a table when it replaces it by a larger one
+///   (a build of step or verify metadata beyond every earlier one); reserving the
+///   shapes first (`reserve_step_metadata`, `reserve_verify_metadata`) fixes the sizes,
+///   so later builds reuse the same tables. Memory of a table freed while this export's
+///   `guard` lives is kept (no longer written) until the guard drops; the device's drop
+///   releases it regardless.
+/// - **Contents.** The entries are what the ops issued so far wrote, in stream order:
+///   on the host at once ([`ExportDevice::Cpu`]: read between calls, never while another
+///   thread runs an op on the table), on a GPU once the reader's stream is ordered
+///   after the device's work ([`Device::make_stream_wait`]). Read-only by contract:
+///   the device writes the table at its next op that names it.
+#[derive(Clone, Debug)]
+pub struct TableExport {
+    /// The first entry's address (host pointer or `CUdeviceptr`); non-null and aligned
+    /// to 4 bytes (an empty table's is dangling).
+    pub address: u64,
+    /// The table's length in `i32` entries (all of it).
+    pub len: usize,
+    /// Where the memory lives.
+    pub device: ExportDevice,
+    /// Keeps the memory allocated while it lives (see the lifetime rules above).
+    pub guard: Arc<ExportGuard>,
+}
+
 /// The ops of [`Device`] and [`Readback`], one per trait method: what an
 /// [`Intercepted`](crate::Intercepted) device shows its hooks (a
 /// [`FaultInjector`](crate::FaultInjector) fails ops by kind, a
@@ -278,6 +326,8 @@ pub enum DeviceOp {
     GatherRows,
     /// [`Device::translate_lanes`].
     TranslateLanes,
+    /// [`Device::make_stream_wait`].
+    MakeStreamWait,
     /// [`Readback::read_table`].
     ReadTable,
     /// [`Readback::read_bytes`].
@@ -306,6 +356,7 @@ impl DeviceOp {
             DeviceOp::TranslateWindows => "translate_windows",
             DeviceOp::GatherRows => "gather_rows",
             DeviceOp::TranslateLanes => "translate_lanes",
+            DeviceOp::MakeStreamWait => "make_stream_wait",
             DeviceOp::ReadTable => "read_table",
             DeviceOp::ReadBytes => "read_bytes",
             DeviceOp::Synchronize => "synchronize",
@@ -433,6 +484,37 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     /// launch on a GPU). Every one is checked before any is written.
     #[track_caller]
     fn translate_lanes(&self, all: &[LaneTranslate]) -> Result<(), Error>;
+
+    /// The memory of `table`, to read in place without a copy (see [`TableExport`] for
+    /// how long the address and the contents hold). Issues nothing and waits for nothing.
+    ///
+    /// Errors: [`Error::UnknownHandle`] for a table that is not allocated;
+    /// [`Error::NotExportable`] on a backend whose tables have no memory to read (the
+    /// default: [`NullDevice`](crate::NullDevice)).
+    fn export_table(&self, table: TableId) -> Result<TableExport, Error> {
+        let _ = table;
+        Err(Error::NotExportable {
+            device: self.name(),
+        })
+    }
+
+    /// Makes the work enqueued on `consumer` from now on run after every op issued to
+    /// this device so far, without the host waiting: on a GPU an event recorded on the
+    /// device's stream, waited for by `consumer` (`cuStreamWaitEvent`); nothing on a host
+    /// backend, whose ops are done when they return (the default). What a reader of a
+    /// [`TableExport`] on another stream calls first. `consumer` may be this device's own
+    /// stream (then nothing is needed) or one of the CUDA handles `CU_STREAM_LEGACY`
+    /// (`0x1`) and `CU_STREAM_PER_THREAD` (`0x2`).
+    ///
+    /// # Safety
+    /// On a GPU backend, `consumer` is a valid stream of the same GPU's primary context
+    /// (or one of the special handles above), alive during the call. Host backends never
+    /// use it.
+    #[track_caller]
+    unsafe fn make_stream_wait(&self, consumer: crate::RawStream) -> Result<(), Error> {
+        let _ = consumer;
+        Ok(())
+    }
 
     /// The driver calls that may have made the host wait (allocation, free, pageable
     /// copy, synchronize, the legacy default stream) this device has issued so far, for

@@ -245,6 +245,9 @@ pub enum DriverCall {
     EventQuery,
     /// `cuStreamWaitEvent` (the stream waits; the host does not).
     EventWait,
+    /// `cuStreamWaitEvent` on another stream (a reader's, [`Device::make_stream_wait`](crate::Device::make_stream_wait)):
+    /// that stream waits; neither the host nor the device's own stream does.
+    ExternalWait,
     /// `cuEventDestroy`.
     EventDestroy,
     /// `cuStreamSynchronize`.
@@ -342,6 +345,12 @@ pub(crate) trait Driver: Send + Sync {
     fn event_done(&self, event: EventHandle) -> Result<bool, Error>;
     /// Makes the stream wait for `event` (of any stream of the context).
     fn event_wait(&self, event: EventHandle) -> Result<(), Error>;
+    /// Makes another stream of the context (`CUstream`, or `0x1`/`0x2` for the legacy and
+    /// per-thread default streams) wait for `event`; the caller vouches for `stream`.
+    fn stream_wait_event(&self, stream: usize, event: EventHandle) -> Result<(), Error>;
+    /// The GPU's ordinal, or `None` for an emulated driver (whose addresses name
+    /// emulated memory).
+    fn ordinal(&self) -> Option<usize>;
     /// Destroys an event (its pending work, if any, still completes).
     fn event_destroy(&self, event: EventHandle) -> Result<(), Error>;
     /// Waits for every call enqueued so far.

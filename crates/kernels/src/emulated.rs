@@ -549,6 +549,15 @@ impl Driver for EmulatedDriver {
         self.enqueue(Work::Nothing)
     }
 
+    fn stream_wait_event(&self, _stream: usize, _event: EventHandle) -> Result<(), Error> {
+        // The other stream is outside the emulation; the emulated stream is unaffected.
+        self.state().sticky()
+    }
+
+    fn ordinal(&self) -> Option<usize> {
+        None
+    }
+
     fn event_destroy(&self, event: EventHandle) -> Result<(), Error> {
         self.state().events.remove(&event.0);
         Ok(())

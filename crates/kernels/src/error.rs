@@ -119,6 +119,14 @@ pub enum Error {
         /// The op refused.
         op: &'static str,
     },
+    /// The backend keeps no memory a reader could read a table in
+    /// ([`Device::export_table`](crate::Device::export_table) on a bookkeeping-only
+    /// device).
+    #[error("{device} keeps no table memory to export; build the cache on the CPU or CUDA backend")]
+    NotExportable {
+        /// The device's name.
+        device: String,
+    },
     /// The CUDA driver or NVRTC reported an error.
     #[error("CUDA: {0}")]
     Cuda(String),

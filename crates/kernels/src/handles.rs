@@ -61,9 +61,15 @@ impl<T> Handles<T> {
 
     /// Releases `id`.
     pub(crate) fn remove(&mut self, id: u32) -> Result<(), Error> {
+        self.take(id).map(drop)
+    }
+
+    /// Releases `id` and hands back its item.
+    pub(crate) fn take(&mut self, id: u32) -> Result<T, Error> {
         self.get(id)?;
-        self.items[id as usize] = None;
-        Ok(())
+        self.items[id as usize]
+            .take()
+            .ok_or_else(|| Self::unknown(self.kind, self.device, id))
     }
 
     /// Items stored and not yet released (a walk over every handle ever issued).

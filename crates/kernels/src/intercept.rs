@@ -325,6 +325,17 @@ impl<D: Device + ?Sized, H: DeviceHooks> Device for Intercepted<D, H> {
         let call = self.before(DeviceOp::TranslateLanes, all.len(), None)?;
         self.after(call, self.inner.translate_lanes(all))
     }
+
+    // Not an op: it issues nothing (the hooks see the reads and waits around it).
+    fn export_table(&self, table: TableId) -> Result<crate::TableExport, Error> {
+        self.inner.export_table(table)
+    }
+
+    unsafe fn make_stream_wait(&self, consumer: crate::RawStream) -> Result<(), Error> {
+        let call = self.before(DeviceOp::MakeStreamWait, 1, None)?;
+        // SAFETY: forwarded contract: `consumer` is valid for the inner device's context.
+        self.after(call, unsafe { self.inner.make_stream_wait(consumer) })
+    }
 }
 
 impl<D: Readback + ?Sized, H: DeviceHooks> Readback for Intercepted<D, H> {

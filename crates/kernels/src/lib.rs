@@ -85,6 +85,7 @@ mod device;
 mod driver;
 mod emulated;
 mod error;
+mod export;
 mod fault;
 mod handles;
 mod intercept;
@@ -96,13 +97,15 @@ pub use clock::{thread_cpu_time, thread_cpu_time_overhead};
 pub use cpu::CpuDevice;
 pub use cuda::{CapturedGraph, CudaDevice, DEFAULT_STAGING_BYTES, DeviceEvent, DriverRecord};
 pub use device::{
-    ByteSpan, BytesId, Device, DeviceOp, HostSync, LaneTranslate, Readback, RowGather, SpanMove,
-    TableId, TableScatter, TableSpans, Translate, WindowTranslate,
+    ByteSpan, BytesId, Device, DeviceOp, ExportDevice, HostSync, LaneTranslate, Readback,
+    RowGather, SpanMove, TableExport, TableId, TableScatter, TableSpans, Translate,
+    WindowTranslate,
 };
 pub use driver::{
     DriverCall, Grid, Kernel, RawEvent, RawStream, StreamKind, SyncHazard, SyncHazards,
 };
 pub use error::Error;
+pub use export::ExportGuard;
 pub use fault::{FaultHooks, FaultInjector, InjectedFault};
 pub use intercept::{DeviceCall, DeviceHooks, Intercepted};
 pub use ledger::{LedgerHooks, LedgerTicket, OpRecord, SyncLedger, SyncReport};

@@ -259,6 +259,41 @@ class CpuBuffer:
         """The verify metadata's outputs table as the device holds it (write ids and
         state slots ``translate_verify`` wrote), read back to the host."""
 
+class DeviceTable:
+    """A cache's device table (a step table, or a verify table's ``part``) exported
+    through DLPack, read in place: ``torch.from_dlpack(DeviceTable(cache, meta))`` is
+    an ``int32`` tensor of ``meta.layout["len"]`` entries with no copy and no host
+    sync. A class of its own because metadata does not refer to its cache; a tensor
+    made from it keeps the cache and the table's memory alive. The contents are the
+    latest build's (read within the step); read-only by contract."""
+
+    def __init__(
+        self,
+        cache: HybridCache,
+        metadata: Union[StepMetadata, VerifyMetadata],
+        part: Optional[str] = None,
+    ) -> None: ...
+    @property
+    def address(self) -> int:
+        """The first entry's address on its device (host pointer or ``CUdeviceptr``)."""
+    @property
+    def device(self) -> str:
+        """``"cpu"`` or ``"cuda:N"``."""
+    def __len__(self) -> int: ...
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(1, 0)`` on the CPU (``kDLCPU``), ``(2, N)`` on CUDA GPU ``N``."""
+    def __dlpack__(
+        self,
+        *,
+        stream: Optional[int] = None,
+        max_version: Optional[tuple[int, int]] = None,
+        dl_device: Optional[tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ) -> Any:
+        """A ``"dltensor"`` capsule; on CUDA ``stream`` (None: legacy default, 1, 2,
+        -1: no ordering, or a ``CUstream``) is ordered after the cache's work by an
+        event, never a host sync."""
+
 class HybridCache:
     """One byte buffer for a hybrid model's KV and state, with the prefix cache on top."""
 
@@ -374,3 +409,9 @@ def _evict_all(cache: HybridCache) -> int:
     """Evicts every unlocked prefix; returns the tokens evicted."""
 def _request_rows(request: Request) -> tuple[int, int, int]:
     """``(len, protected_len, window_cursor)`` of ``request``."""
+def _host_syncs(cache: HybridCache) -> int:
+    """Host syncs the ledger of a ``device="ledger(...)"`` cache counted."""
+def _ledger_ops(cache: HybridCache) -> list[str]:
+    """The ops the ledger of a ``device="ledger(...)"`` cache recorded, in order."""
+def _reset_ledger(cache: HybridCache) -> None:
+    """Forgets what the ledger of a ``device="ledger(...)"`` cache recorded."""
