@@ -31,7 +31,7 @@ def facade_calls() -> set[str]:
     for path in (ROOT / "src").rglob("*.rs"):
         text = path.read_text()
         for block in re.finditer(r"^impl HybridCache \{\n(.*?)^\}", text, re.S | re.M):
-            names.update(re.findall(r"^    pub fn (\w+)", block.group(1), re.M))
+            names.update(re.findall(r"^    pub (?:unsafe )?fn (\w+)", block.group(1), re.M))
     return names
 
 
