@@ -87,6 +87,8 @@ pub use builder::{
     DEFAULT_EVICTION_INTERVAL, HybridCacheBuilder, Layout, static_slot_pool, verify_scratch_slots,
 };
 use checkpoints::{CheckpointPlan, Checkpoints};
+pub(crate) use scratch::ScratchLane;
+pub use scratch::ScratchShape;
 
 /// At `Strict`, the step boundary walks the whole tree ([`RadixTree::sanity_check`]) at
 /// every this-many-th step (from the first): a sample that costs a few µs per step
@@ -226,9 +228,11 @@ pub struct HybridCache {
     plan: CheckpointPlan,
     /// What verify steps it was built for (`None`: no speculation).
     speculation: Option<crate::Speculation>,
-    /// Verify scratch: the groups of state slots verify steps write, the cache's (never
-    /// a request's, never in the tree).
+    /// Verify scratch: the lanes verify steps write, the cache's (never a request's,
+    /// never in the tree).
     verify_scratch: scratch::VerifyScratch,
+    /// The engine's replay rollback, when it registered one (else the copy rollback).
+    replay: Option<Arc<dyn crate::StateReplay>>,
 }
 
 impl HybridCache {
@@ -240,6 +244,17 @@ impl HybridCache {
     /// The model.
     pub fn model(&self) -> &ModelSpec {
         &self.model
+    }
+
+    /// Whether it rolls verified state back by the engine's [`crate::StateReplay`].
+    pub(crate) fn replays_states(&self) -> bool {
+        self.replay.is_some()
+    }
+
+    /// How its verify scratch lanes sit in state slots (one state per slot under the copy
+    /// rollback; log entries packed into slots under a [`crate::StateReplay`]).
+    pub fn scratch_shape(&self) -> ScratchShape {
+        self.verify_scratch.shape
     }
 
     /// The layout.

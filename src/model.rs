@@ -345,6 +345,17 @@ impl ModelSpec {
         unikv_mamba::MambaSpec::new(self.mamba_layers, self.recurrent).slot_pool_spec("mamba")
     }
 
+    /// The bytes a replay rollback logs per verify position, every recurrent layer's
+    /// inputs ([`unikv_mamba::RecurrentState::checked_log_bytes_per_layer`] × the
+    /// recurrent layers; saturated past 64 bits): an estimate for engines and simulators
+    /// that do not state their own ([`crate::StateReplay::log_bytes_per_position`]).
+    pub const fn replay_log_bytes(&self) -> u64 {
+        match self.recurrent.checked_log_bytes_per_layer() {
+            Some(b) => b.saturating_mul(self.mamba_layers as u64),
+            None => u64::MAX,
+        }
+    }
+
     /// The FULL and SWA sub-pools of this model's KV, each with its own rows.
     pub const fn kv_sub_pools(&self) -> (SubPoolSpec, SubPoolSpec) {
         (

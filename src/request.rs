@@ -210,18 +210,21 @@ impl Request {
             .map_or_else(Vec::new, RequestState::slots)
     }
 
-    /// With speculation on a recurrent model, the scratch group its newest unsettled
-    /// verify writes: the state after its position `i` goes into the `i`-th slot, and
-    /// settling copies the last accepted position's state into the running slot
-    /// ([`Request::state_slot`], which no verify writes). Empty with no verify in flight
-    /// or without recurrent layers.
+    /// With speculation on a recurrent model, the slots of the scratch lane its newest
+    /// unsettled verify writes. Under the copy rollback the state after its position `i`
+    /// goes into the `i`-th slot, and settling copies the last accepted position's state
+    /// into the running slot ([`Request::state_slot`], which no verify writes); under a
+    /// [`crate::StateReplay`] the lane's log entries lie in these slots, shared with other
+    /// verifies' lanes (the verify metadata names each entry). Empty with no verify in
+    /// flight or without recurrent layers.
     pub fn state_group(&self) -> &[VirtualSlot] {
-        self.verifies.back().map_or(&[], |v| &v.group)
+        self.verifies.back().map_or(&[], |v| &v.lane.slots)
     }
 
-    /// The scratch groups of all its unsettled verifies, oldest first (with counts a
-    /// step late, the newest verify reads its input state from the one before it).
+    /// The lane slots of all its unsettled verifies, oldest first (with counts a step
+    /// late, the newest verify reads its input state from, or replays, the one before
+    /// it).
     pub fn state_groups(&self) -> Vec<&[VirtualSlot]> {
-        self.verifies.iter().map(|v| &v.group[..]).collect()
+        self.verifies.iter().map(|v| &v.lane.slots[..]).collect()
     }
 }

@@ -13,7 +13,8 @@
 //! |---|---|
 //! | the vocabulary ([`Speculation`], [`Draft`], [`Accepted`]) | `speculative.rs` (here) |
 //! | `alloc_verify`, `settle` | `cache/speculative.rs` |
-//! | the scratch groups a verify writes its states into | `cache/scratch.rs` |
+//! | the scratch lanes a verify writes its states or logs into | `cache/scratch.rs` |
+//! | the replay rollback ([`StateReplay`], [`StateCommit`]) | `speculative.rs` (here), `cache/speculative.rs` |
 //! | verify metadata and `compact_accepted` | `verify.rs` |
 //!
 //! # What holds
@@ -40,7 +41,6 @@
 //!   `a_flipped_bit_in_a_state_resumed_after_a_speculative_turn_fails_the_state_check`).
 
 use crate::error::{AcceptedFault, Error};
-use unikv_pools::VirtualSlot;
 use unikv_radix::TokenId;
 
 /// The most positions [`Speculation::max_width`] may declare: EAGLE-2/3 trees verify up
@@ -63,16 +63,18 @@ pub const MAX_VERIFY_BATCH: u32 = 4096;
 
 /// What a cache is built to verify ([`crate::HybridCacheBuilder::speculation`]).
 ///
-/// On a model with recurrent layers a verify writes the state after each of its
-/// positions into a **scratch group** of `max_width` state slots (position `i` into slot
-/// `i`), which the request holds only while the verify is unsettled: scratch groups are
-/// the cache's, never in the prefix tree, reused across requests (up to `max_batch ×
-/// max_in_flight` of them are kept once made), and settling *copies* the accepted
-/// position's state into the request's own running slot (one device copy, with the
-/// checkpoints the accepted positions cross). So draft-position states never take the
-/// room of cached ones (the static layout sizes its slot pool `max_batch ×
-/// max_in_flight × max_width` slots beyond the reference pool, as SGLang allocates its
-/// `intermediate_ssm_state_cache` apart from the states its prefix cache holds).
+/// On a model with recurrent layers a verify writes one entry per position into a
+/// **scratch lane**, which the request holds only while the verify is unsettled: lanes
+/// are the cache's, never in the prefix tree, reused across requests (up to `max_batch
+/// × max_in_flight` of them are kept once made). Under the copy rollback (the default)
+/// an entry is the state after the position, a whole slot, and settling *copies* the
+/// accepted position's state into the request's own running slot (one device copy, with
+/// the checkpoints the accepted positions cross); under a [`StateReplay`] an entry is
+/// the position's log, many to a slot, and settling hands the engine the accepted
+/// entries to replay. So draft positions never take the room of cached states (the
+/// static layout sizes its slot pool for `max_batch × max_in_flight` lanes beyond the
+/// reference pool, as SGLang allocates its `intermediate_ssm_state_cache` apart from the
+/// states its prefix cache holds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Speculation {
     /// Positions one request verifies in one step at most: `1 + k` for a chain of `k`
@@ -154,6 +156,117 @@ impl Speculation {
             ));
         }
         Ok(())
+    }
+}
+
+/// An engine's **replay rollback** of recurrent state
+/// ([`HybridCacheBuilder::state_replay`](crate::HybridCacheBuilder::state_replay)), as
+/// TensorRT-LLM's Mamba speculation rolls back (#13453): a verify writes no state; its
+/// kernel logs, per position, the inputs each recurrent layer's recurrence consumes (a
+/// **log entry** of [`StateReplay::log_bytes_per_position`] bytes) and keeps the
+/// request's running state as it was; settling hands the engine one [`StateCommit`] per
+/// request, which it replays from the running state over the accepted positions' entries,
+/// saving the checkpoints on the way and the last state into the running slot. A log
+/// entry is about 1/130 of a Qwen3-Next state and 1/200 of a Nemotron-H state
+/// ([`unikv_mamba::RecurrentState::checked_log_bytes_per_layer`]), so many verifies' logs
+/// share one state slot, where the copy rollback (the default, SGLang's
+/// `intermediate_ssm_state_cache`) writes a whole state per position.
+///
+/// With counts a step late, the newer verify's kernel starts from the running state and
+/// replays the earlier verify's accepted entries on the fly (its accepted path is a
+/// device value), since that verify is not committed yet.
+pub trait StateReplay: Send + Sync + std::fmt::Debug {
+    /// Bytes one position's log entry holds, every recurrent layer's inputs together (at
+    /// most a state slot's bytes; the builder refuses more).
+    fn log_bytes_per_position(&self) -> u64;
+
+    /// Issues each commit in stream order, without waiting for the device: from the
+    /// state in `running`, the recurrence over `entries` in order; after `n` entries the
+    /// state goes into each checkpoint `(n, slot)`'s slot, and after the last into
+    /// `running`. Called by [`crate::HybridCache::settle`] before the host changes
+    /// anything, so anything the cache issues later (a copy out of a cached state, a
+    /// compaction's moves) reads the committed state. `ctx` names the buffer the slots
+    /// live in and where. An error means nothing was issued.
+    fn replay(
+        &self,
+        ctx: &ReplayContext<'_>,
+        commits: &[StateCommit<'_>],
+    ) -> Result<(), unikv_kernels::Error>;
+
+    /// Whether it moves bytes (every engine's does; [`BookkeepingReplay`] does not, and
+    /// the builder allows it only on a device without bytes).
+    fn moves_bytes(&self) -> bool {
+        true
+    }
+}
+
+/// Where a replay's slots live: the cache's device and buffer, and its geometry
+/// ([`crate::KvGeometry::slot_offset`] places a physical slot; a log entry `index`
+/// starts `index × log_bytes` past it).
+#[derive(Clone, Copy, Debug)]
+pub struct ReplayContext<'a> {
+    /// The device the buffer lives on (issue the replay on its stream).
+    pub device: &'a dyn unikv_kernels::Device,
+    /// The cache's buffer.
+    pub buffer: unikv_kernels::BytesId,
+    /// Where slots and rows lie in it.
+    pub geometry: crate::KvGeometry,
+    /// Bytes of one log entry ([`StateReplay::log_bytes_per_position`]).
+    pub log_bytes: u64,
+}
+
+/// Where one position's log entry lives: entry `index` (of
+/// [`StateReplay::log_bytes_per_position`] bytes) of the physical state slot `slot`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LogEntry {
+    /// Physical state slot (what [`crate::KvGeometry::slot_offset`] places).
+    pub slot: u32,
+    /// The entry within the slot: its bytes start `index × log_bytes_per_position` past
+    /// the slot's.
+    pub index: u32,
+}
+
+/// One request's settlement under replay rollback (see [`StateReplay::replay`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateCommit<'a> {
+    /// The request.
+    pub request: u64,
+    /// Physical slot of its running state: the state at its settled length before, at the
+    /// new settled length after.
+    pub running: u32,
+    /// The accepted positions' log entries, in accepted order (a tree's along its path).
+    pub entries: &'a [LogEntry],
+    /// `(n, slot)`: the state after the first `n` entries is saved into physical slot
+    /// `slot` (1 ≤ `n` ≤ `entries.len()`, ascending).
+    pub checkpoints: &'a [(u32, u32)],
+}
+
+/// A [`StateReplay`] that moves nothing, for a cache whose device holds no bytes (the
+/// replay simulator's [`NullDevice`](unikv_kernels::NullDevice)): the accounting of
+/// replay rollback without data. The builder refuses it on a device with bytes, where it
+/// would leave every running state stale.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BookkeepingReplay {
+    /// The log entry's bytes to price (e.g. the model's
+    /// [`ModelSpec::replay_log_bytes`](crate::ModelSpec::replay_log_bytes)).
+    pub log_bytes_per_position: u64,
+}
+
+impl StateReplay for BookkeepingReplay {
+    fn log_bytes_per_position(&self) -> u64 {
+        self.log_bytes_per_position
+    }
+
+    fn replay(
+        &self,
+        _: &ReplayContext<'_>,
+        _: &[StateCommit<'_>],
+    ) -> Result<(), unikv_kernels::Error> {
+        Ok(())
+    }
+
+    fn moves_bytes(&self) -> bool {
+        false
     }
 }
 
@@ -270,9 +383,10 @@ pub(crate) struct PendingVerify {
     pub(crate) width: usize,
     /// A tree's parent array.
     pub(crate) parents: Option<Box<[i32]>>,
-    /// On a model with recurrent layers, the scratch group it writes (the state after
-    /// position `i` into `group[i]`; `max_width` slots); empty otherwise.
-    pub(crate) group: Box<[VirtualSlot]>,
+    /// On a model with recurrent layers, the scratch lane it writes (position `i`'s
+    /// entry: the state after it, or its log entry under replay rollback); empty
+    /// otherwise.
+    pub(crate) lane: crate::cache::ScratchLane,
 }
 
 impl PendingVerify {

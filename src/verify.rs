@@ -75,20 +75,21 @@ pub struct VerifyOffsets {
 /// | inputs | `depths` | `B × W` | each position's depth (its RoPE position is the start plus it) |
 /// | inputs | `masks` | `B × W × 2` | the tree mask: the positions each one attends to among the verify's (itself and its ancestors), bits 0–31 then 32–63 |
 /// | inputs | `rows` | `B × R` | virtual ids of the rows its unsettled verifies reserved |
-/// | inputs | `slots` | `B × S` | virtual state slots: the running one, the earlier unsettled verify's scratch group (with `max_in_flight` = 2; the sink without one), the newest verify's group |
+/// | inputs | `slots` | `B × S` | virtual state slots: the running one, the slot of each entry of the earlier unsettled verify's scratch lane (with `max_in_flight` = 2; the sink without one), of the newest verify's lane |
+/// | inputs | `entries` | `B × S` | the entry within each of those slots (0 under the copy rollback, where an entry is the slot's state; a log entry's index under a [`StateReplay`](crate::StateReplay)) |
 /// | inputs | `zeros` | `B` | zeros: the device offset of a batch with nothing unsettled |
 /// | outputs | `write_full` | `B × W` | FULL kernel ids of its positions (the first `k`: the draft window) |
 /// | outputs | `write_swa` | `B × W` | SWA kernel ids of its positions |
-/// | outputs | `state_in` | `B` | physical slot of the state the verify starts from: the running slot, or the earlier verify's group slot at its last accepted node |
-/// | outputs | `state_out` | `B × W` | physical slot of the state after each position: the newest verify's own group |
+/// | outputs | `state_in` | `B` | physical slot of the state the verify starts from: copy rollback, the running slot or the earlier verify's lane slot at its last accepted node; replay rollback, the running slot always |
+/// | outputs | `state_out` | `B × W` | physical slot of each position's entry in the newest verify's own lane: the state after it (copy), its log entry (replay) |
+/// | outputs | `prev_out` | `B × W × (max_in_flight − 1)` | physical slot of each entry of the earlier unsettled verify's lane: under replay rollback the verify first replays that verify's accepted entries (its accepted path, a device value) from `state_in` |
 ///
-/// **Contract: a verify never reads a state slot it writes.** `state_in` and every
-/// `state_out` of the batch are distinct slots (the padding's sink aside): the running
-/// slot belongs to its request and no verify writes it, and each unsettled verify writes
-/// a scratch group of its own, so with counts a step late the newest verify reads the
-/// earlier one's group and writes another. A kernel may write its outputs before it
-/// reads its input (`tests/speculative.rs`,
-/// `a_verify_never_reads_a_state_slot_it_writes`).
+/// **Contract: a verify never reads an entry it writes.** `state_in` is never a slot
+/// whose entry a verify of the batch writes (the padding's sink aside): the running slot
+/// belongs to its request and no verify writes it, and each unsettled verify writes a
+/// scratch lane of its own, so with counts a step late the newest verify reads the
+/// earlier one's lane and writes another. A kernel may write its outputs before it reads
+/// its input (`tests/speculative.rs`, `a_verify_never_reads_a_state_slot_it_writes`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct VerifyLayout {
     /// Requests the tables are sized for.
@@ -113,6 +114,8 @@ pub struct VerifyLayout {
     pub rows: usize,
     /// Offset of `slots` (inputs).
     pub slots: usize,
+    /// Offset of `entries` (inputs).
+    pub entries: usize,
     /// Offset of `zeros` (inputs).
     pub zeros: usize,
     /// Entries of the inputs table.
@@ -125,6 +128,8 @@ pub struct VerifyLayout {
     pub state_in: usize,
     /// Offset of `state_out` (outputs).
     pub state_out: usize,
+    /// Offset of `prev_out` (outputs).
+    pub prev_out: usize,
     /// Entries of the outputs table.
     pub outputs_len: usize,
 }
@@ -142,16 +147,38 @@ impl VerifyLayout {
             ..VerifyLayout::default()
         };
         // Sizes in the order of the table above.
-        let inputs = [b, b, b * width, b * width, b * width * 2, b * r, b * s, b];
+        let inputs = [
+            b,
+            b,
+            b * width,
+            b * width,
+            b * width * 2,
+            b * r,
+            b * s,
+            b * s,
+            b,
+        ];
         (
             [
-                l.widths, l.settled, l.parents, l.depths, l.masks, l.rows, l.slots, l.zeros,
+                l.widths, l.settled, l.parents, l.depths, l.masks, l.rows, l.slots, l.entries,
+                l.zeros,
             ],
             l.inputs_len,
         ) = sections(inputs);
-        let outputs = [b * width, b * width, b, b * width];
+        let prev = if states {
+            b * width * (in_flight - 1)
+        } else {
+            0
+        };
+        let outputs = [b * width, b * width, b, b * width, prev];
         (
-            [l.write_full, l.write_swa, l.state_in, l.state_out],
+            [
+                l.write_full,
+                l.write_swa,
+                l.state_in,
+                l.state_out,
+                l.prev_out,
+            ],
             l.outputs_len,
         ) = sections(outputs);
         l
@@ -300,6 +327,7 @@ impl HybridCache {
             }
         }
         let width = l.width;
+        let shape = self.scratch_shape();
         meta.layout = l;
         meta.image.clear();
         meta.image.resize(l.inputs_len, 0);
@@ -339,20 +367,22 @@ impl HybridCache {
                 *slot = v.0 as i32;
             }
             if let Some(state) = &req.state {
-                // [running, the earlier unsettled verify's group, the newest's group]:
-                // disjoint, so the state a verify reads is never one it writes.
-                let s = &mut img[l.slots + r * l.slots_per_request..][..l.slots_per_request];
-                s[0] = state.running.0 as i32;
-                let groups = s.len() - 1;
-                if req.verifies.len() > 1 {
-                    let older = &req.verifies[req.verifies.len() - 2].group;
-                    for (slot, v) in s[1..].iter_mut().zip(older.iter()) {
-                        *slot = v.0 as i32;
+                // [running, the earlier unsettled verify's lane, the newest's lane], entry
+                // by entry: disjoint, so the state a verify reads is never one it writes.
+                let n = l.slots_per_request;
+                let at = r * n;
+                img[l.slots + at] = state.running.0 as i32;
+                let put = |first: usize, lane: &crate::cache::ScratchLane, img: &mut [i32]| {
+                    for i in 0..width {
+                        let (slot, entry) = lane.entry(shape, i);
+                        img[l.slots + at + first + i] = slot.0 as i32;
+                        img[l.entries + at + first + i] = entry as i32;
                     }
+                };
+                if req.verifies.len() > 1 {
+                    put(1, &req.verifies[req.verifies.len() - 2].lane, img);
                 }
-                for (slot, v) in s[1 + groups - width..].iter_mut().zip(newest.group.iter()) {
-                    *slot = v.0 as i32;
-                }
+                put(n - width, &newest.lane, img);
             }
         }
         let tables = self.upload_verify_tables(l, &meta.image)?;
@@ -382,7 +412,13 @@ impl HybridCache {
             at: l.zeros,
         };
         let starts = offsets.map_or(zeros, |o| o.accepted);
-        let state_index = offsets.map_or(zeros, |o| o.last_node);
+        // Under replay rollback a verify starts from the running state and replays the
+        // earlier verify's entries itself; under copy it starts from that verify's state.
+        let replays = self.replays_states();
+        let state_index = match offsets {
+            Some(o) if !replays => o.last_node,
+            _ => zeros,
+        };
         let alloc = self.allocator();
         let ps = alloc.page_size().get();
         let window = |side: Side, out_at: usize| -> Option<WindowTranslate> {
@@ -428,9 +464,9 @@ impl HybridCache {
                 out: outputs,
                 out_at: l.state_in,
             };
-            // The group the verify writes: the last W slots, whatever the offset (apart
-            // from the running slot and the earlier verify's group the input is read from).
-            let group = WindowTranslate {
+            // The lane the verify writes: the last W entries, whatever the offset (apart
+            // from the running slot and the earlier verify's lane the input is read from).
+            let lane = WindowTranslate {
                 starts: inputs,
                 starts_at: l.zeros,
                 bias: (l.slots_per_request - l.width) as i32,
@@ -438,7 +474,17 @@ impl HybridCache {
                 out_at: l.state_out,
                 ..slots
             };
-            all.extend([slots, group]);
+            all.extend([slots, lane]);
+            if l.slots_per_request > 1 + l.width {
+                // The earlier verify's lane: the W entries after the running slot.
+                all.push(WindowTranslate {
+                    bias: 1,
+                    // Its own width is not the newest verify's: every entry translates.
+                    lens: None,
+                    out_at: l.prev_out,
+                    ..lane
+                });
+            }
         }
         self.device().translate_windows(&all)?;
         meta.translated = Some(self.mirror_generation());

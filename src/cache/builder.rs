@@ -97,15 +97,17 @@ pub fn static_slot_pool(
 }
 
 /// The state slots the static layout adds to its reference slot pool for verify
-/// scratch ([`crate::Speculation::scratch_groups`] groups of `max_width` slots): the
-/// draft positions' states live beyond the pool the reference sizes for running and
-/// cached states, as SGLang's `intermediate_ssm_state_cache` is a buffer apart from its
-/// Mamba pool, sized by the running batch × draft tokens. The KV pools get the rest of
-/// the budget. 0 without speculation.
-pub fn verify_scratch_slots(speculation: Option<crate::Speculation>) -> u32 {
-    speculation.map_or(0, |s| {
-        (s.scratch_groups() as u32).saturating_mul(s.max_width)
-    })
+/// scratch ([`crate::Speculation::scratch_groups`] lanes of `shape`; under the copy
+/// rollback `max_width` slots each): the draft positions' entries live beyond the pool
+/// the reference sizes for running and cached states, as SGLang's
+/// `intermediate_ssm_state_cache` is a buffer apart from its Mamba pool, sized by the
+/// running batch × draft tokens. The KV pools get the rest of the budget. 0 without
+/// speculation. [`HybridCache::scratch_shape`] gives a built cache's shape.
+pub fn verify_scratch_slots(
+    speculation: Option<crate::Speculation>,
+    shape: crate::ScratchShape,
+) -> u32 {
+    speculation.map_or(0, |s| shape.slots_for(s.scratch_groups() as u32))
 }
 
 /// The default eviction interval in tokens at small page sizes: releasing a request's
@@ -137,7 +139,46 @@ pub struct HybridCacheBuilder {
     checkpoint_interval: Option<u32>,
     checkpoints_per_step: Option<u32>,
     speculation: Option<crate::Speculation>,
+    replay: Option<Arc<dyn crate::StateReplay>>,
     wrap: Option<AllocatorWrapper>,
+}
+
+/// The shape of the verify scratch's lanes: a state per entry under the copy rollback,
+/// log entries packed into slots under `replay`'s. Refuses a replay rollback without
+/// speculation or recurrent layers, a log entry of 0 bytes or past a slot, and
+/// [`crate::BookkeepingReplay`] on a device with bytes.
+fn scratch_shape(
+    m: &ModelSpec,
+    speculation: Option<crate::Speculation>,
+    slot_bytes: Option<u64>,
+    replay: Option<&dyn crate::StateReplay>,
+    device: &dyn Device,
+) -> Result<crate::ScratchShape, Error> {
+    let width = speculation.map_or(1, |s| s.max_width);
+    let Some(replay) = replay else {
+        return Ok(crate::ScratchShape::copy(width));
+    };
+    let (Some(_), Some(slot_bytes)) = (speculation, slot_bytes) else {
+        return Err(Error::Config(format!(
+            "model {}: a state replay needs speculation on a model with recurrent layers",
+            m.name
+        )));
+    };
+    if !replay.moves_bytes() && device.holds_bytes() {
+        return Err(Error::Config(format!(
+            "a bookkeeping replay moves no bytes, but device {} holds them: register the \
+             engine's replay kernel",
+            device.name()
+        )));
+    }
+    let log = replay.log_bytes_per_position();
+    crate::ScratchShape::replaying(width, slot_bytes, log).ok_or_else(|| {
+        Error::Config(format!(
+            "model {}: a log entry of {log} bytes per position (1 ..= the state slot's \
+             {slot_bytes})",
+            m.name
+        ))
+    })
 }
 
 /// A function that wraps the allocator the builder made (see
@@ -157,6 +198,7 @@ impl std::fmt::Debug for HybridCacheBuilder {
             .field("checkpoint_interval", &self.checkpoint_interval)
             .field("checkpoints_per_step", &self.checkpoints_per_step)
             .field("speculation", &self.speculation)
+            .field("replay", &self.replay)
             .field("wrapped", &self.wrap.is_some())
             .finish()
     }
@@ -176,6 +218,7 @@ impl HybridCacheBuilder {
             checkpoint_interval: None,
             checkpoints_per_step: None,
             speculation: None,
+            replay: None,
             wrap: None,
         }
     }
@@ -259,6 +302,18 @@ impl HybridCacheBuilder {
     /// [`Error::Config`].
     pub fn speculation(mut self, speculation: crate::Speculation) -> Self {
         self.speculation = Some(speculation);
+        self
+    }
+
+    /// Rolls verified recurrent state back by the engine's replay
+    /// ([`crate::StateReplay`]) instead of copying it out of per-position states: a
+    /// verify logs each position's recurrence inputs (a log entry, many to a state slot)
+    /// and settling hands `replay` the accepted entries to replay from the running state.
+    /// Only with speculation on a model with recurrent layers; a log entry larger than a
+    /// state slot, or [`crate::BookkeepingReplay`] on a device with bytes, is
+    /// [`Error::Config`]. Default: the copy rollback.
+    pub fn state_replay(mut self, replay: Arc<dyn crate::StateReplay>) -> Self {
+        self.replay = Some(replay);
         self
     }
 
@@ -365,6 +420,13 @@ impl HybridCacheBuilder {
         }
         let device = self.device.unwrap_or_else(|| Arc::new(CpuDevice::new()));
         let step_device = device.clone();
+        let shape = scratch_shape(
+            m,
+            self.speculation,
+            slots.as_ref().map(|s| s.bytes_per_slot),
+            self.replay.as_deref(),
+            &*device,
+        )?;
         let (full, swa) = m.kv_sub_pools();
         let swa = has_swa.then_some(swa);
         let mut alloc: Box<dyn KvAllocator> = match self.layout {
@@ -393,7 +455,7 @@ impl HybridCacheBuilder {
                     mamba: slots
                         .map(|spec| {
                             static_slot_pool(spec, self.memory_bytes).map(|pool| StaticSlots {
-                                slots: pool.slots + verify_scratch_slots(self.speculation),
+                                slots: pool.slots + verify_scratch_slots(self.speculation, shape),
                                 ..pool
                             })
                         })
@@ -466,7 +528,8 @@ impl HybridCacheBuilder {
             tables: Default::default(),
             plan: CheckpointPlan::default(),
             speculation: self.speculation,
-            verify_scratch: Default::default(),
+            verify_scratch: super::scratch::VerifyScratch::new(shape),
+            replay: self.replay,
         })
     }
 }

@@ -1,129 +1,291 @@
-//! Verify scratch: the groups of state slots a verify step writes (the state after each
-//! of its positions), owned by the cache rather than by a request, never in the prefix
-//! tree, and reused across requests.
+//! Verify scratch: the **lanes** a verify step writes, one entry per position, owned by
+//! the cache rather than by a request, never in the prefix tree, and reused across
+//! requests. Under the copy rollback (the default) an entry is the state after the
+//! position, a whole state slot; under the replay rollback
+//! ([`StateReplay`](crate::StateReplay)) it is the position's log entry, and a slot holds
+//! [`ScratchShape::entries_per_slot`] of them, so one slot holds the lanes of many verifies.
+//! One mechanism for both: a lane is `width` consecutive entries of a **block** of slots.
 //!
-//! A verify takes a group when it is allocated and gives it back when it settles (or
-//! its request ends); a group given back is handed out again only from the next step,
-//! since this step's forward may still read it (a later verify of the same request reads
-//! its accepted state there). At the step boundary the cache keeps up to
-//! [`Speculation::scratch_groups`] groups for the next verifies and frees the rest, so
-//! in the steady state the scratch is made once and priced once, and draft states never
-//! take the room of cached ones
+//! A verify takes a lane when it is allocated and gives it back when it settles (or its
+//! request ends); a lane given back is handed out again only from the next step, since
+//! this step's forward may still read it (a later verify of the same request reads the
+//! earlier one's entries). At the step boundary the cache keeps blocks for up to
+//! [`Speculation::scratch_groups`] lanes and frees idle blocks beyond, so in the steady
+//! state the scratch is made once and priced once, and draft positions never take the
+//! room of cached states
 //! (`a_verify_writes_a_scratch_group_and_settling_copies_the_accepted_state_into_the_running_slot`,
-//! `the_step_boundary_keeps_the_declared_scratch_groups_and_frees_the_rest`). A verify
-//! takes an idle group or makes one from fresh slots priced in the same eviction loop as
-//! its KV, evicting cached states if it must, and a verify refused at any allocator call
-//! gives its fresh scratch back (`a_verify_evicts_cached_states_to_make_its_scratch`,
+//! `the_step_boundary_keeps_the_declared_scratch_groups_and_frees_the_rest`,
+//! `replay_rollback_packs_many_verifies_into_one_slot_and_commits_the_accepted_entries`).
+//! A verify takes an idle lane or makes a block from fresh slots priced in the same
+//! eviction loop as its KV, evicting cached states if it must, and a verify refused at
+//! any allocator call gives its fresh scratch back
+//! (`a_verify_evicts_cached_states_to_make_its_scratch`,
 //! `a_verify_refused_at_any_allocator_call_gives_its_fresh_scratch_back`).
 //!
-//! With counts a step late a request holds two groups, so a verify never reads a state
-//! slot it writes: the verify metadata's slots are `[running, earlier verify's group,
-//! newest group]`, the input the running slot or the earlier group's slot at its last
-//! accepted node (a device offset), the outputs the newest group
-//! (`a_verify_never_reads_a_state_slot_it_writes` checks every late configuration).
+//! With counts a step late a request holds two lanes, so a verify never reads an entry
+//! it writes: the verify metadata's slots are `[running, earlier verify's lane, newest
+//! lane]` (`a_verify_never_reads_a_state_slot_it_writes` checks every late
+//! configuration).
 //!
-//! The design follows SGLang's `intermediate_ssm_state_cache` — per-draft states in a
-//! buffer apart from the prefix cache's states, sized by the running batch × draft
-//! tokens — with two differences: the groups live in the same slot machinery (the
-//! unified layout lends the buffer's bytes to them only while they are made; the static
-//! layout sizes its slot pool
-//! [`verify_scratch_slots`](crate::verify_scratch_slots) beyond the reference pool, the
-//! KV pools getting the rest), and two groups per request with counts a step late.
+//! The copy rollback follows SGLang's `intermediate_ssm_state_cache` — per-draft states
+//! in a buffer apart from the prefix cache's states, sized by the running batch × draft
+//! tokens — with two differences: the lanes live in the same slot machinery (the unified
+//! layout lends the buffer's bytes to them only while they are made; the static layout
+//! sizes its slot pool [`verify_scratch_slots`](crate::verify_scratch_slots) beyond the
+//! reference pool, the KV pools getting the rest), and two lanes per request with counts
+//! a step late. The replay rollback follows TensorRT-LLM's (#13453): the logs cost about
+//! 1/130 of the states they replace.
 
 use crate::Speculation;
 use crate::request::Request;
 use unikv_pools::{FreeOp, KvAllocator, VirtualSlot};
 
-/// The cache's verify scratch groups.
-#[derive(Debug, Default)]
+/// How verify lanes sit in state slots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScratchShape {
+    /// Entries a lane holds: the verify width.
+    pub width: u32,
+    /// Entries one state slot holds: 1 under the copy rollback (an entry is a state), the
+    /// slot's bytes over a log entry's under the replay rollback.
+    pub entries_per_slot: u32,
+}
+
+impl ScratchShape {
+    /// The copy rollback's shape for `width` positions: one state per slot.
+    pub const fn copy(width: u32) -> ScratchShape {
+        ScratchShape {
+            width,
+            entries_per_slot: 1,
+        }
+    }
+
+    /// The replay rollback's shape for `width` positions: as many log entries of
+    /// `log_bytes` per slot of `slot_bytes` as fit (`None` for an entry of 0 bytes or
+    /// larger than a slot).
+    pub fn replaying(width: u32, slot_bytes: u64, log_bytes: u64) -> Option<ScratchShape> {
+        if log_bytes == 0 || log_bytes > slot_bytes {
+            return None;
+        }
+        Some(ScratchShape {
+            width,
+            entries_per_slot: u32::try_from(slot_bytes / log_bytes).unwrap_or(u32::MAX),
+        })
+    }
+
+    /// Lanes one block holds: as many as fit in one slot, or 1 when a lane spans slots.
+    pub const fn lanes_per_block(&self) -> u32 {
+        if self.entries_per_slot >= self.width {
+            self.entries_per_slot / self.width
+        } else {
+            1
+        }
+    }
+
+    /// Slots one block takes.
+    pub const fn slots_per_block(&self) -> u32 {
+        if self.entries_per_slot >= self.width {
+            1
+        } else {
+            self.width.div_ceil(self.entries_per_slot)
+        }
+    }
+
+    /// State slots that hold `lanes` lanes.
+    pub const fn slots_for(&self, lanes: u32) -> u32 {
+        lanes
+            .div_ceil(self.lanes_per_block())
+            .saturating_mul(self.slots_per_block())
+    }
+}
+
+/// A verify's lane: `width` entries from entry `first` of its block's slots (entry `g`
+/// is entry `g % entries_per_slot` of slot `g / entries_per_slot`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ScratchLane {
+    /// The block's slots (empty: no lane, a model without recurrent layers).
+    pub(crate) slots: Box<[VirtualSlot]>,
+    /// Its first entry in the block.
+    pub(crate) first: u32,
+    /// The block it belongs to (an index into the scratch's blocks).
+    block: usize,
+}
+
+impl ScratchLane {
+    /// Whether it is no lane.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// The slot and the entry within it of position `i` of the lane.
+    pub(crate) fn entry(&self, shape: ScratchShape, i: usize) -> (VirtualSlot, u32) {
+        let g = self.first as usize + i;
+        let per = shape.entries_per_slot as usize;
+        (self.slots[g / per], (g % per) as u32)
+    }
+}
+
+/// One block of slots and how many of its lanes are out (held, or given back in this step).
+#[derive(Debug)]
+struct Block {
+    slots: Box<[VirtualSlot]>,
+    out: u32,
+}
+
+/// The cache's verify scratch.
+#[derive(Debug)]
 pub(crate) struct VerifyScratch {
-    /// Groups free to hand out in this step.
-    idle: Vec<Box<[VirtualSlot]>>,
-    /// Groups given back in this step: handed out again from the next one.
-    returned: Vec<Box<[VirtualSlot]>>,
-    /// Slots of every group: idle, given back, and held by unsettled verifies.
+    pub(crate) shape: ScratchShape,
+    /// Blocks made (`None`: freed, its index free for the next one).
+    blocks: Vec<Option<Block>>,
+    /// Lanes free to hand out in this step.
+    idle: Vec<ScratchLane>,
+    /// Lanes given back in this step: handed out again from the next one.
+    returned: Vec<ScratchLane>,
+    /// Slots of every block made and not freed.
     slots: usize,
 }
 
 impl VerifyScratch {
-    /// Slots of every group it has made and not freed (held, in the cache's accounting).
+    /// No scratch yet, lanes of `shape`.
+    pub(crate) fn new(shape: ScratchShape) -> VerifyScratch {
+        VerifyScratch {
+            shape,
+            blocks: Vec::new(),
+            idle: Vec::new(),
+            returned: Vec::new(),
+            slots: 0,
+        }
+    }
+
+    /// Slots of every block it has made and not freed (held, in the cache's accounting).
     pub(crate) fn slots(&self) -> usize {
         self.slots
     }
 
-    /// Groups free to hand out in this step.
-    pub(crate) fn idle(&self) -> usize {
-        self.idle.len()
+    /// Fresh slots that `lanes` more lanes than the idle ones need.
+    pub(crate) fn fresh_slots(&self, lanes: usize) -> usize {
+        let short = lanes.saturating_sub(self.idle.len());
+        self.shape.slots_for(short as u32) as usize
     }
 
     /// State slots that `requests` requests verifying with as many verifies in flight as
-    /// `spec` allows (at most its `max_batch` of them) need beyond the groups made
+    /// `spec` allows (at most its `max_batch` of them) need beyond the blocks made
     /// already (what admission prices).
     pub(crate) fn shortfall(&self, spec: Option<Speculation>, requests: usize) -> usize {
         let Some(spec) = spec else { return 0 };
-        let width = spec.max_width as usize;
-        let made = self.slots / width;
-        // Groups past the declared batch are transient (made and freed within steps), so
+        // Lanes past the declared batch are transient (made and freed within steps), so
         // admission prices no more than the batch's.
-        requests
+        let lanes = requests
             .min(spec.max_batch as usize)
-            .saturating_mul(spec.max_in_flight as usize)
-            .saturating_sub(made)
-            .saturating_mul(width)
+            .saturating_mul(spec.max_in_flight as usize);
+        (self.shape.slots_for(lanes as u32) as usize).saturating_sub(self.slots)
     }
 
-    /// Takes an idle group (the caller counted that one is there).
-    pub(crate) fn take(&mut self) -> Box<[VirtualSlot]> {
-        self.idle
+    /// Takes an idle lane (the caller counted that one is there).
+    pub(crate) fn take(&mut self) -> ScratchLane {
+        let lane = self
+            .idle
             .pop()
-            .expect("an idle scratch group, counted by the caller")
+            .expect("an idle scratch lane, counted by the caller");
+        self.block_mut(lane.block).out += 1;
+        lane
     }
 
-    /// Makes a new group of `slots` (just allocated), held by the verify that takes it.
-    pub(crate) fn made(&mut self, slots: &[VirtualSlot]) -> Box<[VirtualSlot]> {
-        self.slots += slots.len();
-        slots.into()
-    }
-
-    /// A settled verify's group comes back (handed out again from the next step).
-    pub(crate) fn give_back(&mut self, group: Box<[VirtualSlot]>) {
-        if !group.is_empty() {
-            self.returned.push(group);
+    /// Makes blocks of `slots` (just allocated, [`VerifyScratch::fresh_slots`] of them):
+    /// their lanes become idle, to be taken in this step.
+    pub(crate) fn made(&mut self, slots: &[VirtualSlot]) {
+        let per = self.shape.slots_per_block() as usize;
+        for chunk in slots.chunks_exact(per) {
+            let block = Block {
+                slots: chunk.into(),
+                out: 0,
+            };
+            let at = match self.blocks.iter().position(Option::is_none) {
+                Some(at) => {
+                    self.blocks[at] = Some(block);
+                    at
+                }
+                None => {
+                    self.blocks.push(Some(block));
+                    self.blocks.len() - 1
+                }
+            };
+            for l in 0..self.shape.lanes_per_block() {
+                self.idle.push(ScratchLane {
+                    slots: chunk.into(),
+                    first: l * self.shape.width,
+                    block: at,
+                });
+            }
+            self.slots += chunk.len();
         }
     }
 
-    /// Every group of `req`'s unsettled verifies comes back (it finished or was
-    /// released).
+    /// A settled verify's lane comes back (handed out again from the next step).
+    pub(crate) fn give_back(&mut self, lane: ScratchLane) {
+        if !lane.is_empty() {
+            self.returned.push(lane);
+        }
+    }
+
+    /// Every lane of `req`'s unsettled verifies comes back (it finished or was released).
     pub(crate) fn give_back_all(&mut self, req: &Request) {
         for v in &req.verifies {
-            self.give_back(v.group.clone());
+            self.give_back(v.lane.clone());
         }
     }
 
-    /// The step ends: the groups given back in it become idle, and what is kept beyond
-    /// `spec`'s [`Speculation::scratch_groups`] is freed (deferred, with the step's other
-    /// frees).
+    /// The step ends: the lanes given back in it become idle, and while more than
+    /// `spec`'s [`Speculation::scratch_groups`] lanes are idle, blocks whose every lane is
+    /// idle are freed (deferred, with the step's other frees).
     pub(crate) fn end_step(&mut self, alloc: &mut dyn KvAllocator, spec: Option<Speculation>) {
-        self.idle.append(&mut self.returned);
-        let keep = spec.map_or(0, |s| s.scratch_groups());
-        if self.idle.len() > keep {
-            let extra = self.idle.split_off(keep);
-            self.free(alloc, extra);
+        for lane in self.returned.drain(..) {
+            if let Some(b) = self.blocks[lane.block].as_mut() {
+                b.out -= 1;
+            }
+            self.idle.push(lane);
         }
+        let keep = spec.map_or(0, |s| s.scratch_groups());
+        let per = self.shape.lanes_per_block() as usize;
+        let mut kept = self.idle.len();
+        let mut free = Vec::new();
+        // Newest blocks first: the oldest ones stay, so lanes keep their slots.
+        for at in (0..self.blocks.len()).rev() {
+            if kept <= keep {
+                break;
+            }
+            if self.blocks[at].as_ref().is_some_and(|b| b.out == 0) {
+                free.push(at);
+                kept -= per;
+            }
+        }
+        self.free(alloc, &free);
     }
 
-    /// Frees every idle group (the cache is cleared: [`crate::HybridCache::evict_all`]).
+    /// Frees every idle block (the cache is cleared: [`crate::HybridCache::evict_all`]).
     pub(crate) fn free_idle(&mut self, alloc: &mut dyn KvAllocator) {
-        let idle = std::mem::take(&mut self.idle);
-        self.free(alloc, idle);
+        let idle: Vec<usize> = (0..self.blocks.len())
+            .filter(|&at| self.blocks[at].as_ref().is_some_and(|b| b.out == 0))
+            .collect();
+        self.free(alloc, &idle);
     }
 
-    fn free(&mut self, alloc: &mut dyn KvAllocator, groups: Vec<Box<[VirtualSlot]>>) {
-        let slots: Vec<VirtualSlot> = groups.iter().flat_map(|g| g.iter().copied()).collect();
-        if slots.is_empty() {
+    /// Frees the blocks at `ats` (none of their lanes out) and drops their idle lanes.
+    fn free(&mut self, alloc: &mut dyn KvAllocator, ats: &[usize]) {
+        if ats.is_empty() {
             return;
         }
+        let mut slots: Vec<VirtualSlot> = Vec::new();
+        for &at in ats {
+            let block = self.blocks[at].take().expect("a block made and not freed");
+            slots.extend_from_slice(&block.slots);
+        }
+        self.idle.retain(|l| !ats.contains(&l.block));
         alloc.free_batch(&[FreeOp::Slots(&slots)]);
         self.slots -= slots.len();
+    }
+
+    fn block_mut(&mut self, at: usize) -> &mut Block {
+        self.blocks[at].as_mut().expect("a lane's block is made")
     }
 }

@@ -14,21 +14,25 @@
 //! `a_partial_tail_frees_whole_pages_only_inside_one_page_and_across_a_boundary`).
 //!
 //! On a recurrent model a request runs on **one** running slot, as without speculation;
-//! each unsettled verify writes the state after each of its positions into a scratch
-//! group (`cache/scratch.rs`). Settling *copies* the last accepted position's state into
-//! the running slot, and the states of the checkpoints the accepted positions cross into
-//! their slots, in one `copy_slots` issued before anything changes on the host — settled
-//! in the step or a step late alike, since a later verify writes a group of its own
+//! each unsettled verify writes one entry per position into a scratch lane
+//! (`cache/scratch.rs`). Under the copy rollback, settling *copies* the last accepted
+//! position's state into the running slot, and the states of the checkpoints the accepted
+//! positions cross into their slots, in one `copy_slots`; under a
+//! [`StateReplay`](crate::StateReplay) it hands the engine one commit per request to
+//! replay (`replay_rollback_packs_many_verifies_into_one_slot_and_commits_the_accepted_entries`).
+//! Either is issued before anything changes on the host — settled in the step or a step
+//! late alike, since a later verify writes a lane of its own
 //! (`a_settled_verify_crossing_a_grid_point_saves_its_state_there_on_time_and_late`). So
 //! the running slot always holds the state at the settled length, and a request that
 //! finishes with a verify in flight caches it
 //! (`a_finish_with_a_verify_in_flight_caches_the_running_state`,
 //! `a_follow_up_turn_after_a_speculative_turn_resumes_from_the_end_of_its_output`).
 
-use super::{CheckpointPlan, Checkpoints, HybridCache};
+use super::{CheckpointPlan, Checkpoints, HybridCache, ScratchLane};
 use crate::error::Error;
 use crate::request::Request;
 use crate::speculative::{Accepted, Draft, PendingVerify};
+use crate::speculative::{LogEntry, StateCommit};
 use unikv_pools::{ExtendRequest, FreeOp, PageDemand, VirtualSlot};
 
 impl HybridCache {
@@ -111,16 +115,14 @@ impl HybridCache {
             })
             .collect();
         let pages = extends.iter().map(|e| e.new_pages(ps)).sum();
-        // Each verify of a recurrent model writes a scratch group: idle ones first, then
-        // fresh slots, priced with the KV in one eviction loop.
-        let width = spec.max_width as usize;
-        let groups = if self.states.is_some() {
+        // Each verify of a recurrent model writes a scratch lane: idle ones first, then
+        // blocks of fresh slots, priced with the KV in one eviction loop.
+        let lanes = if self.states.is_some() {
             batch.len()
         } else {
             0
         };
-        let reused = groups.min(self.verify_scratch.idle());
-        let fresh = (groups - reused) * width;
+        let fresh = self.verify_scratch.fresh_slots(lanes);
         self.make_room(PageDemand {
             mamba_slots: fresh,
             ..self.kv_demand(pages)
@@ -145,26 +147,23 @@ impl HybridCache {
             }
             return Err(e);
         }
+        self.verify_scratch.made(&slots);
         let mut at = 0;
-        let mut fresh_groups = slots.chunks_exact(width);
         for (i, (req, draft)) in batch.iter_mut().zip(drafts).enumerate() {
             let positions = draft.width();
             let before = self.held(req);
             req.row.extend_from_slice(&self.scratch[at..at + positions]);
             at += positions;
             self.account(before, self.held(req));
-            let group = if i >= groups {
-                Box::default()
-            } else if i < reused {
+            let lane = if i < lanes {
                 self.verify_scratch.take()
             } else {
-                let fresh = fresh_groups.next().expect("a fresh group per request");
-                self.verify_scratch.made(fresh)
+                ScratchLane::default()
             };
             req.verifies.push_back(PendingVerify {
                 width: positions,
                 parents: draft.tree(),
-                group,
+                lane,
             });
             if let Some(state) = &mut req.state {
                 // A verify saves no checkpoint in its forward (settling does).
@@ -266,7 +265,7 @@ impl HybridCache {
             let verify = req.verifies.pop_front().expect("checked above");
             req.tokens.extend_from_slice(acc.tokens);
             self.account(before, self.held(req));
-            self.verify_scratch.give_back(verify.group);
+            self.verify_scratch.give_back(verify.lane);
             if self.states.is_some() {
                 self.commit_checkpoints(req, &plan, i);
                 if let Some(state) = &mut req.state {
@@ -299,13 +298,39 @@ impl HybridCache {
             self.plan_checkpoints(req, from..from + acc.len(), plan);
         }
         self.alloc_with_checkpoints(0, plan, Checkpoints::BestEffort, |_| Ok(()))?;
+        let issued = match self.replay.clone() {
+            None => self.copy_accepted_states(batch, accepted, settled, plan),
+            Some(replay) => self.replay_accepted_states(&*replay, batch, accepted, settled, plan),
+        };
+        issued.inspect_err(|_| {
+            // Nothing was issued: the fresh slots go back, nothing is recorded.
+            self.alloc.free_batch(&[FreeOp::Slots(plan.fresh_slots())]);
+        })
+    }
+
+    /// The copy rollback: each request's accepted state copied out of its lane (a state
+    /// per position) into its running slot and the planned checkpoint slots, one device
+    /// op.
+    fn copy_accepted_states(
+        &self,
+        batch: &[&mut Request],
+        accepted: &[Accepted<'_>],
+        settled: &[usize],
+        plan: &CheckpointPlan,
+    ) -> Result<(), Error> {
+        let shape = self.verify_scratch.shape;
         let mut copies: Vec<(VirtualSlot, VirtualSlot)> = Vec::new();
         for (i, (req, acc)) in batch.iter().zip(accepted).enumerate() {
             let (Some(state), Some(verify)) = (&req.state, req.verifies.front()) else {
                 continue;
             };
-            // The state after `at_len` settled tokens: the group slot of that position.
-            let state_at = |at_len: usize| verify.group[acc.node(at_len - settled[i] - 1)];
+            // The state after `at_len` settled tokens: the lane's entry of that position.
+            let state_at = |at_len: usize| {
+                verify
+                    .lane
+                    .entry(shape, acc.node(at_len - settled[i] - 1))
+                    .0
+            };
             copies.push((state_at(settled[i] + acc.len()), state.running));
             for (at_len, slot) in plan.writes(i, &state.held) {
                 copies.push((state_at(at_len), slot));
@@ -314,10 +339,72 @@ impl HybridCache {
         if copies.is_empty() {
             return Ok(());
         }
-        self.alloc.copy_slots(&copies).map_err(|e| {
-            // Nothing was copied: the fresh slots go back, nothing is recorded.
-            self.alloc.free_batch(&[FreeOp::Slots(plan.fresh_slots())]);
-            Error::from(e)
-        })
+        Ok(self.alloc.copy_slots(&copies)?)
+    }
+
+    /// The replay rollback: one [`StateCommit`] per request — its running slot, the
+    /// accepted positions' log entries in order, the planned checkpoints by entries
+    /// replayed — handed to the engine's replay in one call, physical slots throughout.
+    fn replay_accepted_states(
+        &self,
+        replay: &dyn crate::StateReplay,
+        batch: &[&mut Request],
+        accepted: &[Accepted<'_>],
+        settled: &[usize],
+        plan: &CheckpointPlan,
+    ) -> Result<(), Error> {
+        let shape = self.verify_scratch.shape;
+        let physical = |slot: VirtualSlot| {
+            self.alloc.physical_slot(slot).ok_or(Error::BadRequest {
+                request: u64::MAX,
+                reason: format!("state slot {} is not mapped", slot.0),
+            })
+        };
+        // Flat lists, sliced per request below.
+        let mut entries: Vec<LogEntry> = Vec::new();
+        let mut saves: Vec<(u32, u32)> = Vec::new();
+        let mut spans: Vec<(u64, u32, std::ops::Range<usize>, std::ops::Range<usize>)> = Vec::new();
+        for (i, (req, acc)) in batch.iter().zip(accepted).enumerate() {
+            let (Some(state), Some(verify)) = (&req.state, req.verifies.front()) else {
+                continue;
+            };
+            let e0 = entries.len();
+            for j in 0..acc.len() {
+                let (slot, index) = verify.lane.entry(shape, acc.node(j));
+                entries.push(LogEntry {
+                    slot: physical(slot)?,
+                    index,
+                });
+            }
+            let s0 = saves.len();
+            for (at_len, slot) in plan.writes(i, &state.held) {
+                saves.push(((at_len - settled[i]) as u32, physical(slot)?));
+            }
+            spans.push((
+                req.id,
+                physical(state.running)?,
+                e0..entries.len(),
+                s0..saves.len(),
+            ));
+        }
+        if spans.is_empty() {
+            return Ok(());
+        }
+        let commits: Vec<StateCommit<'_>> = spans
+            .into_iter()
+            .map(|(request, running, e, s)| StateCommit {
+                request,
+                running,
+                entries: &entries[e],
+                checkpoints: &saves[s],
+            })
+            .collect();
+        let ctx = crate::speculative::ReplayContext {
+            device: self.device(),
+            buffer: self.alloc.buffer(),
+            geometry: self.kv_geometry(),
+            log_bytes: replay.log_bytes_per_position(),
+        };
+        Ok(replay.replay(&ctx, &commits)?)
     }
 }

@@ -88,12 +88,14 @@ impl VerifyMetadata {
             ("masks", l.masks),
             ("rows", l.rows),
             ("slots", l.slots),
+            ("entries", l.entries),
             ("zeros", l.zeros),
             ("inputs_len", l.inputs_len),
             ("write_full", l.write_full),
             ("write_swa", l.write_swa),
             ("state_in", l.state_in),
             ("state_out", l.state_out),
+            ("prev_out", l.prev_out),
             ("outputs_len", l.outputs_len),
         ] {
             d.set_item(k, v)?;

@@ -523,6 +523,12 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     fn sync_hazards(&self) -> crate::SyncHazards {
         crate::SyncHazards::default()
     }
+
+    /// Whether the buffers it allocates hold bytes (every backend but
+    /// [`NullDevice`](crate::NullDevice), which keeps lengths only).
+    fn holds_bytes(&self) -> bool {
+        true
+    }
 }
 
 /// A capability to wait for the device. Only [`Readback`] methods take one, and

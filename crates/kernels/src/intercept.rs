@@ -240,6 +240,10 @@ impl<D: Device + ?Sized, H: DeviceHooks> Device for Intercepted<D, H> {
         self.inner.sync_hazards()
     }
 
+    fn holds_bytes(&self) -> bool {
+        self.inner.holds_bytes()
+    }
+
     fn alloc_bytes(&self, len: u64, fill: u8) -> Result<BytesId, Error> {
         let call = self.before(DeviceOp::AllocBytes, 1, None)?;
         self.after(call, self.inner.alloc_bytes(len, fill))

@@ -76,6 +76,10 @@ impl Device for NullDevice {
         "none".to_string()
     }
 
+    fn holds_bytes(&self) -> bool {
+        false
+    }
+
     fn alloc_bytes(&self, len: u64, _fill: u8) -> Result<BytesId, Error> {
         let mut st = self.state();
         st.bytes.next()?;

@@ -105,11 +105,56 @@ impl RecurrentState {
     pub const fn state_bytes_per_layer(&self) -> u64 {
         saturated(self.checked_state_bytes_per_layer())
     }
+
+    /// The inputs one position's recurrence consumes in one layer, which a replay
+    /// rollback logs per verify position instead of the state after it: the conv's input
+    /// channels (`conv_channels × conv_dtype_bytes`; for Mamba2 `x`, `B` and `C`, for
+    /// GDN `q`, `k` and `v`) and two `f32` gates per head (Mamba2's `dt`; GDN's `β` and
+    /// `g`), or `None` past 64 bits. An estimate for an engine that does not state its
+    /// own log; about 1/130 of a Qwen3-Next layer's state and 1/200 of Nemotron-H's.
+    pub const fn checked_log_bytes_per_layer(&self) -> Option<u64> {
+        let gates = checked_product(&[self.heads, 2, 4]);
+        match (
+            checked_product(&[self.conv_channels, self.conv_dtype_bytes]),
+            gates,
+        ) {
+            (Some(c), Some(g)) => c.checked_add(g),
+            _ => None,
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_positions_log_is_its_conv_inputs_and_two_gates_per_head() {
+        // Qwen3-Next's GDN layer: 8,192 conv channels of bf16 and 32 value heads.
+        let gdn = RecurrentState {
+            conv_channels: 2 * 16 * 128 + 32 * 128,
+            conv_kernel: 4,
+            heads: 32,
+            head_dim: 128,
+            state_size: 128,
+            conv_dtype_bytes: 2,
+            state_dtype_bytes: 4,
+        };
+        assert_eq!(
+            gdn.checked_log_bytes_per_layer(),
+            Some(8_192 * 2 + 32 * 2 * 4)
+        );
+        assert_eq!(gdn.state_bytes_per_layer() / 16_640, 128);
+        assert_eq!(RecurrentState::NONE.checked_log_bytes_per_layer(), Some(0));
+        let wide = RecurrentState {
+            conv_channels: u32::MAX,
+            conv_dtype_bytes: u32::MAX,
+            heads: u32::MAX,
+            ..gdn
+        };
+        // (2^32 − 1)^2 conv bytes plus 8 × (2^32 − 1) gate bytes pass 64 bits.
+        assert_eq!(wide.checked_log_bytes_per_layer(), None);
+    }
 
     #[test]
     fn none_holds_no_bytes_and_a_kernel_of_width_one_keeps_no_inputs() {

@@ -223,20 +223,110 @@ pub(crate) fn cache_builder(
     config: &RunConfig,
     device: Arc<SyncLedger>,
 ) -> unikv::HybridCacheBuilder {
+    let replay = state_replay(config, unikv::kernels::Device::holds_bytes(&*device));
     let builder = HybridCache::builder()
         .model(config.model)
         .page_size(config.page_size)
         .memory_bytes(config.memory_bytes)
         .layout(config.layout)
         .device(device);
-    match config.speculation {
+    let builder = match config.speculation {
         Some(_) => builder.speculation(speculation(config).expect("a speculative run")),
+        None => builder,
+    };
+    match replay {
+        Some(replay) => builder.state_replay(replay),
         None => builder,
     }
 }
 
-/// The share of the budget a speculative run of a model with recurrent state gives its
-/// verify scratch (the draft positions' states): a sixteenth. Every byte of scratch is a
+/// The replay rollback a speculative run of a model with recurrent state registers (none
+/// otherwise): a log entry of the model's [`ModelSpec::replay_log_bytes`], replayed by
+/// [`StandInReplay`] on a device with bytes and by [`unikv::BookkeepingReplay`] on one
+/// without.
+pub fn state_replay(config: &RunConfig, holds_bytes: bool) -> Option<Arc<dyn unikv::StateReplay>> {
+    if config.speculation.is_none() || !config.model.has_recurrent_state() {
+        return None;
+    }
+    let log_bytes_per_position = config.model.replay_log_bytes();
+    Some(if holds_bytes {
+        Arc::new(StandInReplay {
+            log_bytes_per_position,
+        })
+    } else {
+        Arc::new(unikv::BookkeepingReplay {
+            log_bytes_per_position,
+        })
+    })
+}
+
+/// The replay's stand-in for an engine's replay kernel, on a device with bytes: the
+/// simulator has no model to run the recurrence with, so it moves what the kernel reads
+/// into what it writes — the log entry that ends each prefix into the running slot and
+/// into each checkpoint slot — one span move op per settlement. The bytes it leaves are
+/// not states (the simulator never reads them as such).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StandInReplay {
+    /// Bytes of one log entry.
+    pub log_bytes_per_position: u64,
+}
+
+impl unikv::StateReplay for StandInReplay {
+    fn log_bytes_per_position(&self) -> u64 {
+        self.log_bytes_per_position
+    }
+
+    fn replay(
+        &self,
+        ctx: &unikv::ReplayContext<'_>,
+        commits: &[unikv::StateCommit<'_>],
+    ) -> Result<(), unikv::kernels::Error> {
+        let g = &ctx.geometry;
+        let entry =
+            |e: &unikv::LogEntry| g.slot_offset(e.slot) + u64::from(e.index) * ctx.log_bytes;
+        let mut moves = Vec::new();
+        for c in commits {
+            let ends = std::iter::once((c.entries.len() as u32, c.running))
+                .chain(c.checkpoints.iter().copied());
+            for (n, slot) in ends {
+                let Some(e) = (n as usize).checked_sub(1).and_then(|i| c.entries.get(i)) else {
+                    continue;
+                };
+                moves.push(unikv::kernels::SpanMove {
+                    src: entry(e),
+                    dst: g.slot_offset(slot),
+                    len: ctx.log_bytes,
+                });
+            }
+        }
+        if moves.is_empty() {
+            return Ok(());
+        }
+        ctx.device.move_spans(ctx.buffer, &moves)
+    }
+}
+
+/// How a run's verify lanes sit in state slots: its cache's, as built (the copy
+/// rollback's one state per slot without a replay).
+pub fn scratch_shape(config: &RunConfig) -> unikv::ScratchShape {
+    let width = config
+        .speculation
+        .map_or(1, |mode| mode.speculation().max_width);
+    state_replay(config, false)
+        .zip(config.model.slot_pool().ok())
+        .and_then(|(replay, slots)| {
+            unikv::ScratchShape::replaying(
+                width,
+                slots.bytes_per_slot,
+                replay.log_bytes_per_position(),
+            )
+        })
+        .unwrap_or(unikv::ScratchShape::copy(width))
+}
+
+/// The share of the budget a speculative run of a model with recurrent state may give its
+/// verify scratch (the draft positions' log entries): a sixteenth, which
+/// [`REPLAY_VERIFY_BATCH`] caps far below. Every byte of scratch is a
 /// byte the prefix cache cannot hold (the unified layout lends it from the same buffer,
 /// the static one takes it from the KV pools), and the decoders beyond the verify batch
 /// decode plainly, so a small batch costs speculation's speed-up on those requests, not
@@ -254,27 +344,32 @@ pub fn speculation(config: &RunConfig) -> Option<unikv::Speculation> {
 
 /// The verify batch a speculative run declares ([`unikv::Speculation::max_batch`]) and
 /// admits at most, for a model with recurrent state: as many requests as
-/// [`VERIFY_SCRATCH_SHARE`] of the budget holds scratch groups for (the verify width per
-/// verify in flight, in state slots; at least 1). An engine verifies at most its CUDA
-/// graph's batch a step, and SGLang sizes its `intermediate_ssm_state_cache` by the
-/// requests it speculates for; the decoders beyond the batch decode plainly. The static
-/// layout sizes its slot pool that many groups beyond the reference pool. [`unikv::DEFAULT_VERIFY_BATCH`]
-/// without recurrent state (no scratch, no cap).
+/// [`VERIFY_SCRATCH_SHARE`] of the budget holds scratch lanes for (the verify width per
+/// verify in flight, in log entries under the replay rollback the runs use: see
+/// [`state_replay`]), at least 1 and at most [`REPLAY_VERIFY_BATCH`]. An engine verifies
+/// at most its CUDA graph's batch a step, and SGLang sizes its
+/// `intermediate_ssm_state_cache` by the requests it speculates for; the decoders beyond
+/// the batch decode plainly. The static layout sizes its slot pool for that many lanes
+/// beyond the reference pool. [`unikv::DEFAULT_VERIFY_BATCH`] without recurrent state (no
+/// scratch, no cap).
 pub fn verify_lanes(config: &RunConfig) -> u32 {
-    let (Some(mode), Ok(slots)) = (config.speculation, config.model.slot_pool()) else {
+    let (Some(mode), Some(replay)) = (config.speculation, state_replay(config, false)) else {
         return unikv::DEFAULT_VERIFY_BATCH;
     };
-    if !config.model.has_recurrent_state() {
-        return unikv::DEFAULT_VERIFY_BATCH;
-    }
     let spec = mode.speculation();
-    let group_bytes = slots
-        .bytes_per_slot
+    let lane_bytes = replay
+        .log_bytes_per_position()
         .saturating_mul(u64::from(spec.max_width) * u64::from(spec.max_in_flight));
     let (num, den) = VERIFY_SCRATCH_SHARE;
-    (config.memory_bytes / den * num / group_bytes.max(1))
-        .clamp(1, u64::from(unikv::MAX_VERIFY_BATCH)) as u32
+    (config.memory_bytes / den * num / lane_bytes.max(1)).clamp(1, u64::from(REPLAY_VERIFY_BATCH))
+        as u32
 }
+
+/// The most requests a speculative run of a recurrent model verifies in one step: 64, a
+/// CUDA graph's verify batch (SGLang caps its running requests at 48 when it
+/// speculates). Log lanes are cheap — 64 lanes of 5 Qwen3-Next positions take 3 state
+/// slots — but the static layout sets them aside up front.
+pub const REPLAY_VERIFY_BATCH: u32 = 64;
 
 #[cfg(test)]
 mod tests {

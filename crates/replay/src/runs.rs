@@ -143,9 +143,10 @@ fn run_one(
                     Layout::Unified => Layout::DEFAULT_SWA_FULL_TOKENS_RATIO,
                 },
                 scratch_slots: match config.layout {
-                    Layout::Static { .. } => {
-                        unikv::verify_scratch_slots(crate::config::speculation(config))
-                    }
+                    Layout::Static { .. } => unikv::verify_scratch_slots(
+                        crate::config::speculation(config),
+                        crate::config::scratch_shape(config),
+                    ),
                     Layout::Unified => 0,
                 },
             };

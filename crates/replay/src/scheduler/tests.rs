@@ -326,21 +326,37 @@ fn speculation_generates_the_same_tokens_as_decoding() {
 
 /// A speculative run never takes more steps than decoding: the decoders beyond the
 /// verify batch decode plainly in the same step instead of waiting for their turn
-/// (Qwen3-Next's verify batch at 16 GiB is 2 requests of the chat's 8).
+/// (Qwen3-Next's verify batch at 16 GiB is [`REPLAY_VERIFY_BATCH`] = 64 requests of
+/// this chat's 80 clients).
 #[test]
 fn decoders_beyond_the_verify_batch_decode_plainly() {
+    use crate::config::REPLAY_VERIFY_BATCH;
+    let chat = unikv_workload::workload::ChatShape {
+        clients: 80,
+        turns: &[1],
+        user_tokens: 40,
+        output_tokens: 24,
+    }
+    .build(
+        "chat",
+        unikv_workload::workload::TokenSource::new(5, "chat"),
+    );
     let model = ModelSpec::QWEN3_NEXT_80B_A3B;
     for layout in LAYOUTS {
         let mut config = RunConfig::new(model, layout, 1, 16 << 30);
         config.backend = Backend::None;
         config.speculation = Some(SpecMode::chain(4).unwrap());
-        assert_eq!(crate::config::verify_lanes(&config), 2);
-        let spec = run(&small_chat(), &config, (), &|_| {}).unwrap();
+        assert_eq!(crate::config::verify_lanes(&config), REPLAY_VERIFY_BATCH);
+        let spec = run(&chat, &config, (), &|_| {}).unwrap();
+        assert_eq!(
+            spec.peak_admitted, 80,
+            "{layout}: more decoders than the batch"
+        );
         let plain = RunConfig {
             speculation: None,
             ..config.clone()
         };
-        let plain = run(&small_chat(), &plain, (), &|_| {}).unwrap();
+        let plain = run(&chat, &plain, (), &|_| {}).unwrap();
         assert!(
             spec.steps <= plain.steps,
             "{layout}: {} > {}",
