@@ -61,6 +61,7 @@ use crate::error::Error;
 use crate::invariants_decl::CONSERVATION;
 use crate::model::ModelSpec;
 use crate::request::{PrefixMatch, Request, RequestState};
+use crate::speculative::ScratchShape;
 use crate::stats::{CacheStats, EvictionCounts, SideStats, StepReport};
 use crate::tables::{DeviceTables, Lanes};
 use std::sync::Arc;
@@ -87,8 +88,6 @@ pub use builder::{
     DEFAULT_EVICTION_INTERVAL, HybridCacheBuilder, Layout, static_slot_pool, verify_scratch_slots,
 };
 use checkpoints::{CheckpointPlan, Checkpoints};
-pub(crate) use scratch::ScratchLane;
-pub use scratch::ScratchShape;
 
 /// At `Strict`, the step boundary walks the whole tree ([`RadixTree::sanity_check`]) at
 /// every this-many-th step (from the first): a sample that costs a few µs per step

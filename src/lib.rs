@@ -36,15 +36,16 @@ mod tables;
 mod verify;
 
 pub use cache::{
-    DEFAULT_EVICTION_INTERVAL, HybridCache, HybridCacheBuilder, Layout, ScratchShape,
-    TREE_SANITY_INTERVAL, static_slot_pool, verify_scratch_slots,
+    DEFAULT_EVICTION_INTERVAL, HybridCache, HybridCacheBuilder, Layout, TREE_SANITY_INTERVAL,
+    static_slot_pool, verify_scratch_slots,
 };
 pub use error::{AcceptedFault, Error};
 pub use model::{KvRows, ModelSpec, RecurrentState};
 pub use request::{PrefixMatch, Request};
 pub use speculative::{
     Accepted, BookkeepingReplay, DEFAULT_VERIFY_BATCH, Draft, LogEntry, MAX_IN_FLIGHT,
-    MAX_VERIFY_BATCH, MAX_VERIFY_WIDTH, ReplayContext, Speculation, StateCommit, StateReplay,
+    MAX_VERIFY_BATCH, MAX_VERIFY_WIDTH, ReplayContext, ScratchShape, Speculation, StateCommit,
+    StateReplay,
 };
 pub use stats::{CacheStats, EvictionCounts, SideStats, StepReport};
 pub use step::{

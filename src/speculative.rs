@@ -41,6 +41,7 @@
 //!   `a_flipped_bit_in_a_state_resumed_after_a_speculative_turn_fails_the_state_check`).
 
 use crate::error::{AcceptedFault, Error};
+use unikv_pools::VirtualSlot;
 use unikv_radix::TokenId;
 
 /// The most positions [`Speculation::max_width`] may declare: EAGLE-2/3 trees verify up
@@ -200,19 +201,32 @@ pub trait StateReplay: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// Where a replay's slots live: the cache's device and buffer, and its geometry
-/// ([`crate::KvGeometry::slot_offset`] places a physical slot; a log entry `index`
-/// starts `index × log_bytes` past it).
+/// Where a replay's slots live: the cache's device and buffer, a physical slot `p` at
+/// `p × slot_bytes` ([`ReplayContext::slot_offset`], as
+/// [`KvGeometry::slot_offset`](crate::KvGeometry::slot_offset) places it) and a log entry
+/// `index × log_bytes` past its slot's start ([`ReplayContext::entry_offset`]).
 #[derive(Clone, Copy, Debug)]
 pub struct ReplayContext<'a> {
     /// The device the buffer lives on (issue the replay on its stream).
     pub device: &'a dyn unikv_kernels::Device,
     /// The cache's buffer.
     pub buffer: unikv_kernels::BytesId,
-    /// Where slots and rows lie in it.
-    pub geometry: crate::KvGeometry,
+    /// Bytes of one state slot.
+    pub slot_bytes: u64,
     /// Bytes of one log entry ([`StateReplay::log_bytes_per_position`]).
     pub log_bytes: u64,
+}
+
+impl ReplayContext<'_> {
+    /// The byte offset of physical state slot `slot` in the buffer.
+    pub fn slot_offset(&self, slot: u32) -> u64 {
+        u64::from(slot) * self.slot_bytes
+    }
+
+    /// The byte offset of log entry `entry` in the buffer.
+    pub fn entry_offset(&self, entry: LogEntry) -> u64 {
+        self.slot_offset(entry.slot) + u64::from(entry.index) * self.log_bytes
+    }
 }
 
 /// Where one position's log entry lives: entry `index` (of
@@ -267,6 +281,90 @@ impl StateReplay for BookkeepingReplay {
 
     fn moves_bytes(&self) -> bool {
         false
+    }
+}
+
+/// How verify lanes sit in state slots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScratchShape {
+    /// Entries a lane holds: the verify width.
+    pub width: u32,
+    /// Entries one state slot holds: 1 under the copy rollback (an entry is a state), the
+    /// slot's bytes over a log entry's under the replay rollback.
+    pub entries_per_slot: u32,
+}
+
+impl ScratchShape {
+    /// The copy rollback's shape for `width` positions: one state per slot.
+    pub const fn copy(width: u32) -> ScratchShape {
+        ScratchShape {
+            width,
+            entries_per_slot: 1,
+        }
+    }
+
+    /// The replay rollback's shape for `width` positions: as many log entries of
+    /// `log_bytes` per slot of `slot_bytes` as fit (`None` for an entry of 0 bytes or
+    /// larger than a slot).
+    pub fn replaying(width: u32, slot_bytes: u64, log_bytes: u64) -> Option<ScratchShape> {
+        if log_bytes == 0 || log_bytes > slot_bytes {
+            return None;
+        }
+        Some(ScratchShape {
+            width,
+            entries_per_slot: u32::try_from(slot_bytes / log_bytes).unwrap_or(u32::MAX),
+        })
+    }
+
+    /// Lanes one block holds: as many as fit in one slot, or 1 when a lane spans slots.
+    pub const fn lanes_per_block(&self) -> u32 {
+        if self.entries_per_slot >= self.width {
+            self.entries_per_slot / self.width
+        } else {
+            1
+        }
+    }
+
+    /// Slots one block takes.
+    pub const fn slots_per_block(&self) -> u32 {
+        if self.entries_per_slot >= self.width {
+            1
+        } else {
+            self.width.div_ceil(self.entries_per_slot)
+        }
+    }
+
+    /// State slots that hold `lanes` lanes.
+    pub const fn slots_for(&self, lanes: u32) -> u32 {
+        lanes
+            .div_ceil(self.lanes_per_block())
+            .saturating_mul(self.slots_per_block())
+    }
+}
+
+/// A verify's lane: `width` entries from entry `first` of its block's slots (entry `g`
+/// is entry `g % entries_per_slot` of slot `g / entries_per_slot`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ScratchLane {
+    /// The block's slots (empty: no lane, a model without recurrent layers).
+    pub(crate) slots: Box<[VirtualSlot]>,
+    /// Its first entry in the block.
+    pub(crate) first: u32,
+    /// The block it belongs to (an index into the scratch's blocks).
+    pub(crate) block: usize,
+}
+
+impl ScratchLane {
+    /// Whether it is no lane.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// The slot and the entry within it of position `i` of the lane.
+    pub(crate) fn entry(&self, shape: ScratchShape, i: usize) -> (VirtualSlot, u32) {
+        let g = self.first as usize + i;
+        let per = shape.entries_per_slot as usize;
+        (self.slots[g / per], (g % per) as u32)
     }
 }
 
@@ -386,7 +484,7 @@ pub(crate) struct PendingVerify {
     /// On a model with recurrent layers, the scratch lane it writes (position `i`'s
     /// entry: the state after it, or its log entry under replay rollback); empty
     /// otherwise.
-    pub(crate) lane: crate::cache::ScratchLane,
+    pub(crate) lane: ScratchLane,
 }
 
 impl PendingVerify {

@@ -372,13 +372,14 @@ impl HybridCache {
                 let n = l.slots_per_request;
                 let at = r * n;
                 img[l.slots + at] = state.running.0 as i32;
-                let put = |first: usize, lane: &crate::cache::ScratchLane, img: &mut [i32]| {
-                    for i in 0..width {
-                        let (slot, entry) = lane.entry(shape, i);
-                        img[l.slots + at + first + i] = slot.0 as i32;
-                        img[l.entries + at + first + i] = entry as i32;
-                    }
-                };
+                let put =
+                    |first: usize, lane: &crate::speculative::ScratchLane, img: &mut [i32]| {
+                        for i in 0..width {
+                            let (slot, entry) = lane.entry(shape, i);
+                            img[l.slots + at + first + i] = slot.0 as i32;
+                            img[l.entries + at + first + i] = entry as i32;
+                        }
+                    };
                 if req.verifies.len() > 1 {
                     put(1, &req.verifies[req.verifies.len() - 2].lane, img);
                 }

@@ -69,11 +69,10 @@ impl StateReplay for ToyReplay {
         if *self.fail.lock().unwrap() {
             return Err(unikv::kernels::Error::Cuda("injected".into()));
         }
-        let g = ctx.geometry;
         self.cpu.run_kernel(ctx.buffer, |bytes| {
             for c in commits {
                 let at = |slot: u32, index: u32| {
-                    (g.slot_offset(slot) + u64::from(index) * ctx.log_bytes) as usize
+                    ctx.entry_offset(unikv::LogEntry { slot, index }) as usize
                 };
                 let mut h = read(bytes, at(c.running, 0));
                 let mut saves = c.checkpoints.iter().peekable();

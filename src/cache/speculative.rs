@@ -28,11 +28,10 @@
 //! (`a_finish_with_a_verify_in_flight_caches_the_running_state`,
 //! `a_follow_up_turn_after_a_speculative_turn_resumes_from_the_end_of_its_output`).
 
-use super::{CheckpointPlan, Checkpoints, HybridCache, ScratchLane};
+use super::{CheckpointPlan, Checkpoints, HybridCache};
 use crate::error::Error;
 use crate::request::Request;
-use crate::speculative::{Accepted, Draft, PendingVerify};
-use crate::speculative::{LogEntry, StateCommit};
+use crate::speculative::{Accepted, Draft, LogEntry, PendingVerify, ScratchLane, StateCommit};
 use unikv_pools::{ExtendRequest, FreeOp, PageDemand, VirtualSlot};
 
 impl HybridCache {
@@ -402,7 +401,7 @@ impl HybridCache {
         let ctx = crate::speculative::ReplayContext {
             device: self.device(),
             buffer: self.alloc.buffer(),
-            geometry: self.kv_geometry(),
+            slot_bytes: self.kv_geometry().slot_bytes,
             log_bytes: replay.log_bytes_per_position(),
         };
         Ok(replay.replay(&ctx, &commits)?)

@@ -281,9 +281,6 @@ impl unikv::StateReplay for StandInReplay {
         ctx: &unikv::ReplayContext<'_>,
         commits: &[unikv::StateCommit<'_>],
     ) -> Result<(), unikv::kernels::Error> {
-        let g = &ctx.geometry;
-        let entry =
-            |e: &unikv::LogEntry| g.slot_offset(e.slot) + u64::from(e.index) * ctx.log_bytes;
         let mut moves = Vec::new();
         for c in commits {
             let ends = std::iter::once((c.entries.len() as u32, c.running))
@@ -293,8 +290,8 @@ impl unikv::StateReplay for StandInReplay {
                     continue;
                 };
                 moves.push(unikv::kernels::SpanMove {
-                    src: entry(e),
-                    dst: g.slot_offset(slot),
+                    src: ctx.entry_offset(*e),
+                    dst: ctx.slot_offset(slot),
                     len: ctx.log_bytes,
                 });
             }
