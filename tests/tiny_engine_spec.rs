@@ -15,7 +15,7 @@
 mod engine;
 
 use engine::{
-    Counts, Drafting, Fault, Model, Output, Reuse, RunConfig, SpecMode, Workload,
+    Counts, Drafting, Fault, Model, Output, Reuse, Rollback, RunConfig, SpecMode, Workload,
     check_speculative_reuse, reference_outputs, serve_speculative,
 };
 use unikv::Layout;
@@ -32,12 +32,25 @@ const LAYOUTS: [Layout; 2] = [
     Layout::Unified,
 ];
 
-/// Every speculative mode: a chain of 3 and the draft tree, counts on time and late.
-fn modes() -> Vec<SpecMode> {
+/// Every speculative mode for `model`: a chain of 3 and the draft tree, counts on time
+/// and late, rolled back by copy and, on a model with recurrent layers, by the engine's
+/// replay of logged inputs.
+fn modes(model: Model) -> Vec<SpecMode> {
+    let rollbacks: &[Rollback] = if model.is_recurrent() {
+        &[Rollback::Copy, Rollback::Replay]
+    } else {
+        &[Rollback::Copy]
+    };
     let mut modes = Vec::new();
-    for drafting in [Drafting::Chain { k: 3 }, Drafting::Tree] {
-        for counts in [Counts::Timely, Counts::Late] {
-            modes.push(SpecMode { drafting, counts });
+    for &rollback in rollbacks {
+        for drafting in [Drafting::Chain { k: 3 }, Drafting::Tree] {
+            for counts in [Counts::Timely, Counts::Late] {
+                modes.push(SpecMode {
+                    drafting,
+                    counts,
+                    rollback,
+                });
+            }
         }
     }
     modes
@@ -51,7 +64,7 @@ fn check(model: Model) {
         // Every run of a page size serves the same prompts: one reference decode.
         let mut want: Option<Vec<Output>> = None;
         for layout in LAYOUTS {
-            for mode in modes() {
+            for mode in modes(model) {
                 let cfg =
                     RunConfig::scripted(ps, layout, model, Workload::TurnsAcrossGrid, Reuse::Off);
                 let label = format!(
@@ -120,25 +133,28 @@ fn speculative_turns_on_the_tri_pool_resume_exact_states() {
 
 #[test]
 fn a_flipped_bit_in_a_state_resumed_after_a_speculative_turn_fails_the_state_check() {
-    let mode = SpecMode {
-        drafting: Drafting::Chain { k: 3 },
-        counts: Counts::Late,
-    };
-    let (ps, model, workload) = (16, Model::TriPool, Workload::TurnsAcrossGrid);
-    let off = RunConfig::scripted(ps, Layout::Unified, model, workload, Reuse::Off);
-    let (base, base_stats) = serve_speculative(&off, mode).unwrap();
-    let (want, _, _) = reference_outputs(&off, &base);
-    let cfg = RunConfig {
-        fault: Fault::FlipResumedState,
-        ..RunConfig::scripted(ps, Layout::Unified, model, workload, Reuse::On)
-    };
-    let (jobs, stats) = serve_speculative(&cfg, mode).unwrap();
-    assert!(stats.resumed_in_output > 0, "{stats:?}");
-    let diff = stats
-        .served
-        .resumed_states()
-        .expect_err("a corrupted resumed state must be caught");
-    eprintln!("caught: {diff}");
-    check_speculative_reuse(&cfg, (&base, &base_stats), (&jobs, &stats), &want)
-        .expect_err("the speculative check reports it");
+    for rollback in [Rollback::Copy, Rollback::Replay] {
+        let mode = SpecMode {
+            drafting: Drafting::Chain { k: 3 },
+            counts: Counts::Late,
+            rollback,
+        };
+        let (ps, model, workload) = (16, Model::TriPool, Workload::TurnsAcrossGrid);
+        let off = RunConfig::scripted(ps, Layout::Unified, model, workload, Reuse::Off);
+        let (base, base_stats) = serve_speculative(&off, mode).unwrap();
+        let (want, _, _) = reference_outputs(&off, &base);
+        let cfg = RunConfig {
+            fault: Fault::FlipResumedState,
+            ..RunConfig::scripted(ps, Layout::Unified, model, workload, Reuse::On)
+        };
+        let (jobs, stats) = serve_speculative(&cfg, mode).unwrap();
+        assert!(stats.resumed_in_output > 0, "{rollback:?}: {stats:?}");
+        let diff = stats
+            .served
+            .resumed_states()
+            .expect_err("a corrupted resumed state must be caught");
+        eprintln!("{rollback:?}: caught: {diff}");
+        check_speculative_reuse(&cfg, (&base, &base_stats), (&jobs, &stats), &want)
+            .expect_err("the speculative check reports it");
+    }
 }

@@ -61,7 +61,8 @@ pub use {
     reference::{reference, reference_outputs, reference_state},
     serve::{RunStats, check_reuse, serve},
     speculative::{
-        Counts, Drafting, SpecMode, SpecStats, TREE, check_speculative_reuse, serve_speculative,
+        Counts, Drafting, Rollback, SpecMode, SpecStats, TREE, check_speculative_reuse,
+        serve_speculative,
     },
     workload::{Arrival, Job, Output, Workload, checkpoint_grid},
 };

@@ -29,8 +29,9 @@
 mod engine;
 
 use engine::{
-    Counts, Drafting, Fault, Job, Model, Reuse, RunConfig, RunStats, SpecMode, SpecStats, Workload,
-    check_reuse, check_speculative_reuse, compare, reference_outputs, serve, serve_speculative,
+    Counts, Drafting, Fault, Job, Model, Reuse, Rollback, RunConfig, RunStats, SpecMode, SpecStats,
+    Workload, check_reuse, check_speculative_reuse, compare, reference_outputs, serve,
+    serve_speculative,
 };
 use std::time::Duration;
 use unikv::Layout;
@@ -107,50 +108,48 @@ fn speculative(k: usize) -> bool {
         for workload in [Workload::SharedPrefix, Workload::TurnsAcrossGrid] {
             for model in Model::ALL {
                 for layout in LAYOUTS {
-                    for drafting in [Drafting::Chain { k }, Drafting::Tree] {
-                        for counts in [Counts::Timely, Counts::Late] {
-                            let mode = SpecMode { drafting, counts };
-                            let cfg = RunConfig::scripted(ps, layout, model, workload, Reuse::Off);
-                            let (off, off_stats) = serve_speculative_or_exit(&cfg, mode);
-                            let on_cfg = RunConfig {
-                                reuse: Reuse::On,
-                                ..cfg.clone()
-                            };
-                            let (on, stats) = serve_speculative_or_exit(&on_cfg, mode);
-                            let (want, _, _) = reference_outputs(&cfg, &off);
-                            let verdict = check_speculative_reuse(
-                                &cfg,
-                                (&off, &off_stats),
-                                (&on, &stats),
-                                &want,
-                            );
-                            let served = &stats.served;
-                            println!(
-                                "  {:<13} {:<12} {:<7} {:<14} acceptance {:>5.1} %  \
+                    for (drafting, counts, rollback) in modes(k, model) {
+                        let mode = SpecMode {
+                            drafting,
+                            counts,
+                            rollback,
+                        };
+                        let cfg = RunConfig::scripted(ps, layout, model, workload, Reuse::Off);
+                        let (off, off_stats) = serve_speculative_or_exit(&cfg, mode);
+                        let on_cfg = RunConfig {
+                            reuse: Reuse::On,
+                            ..cfg.clone()
+                        };
+                        let (on, stats) = serve_speculative_or_exit(&on_cfg, mode);
+                        let (want, _, _) = reference_outputs(&cfg, &off);
+                        let verdict =
+                            check_speculative_reuse(&cfg, (&off, &off_stats), (&on, &stats), &want);
+                        let served = &stats.served;
+                        println!(
+                            "  {:<13} {:<12} {:<7} {:<14} acceptance {:>5.1} %  \
                                  tokens/verify {:>4.2}  verifies {:>3}  settled late {:>3}  \
                                  finished mid-verify {:>2}  hits {:>2}  reused {:>4} of {:>4} \
                                  prompt tokens  resumes checked {:>2} ({:>2} in an output)  \
                                  requests {:>2}",
-                                workload.as_str(),
-                                model.as_str(),
-                                layout.as_str(),
-                                mode.label(),
-                                100.0 * stats.acceptance(),
-                                stats.tokens_per_verify(),
-                                stats.verifies,
-                                stats.late_settles,
-                                stats.finished_mid_verify,
-                                served.prefix_hits,
-                                served.hit_tokens,
-                                served.prompt_tokens,
-                                served.resumes_checked,
-                                stats.resumed_in_output,
-                                on.len(),
-                            );
-                            resumes += served.resumes_checked;
-                            in_output += stats.resumed_in_output;
-                            all_identical &= report(verdict.map(|n| n as usize));
-                        }
+                            workload.as_str(),
+                            model.as_str(),
+                            layout.as_str(),
+                            mode.label(),
+                            100.0 * stats.acceptance(),
+                            stats.tokens_per_verify(),
+                            stats.verifies,
+                            stats.late_settles,
+                            stats.finished_mid_verify,
+                            served.prefix_hits,
+                            served.hit_tokens,
+                            served.prompt_tokens,
+                            served.resumes_checked,
+                            stats.resumed_in_output,
+                            on.len(),
+                        );
+                        resumes += served.resumes_checked;
+                        in_output += stats.resumed_in_output;
+                        all_identical &= report(verdict.map(|n| n as usize));
                     }
                 }
             }
@@ -162,6 +161,25 @@ fn speculative(k: usize) -> bool {
         if all_identical { "yes" } else { "no" }
     );
     all_identical
+}
+
+/// The speculative modes for `model`: chains of `k` and the draft tree, counts on time
+/// and late, rolled back by copy and, on a model with recurrent layers, by replay.
+fn modes(k: usize, model: Model) -> Vec<(Drafting, Counts, Rollback)> {
+    let rollbacks: &[Rollback] = if model.is_recurrent() {
+        &[Rollback::Copy, Rollback::Replay]
+    } else {
+        &[Rollback::Copy]
+    };
+    let mut modes = Vec::new();
+    for &rollback in rollbacks {
+        for drafting in [Drafting::Chain { k }, Drafting::Tree] {
+            for counts in [Counts::Timely, Counts::Late] {
+                modes.push((drafting, counts, rollback));
+            }
+        }
+    }
+    modes
 }
 
 /// Serves `cfg` speculatively, or exits with status 1 when the cache refuses.

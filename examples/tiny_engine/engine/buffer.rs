@@ -29,7 +29,7 @@ pub(super) struct BufferKv<'a> {
 }
 
 /// Reads `out.len()` little-endian `f32`s at byte `offset`.
-fn read_f32s(bytes: &[u8], offset: u64, out: &mut [f32]) {
+pub(super) fn read_f32s(bytes: &[u8], offset: u64, out: &mut [f32]) {
     let b = &bytes[offset as usize..offset as usize + 4 * out.len()];
     for i in 0..out.len() {
         out[i] = f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]);
@@ -37,7 +37,7 @@ fn read_f32s(bytes: &[u8], offset: u64, out: &mut [f32]) {
 }
 
 /// Writes `values` as little-endian `f32`s at byte `offset`.
-fn write_f32s(bytes: &mut [u8], offset: u64, values: &[f32]) {
+pub(super) fn write_f32s(bytes: &mut [u8], offset: u64, values: &[f32]) {
     let b = &mut bytes[offset as usize..offset as usize + 4 * values.len()];
     for (c, v) in b.chunks_exact_mut(4).zip(values) {
         c.copy_from_slice(&v.to_le_bytes());
@@ -163,7 +163,11 @@ pub(super) fn load_states(
     slot: u32,
     states: &mut States,
 ) {
-    let base = geo.slot_offset(slot);
+    load_states_at(bytes, geo.slot_offset(slot), layout, states);
+}
+
+/// [`load_states`] from the slot at byte `base`.
+pub(super) fn load_states_at(bytes: &[u8], base: u64, layout: &SlotLayout, states: &mut States) {
     for (l, s) in states.iter_mut().enumerate() {
         let (conv, temporal) = s.split_at_mut(RC);
         read_f32s(bytes, base + layout.conv(l as u32).unwrap().start, conv);
@@ -183,7 +187,11 @@ pub(super) fn store_states(
     slot: u32,
     states: &States,
 ) {
-    let base = geo.slot_offset(slot);
+    store_states_at(bytes, geo.slot_offset(slot), layout, states);
+}
+
+/// [`store_states`] into the slot at byte `base`.
+pub(super) fn store_states_at(bytes: &mut [u8], base: u64, layout: &SlotLayout, states: &States) {
     for (l, s) in states.iter().enumerate() {
         let (conv, temporal) = s.split_at(RC);
         write_f32s(bytes, base + layout.conv(l as u32).unwrap().start, conv);

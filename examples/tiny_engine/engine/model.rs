@@ -426,22 +426,15 @@ pub fn forward(
                         out,
                     },
                 ) => {
-                    let state = &mut states[*r as usize];
-                    let (prev, temporal) = state.split_at_mut(RC);
                     let mut u = [0.0f32; RC];
                     input.apply(&h, &mut u);
                     let mut y = [0.0f32; RC];
-                    for c in 0..RC {
-                        let conv_out = (conv[0][c] * u[c] + conv[1][c] * prev[c]).tanh();
-                        prev[c] = u[c];
-                        let mut acc = 0.0f32;
-                        for s in 0..RS {
-                            let e = c * RS + s;
-                            temporal[e] = decay[e] * temporal[e] + gain[e] * conv_out;
-                            acc += readout[e] * temporal[e];
-                        }
-                        y[c] = acc;
-                    }
+                    recur(
+                        (conv, decay, gain),
+                        &mut states[*r as usize],
+                        &u,
+                        |c, e, t| y[c] += readout[e] * t,
+                    );
                     out.apply(&y, &mut delta);
                 }
                 _ => unreachable!("the weights follow the layer kinds"),
@@ -456,6 +449,62 @@ pub fn forward(
     let mut logits = vec![0.0f32; VOCAB];
     w.unembed.apply(&h, &mut logits);
     logits
+}
+
+/// One position's update of a recurrent layer's `state` (conv, then temporal) from the
+/// conv's input `u`, calling `each(c, e, temporal[e])` after each element's update (the
+/// forward's readout). The one place the recurrence's arithmetic lives, so a replay of
+/// logged inputs ([`Weights::advance`]) reaches the forward's state bit for bit.
+fn recur(
+    (conv, decay, gain): (&[Vec<f32>; 2], &[f32], &[f32]),
+    state: &mut [f32],
+    u: &[f32],
+    mut each: impl FnMut(usize, usize, f32),
+) {
+    let (prev, temporal) = state.split_at_mut(RC);
+    for c in 0..RC {
+        let conv_out = (conv[0][c] * u[c] + conv[1][c] * prev[c]).tanh();
+        prev[c] = u[c];
+        for s in 0..RS {
+            let e = c * RS + s;
+            temporal[e] = decay[e] * temporal[e] + gain[e] * conv_out;
+            each(c, e, temporal[e]);
+        }
+    }
+}
+
+impl Weights {
+    /// Advances `states` by one position from its logged inputs: each recurrent layer's
+    /// conv input, `RC` floats per layer in layer order (what the conv state holds after
+    /// the position: [`log_of`]). The replay rollback's kernel.
+    pub fn advance(&self, states: &mut States, inputs: &[f32]) {
+        for (kind, lw) in self.kinds.iter().zip(&self.layers) {
+            if let (
+                LayerKind::Recurrent(r),
+                LayerWeights::Recurrent {
+                    conv, decay, gain, ..
+                },
+            ) = (kind, lw)
+            {
+                let r = *r as usize;
+                recur(
+                    (conv, decay, gain),
+                    &mut states[r],
+                    &inputs[r * RC..(r + 1) * RC],
+                    |_, _, _| {},
+                );
+            }
+        }
+    }
+}
+
+/// The log entry of a position: each recurrent layer's conv input there, which its conv
+/// state holds right after it, in layer order.
+pub fn log_of(states: &States) -> Vec<f32> {
+    states
+        .iter()
+        .flat_map(|s| s[..RC].iter().copied())
+        .collect()
 }
 
 /// Greedy sampling: the first index of the largest logit.

@@ -25,10 +25,13 @@
 //! state, bit for bit, with a contiguous recompute of its prefix, as the plain serving
 //! loop does ([`SpecStats::served`]); with reuse off nothing is cached.
 
-use super::buffer::{BufferKv, IdKv, load_states, step_table, store_states};
+use super::buffer::{
+    BufferKv, IdKv, load_states, load_states_at, read_f32s, step_table, store_states,
+    store_states_at, write_f32s,
+};
 use super::check::check_resumed_state;
 use super::config::{Fault, Reuse, RunConfig};
-use super::model::{Rng, States, WINDOW, Weights, argmax, forward, zero_states};
+use super::model::{RC, Rng, States, WINDOW, Weights, argmax, forward, log_of, zero_states};
 
 use super::serve::{RunStats, check_reuse, memory_bytes};
 use super::workload::{Job, Output, Workload, arrive, checkpoint_grid, workload};
@@ -38,8 +41,9 @@ use std::time::{Duration, Instant};
 use unikv::kernels::{CpuDevice, Device, HostSync, Readback, TableId};
 use unikv::mamba::{MambaSpec, SlotLayout};
 use unikv::{
-    Accepted, DeviceValues, Draft, Error, HybridCache, KvGeometry, Request, Speculation,
-    StepMetadata, TokenId, VerifyLayout, VerifyMetadata, VerifyOffsets,
+    Accepted, DeviceValues, Draft, Error, HybridCache, KvGeometry, ReplayContext, Request,
+    Speculation, StateCommit, StateReplay, StepMetadata, TokenId, VerifyLayout, VerifyMetadata,
+    VerifyOffsets,
 };
 
 /// The draft tree of [`Drafting::Tree`] (parents in row order, an EAGLE-2-style top-k
@@ -71,6 +75,17 @@ pub enum Counts {
     Late,
 }
 
+/// How a verified recurrent state rolls back to its accepted position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rollback {
+    /// The verify writes the state after each position into its scratch lane; settling
+    /// copies the accepted one (the cache's default).
+    Copy,
+    /// The verify logs each position's recurrence inputs; settling replays the accepted
+    /// ones from the running state ([`TinyReplay`], registered with the cache).
+    Replay,
+}
+
 /// How the engine speculates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SpecMode {
@@ -78,6 +93,8 @@ pub struct SpecMode {
     pub drafting: Drafting,
     /// When counts arrive.
     pub counts: Counts,
+    /// How recurrent state rolls back (no effect without recurrent layers).
+    pub rollback: Rollback,
 }
 
 impl SpecMode {
@@ -111,7 +128,11 @@ impl SpecMode {
             Counts::Timely => "timely",
             Counts::Late => "late",
         };
-        format!("{d} {c}")
+        let r = match self.rollback {
+            Rollback::Copy => "",
+            Rollback::Replay => " replay",
+        };
+        format!("{d} {c}{r}")
     }
 }
 
@@ -193,6 +214,57 @@ struct Models<'a> {
     draft: &'a Weights,
     geo: KvGeometry,
     slots: Option<SlotLayout>,
+    /// Whether verifies log inputs (replay rollback) rather than write states.
+    replay: bool,
+}
+
+/// The replay rollback's kernel on the CPU backend: each commit's running state,
+/// advanced over the accepted positions' logged inputs ([`Weights::advance`], the
+/// forward's own recurrence), saved into each checkpoint on the way and into the
+/// running slot at the end.
+#[derive(Debug)]
+pub struct TinyReplay {
+    cpu: Arc<CpuDevice>,
+    target: Weights,
+    layout: SlotLayout,
+}
+
+impl TinyReplay {
+    /// Bytes one position's log takes: each recurrent layer's conv input, `f32`.
+    fn log_bytes(layout: &SlotLayout) -> u64 {
+        u64::from(layout.layers()) * RC as u64 * 4
+    }
+}
+
+impl StateReplay for TinyReplay {
+    fn log_bytes_per_position(&self) -> u64 {
+        TinyReplay::log_bytes(&self.layout)
+    }
+
+    fn replay(
+        &self,
+        ctx: &ReplayContext<'_>,
+        commits: &[StateCommit<'_>],
+    ) -> Result<(), unikv::kernels::Error> {
+        let layers = self.layout.layers() as usize;
+        self.cpu.run_kernel(ctx.buffer, |bytes| {
+            let mut states = zero_states(&self.target);
+            let mut log = vec![0.0f32; layers * RC];
+            for c in commits {
+                load_states_at(bytes, ctx.slot_offset(c.running), &self.layout, &mut states);
+                for (n, &entry) in c.entries.iter().enumerate() {
+                    read_f32s(bytes, ctx.entry_offset(entry), &mut log);
+                    self.target.advance(&mut states, &log);
+                    for &(at, slot) in c.checkpoints {
+                        if at as usize == n + 1 {
+                            store_states_at(bytes, ctx.slot_offset(slot), &self.layout, &states);
+                        }
+                    }
+                }
+                store_states_at(bytes, ctx.slot_offset(c.running), &self.layout, &states);
+            }
+        })
+    }
 }
 
 /// Serves `cfg`'s workload through unikv, speculatively, with `cfg.reuse` and
@@ -220,17 +292,27 @@ pub fn serve_speculative(cfg: &RunConfig, mode: SpecMode) -> Result<(Vec<Job>, S
         .layout(cfg.layout)
         .speculation(speculation)
         .device(cpu.clone());
+    let slots = MambaSpec::new(spec.mamba_layers, spec.recurrent)
+        .slot_layout()
+        .ok();
     if cfg.model.is_recurrent() {
         builder = builder.checkpoint_interval(checkpoint_grid(cfg.page_size));
+    }
+    let replay = mode.rollback == Rollback::Replay && cfg.model.is_recurrent();
+    if let (true, Some(layout)) = (replay, slots) {
+        builder = builder.state_replay(Arc::new(TinyReplay {
+            cpu: cpu.clone(),
+            target: weights.clone(),
+            layout,
+        }));
     }
     let mut cache = builder.build()?;
     let models = Models {
         target: &weights,
         draft: &draft,
         geo: cache.kv_geometry(),
-        slots: MambaSpec::new(spec.mamba_layers, spec.recurrent)
-            .slot_layout()
-            .ok(),
+        slots,
+        replay,
     };
     let buffer = cache.allocator().buffer();
     // The accept kernel's outputs: per batch position the accepted count, one past the
@@ -410,7 +492,12 @@ pub fn serve_speculative(cfg: &RunConfig, mode: SpecMode) -> Result<(Vec<Job>, S
                         before: &before[m],
                     };
                     let root = r.pending.expect("a verifier has a next token");
-                    verified.push(verify_forward(&models, bytes, &ids, &parents, root));
+                    // Under replay rollback the earlier unsettled verify is not committed:
+                    // its accepted path (a device value) is replayed first.
+                    let earlier = r.unsettled.back().map(|v| &v.path[..]);
+                    verified.push(verify_forward(
+                        &models, bytes, &ids, &parents, root, earlier,
+                    ));
                 }
             }
         })?;
@@ -724,6 +811,7 @@ fn verify_forward(
     ids: &NodeIds<'_>,
     parents: &[i32],
     root: TokenId,
+    earlier: Option<&[u32]>,
 ) -> (Verified, TokenId, Vec<Vec<f32>>) {
     let start = ids.before.0.len();
     let nodes = parents.len();
@@ -758,11 +846,26 @@ fn verify_forward(
     // The target: every node from its parent's state.
     let l = ids.l;
     let slot_of = |n: usize| ids.out[l.state_out + ids.m * l.width + n] as u32;
+    // A log entry's byte offset: its slot's, plus its index × the entry's bytes.
+    let s = l.slots_per_request;
+    let entry_at = |slot: u32, index: i32, layout: &SlotLayout| {
+        models.geo.slot_offset(slot) + index as u64 * TinyReplay::log_bytes(layout)
+    };
     let mut input = zero_states(models.target);
     if let Some(layout) = &models.slots {
         let slot = ids.out[l.state_in + ids.m] as u32;
         assert!(slot > 0, "the verify's input state translated to the sink");
         load_states(bytes, &models.geo, layout, slot, &mut input);
+        if let (true, Some(path)) = (models.replay, earlier) {
+            let mut log = vec![0.0f32; layout.layers() as usize * RC];
+            for &node in path {
+                let n = node as usize;
+                let slot = ids.out[l.prev_out + ids.m * l.width + n] as u32;
+                let index = ids.inputs[l.entries + ids.m * s + 1 + n];
+                read_f32s(bytes, entry_at(slot, index, layout), &mut log);
+                models.target.advance(&mut input, &log);
+            }
+        }
     }
     let mut states: Vec<States> = Vec::with_capacity(nodes);
     let mut logits: Vec<Vec<f32>> = Vec::with_capacity(nodes);
@@ -788,7 +891,13 @@ fn verify_forward(
             |_, _| {},
         ));
         if let Some(layout) = &models.slots {
-            store_states(bytes, &models.geo, layout, slot_of(n), &s);
+            if models.replay {
+                let index = ids.inputs
+                    [l.entries + ids.m * l.slots_per_request + l.slots_per_request - l.width + n];
+                write_f32s(bytes, entry_at(slot_of(n), index, layout), &log_of(&s));
+            } else {
+                store_states(bytes, &models.geo, layout, slot_of(n), &s);
+            }
         }
         states.push(s);
     }
