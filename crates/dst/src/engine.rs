@@ -156,6 +156,9 @@ impl Sim {
         if let Some(spec) = sc.speculation {
             builder = builder.speculation(spec);
         }
+        if let Some(replay) = sc.state_replay() {
+            builder = builder.state_replay(replay);
+        }
         if sc.model.has_recurrent_state() {
             let ps = sc.page_size;
             builder = builder

@@ -235,7 +235,7 @@ pub fn run_command(
             .and_then(|()| {
                 writeln!(
                     out,
-                    "sim: speculative: {} verify steps ({} requests verified, {} draft trees; {} verify metadata built and translated, {} translated ids checked, {} compactions, {} faults in those calls), {} settled ({} a step late; {} checkpoints they saved checked), {} tokens accepted, {} aborts, {} retractions and {} finishes mid-verify, {} wrong calls refused, {} settlements struck by a fault after taking effect",
+                    "sim: speculative: {} verify steps ({} requests verified, {} draft trees; {} verify metadata built and translated, {} translated ids checked, {} compactions, {} faults in those calls), {} settled ({} a step late, {} by replay; {} checkpoints they saved checked, {} of them replayed), {} tokens accepted, {} aborts, {} retractions and {} finishes mid-verify, {} wrong calls refused, {} settlements struck by a fault after taking effect",
                     total.verify_steps,
                     total.verifies,
                     total.tree_verifies,
@@ -245,7 +245,9 @@ pub fn run_command(
                     total.verify_call_faults,
                     total.settles,
                     total.late_settles,
+                    total.replay_settles,
                     total.settled_checkpoints_checked,
+                    total.replayed_checkpoints_checked,
                     total.accepted_tokens,
                     total.mid_verify_aborts,
                     total.mid_verify_retractions,
@@ -386,6 +388,8 @@ mod tests {
             ("draft trees", total.tree_verifies),
             ("chains", total.verifies - total.tree_verifies),
             ("late settles", total.late_settles),
+            ("settles by replay", total.replay_settles),
+            ("settles by copy", total.settles - total.replay_settles),
             ("settles on time", total.settles - total.late_settles),
             ("accepted tokens", total.accepted_tokens),
             (

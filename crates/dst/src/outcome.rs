@@ -35,6 +35,11 @@ pub struct Outcome {
     /// Of those, settled a step late: with a later verify of the request already
     /// allocated.
     pub late_settles: u64,
+    /// Of the settled steps, those rolled back by the engine's replay of logged inputs
+    /// (the rest copied the accepted state).
+    pub replay_settles: u64,
+    /// Of the checkpoints settlements saved, those a replay wrote.
+    pub replayed_checkpoints_checked: u64,
     /// Tokens accepted by the settled steps.
     pub accepted_tokens: u64,
     /// Requests aborted with a verify step in flight.
@@ -82,6 +87,8 @@ impl Outcome {
         self.tree_verifies += o.tree_verifies;
         self.settles += o.settles;
         self.late_settles += o.late_settles;
+        self.replay_settles += o.replay_settles;
+        self.replayed_checkpoints_checked += o.replayed_checkpoints_checked;
         self.accepted_tokens += o.accepted_tokens;
         self.mid_verify_aborts += o.mid_verify_aborts;
         self.mid_verify_retractions += o.mid_verify_retractions;

@@ -33,6 +33,9 @@ pub struct Scenario {
     pub speculation: Option<Speculation>,
     /// Whether verify steps may draft trees (parent arrays) as well as chains.
     pub draft_trees: bool,
+    /// For half the speculative seeds of a recurrent model: the replay rollback, with
+    /// this many log entries to a state slot ([`DstReplay`]); else the copy rollback.
+    pub replay: Option<u32>,
 }
 
 /// The named models with their KV rows and recurrent state scaled down (head dims / 32,
@@ -88,6 +91,11 @@ impl Scenario {
             }
         });
         let draft_trees = speculation.is_some() && spec_rng.below(3) != 0;
+        // Half the speculative seeds of a recurrent model roll back by replay, with 1, 2, 4
+        // or 8 log entries to a state slot (a lane of one slot, several, or shared).
+        let replay =
+            (speculation.is_some() && model.has_recurrent_state() && spec_rng.below(2) == 0)
+                .then(|| [1u32, 2, 4, 8][spec_rng.below(4) as usize]);
         let page_size = [1, 1, 2, 3, 4, 8, 16, 64][rng.below(8) as usize];
         let layout = if rng.below(2) == 0 {
             Layout::Unified
@@ -97,13 +105,14 @@ impl Scenario {
             }
         };
         // The batch-size-1 floor.
-        let floor = buildable(model, layout, page_size, speculation, 1);
+        let floor = buildable(model, layout, page_size, speculation, replay, 1);
         // From the floor (every admission a struggle) to a few times it.
         let memory_bytes = buildable(
             model,
             layout,
             page_size,
             speculation,
+            replay,
             floor + floor * rng.below(64) / 16,
         );
         Scenario {
@@ -118,7 +127,75 @@ impl Scenario {
             checkpoints_per_step: 1 + (seed / 3 % u64::from(MAX_CHECKPOINTS_PER_STEP)) as u32,
             speculation,
             draft_trees,
+            replay,
         }
+    }
+
+    /// The replay rollback this seed's cache registers, if it rolls back by replay.
+    pub fn state_replay(&self) -> Option<std::sync::Arc<DstReplay>> {
+        state_replay(self.model, self.replay)
+    }
+}
+
+/// The replay rollback for `model` with `entries` log entries to a state slot.
+fn state_replay(model: ModelSpec, entries: Option<u32>) -> Option<std::sync::Arc<DstReplay>> {
+    let slot_bytes = model.slot_pool().ok()?.bytes_per_slot;
+    entries
+        .filter(|&p| slot_bytes % u64::from(p) == 0)
+        .map(|p| {
+            std::sync::Arc::new(DstReplay {
+                log_bytes: slot_bytes / u64::from(p),
+                slot_bytes,
+            })
+        })
+}
+
+/// The simulator's replay kernel. Its "recurrence" is the stamps': the state after a
+/// position is the stamp of the prefix hash there, which the verify logs as the
+/// position's entry (`log_bytes` bytes of it). Replaying `n` entries therefore writes the
+/// stamp of entry `n − 1` over the whole slot — copied out of the entry with device
+/// moves, so a replay sees what the verify logged where the metadata said, in stream
+/// order, and a fault injected into it refuses the settlement whole.
+#[derive(Debug)]
+pub struct DstReplay {
+    /// Bytes of one log entry (a divisor of the slot's).
+    pub log_bytes: u64,
+    /// Bytes of one state slot.
+    pub slot_bytes: u64,
+}
+
+impl unikv::StateReplay for DstReplay {
+    fn log_bytes_per_position(&self) -> u64 {
+        self.log_bytes
+    }
+
+    fn replay(
+        &self,
+        ctx: &unikv::ReplayContext<'_>,
+        commits: &[unikv::StateCommit<'_>],
+    ) -> Result<(), unikv::kernels::Error> {
+        let mut moves = Vec::new();
+        for c in commits {
+            let ends = std::iter::once((c.entries.len() as u32, c.running))
+                .chain(c.checkpoints.iter().copied());
+            for (n, slot) in ends {
+                let Some(&entry) = (n as usize).checked_sub(1).and_then(|i| c.entries.get(i))
+                else {
+                    continue;
+                };
+                for k in 0..self.slot_bytes / self.log_bytes {
+                    moves.push(unikv::kernels::SpanMove {
+                        src: ctx.entry_offset(entry),
+                        dst: ctx.slot_offset(slot) + k * self.log_bytes,
+                        len: self.log_bytes,
+                    });
+                }
+            }
+        }
+        if moves.is_empty() {
+            return Ok(());
+        }
+        ctx.device.move_spans(ctx.buffer, &moves)
     }
 }
 
@@ -131,6 +208,7 @@ fn buildable(
     layout: Layout,
     page_size: u32,
     speculation: Option<Speculation>,
+    replay: Option<u32>,
     bytes: u64,
 ) -> u64 {
     let mut bytes = bytes.max(1);
@@ -142,6 +220,9 @@ fn buildable(
             .memory_bytes(bytes);
         if let Some(spec) = speculation {
             builder = builder.speculation(spec);
+        }
+        if let Some(replay) = state_replay(model, replay) {
+            builder = builder.state_replay(replay);
         }
         let built = builder.build();
         match built {

@@ -210,7 +210,43 @@ impl Sim {
                 }
             }
         }
-        if let Some(v) = r.verifies.back() {
+        if let (Some(v), Some(replay)) = (r.verifies.back(), self.sc.state_replay()) {
+            // Replay rollback: the running slot holds the settled state (a verify writes
+            // none; each settlement commits), and the newest forward's lane its log
+            // entries.
+            if let Some(slot) = r.req.state_slot() {
+                let span = self.slot_span(slot)?;
+                let settled = r.req.settled_len();
+                let want = if settled == 0 {
+                    0
+                } else {
+                    state_stamp(hash_at(&hashes, settled))
+                };
+                self.out.stamps_checked += 1;
+                if !Self::check_span(bytes, span, want) {
+                    return Err(self.fail(format!(
+                        "{when}: request {}'s running slot lost its settled state mid-verify",
+                        r.req.id()
+                    )));
+                }
+            }
+            for (j, (&(slot, index), &want)) in
+                v.log_entries.iter().zip(&v.group_stamps).enumerate()
+            {
+                let slot_span = self.slot_span(slot)?;
+                let span = ByteSpan {
+                    offset: slot_span.offset + index * replay.log_bytes,
+                    len: replay.log_bytes,
+                };
+                self.out.stamps_checked += 1;
+                if !Self::check_span(bytes, span, want) {
+                    return Err(self.fail(format!(
+                        "{when}: request {}'s log entry {j} lost what its verify wrote",
+                        r.req.id()
+                    )));
+                }
+            }
+        } else if let Some(v) = r.verifies.back() {
             // Mid-verify the newest forward's scratch group holds the state after each of
             // its nodes (the cache may hold a newer verify whose forward has not run: the
             // groups line up oldest first).

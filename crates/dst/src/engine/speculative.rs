@@ -34,8 +34,12 @@ pub(super) struct InFlight {
     /// A tree's accepted root-to-node path.
     path: Option<Vec<u32>>,
     /// The state stamp the forward wrote into each slot of the group (position `i`
-    /// into slot `i`), on a recurrent model.
+    /// into slot `i`), or into each log entry under the replay rollback, on a recurrent
+    /// model.
     pub(super) group_stamps: Vec<u8>,
+    /// Under the replay rollback, where each position's log entry is: its lane's slot
+    /// (virtual: compaction moves it) and the entry's index there.
+    pub(super) log_entries: Vec<(unikv::pools::VirtualSlot, u64)>,
     /// Between the forward and the compaction of the accepted nodes.
     pub(super) uncompacted: Option<Uncompacted>,
 }
@@ -272,11 +276,16 @@ impl Sim {
             )
             .map_err(|e| self.fail(format!("reading the verify ids: {e}")))?;
         let widths: Vec<usize> = shapes.iter().map(|(width, _)| *width).collect();
-        self.check_verify_ids(&l, &out, batch, &widths, &offsets[b..])?;
+        let inputs = meta.inputs().to_vec();
+        match self.sc.replay {
+            None => self.check_verify_ids(&l, &out, batch, &widths, &offsets[b..])?,
+            Some(_) => self.check_log_ids(&l, &inputs, &out, batch, &widths)?,
+        }
         let mut paths = vec![-1i32; b * w];
         for (m, (&i, (width, parents))) in batch.iter().zip(shapes).enumerate() {
             let ids = Translated {
                 l: &l,
+                inputs: &inputs,
                 out: &out,
                 m,
             };
@@ -450,6 +459,74 @@ impl Sim {
         }
     }
 
+    /// The translated state ids under the replay rollback: each request's input is its
+    /// running slot; each position's entry of its newest lane is the physical slot of
+    /// the entry's slot in the inputs (a slot of the lane's block), the earlier lane's
+    /// likewise; no two positions of the batch log into the same entry, and no entry lies
+    /// in a running slot.
+    fn check_log_ids(
+        &mut self,
+        l: &VerifyLayout,
+        inputs: &[i32],
+        out: &[i32],
+        batch: &[usize],
+        widths: &[usize],
+    ) -> Result<(), Failure> {
+        let (w, s) = (l.width, l.slots_per_request);
+        let alloc = self.cache.allocator();
+        let physical = |v: i32| {
+            alloc
+                .physical_slot(unikv::pools::VirtualSlot(v as u32))
+                .map_or(-1, |p| p as i32)
+        };
+        let mut failures: Vec<String> = Vec::new();
+        let mut entries = std::collections::HashSet::new();
+        let mut running = std::collections::HashSet::new();
+        for (m, &i) in batch.iter().enumerate() {
+            let r = &self.running[i];
+            let id = r.req.id();
+            let want_in = r.req.state_slot().and_then(|v| alloc.physical_slot(v));
+            if want_in.map(|p| p as i32) != Some(out[l.state_in + m]) {
+                failures.push(format!(
+                    "request {id}'s input state is {}, not its running slot {want_in:?}",
+                    out[l.state_in + m]
+                ));
+            }
+            running.insert(out[l.state_in + m]);
+            let lane = r.req.state_group();
+            for j in 0..widths[m] {
+                let at = m * s + s - w + j;
+                let (slot, index) = (out[l.state_out + m * w + j], inputs[l.entries + at]);
+                if slot != physical(inputs[l.slots + at])
+                    || !lane.iter().any(|v| v.0 as i32 == inputs[l.slots + at])
+                {
+                    failures.push(format!("request {id}'s log entry {j} is in slot {slot}"));
+                }
+                if !entries.insert((slot, index)) {
+                    failures.push(format!(
+                        "request {id}'s log entry {j} ({slot}, {index}) is another position's"
+                    ));
+                }
+            }
+            if r.verifies.len() > 1 && l.prev_out < l.outputs_len {
+                for j in 0..w {
+                    let at = m * s + 1 + j;
+                    if out[l.prev_out + m * w + j] != physical(inputs[l.slots + at]) {
+                        failures.push(format!("request {id}'s earlier log entry {j}"));
+                    }
+                }
+            }
+            self.out.verify_ids_checked += 1 + widths[m] as u64;
+        }
+        if let Some(&(slot, _)) = entries.iter().find(|(slot, _)| running.contains(slot)) {
+            failures.push(format!("a log entry lies in running slot {slot}"));
+        }
+        match failures.first() {
+            Some(f) => Err(self.fail(format!("translate_verify: {f} ({} such)", failures.len()))),
+            None => Ok(()),
+        }
+    }
+
     /// The device's forward of the batch's `m`-th request (`running[i]`'s newest verify
     /// step, `width` positions, a tree's `parents`), at the ids `translate_verify` wrote
     /// into `out`: it reads the input state (checked: the state after what the device
@@ -465,7 +542,7 @@ impl Sim {
         parents: Option<Vec<i32>>,
         last_node: i32,
     ) -> Result<Vec<i32>, Failure> {
-        let Translated { l, out, m } = ids;
+        let Translated { l, inputs, out, m } = ids;
         let nodes = self.fresh_tokens(width);
         let r = &self.running[i];
         let known = r.device_tokens();
@@ -500,7 +577,76 @@ impl Sim {
             }
         }
         let mut group_stamps = Vec::new();
-        if l.slots_per_request > 0 {
+        let mut log_entries = Vec::new();
+        if let (true, Some(replay)) = (l.slots_per_request > 0, self.sc.state_replay()) {
+            // Replay rollback: the running state is the settled one, and an earlier
+            // unsettled verify's entry at its last accepted node is replayed from it.
+            let s = l.slots_per_request;
+            let settled = r.req.settled_len();
+            let running = if settled == 0 {
+                0
+            } else {
+                state_stamp(hash_at(&known_hashes, settled))
+            };
+            let mut reads = vec![(
+                ByteSpan {
+                    offset: self.geometry.slot_offset(out[l.state_in + m] as u32),
+                    len: self.geometry.slot_bytes,
+                },
+                running,
+                "its running slot".to_string(),
+            )];
+            if let Some(earlier) = r.verifies.back() {
+                let n = (last_node as usize).wrapping_sub(1);
+                let want = earlier
+                    .group_stamps
+                    .get(n)
+                    .copied()
+                    .ok_or_else(|| self.fail(format!("a last accepted node {last_node}")))?;
+                let slot = out[l.prev_out + m * w + n] as u32;
+                let index = inputs[l.entries + m * s + 1 + n] as u64;
+                reads.push((
+                    ByteSpan {
+                        offset: self.geometry.slot_offset(slot) + index * replay.log_bytes,
+                        len: replay.log_bytes,
+                    },
+                    want,
+                    format!("the earlier verify's log entry {n}"),
+                ));
+            }
+            for (span, want, what) in reads {
+                let got = self
+                    .dev
+                    .read_bytes(
+                        &HostSync::acquire("dst: the verify forward reads its input state"),
+                        buffer,
+                        span.offset,
+                        span.len,
+                    )
+                    .map_err(|e| self.fail(format!("reading the input state: {e}")))?;
+                self.out.stamps_checked += 1;
+                if !got.iter().all(|&b| b == want) {
+                    return Err(self.fail(format!(
+                        "request {}'s verify reads the state {} from {what}, not {want}",
+                        r.req.id(),
+                        got.first().copied().unwrap_or(0)
+                    )));
+                }
+            }
+            for (j, &h) in hashes.iter().enumerate() {
+                group_stamps.push(state_stamp(h));
+                let slot = out[l.state_out + m * w + j] as u32;
+                let index = inputs[l.entries + m * s + s - w + j] as u64;
+                let virtual_slot =
+                    unikv::pools::VirtualSlot(inputs[l.slots + m * s + s - w + j] as u32);
+                log_entries.push((virtual_slot, index));
+                let span = ByteSpan {
+                    offset: self.geometry.slot_offset(slot) + index * replay.log_bytes,
+                    len: replay.log_bytes,
+                };
+                fills.push((vec![span], state_stamp(h)));
+            }
+        } else if l.slots_per_request > 0 {
             // The state the forward starts from: the running one, or the earlier
             // verify's at its last accepted node.
             let want = match r.verifies.back() {
@@ -584,6 +730,7 @@ impl Sim {
             accepted: Vec::new(),
             path: tree_path,
             group_stamps,
+            log_entries,
             uncompacted: Some(Uncompacted { hashes, accepted }),
         });
         Ok(path.iter().map(|&n| n as i32).collect())
@@ -678,6 +825,7 @@ impl Sim {
             }
             self.out.settles += 1;
             self.out.late_settles += u64::from(late);
+            self.out.replay_settles += u64::from(self.sc.replay.is_some());
             self.out.accepted_tokens += a as u64;
         }
         self.check_settled_checkpoints(idx, &settled_before)?;
@@ -713,6 +861,7 @@ impl Sim {
             let span = self.slot_span(w.slot)?;
             self.out.stamps_checked += 1;
             self.out.settled_checkpoints_checked += 1;
+            self.out.replayed_checkpoints_checked += u64::from(self.sc.replay.is_some());
             if !Self::check_span(&bytes, span, want) {
                 let got = bytes[span.offset as usize];
                 return Err(self.fail(format!(
@@ -831,6 +980,8 @@ impl Sim {
 #[derive(Clone, Copy)]
 struct Translated<'a> {
     l: &'a VerifyLayout,
+    /// The inputs table's host image (the entries' indices).
+    inputs: &'a [i32],
     out: &'a [i32],
     m: usize,
 }
