@@ -18,6 +18,11 @@
 //! read. Settled rows before a verify are read at the kernel ids the cache's mirror
 //! holds for them (what the step metadata's FULL and SWA tables carry).
 //!
+//! Recurrent state rolls back by copy (the cache's default: a verify writes the state
+//! after each position into its scratch lane) or by replay ([`Rollback::Replay`]: a
+//! verify logs each position's conv inputs, and the cache hands [`TinyReplay`] the
+//! accepted ones to replay through [`Weights::advance`], the forward's own recurrence).
+//!
 //! With reuse on, prefill chunks and finished requests enter the prefix cache (a request
 //! may finish with a verify in flight), so a later request resumes from a state a
 //! speculative turn left: a checkpoint a settlement copied out of a verify's scratch
