@@ -260,6 +260,17 @@ impl HybridCache {
         &self.model
     }
 
+    /// How verify scratch lanes sit in state slots: `{"width": positions a lane holds,
+    /// "entries_per_slot": 1 under the copy rollback (an entry is a state)}`.
+    #[getter]
+    fn scratch_shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let shape = py.detach(|| self.lock().scratch_shape());
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("width", shape.width)?;
+        d.set_item("entries_per_slot", shape.entries_per_slot)?;
+        Ok(d)
+    }
+
     /// The layout: `"unified"` or `"static"`.
     #[getter]
     fn layout(&self, py: Python<'_>) -> &'static str {

@@ -53,6 +53,7 @@ def test_the_layout_and_the_running_state_slot_are_readable() -> None:
         model="qwen3-next-80b-a3b", memory="8GiB", page_size=16, layout="static"
     )
     assert cache.layout == "static"
+    assert cache.scratch_shape == {"width": 1, "entries_per_slot": 1}
     req = cache.admit(cache.match_prefix(list(range(32))))
     slot = req.state_slot
     assert slot is not None and slot > 0

@@ -317,6 +317,10 @@ class HybridCache:
     def layout(self) -> str:
         """``"unified"`` or ``"static"``."""
     @property
+    def scratch_shape(self) -> dict[str, int]:
+        """How verify scratch lanes sit in state slots: ``width`` and
+        ``entries_per_slot`` (1 under the copy rollback)."""
+    @property
     def page_size(self) -> int: ...
     @property
     def step(self) -> int: ...
