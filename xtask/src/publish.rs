@@ -64,6 +64,7 @@ pub fn publish_check(args: &[String]) -> Result<(), String> {
     let started = Instant::now();
     license_copies_match()?;
     package_lists()?;
+    forget_earlier_packages()?;
 
     eprintln!(
         "\n=== cargo publish --dry-run of every publishable crate (cargo's output follows when it ends; minutes from scratch)"
@@ -75,6 +76,7 @@ pub fn publish_check(args: &[String]) -> Result<(), String> {
         "--locked",
         "--allow-dirty",
     ])
+    .env("CARGO_TARGET_DIR", fresh_target()?.to_string_lossy())
     .run_reporting()?;
     let results = parse(&output);
 
@@ -159,6 +161,52 @@ pub fn publish_check(args: &[String]) -> Result<(), String> {
 }
 
 /// Each published crate's copies of the license texts are byte for byte the root's.
+/// An empty target directory for the dry run (`target/publish-check`): cargo takes the
+/// workspace's packaged crates for registry crates, which it never rebuilds at the same
+/// version, so a target directory an earlier run compiled them into would verify the
+/// facade against an earlier session's crates.
+fn fresh_target() -> Result<std::path::PathBuf, String> {
+    let dir = crate::cmd::root().join("target").join("publish-check");
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).map_err(|e| format!("removing {}: {e}", dir.display()))?;
+    }
+    Ok(dir)
+}
+
+/// Removes what an earlier dry run left of the workspace's own crates: cargo unpacks the
+/// packaged dependencies of a `--workspace` publish into `~/.cargo/registry/src` under a
+/// local registry of its own, and a second run at the same version would verify against
+/// those stale sources. On a fresh machine there is nothing to remove.
+fn forget_earlier_packages() -> Result<(), String> {
+    let home = std::env::var_os("CARGO_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cargo")));
+    let Some(home) = home else { return Ok(()) };
+    for kind in ["src", "cache"] {
+        let Ok(registries) = std::fs::read_dir(home.join("registry").join(kind)) else {
+            continue;
+        };
+        for registry in registries.flatten() {
+            for (name, _) in PUBLISHED {
+                for entry in [
+                    registry.path().join(format!("{name}-{}", env!("CARGO_PKG_VERSION"))),
+                    registry.path().join(format!("{name}-{}.crate", env!("CARGO_PKG_VERSION"))),
+                ] {
+                    let removed = if entry.is_dir() {
+                        std::fs::remove_dir_all(&entry)
+                    } else if entry.is_file() {
+                        std::fs::remove_file(&entry)
+                    } else {
+                        continue;
+                    };
+                    removed.map_err(|e| format!("removing {}: {e}", entry.display()))?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 fn license_copies_match() -> Result<(), String> {
     let root = root();
     for license in LICENSES {
