@@ -255,6 +255,22 @@ pub struct StateCommit<'a> {
     pub checkpoints: &'a [(u32, u32)],
 }
 
+impl StateCommit<'_> {
+    /// Each slot the replay writes, with the entry whose position its state is at: every
+    /// checkpoint's, then the running slot's (for a replay whose state after a position
+    /// depends on that position's entry alone, as the simulators' stand-ins).
+    pub fn saves(&self) -> impl Iterator<Item = (LogEntry, u32)> + '_ {
+        self.checkpoints
+            .iter()
+            .copied()
+            .chain(std::iter::once((self.entries.len() as u32, self.running)))
+            .filter_map(|(n, slot)| {
+                let entry = self.entries.get((n as usize).checked_sub(1)?)?;
+                Some((*entry, slot))
+            })
+    }
+}
+
 /// A [`StateReplay`] that moves nothing, for a cache whose device holds no bytes (the
 /// replay simulator's [`NullDevice`](unikv_kernels::NullDevice)): the accounting of
 /// replay rollback without data. The builder refuses it on a device with bytes, where it

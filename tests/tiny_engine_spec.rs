@@ -16,7 +16,7 @@ mod engine;
 
 use engine::{
     Counts, Drafting, Fault, Model, Output, Reuse, Rollback, RunConfig, SpecMode, Workload,
-    check_speculative_reuse, reference_outputs, serve_speculative,
+    check_speculative_reuse, reference_outputs, serve_speculative, spec_modes,
 };
 use unikv::Layout;
 
@@ -36,24 +36,7 @@ const LAYOUTS: [Layout; 2] = [
 /// and late, rolled back by copy and, on a model with recurrent layers, by the engine's
 /// replay of logged inputs.
 fn modes(model: Model) -> Vec<SpecMode> {
-    let rollbacks: &[Rollback] = if model.is_recurrent() {
-        &[Rollback::Copy, Rollback::Replay]
-    } else {
-        &[Rollback::Copy]
-    };
-    let mut modes = Vec::new();
-    for &rollback in rollbacks {
-        for drafting in [Drafting::Chain { k: 3 }, Drafting::Tree] {
-            for counts in [Counts::Timely, Counts::Late] {
-                modes.push(SpecMode {
-                    drafting,
-                    counts,
-                    rollback,
-                });
-            }
-        }
-    }
-    modes
+    spec_modes(3, model)
 }
 
 /// Serves [`Workload::TurnsAcrossGrid`] for `model` speculatively with reuse off and on,

@@ -62,7 +62,7 @@ pub use {
     serve::{RunStats, check_reuse, serve},
     speculative::{
         Counts, Drafting, Rollback, SpecMode, SpecStats, TREE, check_speculative_reuse,
-        serve_speculative,
+        serve_speculative, spec_modes,
     },
     workload::{Arrival, Job, Output, Workload, checkpoint_grid},
 };

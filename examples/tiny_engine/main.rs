@@ -29,9 +29,8 @@
 mod engine;
 
 use engine::{
-    Counts, Drafting, Fault, Job, Model, Reuse, Rollback, RunConfig, RunStats, SpecMode, SpecStats,
-    Workload, check_reuse, check_speculative_reuse, compare, reference_outputs, serve,
-    serve_speculative,
+    Fault, Job, Model, Reuse, RunConfig, RunStats, SpecMode, SpecStats, Workload, check_reuse,
+    check_speculative_reuse, compare, reference_outputs, serve, serve_speculative, spec_modes,
 };
 use std::time::Duration;
 use unikv::Layout;
@@ -108,12 +107,7 @@ fn speculative(k: usize) -> bool {
         for workload in [Workload::SharedPrefix, Workload::TurnsAcrossGrid] {
             for model in Model::ALL {
                 for layout in LAYOUTS {
-                    for (drafting, counts, rollback) in modes(k, model) {
-                        let mode = SpecMode {
-                            drafting,
-                            counts,
-                            rollback,
-                        };
+                    for mode in spec_modes(k, model) {
                         let cfg = RunConfig::scripted(ps, layout, model, workload, Reuse::Off);
                         let (off, off_stats) = serve_speculative_or_exit(&cfg, mode);
                         let on_cfg = RunConfig {
@@ -161,25 +155,6 @@ fn speculative(k: usize) -> bool {
         if all_identical { "yes" } else { "no" }
     );
     all_identical
-}
-
-/// The speculative modes for `model`: chains of `k` and the draft tree, counts on time
-/// and late, rolled back by copy and, on a model with recurrent layers, by replay.
-fn modes(k: usize, model: Model) -> Vec<(Drafting, Counts, Rollback)> {
-    let rollbacks: &[Rollback] = if model.is_recurrent() {
-        &[Rollback::Copy, Rollback::Replay]
-    } else {
-        &[Rollback::Copy]
-    };
-    let mut modes = Vec::new();
-    for &rollback in rollbacks {
-        for drafting in [Drafting::Chain { k }, Drafting::Tree] {
-            for counts in [Counts::Timely, Counts::Late] {
-                modes.push((drafting, counts, rollback));
-            }
-        }
-    }
-    modes
 }
 
 /// Serves `cfg` speculatively, or exits with status 1 when the cache refuses.

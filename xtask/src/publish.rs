@@ -189,8 +189,12 @@ fn forget_earlier_packages() -> Result<(), String> {
         for registry in registries.flatten() {
             for (name, _) in PUBLISHED {
                 for entry in [
-                    registry.path().join(format!("{name}-{}", env!("CARGO_PKG_VERSION"))),
-                    registry.path().join(format!("{name}-{}.crate", env!("CARGO_PKG_VERSION"))),
+                    registry
+                        .path()
+                        .join(format!("{name}-{}", env!("CARGO_PKG_VERSION"))),
+                    registry
+                        .path()
+                        .join(format!("{name}-{}.crate", env!("CARGO_PKG_VERSION"))),
                 ] {
                     let removed = if entry.is_dir() {
                         std::fs::remove_dir_all(&entry)

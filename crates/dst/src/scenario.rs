@@ -174,24 +174,19 @@ impl unikv::StateReplay for DstReplay {
         ctx: &unikv::ReplayContext<'_>,
         commits: &[unikv::StateCommit<'_>],
     ) -> Result<(), unikv::kernels::Error> {
-        let mut moves = Vec::new();
-        for c in commits {
-            let ends = std::iter::once((c.entries.len() as u32, c.running))
-                .chain(c.checkpoints.iter().copied());
-            for (n, slot) in ends {
-                let Some(&entry) = (n as usize).checked_sub(1).and_then(|i| c.entries.get(i))
-                else {
-                    continue;
-                };
-                for k in 0..self.slot_bytes / self.log_bytes {
-                    moves.push(unikv::kernels::SpanMove {
-                        src: ctx.entry_offset(entry),
-                        dst: ctx.slot_offset(slot) + k * self.log_bytes,
-                        len: self.log_bytes,
-                    });
-                }
-            }
-        }
+        // The entry copied over the whole slot, one entry-sized move at a time.
+        let copies = self.slot_bytes / self.log_bytes;
+        let moves: Vec<unikv::kernels::SpanMove> = commits
+            .iter()
+            .flat_map(|c| c.saves())
+            .flat_map(|(entry, slot)| {
+                (0..copies).map(move |k| unikv::kernels::SpanMove {
+                    src: ctx.entry_offset(entry),
+                    dst: ctx.slot_offset(slot) + k * self.log_bytes,
+                    len: self.log_bytes,
+                })
+            })
+            .collect();
         if moves.is_empty() {
             return Ok(());
         }

@@ -281,21 +281,15 @@ impl unikv::StateReplay for StandInReplay {
         ctx: &unikv::ReplayContext<'_>,
         commits: &[unikv::StateCommit<'_>],
     ) -> Result<(), unikv::kernels::Error> {
-        let mut moves = Vec::new();
-        for c in commits {
-            let ends = std::iter::once((c.entries.len() as u32, c.running))
-                .chain(c.checkpoints.iter().copied());
-            for (n, slot) in ends {
-                let Some(e) = (n as usize).checked_sub(1).and_then(|i| c.entries.get(i)) else {
-                    continue;
-                };
-                moves.push(unikv::kernels::SpanMove {
-                    src: ctx.entry_offset(*e),
-                    dst: ctx.slot_offset(slot),
-                    len: ctx.log_bytes,
-                });
-            }
-        }
+        let moves: Vec<unikv::kernels::SpanMove> = commits
+            .iter()
+            .flat_map(|c| c.saves())
+            .map(|(entry, slot)| unikv::kernels::SpanMove {
+                src: ctx.entry_offset(entry),
+                dst: ctx.slot_offset(slot),
+                len: ctx.log_bytes,
+            })
+            .collect();
         if moves.is_empty() {
             return Ok(());
         }

@@ -141,6 +141,29 @@ impl SpecMode {
     }
 }
 
+/// Every speculative mode for `model`: chains of `k` and the draft tree, counts on time
+/// and late, rolled back by copy and, on a model with recurrent layers, by replay.
+pub fn spec_modes(k: usize, model: super::model::Model) -> Vec<SpecMode> {
+    let rollbacks: &[Rollback] = if model.is_recurrent() {
+        &[Rollback::Copy, Rollback::Replay]
+    } else {
+        &[Rollback::Copy]
+    };
+    let mut modes = Vec::new();
+    for &rollback in rollbacks {
+        for drafting in [Drafting::Chain { k }, Drafting::Tree] {
+            for counts in [Counts::Timely, Counts::Late] {
+                modes.push(SpecMode {
+                    drafting,
+                    counts,
+                    rollback,
+                });
+            }
+        }
+    }
+    modes
+}
+
 /// What a speculative run went through.
 #[derive(Clone, Debug, Default)]
 pub struct SpecStats {

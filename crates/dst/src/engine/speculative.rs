@@ -614,24 +614,9 @@ impl Sim {
                     format!("the earlier verify's log entry {n}"),
                 ));
             }
+            let id = r.req.id();
             for (span, want, what) in reads {
-                let got = self
-                    .dev
-                    .read_bytes(
-                        &HostSync::acquire("dst: the verify forward reads its input state"),
-                        buffer,
-                        span.offset,
-                        span.len,
-                    )
-                    .map_err(|e| self.fail(format!("reading the input state: {e}")))?;
-                self.out.stamps_checked += 1;
-                if !got.iter().all(|&b| b == want) {
-                    return Err(self.fail(format!(
-                        "request {}'s verify reads the state {} from {what}, not {want}",
-                        r.req.id(),
-                        got.first().copied().unwrap_or(0)
-                    )));
-                }
+                self.check_input(id, span, want, &what)?;
             }
             for (j, &h) in hashes.iter().enumerate() {
                 group_stamps.push(state_stamp(h));
@@ -659,30 +644,8 @@ impl Sim {
                 None => state_stamp(hash_at(&known_hashes, r.state_len)),
             };
             let span = self.physical_slot_span(out[l.state_in + m] as u32);
-            let got = self
-                .dev
-                .read_bytes(
-                    &HostSync::acquire("dst: the verify forward reads its input state"),
-                    buffer,
-                    span.offset,
-                    span.len,
-                )
-                .map_err(|e| self.fail(format!("reading the input state: {e}")))?;
-            self.out.stamps_checked += 1;
-            if !Self::check_span(
-                &got,
-                ByteSpan {
-                    offset: 0,
-                    len: span.len,
-                },
-                want,
-            ) {
-                return Err(self.fail(format!(
-                    "request {}'s verify reads the state {} from its input slot, not {want}",
-                    r.req.id(),
-                    got.first().copied().unwrap_or(0)
-                )));
-            }
+            let id = r.req.id();
+            self.check_input(id, span, want, "its input slot")?;
             for (j, &h) in hashes.iter().enumerate() {
                 group_stamps.push(state_stamp(h));
                 let span = self.physical_slot_span(out[l.state_out + m * w + j] as u32);
@@ -734,6 +697,34 @@ impl Sim {
             uncompacted: Some(Uncompacted { hashes, accepted }),
         });
         Ok(path.iter().map(|&n| n as i32).collect())
+    }
+
+    /// Reads what a verify forward starts from — `span` of the buffer, `what` for the
+    /// message — and fails unless every byte is the stamp `want`.
+    fn check_input(
+        &mut self,
+        id: u64,
+        span: ByteSpan,
+        want: u8,
+        what: &str,
+    ) -> Result<(), Failure> {
+        let got = self
+            .dev
+            .read_bytes(
+                &HostSync::acquire("dst: the verify forward reads its input state"),
+                self.cache.allocator().buffer(),
+                span.offset,
+                span.len,
+            )
+            .map_err(|e| self.fail(format!("reading the input state: {e}")))?;
+        self.out.stamps_checked += 1;
+        if got.iter().all(|&b| b == want) {
+            return Ok(());
+        }
+        Err(self.fail(format!(
+            "request {id}'s verify reads the state {} from {what}, not {want}",
+            got.first().copied().unwrap_or(0)
+        )))
     }
 
     /// Settles the oldest verify step of each of `running[idx]` in one call, with a
