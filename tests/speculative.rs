@@ -1359,6 +1359,22 @@ fn the_step_boundary_keeps_the_declared_scratch_groups_and_frees_the_rest() {
                 3 * 2 * group,
                 "{label}: the batch's groups kept, the rest freed"
             );
+            // The kept groups serve the next verifies: no fresh slot, none of a freed one.
+            for _ in 0..2 {
+                let mut batch: Vec<&mut Request> = reqs.iter_mut().take(3).collect();
+                c.alloc_verify(&mut batch, &[Draft::Chain { k: K }; 3])
+                    .unwrap();
+            }
+            assert_eq!(
+                c.stats().verify_scratch_slots,
+                3 * 2 * group,
+                "{label}: the kept groups reused"
+            );
+            for _ in 0..2 {
+                let mut batch: Vec<&mut Request> = reqs.iter_mut().take(3).collect();
+                c.settle(&mut batch, &[Accepted::chain(&accepted); 3])
+                    .unwrap();
+            }
             for req in reqs {
                 c.release(req).unwrap();
             }
