@@ -353,9 +353,10 @@ impl HybridCache {
         plan: &CheckpointPlan,
     ) -> Result<(), Error> {
         let shape = self.verify_scratch.shape;
-        let physical = |slot: VirtualSlot| {
+        // A request's slots are bound while it lives; an unbound one is named with it.
+        let physical = |request: u64, slot: VirtualSlot| {
             self.alloc.physical_slot(slot).ok_or(Error::BadRequest {
-                request: u64::MAX,
+                request,
                 reason: format!("state slot {} is not mapped", slot.0),
             })
         };
@@ -371,17 +372,17 @@ impl HybridCache {
             for j in 0..acc.len() {
                 let (slot, index) = verify.lane.entry(shape, acc.node(j));
                 entries.push(LogEntry {
-                    slot: physical(slot)?,
+                    slot: physical(req.id, slot)?,
                     index,
                 });
             }
             let s0 = saves.len();
             for (at_len, slot) in plan.writes(i, &state.held) {
-                saves.push(((at_len - settled[i]) as u32, physical(slot)?));
+                saves.push(((at_len - settled[i]) as u32, physical(req.id, slot)?));
             }
             spans.push((
                 req.id,
-                physical(state.running)?,
+                physical(req.id, state.running)?,
                 e0..entries.len(),
                 s0..saves.len(),
             ));
