@@ -73,7 +73,7 @@ use unikv_pools::{
     VirtualToken as PoolToken,
 };
 use unikv_radix::{
-    InsertRequest, MambaSlot, RadixTree, StateCheckpoint, TokenId, Tokens,
+    InsertRequest, MambaSlot, RadixTree, StateCheckpoint, StateRole, TokenId, Tokens,
     VirtualToken as TreeToken,
 };
 
@@ -812,6 +812,7 @@ impl HybridCache {
                 at: Tokens(len),
                 slot: MambaSlot(state.running.0),
                 in_flight: true,
+                role: StateRole::Anchor,
             });
             cached_running = Some(state.running);
         }
@@ -852,6 +853,11 @@ impl HybridCache {
                     at: Tokens(w.at_len),
                     slot: MambaSlot(w.slot.0),
                     in_flight: step == self.step,
+                    role: if state.marks.anchors(w.at_len, self.ps) {
+                        StateRole::Anchor
+                    } else {
+                        StateRole::Grid
+                    },
                 })
                 .collect()
         })

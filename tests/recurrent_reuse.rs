@@ -8,6 +8,7 @@
 mod common;
 
 use common::{LAYOUTS, TINY_MAMBA, TINY_TRI, page_sizes};
+use unikv::radix::StateRole;
 use unikv::{HybridCache, Layout, ModelSpec, Request, TokenId};
 
 /// Tokens shared by the prompts (the seed load test's system prompt).
@@ -280,4 +281,54 @@ fn a_decode_checkpoint_never_costs_the_decode_its_memory() {
             assert_eq!(s.mamba.available_pages, s.mamba.total_pages, "{label}");
         }
     }
+}
+
+/// The states a request hands the tree carry their worth: the grid points inside its
+/// prompt are [`StateRole::Grid`] (Mamba eviction frees them first), its prompt's last
+/// whole page and every state beyond it (a decode's checkpoint, the state at its end)
+/// are anchors, where a next turn resumes.
+#[test]
+fn grid_states_inside_the_prompt_are_marked_and_the_prompt_end_and_beyond_are_anchors() {
+    each(|c, label, ps| {
+        let p = prompt(0, 100);
+        let prompt_page = p.len() / ps * ps;
+        let roles = |c: &HybridCache| -> Vec<(usize, StateRole)> {
+            let mut states: Vec<(usize, StateRole)> = c
+                .tree()
+                .nodes()
+                .iter()
+                .filter_map(|n| Some((n.start.get() + n.key.len(), n.mamba_role?)))
+                .collect();
+            states.sort_unstable_by_key(|s| s.0);
+            states
+        };
+        let mut a = start(c, p);
+        c.step_boundary().unwrap();
+        let after_prefill = roles(c);
+        assert_eq!(
+            after_prefill
+                .iter()
+                .filter(|s| s.1 == StateRole::Grid)
+                .count(),
+            1,
+            "{label}: {after_prefill:?}"
+        );
+        // Past the next grid point, then finished: its decode checkpoint is an anchor.
+        decode(c, &mut a, 160);
+        c.cache_finished(a).unwrap();
+        c.step_boundary().unwrap();
+        let states = roles(c);
+        assert!(
+            states.iter().any(|s| s.0 > prompt_page),
+            "{label}: {states:?}"
+        );
+        for &(at, role) in &states {
+            let expected = if at < prompt_page {
+                StateRole::Grid
+            } else {
+                StateRole::Anchor
+            };
+            assert_eq!(role, expected, "{label}: the state at {at} of {states:?}");
+        }
+    });
 }

@@ -902,6 +902,87 @@ fn recurrent_models_hit_shared_prompts_nearly_as_gpt_oss_does() {
     }
 }
 
+/// Speculation keeps a recurrent model's prefix hits: for Qwen3-Next, Nemotron-H and the
+/// tri-pool model, on multi-turn, shared-prefix and mamba-starvation, both layouts, the hit
+/// rate with `--spec 4`, `--spec-tree 4` and `--spec 4 --spec-late` is at least 95 % of
+/// the same run's without speculation, at the matrix cell's page size (1 or 256; 256
+/// outside the matrix; the cell of 16 skips). The replay runs without invariant checks,
+/// so the cells of the other levels would repeat it: it runs at `strict` (or unset).
+/// Known short: the tri-pool model's mamba-starvation in the static layout at page size
+/// 256 (≈ 0.74: its decode finishes the histories so soon that the static KV pools must
+/// cache the first wave's targets a running request held in the no-spec run), held at
+/// its current level so that a regression still fails.
+#[test]
+fn speculation_keeps_95_percent_of_the_recurrent_hit_rate() {
+    let ps = match std::env::var("UNIKV_TEST_PAGE_SIZE").ok().as_deref() {
+        None => "256",
+        Some(ps @ ("1" | "256")) => ps,
+        Some(_) => return,
+    }
+    .to_string();
+    if std::env::var("UNIKV_INVARIANT_CHECK").is_ok_and(|l| l != "strict") {
+        return;
+    }
+    let modes: [&[&str]; 3] = [
+        &["--spec", "4"],
+        &["--spec-tree", "4"],
+        &["--spec", "4", "--spec-late"],
+    ];
+    let models = ["qwen3-next-80b-a3b", "nemotron-h-8b", "synthetic-tri"];
+    let cells: Vec<(&str, &[&str])> = models
+        .iter()
+        .flat_map(|&m| modes.iter().map(move |&mode| (m, mode)))
+        .collect();
+    let docs: Vec<serde_json::Value> = std::thread::scope(|scope| {
+        let handles: Vec<_> = cells
+            .iter()
+            .map(|&(model, mode)| {
+                let ps = ps.clone();
+                scope.spawn(move || {
+                    let mut args = vec![
+                        "--model",
+                        model,
+                        "--workload",
+                        "multi-turn,shared-prefix,mamba-starvation",
+                        "--page-size",
+                        &ps,
+                        "--device",
+                        "none",
+                        "--invariants",
+                        "off",
+                    ];
+                    args.extend_from_slice(mode);
+                    replay_json(&args)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for ((model, mode), doc) in cells.iter().zip(&docs) {
+        for run in passing_runs(doc) {
+            let (workload, layout) = (
+                run["workload"].as_str().unwrap(),
+                run["layout"].as_str().unwrap(),
+            );
+            let hit = run["prefix_hit_rate"].as_f64().unwrap();
+            let base = run["speculative"]["baseline_prefix_hit_rate"]
+                .as_f64()
+                .unwrap();
+            let known_short = *model == "synthetic-tri"
+                && workload == "mamba-starvation"
+                && layout == "static"
+                && ps == "256";
+            let floor = if known_short { 0.70 } else { 0.95 };
+            assert!(
+                hit >= floor * base,
+                "{model} {mode:?} {workload} {layout} page size {ps}: hit rate {hit:.4} < {floor} x no-spec {base:.4} (recomputed {} vs {})",
+                run["recomputed_tokens"],
+                run["speculative"]["baseline_recomputed_tokens"]
+            );
+        }
+    }
+}
+
 /// A speculative replay's table (`--spec 4`, a small workload, `--no-timing`) is
 /// deterministic: the same rows as a plain one, and the speculative rows and their
 /// no-spec comparison.

@@ -143,6 +143,21 @@ pub struct PlanMarks {
     pub prompt_len: usize,
 }
 
+impl PlanMarks {
+    /// Whether the state at `at` tokens is worth more than a grid point inside the prompt
+    /// (for pages of `page_size` tokens): the branching point, or the prompt's last whole
+    /// page or beyond it (a decode's checkpoints, where a conversation's next turn
+    /// resumes). What later requests resume from, rather than the grid between.
+    pub const fn anchors(&self, at: usize, page_size: usize) -> bool {
+        let ps = if page_size == 0 { 1 } else { page_size };
+        let branching = match self.branching {
+            Some(b) => b / ps * ps == at,
+            None => false,
+        };
+        branching || at >= self.prompt_len / ps * ps
+    }
+}
+
 impl StatePolicy {
     /// Checkpoints every `interval` tokens for pages of `page_size`, saving at most
     /// [`DEFAULT_CHECKPOINTS_PER_STEP`] states a step; [`Error::BadInterval`] unless
@@ -404,5 +419,33 @@ mod tests {
                 "ps {page} per step {per_step} grown {grown:?} branching {branching:?}"
             );
         }
+    }
+
+    #[test]
+    fn the_branching_point_and_the_prompts_last_page_and_beyond_are_anchors() {
+        let marks = PlanMarks {
+            branching: Some(300),
+            prompt_len: 1_000,
+        };
+        // Page size 256: branching 300 → 256, the prompt's last whole page ends at 768.
+        for (at, anchor) in [
+            (256, true),
+            (512, false),
+            (768, true),
+            (1_024, true),
+            (0, false),
+        ] {
+            assert_eq!(marks.anchors(at, 256), anchor, "at {at}");
+        }
+        // Page size 1: the marks are exact.
+        assert!(marks.anchors(300, 1) && marks.anchors(1_000, 1) && marks.anchors(1_200, 1));
+        assert!(!marks.anchors(256, 1) && !marks.anchors(999, 1));
+        let none = PlanMarks {
+            branching: None,
+            prompt_len: 1_000,
+        };
+        assert!(!none.anchors(256, 256) && none.anchors(768, 256));
+        // A zero page size counts as one, never a division by zero.
+        assert!(none.anchors(1_000, 0) && !none.anchors(999, 0));
     }
 }

@@ -93,6 +93,7 @@ impl RadixTree {
         if let Some(slot) = self.with_node(ix, |n| {
             n.mamba_in_flight = false;
             n.mamba_hit = false;
+            n.mamba_grid = false;
             n.mamba.take()
         }) {
             actions.push(Action::EvictMambaState { node: id, slot });

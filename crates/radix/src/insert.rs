@@ -42,7 +42,7 @@ use crate::lock::State;
 use crate::matching::common_pages;
 use crate::tree::{Ix, Node, ROOT};
 use crate::{
-    Action, LockHandle, MambaSlot, NodeId, RadixTree, StateCheckpoint, TokenId, Tokens,
+    Action, LockHandle, MambaSlot, NodeId, RadixTree, StateCheckpoint, StateRole, TokenId, Tokens,
     VirtualToken,
 };
 
@@ -295,6 +295,7 @@ impl RadixTree {
             self.with_node(y, |n| {
                 n.mamba = Some(c.slot);
                 n.mamba_in_flight = c.in_flight;
+                n.mamba_grid = c.role == StateRole::Grid;
             });
             if c.in_flight {
                 self.in_flight.push(y);
@@ -317,7 +318,8 @@ impl RadixTree {
     /// included, comes after the previous state: the deepest state above where paths
     /// diverge, the one a request taking the other branch resumes from) or when an
     /// admission copied it (`mamba_hit`). The cap evicts the states that serve no reuse
-    /// first, then the others, each group least recently used first. One walk up the path:
+    /// first, [`StateRole::Grid`] ones before anchors, then the others, each group least
+    /// recently used first. One walk up the path:
     /// O(path), as a pure LRU order. Forks below `x` are not walked: they could only value
     /// a state on `x` itself that this insert did not attach.
     fn evict_excess_path_states(&mut self, x: Ix, attached: &[Ix], actions: &mut Vec<Action>) {
@@ -325,7 +327,7 @@ impl RadixTree {
             return;
         };
         let mut held = 0;
-        let mut candidates: Vec<(bool, u64, Ix)> = Vec::new();
+        let mut candidates: Vec<(bool, bool, u64, Ix)> = Vec::new();
         // Whether paths diverge below the current node and above the previous state.
         let mut fork_below = false;
         let mut y = x;
@@ -335,7 +337,7 @@ impl RadixTree {
             if n.mamba.is_some() {
                 held += 1;
                 if self.state_unpinned(y) && !attached.contains(&y) {
-                    candidates.push((fork_below || n.mamba_hit, n.mamba_tick, y));
+                    candidates.push((fork_below || n.mamba_hit, !n.mamba_grid, n.mamba_tick, y));
                 }
                 // A fork below this state is served by it, not by the states above it.
                 fork_below = false;
@@ -345,10 +347,10 @@ impl RadixTree {
         if held <= cap.get() {
             return;
         }
-        // States that serve no reuse first (`false` sorts first), then least recently
-        // used; the index breaks tick ties deterministically, as in the Mamba LRU set.
+        // States that serve no reuse first (`false` sorts first), grid points before
+        // anchors, then least recently used; the index breaks tick ties deterministically, as in the Mamba LRU set.
         candidates.sort_unstable();
-        for (_, _, y) in candidates.into_iter().take(held - cap.get()) {
+        for (.., y) in candidates.into_iter().take(held - cap.get()) {
             self.evict_mamba(y, actions);
         }
     }

@@ -106,7 +106,7 @@ pub use invariants::{ALL as INVARIANTS, FULL_LOCKS_COVER_SWA_LOCKS, LOCK_UNDERFL
 pub use matching::MatchResult;
 pub use tree::{NodeView, RadixTree, Sizes};
 pub use types::{
-    Component, LockHandle, MambaSlot, NodeId, Slots, StateCheckpoint, TokenId, Tokens, TreeConfig,
-    VirtualToken,
+    Component, LockHandle, MambaSlot, NodeId, Slots, StateCheckpoint, StateRole, TokenId, Tokens,
+    TreeConfig, VirtualToken,
 };
 pub use values::PathValues;

@@ -101,6 +101,9 @@ impl RadixTree {
             if n.mamba_hit && n.mamba.is_none() {
                 return Err(format!("n{ix}: a Mamba hit mark without a state"));
             }
+            if n.mamba_grid && n.mamba.is_none() {
+                return Err(format!("n{ix}: a grid-state mark without a state"));
+            }
             let c = self.contribution(ix);
             sizes.full_evictable.0 += c[0];
             sizes.full_protected.0 += c[1];
@@ -123,7 +126,7 @@ impl RadixTree {
                 swa.insert((n.swa_tick, ix));
             }
             if m {
-                mamba.insert((n.mamba_tick, ix));
+                mamba.insert((n.mamba_key(), ix));
             }
         }
         if alive != self.node_count() {

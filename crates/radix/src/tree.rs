@@ -7,7 +7,9 @@
 //! construction, and `sanity_check` recomputes both from scratch to prove it.
 
 use crate::error::RadixError;
-use crate::{MambaSlot, NodeId, PathValues, Slots, TokenId, Tokens, TreeConfig, VirtualToken};
+use crate::{
+    MambaSlot, NodeId, PathValues, Slots, StateRole, TokenId, Tokens, TreeConfig, VirtualToken,
+};
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
@@ -72,6 +74,9 @@ pub(crate) struct Node {
     /// served a later request, so the Mamba path cap keeps it over states that served
     /// none. Cleared with the state; never set without one.
     pub(crate) mamba_hit: bool,
+    /// The state is a [`StateRole::Grid`] point ([`Node::mamba_key`]). Cleared with the
+    /// state; never set without one.
+    pub(crate) mamba_grid: bool,
     pub(crate) full_tick: u64,
     pub(crate) swa_tick: u64,
     pub(crate) mamba_tick: u64,
@@ -81,8 +86,22 @@ pub(crate) struct Node {
 }
 
 impl Node {
+    /// Orders the Mamba LRU after every unserved grid state's key (ticks stay far below).
+    const VALUED: u64 = 1 << 63;
+
     pub(crate) fn len(&self) -> usize {
         self.key.len()
+    }
+
+    /// The node's key in the Mamba LRU: [`StateRole::Grid`] states no admission copied
+    /// ([`Node::mamba_hit`]) first, then every other state, each least recently used
+    /// first.
+    pub(crate) fn mamba_key(&self) -> u64 {
+        if self.mamba_grid && !self.mamba_hit {
+            self.mamba_tick
+        } else {
+            self.mamba_tick | Self::VALUED
+        }
     }
 }
 
@@ -161,6 +180,8 @@ pub struct NodeView<'a> {
     pub swa_lock: u32,
     /// Its Mamba state.
     pub mamba: Option<MambaSlot>,
+    /// Its Mamba state's role (`Some` exactly when it has a state).
+    pub mamba_role: Option<StateRole>,
     /// Mamba lock count.
     pub mamba_lock: u32,
     /// Number of children.
@@ -368,6 +389,13 @@ impl RadixTree {
             full_lock: n.full_lock,
             swa_lock: n.swa_lock,
             mamba: n.mamba,
+            mamba_role: n.mamba.map(|_| {
+                if n.mamba_grid {
+                    StateRole::Grid
+                } else {
+                    StateRole::Anchor
+                }
+            }),
             mamba_lock: n.mamba_lock,
             children: n.children.len(),
         }
@@ -480,7 +508,7 @@ impl RadixTree {
             n.in_swa = false;
         }
         if n.in_mamba {
-            self.mamba_lru.remove(&(n.mamba_tick, ix));
+            self.mamba_lru.remove(&(n.mamba_key(), ix));
             n.in_mamba = false;
         }
     }
@@ -506,7 +534,7 @@ impl RadixTree {
             n.in_swa = true;
         }
         if m {
-            self.mamba_lru.insert((n.mamba_tick, ix));
+            self.mamba_lru.insert((n.mamba_key(), ix));
             n.in_mamba = true;
         }
     }

@@ -132,6 +132,24 @@ pub struct StateCheckpoint {
     /// [`crate::RadixTree::publish_states`]: a request admitted in the same step would
     /// copy it before it is written.
     pub in_flight: bool,
+    /// What the state is for, which orders its eviction.
+    pub role: StateRole,
+}
+
+/// Why a request saved a state, which is what the state is worth to later requests: Mamba
+/// eviction frees every [`StateRole::Grid`] state that no admission copied before any
+/// other state, each group least recently used first.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum StateRole {
+    /// Where a request's path ends or leaves a cached one: its prompt's last whole page
+    /// or a decode's state beyond it, its branching point, or its running state when it
+    /// finished. Later turns and requests sharing the prompt resume here.
+    #[default]
+    Anchor,
+    /// A point of the checkpoint grid inside a prompt (a prefill chunk's intermediate
+    /// state): it serves only a request that diverges between it and the request's next
+    /// state, so it goes before the anchors LRU would otherwise take in its place.
+    Grid,
 }
 
 /// A node of the tree. Carries a generation so that an id kept past its node's eviction

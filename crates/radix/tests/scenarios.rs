@@ -9,8 +9,8 @@ mod common;
 use common::{Sim, tokens};
 use unikv_invariants::testing::page_sizes;
 use unikv_radix::{
-    Action, Component, InsertRequest, MambaSlot, RadixError, RadixTree, StateCheckpoint, SwaSide,
-    TokenId, Tokens, TreeConfig, VirtualToken,
+    Action, Component, InsertRequest, MambaSlot, RadixError, RadixTree, StateCheckpoint, StateRole,
+    SwaSide, TokenId, Tokens, TreeConfig, VirtualToken,
 };
 
 /// Page symbols `0, 1, .., n-1`: a key of `n` distinct pages.
@@ -1287,6 +1287,7 @@ fn checkpoints_inside_a_key_land_at_their_positions_and_honour_the_path_cap() {
             at: Tokens(pages * p),
             slot: MambaSlot(slot),
             in_flight,
+            role: StateRole::Anchor,
         };
         // Misordered or misplaced checkpoints change nothing.
         for bad in [
@@ -1334,6 +1335,103 @@ fn checkpoints_inside_a_key_land_at_their_positions_and_honour_the_path_cap() {
         tree.publish_states();
         assert_eq!(tree.match_prefix(&key).len, Tokens(4 * p), "ps {ps}");
         assert_eq!(tree.sizes().mamba_evictable.get(), 2);
+        tree.sanity_check().unwrap();
+    }
+}
+
+/// Mamba eviction values a state by the reuse it serves: every grid state inside a prompt
+/// ([`StateRole::Grid`]) that no admission copied goes before any anchor, even an anchor
+/// older than it, each group least recently used first; a grid state an admission copied
+/// counts as an anchor.
+#[test]
+fn mamba_eviction_frees_unserved_grid_states_before_older_anchors() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let mut tree = RadixTree::new(TreeConfig::full_only(ps).with_mamba()).unwrap();
+        let at = |pages: usize, slot: u32, role| StateCheckpoint {
+            at: Tokens(pages * p),
+            slot: MambaSlot(slot),
+            in_flight: false,
+            role,
+        };
+        // Three prompts of 3 pages (distinct first pages), each with a grid state at page 1
+        // and its anchor at page 2, inserted in the order `a`, `b`, `c`.
+        let mut insert = |first: u32, base: u32| {
+            let key = tokens(&[first, 10, 11], p);
+            let row: Vec<VirtualToken> = (base..base + 3 * p as u32).map(VirtualToken).collect();
+            let checkpoints = [
+                at(1, base, StateRole::Grid),
+                at(2, base + 1, StateRole::Anchor),
+            ];
+            tree.insert(InsertRequest::new(&key, &row).checkpoints(&checkpoints))
+                .unwrap();
+            key
+        };
+        let a = insert(1, 100);
+        let b = insert(2, 200);
+        insert(3, 300);
+        let evicted = |tree: &mut RadixTree| match tree.evict_one(Component::Mamba).as_deref() {
+            Some([Action::EvictMambaState { slot, .. }]) => slot.0,
+            other => panic!("ps {ps}: {other:?}"),
+        };
+        let mut order = Vec::new();
+        // An admission copies `b`'s grid state: it served reuse, so it outlives `a`'s anchor.
+        let hit = tree.match_prefix(&b[..p]);
+        assert_eq!(hit.len.get(), p, "ps {ps}");
+        let lock = tree.lock(hit.node).unwrap();
+        tree.unlock(lock).unwrap();
+        for _ in 0..6 {
+            order.push(evicted(&mut tree));
+            tree.sanity_check().unwrap();
+        }
+        // The unserved grid states first (`c`'s before `a`'s older anchor), then the anchors
+        // and the copied grid state least recently used first (the match touched `b`'s
+        // grid state last).
+        assert_eq!(order, [100, 300, 101, 201, 301, 200], "ps {ps}");
+        assert!(tree.evict_one(Component::Mamba).is_none(), "ps {ps}");
+        assert_eq!(
+            tree.match_prefix(&a).full_hit.get(),
+            3 * p,
+            "ps {ps}: KV stays"
+        );
+    }
+}
+
+/// The Mamba path cap, among the states that serve no reuse, takes a grid state before an
+/// anchor of the same age.
+#[test]
+fn the_mamba_path_cap_takes_a_grid_state_before_an_anchor() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let cap = std::num::NonZeroUsize::new(2).unwrap();
+        let config = TreeConfig::full_only(ps)
+            .with_mamba()
+            .with_mamba_path_cap(cap);
+        let mut tree = RadixTree::new(config).unwrap();
+        let key = tokens(&pages(4), p);
+        let row: Vec<VirtualToken> = (100..100 + 4 * p as u32).map(VirtualToken).collect();
+        let state = |pages: usize, slot: u32, role| StateCheckpoint {
+            at: Tokens(pages * p),
+            slot: MambaSlot(slot),
+            in_flight: false,
+            role,
+        };
+        let prompt = [state(1, 1, StateRole::Grid), state(2, 2, StateRole::Anchor)];
+        tree.insert(InsertRequest::new(&key[..3 * p], &row[..3 * p]).checkpoints(&prompt))
+            .unwrap();
+        // The continuation's state at page 4 is a third on the path: one of the two goes.
+        let out = tree
+            .insert(InsertRequest::new(&key, &row).mamba(MambaSlot(3)))
+            .unwrap();
+        let freed: Vec<u32> = out
+            .actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::EvictMambaState { slot, .. } => Some(slot.0),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(freed, [1], "ps {ps}");
         tree.sanity_check().unwrap();
     }
 }

@@ -82,7 +82,7 @@ pub struct RequestSpec {
     /// step after that request finished (and not before `arrival_step`), as a chat
     /// client sends a conversation's next turn once the answer to the last one is
     /// complete. Always an earlier request (a smaller id); `None` for every preset but
-    /// `multi-turn`.
+    /// `multi-turn` and `mamba-starvation` ([`StarvationPlan::after`]).
     pub after: Option<u32>,
     /// The tokens it generates, when the workload fixes them (`output_len` of them, in
     /// order): a conversation's next turn repeats this turn's output in its prompt, so the
@@ -342,11 +342,11 @@ pub enum Preset {
 ///
 /// Requests are admitted in workload order and every history has the same length, so
 /// histories finish in order, all before any follow-up (a follow-up is longer and starts
-/// later). Follow-up `k < concurrency` is admitted once `k + 1` of the last
-/// `concurrency` histories finished, so it continues history `histories − concurrency +
-/// k`, one that has just finished; the next ones continue the histories before those,
-/// newest first (the prefix cache evicts the least recently used first). See
-/// [`StarvationPlan::target`].
+/// later). Follow-up `k < concurrency` continues history `histories − concurrency + k`
+/// and arrives once that history finished, as a conversation's next turn does however
+/// fast a run decodes; the next ones continue the histories before those, newest first
+/// (the prefix cache evicts the least recently used first), and arrive once every
+/// history finished. See [`StarvationPlan::target`] and [`StarvationPlan::after`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StarvationPlan {
     /// History conversations, enough that their cached KV and states overfill the budget
@@ -391,6 +391,18 @@ impl StarvationPlan {
             histories,
             follow_ups: (2 * concurrency).min(histories),
             concurrency,
+        }
+    }
+
+    /// The request whose finish sends follow-up `k` ([`RequestSpec::after`]): the history
+    /// it continues in the first wave (a conversation's next turn never comes before its
+    /// last answer, however fast a run decodes), the last history for the others, so that
+    /// they queue behind the first wave in the plan's order.
+    pub fn after(&self, k: u32) -> u32 {
+        if k < self.concurrency {
+            self.target(k)
+        } else {
+            self.histories - 1
         }
     }
 
@@ -514,14 +526,14 @@ impl Preset {
     pub fn build_for(self, seed: u64, model: &ModelSpec, memory_bytes: u64) -> Workload {
         let mut tokens = TokenSource::new(seed, self.name());
         let mut requests = Vec::new();
-        let mut push = |arrival_step: u64, prompt: Vec<u32>, output_len: u32| {
+        let mut push = |arrival_step: u64, prompt: Vec<u32>, output_len: u32, after| {
             let id = requests.len() as u32;
             requests.push(RequestSpec {
                 id,
                 arrival_step,
                 prompt,
                 output_len,
-                after: None,
+                after,
                 output: None,
             });
         };
@@ -531,13 +543,13 @@ impl Preset {
                 for _ in 0..192 {
                     let mut prompt = system.clone();
                     prompt.extend(tokens.segment(128));
-                    push(0, prompt, 2_048);
+                    push(0, prompt, 2_048, None);
                 }
                 192
             }
             Preset::LongOutputs => {
                 for _ in 0..100 {
-                    push(0, tokens.segment(512), 4_096);
+                    push(0, tokens.segment(512), 4_096, None);
                 }
                 128
             }
@@ -550,7 +562,7 @@ impl Preset {
                 for _ in 0..count {
                     let input_len = random_len(tokens.rng(), input, RANDOM_RANGE_RATIO);
                     let output_len = random_len(tokens.rng(), output, RANDOM_RANGE_RATIO);
-                    push(0, tokens.segment(input_len), output_len as u32);
+                    push(0, tokens.segment(input_len), output_len as u32, None);
                 }
                 64
             }
@@ -574,7 +586,7 @@ impl Preset {
                     (8, shared(&mut tokens), 64),
                 ];
                 for (arrival, prompt, output) in plan {
-                    push(arrival, prompt, output);
+                    push(arrival, prompt, output, None);
                 }
                 4
             }
@@ -584,12 +596,18 @@ impl Preset {
                     .map(|_| tokens.segment(StarvationPlan::HISTORY_PROMPT))
                     .collect();
                 for history in &histories {
-                    push(0, history.clone(), StarvationPlan::HISTORY_OUTPUT);
+                    push(0, history.clone(), StarvationPlan::HISTORY_OUTPUT, None);
                 }
                 for k in 0..plan.follow_ups {
-                    let mut prompt = histories[plan.target(k) as usize].clone();
+                    let target = plan.target(k);
+                    let mut prompt = histories[target as usize].clone();
                     prompt.extend(tokens.segment(StarvationPlan::QUESTION));
-                    push(0, prompt, StarvationPlan::FOLLOW_UP_OUTPUT);
+                    push(
+                        0,
+                        prompt,
+                        StarvationPlan::FOLLOW_UP_OUTPUT,
+                        Some(plan.after(k)),
+                    );
                 }
                 plan.concurrency
             }
@@ -892,6 +910,7 @@ mod tests {
 
     #[test]
     fn mamba_starvation_overfills_the_budget_and_follows_up_finished_histories() {
+        // Histories arrive at once; no follow-up arrives before the history it continues.
         for model in [ModelSpec::QWEN3_NEXT_80B_A3B, ModelSpec::NEMOTRON_H_8B] {
             for memory in [768u64 << 20, 2 << 30, 16 << 30, 80 << 30] {
                 let plan = StarvationPlan::new(&model, memory);
@@ -924,6 +943,10 @@ mod tests {
                     assert_eq!(r.prompt.len(), 4_096 + 256);
                     assert_eq!(r.prompt[..4_096], histories[target as usize].prompt[..]);
                     assert_eq!(common_prefix(&r.prompt[4_096..], &histories[0].prompt), 0);
+                    // A first-wave turn is sent once its history finished, the others once
+                    // every history did.
+                    let after = if (k as u32) < c { target } else { h - 1 };
+                    assert_eq!(r.after, Some(after), "{label}: follow-up {k}");
                     targets.push(target);
                 }
                 // The last wave in order, then the ones before it, newest first; each
