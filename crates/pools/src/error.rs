@@ -179,6 +179,27 @@ pub enum Error {
         /// What is wrong.
         reason: SlotFault,
     },
+    /// The host pool has fewer free units of a kind than asked for; nothing was taken.
+    #[error("host pool: {requested} {kind} units asked for, {available} available")]
+    HostFull {
+        /// `full`, `swa` or `state` ([`crate::HostKind::as_str`]).
+        kind: &'static str,
+        /// Units asked for.
+        requested: u64,
+        /// Units an allocation could take.
+        available: u64,
+    },
+    /// A host-pool free named a unit outside the pool, of a frame lent to another kind,
+    /// not in use, or twice; nothing was freed.
+    #[error("host pool: {kind} unit {index} of frame {frame} is not in use")]
+    HostBadFree {
+        /// The kind freed.
+        kind: &'static str,
+        /// The unit's frame.
+        frame: u32,
+        /// The unit's index in its frame.
+        index: u32,
+    },
     /// The device refused an op (a bug in the layout or a failing device).
     #[error("device: {0}")]
     Device(#[from] unikv_kernels::Error),
