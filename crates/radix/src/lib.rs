@@ -42,8 +42,8 @@
 //!   insert passing there, which splits the node; kept by the lower part when a node
 //!   splits); pinned by a lock taken with [`RadixTree::lock`] (an admission, which copies
 //!   it) at the locked node only, never by an insert's lock (its request runs on its own
-//!   state); an LRU set of unlocked states. Evicting a
-//!   state frees the state alone: the KV under it stays a FULL hit. A state whose writing
+//!   state); an LRU set of unlocked states, [`StateRole::Grid`] states no admission copied
+//!   first ([`StateCheckpoint::role`]). Evicting a state frees the state alone: the KV under it stays a FULL hit. A state whose writing
 //!   forward is in flight ([`StateCheckpoint::in_flight`]) ends no match and is pinned
 //!   like a locked one until [`RadixTree::publish_states`]. Optionally a cap on the states
 //!   of one root-to-node path (applied by the insert that attaches states), and a
@@ -71,9 +71,9 @@
 //!   the path from the root to that node then holds more states than the cap, the insert
 //!   evicts unlocked states on that path (each an [`Action::EvictMambaState`] in its
 //!   actions, in the order applied; only the state goes) until the path is within the cap:
-//!   first those that serve no reuse, then those that do (the deepest state above a node
-//!   where paths diverge, or one an admission copied), each group least recently used
-//!   first. Best-effort over unpinned states: the states
+//!   first those that serve no reuse (grid states before anchors), then those that do (the
+//!   deepest state above a node where paths diverge, or one an admission copied), each
+//!   group least recently used first. Best-effort over unpinned states: the states
 //!   just attached, locked ones and ones in flight are never evicted for it,
 //!   so a path stays above the cap exactly when every other state on it is locked. Checked
 //!   at the insert's commit only: a descendant's path that gains the state, or a path whose
