@@ -217,6 +217,22 @@ impl HostPool {
         self.spare[kind.index()] + u64::from(self.free_frames()) * per
     }
 
+    /// `block`'s number among every unit of `kind` the buffer could hold (`frame ×
+    /// units per frame + index`): an id that fits a `u32` value of a tree.
+    pub fn unit_id(&self, kind: HostKind, block: HostBlock) -> u32 {
+        block.frame * self.units_per_frame(kind) + block.index
+    }
+
+    /// The block [`HostPool::unit_id`] numbered `id` (`None` for a kind the pool leaves
+    /// out or an id past the buffer).
+    pub fn block_of(&self, kind: HostKind, id: u32) -> Option<HostBlock> {
+        let per = self.units_per_frame(kind);
+        (per > 0 && id / per < self.frame_count()).then(|| HostBlock {
+            frame: id / per,
+            index: id % per,
+        })
+    }
+
     /// The first byte of `block` (of `kind`).
     pub fn offset(&self, kind: HostKind, block: HostBlock) -> u64 {
         u64::from(block.frame) * self.frame_bytes + u64::from(block.index) * self.unit_bytes(kind)
@@ -433,6 +449,14 @@ mod tests {
             "full, swa, state"
         );
         assert_eq!(HostKind::ALL.map(|k| p.available(k)), [40, 100, 10]);
+        let b = HostBlock { frame: 3, index: 2 };
+        assert_eq!(p.unit_id(HostKind::Full, b), 14);
+        assert_eq!(p.block_of(HostKind::Full, 14), Some(b));
+        assert_eq!(p.block_of(HostKind::Full, 40), None);
+        assert_eq!(
+            p.block_of(HostKind::State, 9),
+            Some(HostBlock { frame: 9, index: 0 })
+        );
     }
 
     #[test]

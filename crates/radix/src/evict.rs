@@ -39,6 +39,18 @@ impl RadixTree {
         Some(actions)
     }
 
+    /// The node [`RadixTree::evict_one`] would evict next for `component` (a FULL leaf,
+    /// an SWA node, a state's node), without evicting it: what a host tier writes back
+    /// first. `None` when nothing of that component is evictable.
+    pub fn next_victim(&self, component: Component) -> Option<crate::NodeId> {
+        let set = match component {
+            Component::Full => &self.full_lru,
+            Component::Swa => &self.swa_lru,
+            Component::Mamba => &self.mamba_lru,
+        };
+        set.first().map(|&(_, ix)| self.id(ix))
+    }
+
     /// Evicts `component` node by node until `done(released so far)` holds (checked before
     /// every step, so an already satisfied predicate evicts nothing) or nothing evictable
     /// is left. Returns every step's actions, in order, and what they release.

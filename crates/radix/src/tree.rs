@@ -338,6 +338,19 @@ impl RadixTree {
         out
     }
 
+    /// The key from the root down to the end of `id`: the tokens a request must start
+    /// with to reach it. O(depth + its length).
+    pub fn path_key(&self, id: NodeId) -> Result<Vec<TokenId>, RadixError> {
+        let ix = self.resolve(id)?;
+        let mut parts = Vec::new();
+        let mut x = ix;
+        while x != ROOT {
+            parts.push(&self.nodes[x as usize].key[..]);
+            x = self.nodes[x as usize].parent;
+        }
+        Ok(parts.into_iter().rev().flatten().copied().collect())
+    }
+
     /// The values from the root down to the end of `id`: what a request matched at `id`
     /// holds in its row.
     pub fn prefix_values(&self, id: NodeId) -> Result<PathValues, RadixError> {

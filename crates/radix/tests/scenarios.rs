@@ -1435,3 +1435,55 @@ fn the_mamba_path_cap_takes_a_grid_state_before_an_anchor() {
         tree.sanity_check().unwrap();
     }
 }
+
+/// `path_key` gives the tokens from the root to a node's end; `next_victim` names the
+/// node `evict_one` takes next, without taking it.
+#[test]
+fn path_key_and_next_victim_name_what_eviction_takes() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let mut tree = RadixTree::new(TreeConfig::full_only(ps).with_mamba()).unwrap();
+        let a = tokens(&[1, 2, 3], p);
+        let b = tokens(&[1, 2, 4, 5], p);
+        let value = |base: u32, n: usize| -> Vec<VirtualToken> {
+            (base..base + n as u32).map(VirtualToken).collect()
+        };
+        let first = tree
+            .insert(InsertRequest::new(&a, &value(100, a.len())).mamba(MambaSlot(1)))
+            .unwrap();
+        // The shared two pages are duplicates (freed by the insert's actions).
+        let second = tree
+            .insert(InsertRequest::new(&b, &value(200, b.len())).mamba(MambaSlot(2)))
+            .unwrap();
+        assert_eq!(tree.path_key(first.node).unwrap(), a, "ps {ps}");
+        assert_eq!(tree.path_key(second.node).unwrap(), b, "ps {ps}");
+        // The first leaf is the least recently used: named, not evicted.
+        assert_eq!(
+            tree.next_victim(Component::Full),
+            Some(first.node),
+            "ps {ps}"
+        );
+        assert_eq!(
+            tree.next_victim(Component::Full),
+            Some(first.node),
+            "ps {ps}"
+        );
+        assert_eq!(
+            tree.next_victim(Component::Mamba),
+            Some(first.node),
+            "ps {ps}"
+        );
+        let evicted = tree.evict_one(Component::Full).unwrap();
+        assert!(
+            matches!(evicted[0], Action::EvictNode { node, .. } if node == first.node),
+            "ps {ps}: {evicted:?}"
+        );
+        assert_eq!(
+            tree.next_victim(Component::Full),
+            Some(second.node),
+            "ps {ps}"
+        );
+        assert!(tree.path_key(first.node).is_err(), "ps {ps}: a stale id");
+        tree.sanity_check().unwrap();
+    }
+}
