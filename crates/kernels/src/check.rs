@@ -5,8 +5,8 @@
 //! backend runs them all before issuing any work: an op that fails has changed nothing.
 
 use crate::{
-    ByteSpan, BytesId, Error, LaneTranslate, RowGather, SpanMove, TableId, TableScatter,
-    TableSpans, Translate, WindowTranslate,
+    ByteSpan, BytesId, Error, HostBytesId, HostCopy, LaneTranslate, RowGather, SpanMove, TableId,
+    TableScatter, TableSpans, Translate, WindowTranslate,
 };
 
 /// `[start, start + len)` lies inside `[0, total)`; `kind`/`id` name the buffer.
@@ -246,6 +246,107 @@ fn disjoint(
         }
     }
     Ok(())
+}
+
+/// Which buffer a host-tier copy call writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CopyInto {
+    /// The host buffer ([`Device::copy_device_to_host`](crate::Device::copy_device_to_host)).
+    Host,
+    /// The device byte buffer ([`Device::copy_host_to_device`](crate::Device::copy_host_to_device)).
+    Device,
+}
+
+impl CopyInto {
+    /// The op's name.
+    pub(crate) const fn op(self) -> &'static str {
+        match self {
+            CopyInto::Host => "copy_device_to_host",
+            CopyInto::Device => "copy_host_to_device",
+        }
+    }
+}
+
+/// `[offset, offset + len)` lies inside a host buffer of `total` bytes.
+pub(crate) fn host_range(
+    op: &'static str,
+    host: HostBytesId,
+    offset: u64,
+    len: u64,
+    total: u64,
+) -> Result<(), Error> {
+    range(op, "host bytes", host.0, offset, len, total)
+}
+
+/// A host-tier copy call's arguments: both handles are known (looked up by `buf_len` and
+/// `host_len`, in the call's argument order: the source first), each copy's device range,
+/// then its host range, lies inside its buffer (copy by copy, in call order), and no two
+/// non-empty copies write overlapping ranges of the destination. O(k) when the
+/// destinations ascend (the pools emit them so), O(k log k) otherwise; nothing per byte.
+pub(crate) fn host_copies(
+    into: CopyInto,
+    buf: BytesId,
+    host: HostBytesId,
+    copies: &[HostCopy],
+    buf_len: impl FnOnce(BytesId) -> Result<u64, Error>,
+    host_len: impl FnOnce(HostBytesId) -> Result<u64, Error>,
+) -> Result<(), Error> {
+    let op = into.op();
+    let (buf_len, host_len) = match into {
+        CopyInto::Host => {
+            let buf_len = buf_len(buf)?;
+            (buf_len, host_len(host)?)
+        }
+        CopyInto::Device => {
+            let host_len = host_len(host)?;
+            (buf_len(buf)?, host_len)
+        }
+    };
+    for c in copies {
+        bytes_range(op, buf, c.device, c.len, buf_len)?;
+        host_range(op, host, c.host, c.len, host_len)?;
+    }
+    // Non-empty destinations as (start, end, index); no overflow: checked just above.
+    let destinations = copies
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.len > 0)
+        .map(|(i, c)| {
+            let start = match into {
+                CopyInto::Host => c.host,
+                CopyInto::Device => c.device,
+            };
+            (start, start + c.len, i)
+        });
+    let (kind, id) = match into {
+        CopyInto::Host => ("host bytes", host.0),
+        CopyInto::Device => ("bytes", buf.0),
+    };
+    let disjoint = |ranges: &mut dyn Iterator<Item = (u64, u64, usize)>| {
+        // In start order, two ranges overlap only if two neighbours do.
+        let mut prev: Option<(u64, u64, usize)> = None;
+        for d in ranges {
+            if let Some(p) = prev.filter(|p| d.0 < p.1) {
+                return Err(Error::OverlappingCopies {
+                    op,
+                    kind,
+                    id,
+                    copy: d.2,
+                    dst: d.0..d.1,
+                    other_copy: p.2,
+                    other: p.0..p.1,
+                });
+            }
+            prev = Some(d);
+        }
+        Ok(())
+    };
+    if destinations.clone().is_sorted_by_key(|r| r.0) {
+        return disjoint(&mut destinations.clone());
+    }
+    let mut sorted: Vec<(u64, u64, usize)> = destinations.collect();
+    sorted.sort_by_key(|r| r.0);
+    disjoint(&mut sorted.into_iter())
 }
 
 /// `gather_table`'s host-known arguments: `indices` and `out` hold `n` entries and `out`

@@ -1,14 +1,16 @@
-//! `CpuDevice`: the reference backend. Tables are host vectors and byte buffers chunked
-//! host memory that costs only where bytes were written (`cpu/sparse.rs`), behind one mutex;
-//! a handle is an index into them. Every op checks all its arguments before it
-//! writes anything, so an op that returns an error has changed nothing.
+//! `CpuDevice`: the reference backend. Tables are host vectors and byte buffers (device
+//! and host-tier alike) chunked host memory that costs only where bytes were written
+//! (`cpu/sparse.rs`), behind one mutex; a handle is an index into them. Every op checks
+//! all its arguments before it writes anything, so an op that returns an error has
+//! changed nothing.
 
-use crate::check;
+use crate::check::{self, CopyInto};
 use crate::export::Exports;
 use crate::handles::Handles;
 use crate::{
-    ByteSpan, BytesId, Device, Error, ExportDevice, HostSync, LaneTranslate, Readback, RowGather,
-    SpanMove, TableExport, TableId, TableScatter, TableSpans, Translate, WindowTranslate,
+    ByteSpan, BytesId, CopyEvent, Device, Error, ExportDevice, HostBytesId, HostCopy, HostSync,
+    LaneTranslate, Readback, RowGather, SpanMove, TableExport, TableId, TableScatter, TableSpans,
+    Translate, WindowTranslate,
 };
 use memory::filled;
 use sparse::Buffer;
@@ -24,6 +26,10 @@ mod tests;
 /// Work runs at once on the calling thread, so "stream order" is call order and
 /// [`Readback::synchronize`] has nothing to wait for. Released handles are never handed
 /// out again, so a stale handle is reported as [`Error::UnknownHandle`].
+///
+/// Host-tier buffers ([`Device::alloc_host`]) are chunked host memory like the device
+/// buffers, so a host tier sized like a real one costs only the bytes copied into it;
+/// copies run when they are issued, and a [`CopyEvent`] is complete when it is recorded.
 #[derive(Debug)]
 pub struct CpuDevice {
     state: Mutex<State>,
@@ -35,6 +41,8 @@ impl Default for CpuDevice {
             state: Mutex::new(State {
                 bytes: Handles::new("bytes", "cpu"),
                 tables: Handles::new("table", "cpu"),
+                hosts: Handles::new("host bytes", "cpu"),
+                events: Handles::new("copy event", "cpu"),
                 exports: Exports::default(),
             }),
         }
@@ -48,6 +56,10 @@ struct State {
     /// `translate_lanes` takes it out and puts the same vector back), so its heap buffer,
     /// the address [`Device::export_table`] hands out, stays put until it is freed.
     tables: Handles<Vec<i32>>,
+    /// Host-tier buffers.
+    hosts: Handles<Buffer>,
+    /// Recorded copy events (complete when recorded: there is nothing to remember).
+    events: Handles<()>,
     /// Exported tables, and freed ones kept for a live export.
     exports: Exports<Vec<i32>>,
 }
@@ -73,11 +85,12 @@ impl CpuDevice {
         Ok(kernel(st.bytes_mut(buf)?.dense_mut()?))
     }
 
-    /// Buffers and tables allocated and not yet freed: what the device's users still hold
-    /// on it (a leak check for tests; it walks every handle ever issued).
+    /// Buffers (device and host-tier), tables and copy events allocated and not yet
+    /// freed: what the device's users still hold on it (a leak check for tests; it walks
+    /// every handle ever issued).
     pub fn live_allocations(&self) -> usize {
         let st = self.state();
-        st.bytes.live() + st.tables.live()
+        st.bytes.live() + st.tables.live() + st.hosts.live() + st.events.live()
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -95,6 +108,10 @@ impl State {
 
     fn bytes_mut(&mut self, buf: BytesId) -> Result<&mut Buffer, Error> {
         self.bytes.get_mut(buf.0)
+    }
+
+    fn host(&self, host: HostBytesId) -> Result<&Buffer, Error> {
+        self.hosts.get(host.0)
     }
 
     fn table(&self, table: TableId) -> Result<&Vec<i32>, Error> {
@@ -329,6 +346,83 @@ impl Device for CpuDevice {
         }
         Ok(())
     }
+
+    fn alloc_host(&self, len: u64) -> Result<HostBytesId, Error> {
+        let mut st = self.state();
+        st.hosts.next()?;
+        let buf = Buffer::new(len, 0)?;
+        Ok(HostBytesId(st.hosts.push(buf)))
+    }
+
+    fn free_host(&self, host: HostBytesId) -> Result<(), Error> {
+        self.state().hosts.remove(host.0)
+    }
+
+    fn copy_device_to_host(
+        &self,
+        buf: BytesId,
+        host: HostBytesId,
+        copies: &[HostCopy],
+    ) -> Result<(), Error> {
+        self.host_copies(CopyInto::Host, buf, host, copies)
+    }
+
+    fn copy_host_to_device(
+        &self,
+        host: HostBytesId,
+        buf: BytesId,
+        copies: &[HostCopy],
+    ) -> Result<(), Error> {
+        self.host_copies(CopyInto::Device, buf, host, copies)
+    }
+
+    fn record_copy_event(&self) -> Result<CopyEvent, Error> {
+        let mut st = self.state();
+        st.events.next()?;
+        Ok(CopyEvent(st.events.push(())))
+    }
+
+    fn copy_event_done(&self, event: CopyEvent) -> Result<bool, Error> {
+        // Every op ran when it was issued.
+        self.state().events.get(event.0).map(|()| true)
+    }
+
+    fn free_copy_event(&self, event: CopyEvent) -> Result<(), Error> {
+        self.state().events.remove(event.0)
+    }
+}
+
+impl CpuDevice {
+    /// The host-tier ops of [`Device`], here so the trait impl above stays about the
+    /// device's own buffers and tables.
+    fn host_copies(
+        &self,
+        into: CopyInto,
+        buf: BytesId,
+        host: HostBytesId,
+        copies: &[HostCopy],
+    ) -> Result<(), Error> {
+        let mut st = self.state();
+        check::host_copies(
+            into,
+            buf,
+            host,
+            copies,
+            |b| Ok(st.bytes(b)?.len()),
+            |h| Ok(st.host(h)?.len()),
+        )?;
+        let State { bytes, hosts, .. } = &mut *st;
+        let (device, host) = (bytes.get_mut(buf.0)?, hosts.get_mut(host.0)?);
+        // Destinations do not overlap (checked) and sources are the other buffer, so the
+        // copies commute.
+        for c in copies.iter().filter(|c| c.len > 0) {
+            match into {
+                CopyInto::Host => host.copy_from(c.host, device, c.device, c.len),
+                CopyInto::Device => device.copy_from(c.device, host, c.host, c.len),
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Readback for CpuDevice {
@@ -360,5 +454,18 @@ impl Readback for CpuDevice {
 
     fn synchronize(&self, _sync: &HostSync) -> Result<(), Error> {
         Ok(())
+    }
+
+    fn read_host(
+        &self,
+        _sync: &HostSync,
+        host: HostBytesId,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, Error> {
+        let st = self.state();
+        let h = st.host(host)?;
+        check::host_range("read_host", host, offset, len, h.len())?;
+        h.read(offset, len)
     }
 }

@@ -21,12 +21,22 @@
 //! [`SyncLedger`](crate::SyncLedger) wrapped around the device. The ring grows at the next
 //! step boundary ([`CudaDevice::end_step`]), never on the op path.
 //!
+//! # The host tier
+//! A host-tier buffer ([`Device::alloc_host`]) is pinned memory, so its copies
+//! (`cuMemcpyDtoHAsync`, `cuMemcpyHtoDAsync`) are truly asynchronous, one driver call per
+//! run of adjacent copies, on the device's stream. Each buffer owns a fence event,
+//! recorded again after every call that copies into or out of it: a buffer freed while
+//! its fence is pending is kept until the fence reports done (queried at later set-up
+//! calls and at [`CudaDevice::end_step`]), so the release never waits and no copy touches
+//! freed memory. [`Readback::read_host`] synchronises, then reads the pinned bytes.
+//!
 //! This file holds the device, its public surface, the one place driver calls are made
 //! and the [`Device`] and [`Readback`] implementations; `staging` is the ring's
 //! mechanics, `fused_writes` the one-launch table writes that keep each entry's last
-//! write.
+//! write, `host_tier` the host-tier buffers, copies and events.
 
 mod fused_writes;
+mod host_tier;
 mod staging;
 
 use fused_writes::LastWins;
@@ -42,9 +52,11 @@ use crate::emulated::EmulatedDriver;
 use crate::export::Exports;
 use crate::handles::Handles;
 use crate::{
-    ByteSpan, BytesId, Device, Error, ExportDevice, HostSync, LaneTranslate, Readback, RowGather,
-    SpanMove, TableExport, TableId, TableScatter, TableSpans, Translate, WindowTranslate,
+    ByteSpan, BytesId, CopyEvent, Device, Error, ExportDevice, HostBytesId, HostCopy, HostSync,
+    LaneTranslate, Readback, RowGather, SpanMove, TableExport, TableId, TableScatter, TableSpans,
+    Translate, WindowTranslate,
 };
+use host_tier::HostBuffer;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -105,6 +117,13 @@ struct Alloc {
 struct State {
     bytes: Handles<Alloc>,
     tables: Handles<Alloc>,
+    /// Host-tier buffers.
+    hosts: Handles<HostBuffer>,
+    /// Host-tier buffers freed while a copy may still use them: released once their
+    /// fence is done.
+    retired_hosts: Vec<HostBuffer>,
+    /// Events of [`Device::record_copy_event`].
+    copy_events: Handles<EventHandle>,
     /// Exported tables, and freed ones whose memory is kept for a live export.
     exports: Exports<DevPtr>,
     ring: Ring,
@@ -270,6 +289,9 @@ impl CudaDevice {
             state: Mutex::new(State {
                 bytes: Handles::new("bytes", "cuda"),
                 tables: Handles::new("table", "cuda"),
+                hosts: Handles::new("host bytes", "cuda"),
+                retired_hosts: Vec::new(),
+                copy_events: Handles::new("copy event", "cuda"),
                 exports: Exports::default(),
                 ring: Ring::empty(),
                 retired: Vec::new(),
@@ -372,7 +394,8 @@ impl CudaDevice {
 
     /// The step boundary, between one step's ops and the next's (an engine calls it, or
     /// [`CudaDevice::record_event`], once per step): frees rings an earlier growth
-    /// retired once the stream is past them, and, when an op of the step found no room
+    /// retired, and host-tier buffers freed while copies used them, once the stream is
+    /// past them, and, when an op of the step found no room
     /// in the staging ring, grows it to twice its size (or more, to fit the largest
     /// list). The only place the ring grows; its allocations are sync hazards of
     /// `end_step`, outside every op.
@@ -383,6 +406,7 @@ impl CudaDevice {
         let mut st = self.state();
         self.free_retired(&mut st, "end_step")?;
         self.reap_exports(&mut st, "end_step")?;
+        self.release_retired_hosts(&mut st, "end_step")?;
         let State { ring, spare, .. } = &mut *st;
         self.retire(ring, spare, "end_step", u64::MAX)?; // done fences back to spare
         if st.spare.is_empty() {
@@ -491,6 +515,30 @@ impl CudaDevice {
     /// Returns `false` (and does nothing) on a real GPU.
     pub fn stall_stream(&self) -> bool {
         self.emulated.as_ref().map(|e| e.stall()).is_some()
+    }
+
+    /// Emulated devices only: `len` bytes of the host-tier buffer `host` from `offset` as
+    /// they are now, without waiting for the stream (a copy still queued behind a stall
+    /// has not written them yet): what a test of "not done until its event is" reads.
+    /// `Ok(None)` on a real GPU, where reading pinned memory a copy may be writing is a
+    /// race: query an event first, then [`Readback::read_host`].
+    ///
+    /// Errors: [`Error::UnknownHandle`], [`Error::OutOfBounds`].
+    pub fn peek_host(
+        &self,
+        host: HostBytesId,
+        offset: u64,
+        len: u64,
+    ) -> Result<Option<Vec<u8>>, Error> {
+        let st = self.state();
+        let h = st.hosts.get(host.0)?;
+        check::host_range("peek_host", host, offset, len, h.len)?;
+        let Some(emulated) = &self.emulated else {
+            return Ok(None);
+        };
+        let mut out = vec![0; len as usize];
+        emulated.read_pinned(&h.pinned, offset as usize, &mut out);
+        Ok(Some(out))
     }
 
     /// Emulated devices only: resumes a stalled stream and runs what it queued.
@@ -608,6 +656,14 @@ impl Drop for CudaDevice {
         }
         for ptr in st.exports.drain() {
             let _ = self.driver.free(ptr);
+        }
+        // The stream is idle (synchronised above): no copy uses a host buffer any more.
+        for host in st.hosts.drain().chain(st.retired_hosts.drain(..)) {
+            let _ = self.driver.event_destroy(host.fence);
+            let _ = self.driver.free_pinned(host.pinned);
+        }
+        for event in st.copy_events.drain() {
+            let _ = self.driver.event_destroy(event);
         }
         let rings = st
             .retired
@@ -1082,6 +1138,52 @@ impl Device for CudaDevice {
         }
         Ok(())
     }
+
+    fn alloc_host(&self, len: u64) -> Result<HostBytesId, Error> {
+        self.alloc_host_buffer(len)
+    }
+
+    fn free_host(&self, host: HostBytesId) -> Result<(), Error> {
+        self.free_host_buffer(host)
+    }
+
+    fn copy_device_to_host(
+        &self,
+        buf: BytesId,
+        host: HostBytesId,
+        copies: &[HostCopy],
+    ) -> Result<(), Error> {
+        self.host_copies(check::CopyInto::Host, buf, host, copies)
+    }
+
+    fn copy_host_to_device(
+        &self,
+        host: HostBytesId,
+        buf: BytesId,
+        copies: &[HostCopy],
+    ) -> Result<(), Error> {
+        self.host_copies(check::CopyInto::Device, buf, host, copies)
+    }
+
+    fn record_copy_event(&self) -> Result<CopyEvent, Error> {
+        self.record_copy_marker()
+    }
+
+    fn copy_event_done(&self, event: CopyEvent) -> Result<bool, Error> {
+        let handle = *self.state().copy_events.get(event.0)?;
+        self.issue("copy_event_done", DriverCall::EventQuery, |d| {
+            d.event_done(handle)
+        })
+    }
+
+    fn free_copy_event(&self, event: CopyEvent) -> Result<(), Error> {
+        let mut st = self.state();
+        let handle = *st.copy_events.get(event.0)?;
+        self.issue("free_copy_event", DriverCall::EventDestroy, |d| {
+            d.event_destroy(handle)
+        })?;
+        st.copy_events.remove(event.0)
+    }
 }
 
 impl CudaDevice {
@@ -1161,5 +1263,24 @@ impl Readback for CudaDevice {
 
     fn synchronize(&self, _sync: &HostSync) -> Result<(), Error> {
         self.issue("synchronize", DriverCall::Synchronize, |d| d.synchronize())
+    }
+
+    fn read_host(
+        &self,
+        _sync: &HostSync,
+        host: HostBytesId,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, Error> {
+        let st = self.state();
+        let h = st.hosts.get(host.0)?;
+        check::host_range("read_host", host, offset, len, h.len)?;
+        // Every copy into the buffer is done once the stream is.
+        self.issue("read_host", DriverCall::Synchronize, |d| d.synchronize())?;
+        // In bounds (checked), so offset and length fit in usize.
+        let mut out = vec![0; len as usize];
+        self.driver
+            .read_pinned(&h.pinned, offset as usize, &mut out);
+        Ok(out)
     }
 }

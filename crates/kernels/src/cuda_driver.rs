@@ -307,6 +307,44 @@ mod imp {
             .map_err(cuda("copy from pinned memory"))
         }
 
+        fn copy_to_pinned(
+            &self,
+            buf: &Pinned,
+            offset: usize,
+            src: DevPtr,
+            len: usize,
+        ) -> Result<(), Error> {
+            self.bind()?;
+            // SAFETY: `[offset, offset + len)` is inside the live pinned `buf`, which the
+            // backend keeps allocated, and neither reads nor writes on the host, until the
+            // host buffer's fence event (recorded after this copy) is done or the stream
+            // synchronised; `src` holds `len` bytes (checked by the backend).
+            unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    (buf.addr + offset) as *mut c_void,
+                    src,
+                    len,
+                    self.cu_stream(),
+                )
+            }
+            .result()
+            .map_err(cuda("copy to pinned memory"))
+        }
+
+        fn read_pinned(&self, buf: &Pinned, offset: usize, out: &mut [u8]) {
+            debug_assert!(offset + out.len() <= buf.len);
+            // SAFETY: `buf` is live pinned memory of `buf.len` bytes; the backend keeps
+            // `offset + out.len()` inside it and synchronises the stream first, so no
+            // copy writes the range meanwhile; `out` is a distinct host slice.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (buf.addr as *const u8).add(offset),
+                    out.as_mut_ptr(),
+                    out.len(),
+                )
+            }
+        }
+
         fn copy_from_pageable(&self, dst: DevPtr, src: &[u8]) -> Result<(), Error> {
             self.bind()?;
             // SAFETY: `dst` has room for `src.len()` bytes (checked by the backend); for

@@ -17,6 +17,39 @@ pub struct BytesId(pub u32);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TableId(pub u32);
 
+/// Handle to a host-tier buffer owned by a [`Device`] ([`Device::alloc_host`]): memory on
+/// the host side that holds KV pages and recurrent states the GPU cannot (pinned memory
+/// on [`CudaDevice`](crate::CudaDevice), chunked host memory on
+/// [`CpuDevice`](crate::CpuDevice), a length only on [`NullDevice`](crate::NullDevice)).
+/// Its bytes move to and from a device byte buffer only by stream-ordered copies
+/// ([`Device::copy_device_to_host`], [`Device::copy_host_to_device`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HostBytesId(pub u32);
+
+/// One copy of a host-tier copy call ([`Device::copy_device_to_host`],
+/// [`Device::copy_host_to_device`]): `len` bytes at byte `device` of the device byte
+/// buffer and byte `host` of the host buffer, in the call's direction. Within one call
+/// no two copies write overlapping ranges of the destination (empty copies are
+/// ignored); sources may overlap, and source and destination are different buffers, so
+/// the copies commute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostCopy {
+    /// Byte offset in the device byte buffer.
+    pub device: u64,
+    /// Byte offset in the host buffer.
+    pub host: u64,
+    /// Bytes to copy.
+    pub len: u64,
+}
+
+/// Handle to a completion marker recorded after the work issued to a [`Device`] so far
+/// ([`Device::record_copy_event`]): [`Device::copy_event_done`] asks, without waiting,
+/// whether that work has completed (a write-back has reached its host buffer, so its
+/// device pages may be reused; a load-back has reached the device). Released with
+/// [`Device::free_copy_event`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CopyEvent(pub u32);
+
 /// One page-envelope copy inside a byte buffer: `len` bytes from `src` to `dst` (byte
 /// offsets). Within one [`Device::move_spans`] call no destination overlaps another
 /// destination or any source (its own or another move's); sources may overlap each
@@ -328,12 +361,28 @@ pub enum DeviceOp {
     TranslateLanes,
     /// [`Device::make_stream_wait`].
     MakeStreamWait,
+    /// [`Device::alloc_host`].
+    AllocHost,
+    /// [`Device::free_host`].
+    FreeHost,
+    /// [`Device::copy_device_to_host`].
+    CopyDeviceToHost,
+    /// [`Device::copy_host_to_device`].
+    CopyHostToDevice,
+    /// [`Device::record_copy_event`].
+    RecordCopyEvent,
+    /// [`Device::copy_event_done`].
+    CopyEventDone,
+    /// [`Device::free_copy_event`].
+    FreeCopyEvent,
     /// [`Readback::read_table`].
     ReadTable,
     /// [`Readback::read_bytes`].
     ReadBytes,
     /// [`Readback::synchronize`].
     Synchronize,
+    /// [`Readback::read_host`].
+    ReadHost,
 }
 
 impl DeviceOp {
@@ -357,24 +406,38 @@ impl DeviceOp {
             DeviceOp::GatherRows => "gather_rows",
             DeviceOp::TranslateLanes => "translate_lanes",
             DeviceOp::MakeStreamWait => "make_stream_wait",
+            DeviceOp::AllocHost => "alloc_host",
+            DeviceOp::FreeHost => "free_host",
+            DeviceOp::CopyDeviceToHost => "copy_device_to_host",
+            DeviceOp::CopyHostToDevice => "copy_host_to_device",
+            DeviceOp::RecordCopyEvent => "record_copy_event",
+            DeviceOp::CopyEventDone => "copy_event_done",
+            DeviceOp::FreeCopyEvent => "free_copy_event",
             DeviceOp::ReadTable => "read_table",
             DeviceOp::ReadBytes => "read_bytes",
             DeviceOp::Synchronize => "synchronize",
+            DeviceOp::ReadHost => "read_host",
         }
     }
 
-    /// Whether the op is a [`Readback`] one: it waits for the device.
+    /// Whether the op is a [`Readback`] one: it waits for the device. The host-tier
+    /// copies and [`Device::copy_event_done`] do not (a copy is enqueued, an event is
+    /// queried); [`Readback::read_host`] does.
     pub const fn waits(self) -> bool {
         matches!(
             self,
-            DeviceOp::ReadTable | DeviceOp::ReadBytes | DeviceOp::Synchronize
+            DeviceOp::ReadTable | DeviceOp::ReadBytes | DeviceOp::Synchronize | DeviceOp::ReadHost
         )
     }
 
     /// Whether the op brings device data back to the host, where it can size a later op
-    /// (a data-dependent shape): the reads of [`Readback`].
+    /// (a data-dependent shape): the reads of [`Readback`] (a host buffer holds what
+    /// copies from the device wrote, so [`Readback::read_host`] is one).
     pub const fn returns_device_data(self) -> bool {
-        matches!(self, DeviceOp::ReadTable | DeviceOp::ReadBytes)
+        matches!(
+            self,
+            DeviceOp::ReadTable | DeviceOp::ReadBytes | DeviceOp::ReadHost
+        )
     }
 }
 
@@ -485,6 +548,75 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     #[track_caller]
     fn translate_lanes(&self, all: &[LaneTranslate]) -> Result<(), Error>;
 
+    /// Allocates a host-tier buffer of `len` bytes, every byte zero (set-up, not
+    /// scheduling path): pinned memory on a GPU backend, so copies to and from it are
+    /// truly asynchronous.
+    ///
+    /// Errors: [`Error::OutOfMemory`] when the host cannot provide it.
+    #[track_caller]
+    fn alloc_host(&self, len: u64) -> Result<HostBytesId, Error>;
+
+    /// Releases a host-tier buffer (set-up / tear-down). Copies already issued that use
+    /// it still complete: a backend whose copies run later keeps the memory until they
+    /// have (the release never waits).
+    ///
+    /// Errors: [`Error::UnknownHandle`] (kind `host bytes`).
+    #[track_caller]
+    fn free_host(&self, host: HostBytesId) -> Result<(), Error>;
+
+    /// Copies ranges of the device byte buffer `buf` into the host buffer `host` (a
+    /// write-back), in stream order after the work issued so far; never waits. The
+    /// copied device bytes may be overwritten by ops issued after this call (stream
+    /// order keeps the copy ahead of them); the host bytes are there once an event
+    /// recorded after it is done ([`Device::record_copy_event`]).
+    ///
+    /// Every copy is checked on the host first, and a refused call issues nothing:
+    /// [`Error::UnknownHandle`] for an unknown buffer (`buf` is looked up first),
+    /// [`Error::OutOfBounds`] for a range outside `buf` (kind `bytes`) or `host` (kind
+    /// `host bytes`), checked copy by copy, device side first, and
+    /// [`Error::OverlappingCopies`] when two copies write overlapping host ranges.
+    #[track_caller]
+    fn copy_device_to_host(
+        &self,
+        buf: BytesId,
+        host: HostBytesId,
+        copies: &[HostCopy],
+    ) -> Result<(), Error>;
+
+    /// Copies ranges of the host buffer `host` into the device byte buffer `buf` (a
+    /// load-back), in stream order after the work issued so far (a write-back into the
+    /// same host range included); never waits. Ops issued after it see the bytes.
+    ///
+    /// Checked as [`Device::copy_device_to_host`] (`host` is looked up first; each
+    /// copy's device range, then its host range); [`Error::OverlappingCopies`] when two
+    /// copies write overlapping device ranges.
+    #[track_caller]
+    fn copy_host_to_device(
+        &self,
+        host: HostBytesId,
+        buf: BytesId,
+        copies: &[HostCopy],
+    ) -> Result<(), Error>;
+
+    /// Records an event after all the work issued to this device so far; issues, never
+    /// waits. [`Device::copy_event_done`] asks whether that work has completed.
+    #[track_caller]
+    fn record_copy_event(&self) -> Result<CopyEvent, Error>;
+
+    /// Whether everything issued before `event` was recorded has completed: a query
+    /// that never waits (`cuEventQuery` on a GPU; always `true` on a host backend, whose
+    /// ops complete when they return). A `true` stays `true`.
+    ///
+    /// Errors: [`Error::UnknownHandle`] (kind `copy event`).
+    #[track_caller]
+    fn copy_event_done(&self, event: CopyEvent) -> Result<bool, Error>;
+
+    /// Releases an event (pending or not: the work before it still completes).
+    ///
+    /// Errors: [`Error::UnknownHandle`] (kind `copy event`).
+    #[track_caller]
+    fn free_copy_event(&self, event: CopyEvent) -> Result<(), Error>;
+
     /// The memory of `table`, to read in place without a copy (see [`TableExport`] for
     /// how long the address and the contents hold). Issues nothing and waits for nothing.
     ///
@@ -588,4 +720,17 @@ pub trait Readback: Device {
     /// Waits for all issued work.
     #[track_caller]
     fn synchronize(&self, sync: &HostSync) -> Result<(), Error>;
+
+    /// Waits for all issued work (copies into `host` included), then copies `len` bytes
+    /// of the host buffer `host` from `offset`.
+    ///
+    /// Errors: [`Error::UnknownHandle`] (kind `host bytes`), [`Error::OutOfBounds`].
+    #[track_caller]
+    fn read_host(
+        &self,
+        sync: &HostSync,
+        host: HostBytesId,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, Error>;
 }

@@ -220,6 +220,12 @@ pub enum DriverCall {
         /// Bytes copied.
         bytes: u64,
     },
+    /// `cuMemcpyDtoHAsync` into pinned memory (truly asynchronous: a host-tier
+    /// write-back).
+    CopyToPinned {
+        /// Bytes copied.
+        bytes: u64,
+    },
     /// `cuMemcpyHtoDAsync` from pageable memory (the driver stages it and may wait).
     CopyFromPageable {
         /// Bytes copied.
@@ -270,6 +276,7 @@ impl DriverCall {
             DriverCall::Memset { .. }
                 | DriverCall::Fill32 { .. }
                 | DriverCall::CopyFromPinned { .. }
+                | DriverCall::CopyToPinned { .. }
                 | DriverCall::CopyFromPageable { .. }
                 | DriverCall::Launch { .. }
                 | DriverCall::EventRecord
@@ -331,6 +338,20 @@ pub(crate) trait Driver: Send + Sync {
         offset: usize,
         len: usize,
     ) -> Result<(), Error>;
+    /// Enqueues copying `len` bytes at `src` into `buf` at `offset` (a host-tier
+    /// write-back). The backend keeps the range inside `buf`, and `buf` alive and unread
+    /// by the host until the copy is done.
+    fn copy_to_pinned(
+        &self,
+        buf: &Pinned,
+        offset: usize,
+        src: DevPtr,
+        len: usize,
+    ) -> Result<(), Error>;
+    /// Copies `out.len()` bytes of `buf` from `offset` into `out` (host memory: nothing
+    /// is enqueued and nothing waited for). The backend keeps the range inside `buf` and
+    /// waits for the copies into it first.
+    fn read_pinned(&self, buf: &Pinned, offset: usize, out: &mut [u8]);
     /// Copies `src` (pageable host memory) to `dst`; the slice may be reused on return.
     fn copy_from_pageable(&self, dst: DevPtr, src: &[u8]) -> Result<(), Error>;
     /// Waits for the stream, then copies `out.len()` bytes from `src`.

@@ -8,7 +8,9 @@
 //! queue and runs, in order, when the stream is resumed or synchronised. A copy from
 //! pinned memory reads the pinned bytes when it runs, not when it was enqueued, so a
 //! backend that rewrote staging memory still in flight would copy the wrong bytes and
-//! fail the parity tests, exactly as on a GPU.
+//! fail the parity tests, exactly as on a GPU. A copy into pinned memory (a host-tier
+//! write-back) likewise reads the device and writes the pinned bytes when it runs: while
+//! the stream is stalled they are not there, and an event recorded after it is not done.
 //!
 //! A kernel that reaches outside an allocation does not panic: like a GPU's illegal
 //! address, it poisons the stream, and every later call returns the error.
@@ -49,6 +51,13 @@ enum Work {
     CopyBytes {
         dst: DevPtr,
         bytes: Vec<u8>,
+    },
+    /// A device-to-pinned copy (a write-back): reads the device bytes when it runs.
+    CopyToPinned {
+        src: DevPtr,
+        pinned: usize,
+        offset: usize,
+        len: usize,
     },
     Launch {
         kernel: Kernel,
@@ -242,6 +251,20 @@ impl Emulation {
                 self.write(dst, &src)
             }
             Work::CopyBytes { dst, bytes } => self.write(dst, &bytes),
+            Work::CopyToPinned {
+                src,
+                pinned,
+                offset,
+                len,
+            } => {
+                let data = self.read(src, len as u64)?;
+                self.pinned
+                    .get_mut(&pinned)
+                    .and_then(|p| p.get_mut(offset..offset + len))
+                    .ok_or_else(|| format!("copy into unknown pinned memory {pinned}"))?
+                    .copy_from_slice(&data);
+                Ok(())
+            }
             Work::Launch { kernel, args } => self.launch(kernel, &args),
             Work::Free { ptr } => self
                 .memory
@@ -489,6 +512,40 @@ impl Driver for EmulatedDriver {
             offset,
             len,
         })
+    }
+
+    fn copy_to_pinned(
+        &self,
+        buf: &Pinned,
+        offset: usize,
+        src: DevPtr,
+        len: usize,
+    ) -> Result<(), Error> {
+        self.enqueue(Work::CopyToPinned {
+            src,
+            pinned: buf.addr,
+            offset,
+            len,
+        })
+    }
+
+    fn read_pinned(&self, buf: &Pinned, offset: usize, out: &mut [u8]) {
+        let mut st = self.state();
+        match st
+            .pinned
+            .get(&buf.addr)
+            .and_then(|p| p.get(offset..offset + out.len()))
+        {
+            Some(bytes) => out.copy_from_slice(bytes),
+            None => {
+                st.fault = Some(format!(
+                    "read of {} bytes at {offset} outside pinned memory {} of {} bytes",
+                    out.len(),
+                    buf.addr,
+                    buf.len
+                ));
+            }
+        }
     }
 
     fn copy_from_pageable(&self, dst: DevPtr, src: &[u8]) -> Result<(), Error> {

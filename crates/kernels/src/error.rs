@@ -24,7 +24,7 @@ pub enum Error {
     /// A handle that this device did not hand out, or already released.
     #[error("unknown {kind} handle {id} on device {device}")]
     UnknownHandle {
-        /// `bytes` or `table`.
+        /// `bytes`, `table`, `host bytes` or `copy event`.
         kind: &'static str,
         /// The handle's number.
         id: u32,
@@ -36,7 +36,8 @@ pub enum Error {
     OutOfBounds {
         /// The op.
         op: &'static str,
-        /// `bytes` or `table`.
+        /// `bytes`, `table` or `host bytes` (or `host values`, the host slice of a
+        /// table copy).
         kind: &'static str,
         /// The handle's number.
         id: u32,
@@ -76,6 +77,31 @@ pub enum Error {
         /// The other range.
         other: std::ops::Range<u64>,
     },
+    /// Two copies of one host-tier copy call
+    /// ([`Device::copy_device_to_host`](crate::Device::copy_device_to_host),
+    /// [`Device::copy_host_to_device`](crate::Device::copy_host_to_device)) write
+    /// overlapping ranges of the destination buffer, so the outcome would depend on the
+    /// order they ran. Refused before anything is issued.
+    #[error(
+        "{op}: destination {dst:?} of copy {copy} overlaps destination {other:?} of copy {other_copy} in {kind} {id}"
+    )]
+    OverlappingCopies {
+        /// The op.
+        op: &'static str,
+        /// The destination's kind: `host bytes` for a write-back, `bytes` for a
+        /// load-back.
+        kind: &'static str,
+        /// The destination's handle number.
+        id: u32,
+        /// Index (in the call's slice) of the copy whose destination overlaps.
+        copy: usize,
+        /// That destination's byte range.
+        dst: std::ops::Range<u64>,
+        /// Index of the copy it overlaps.
+        other_copy: usize,
+        /// That copy's destination range.
+        other: std::ops::Range<u64>,
+    },
     /// The device could not allocate a buffer or table of the requested size.
     #[error("{device}: cannot allocate {bytes} bytes")]
     OutOfMemory {
@@ -110,10 +136,12 @@ pub enum Error {
     },
     /// An op that stages an argument list (scatter, upload, fill, move) was issued while
     /// [`CudaDevice::capture`](crate::CudaDevice::capture) records a graph: its list
-    /// changes every step, so a replayed graph would reuse a stale one. Refused before
-    /// anything was issued.
+    /// changes every step, so a replayed graph would reuse a stale one. So was a
+    /// host-tier copy or [`Device::record_copy_event`](crate::Device::record_copy_event):
+    /// their completion is tracked by events recorded per call, which a replay would not
+    /// record again. Refused before anything was issued.
     #[error(
-        "{op} cannot be captured into a CUDA graph: its argument list is staged per call; capture translate and gather_table, and issue the rest outside the graph"
+        "{op} cannot be captured into a CUDA graph: it is issued per call (a staged argument list, a host-tier copy or its event); capture translate, gather_table and gather_rows, and issue the rest outside the graph"
     )]
     NotCapturable {
         /// The op refused.

@@ -13,8 +13,9 @@
 //! line that called the op, through `dyn Device` and through nested wrappers too.
 
 use crate::{
-    ByteSpan, BytesId, Device, DeviceOp, Error, HostSync, LaneTranslate, Readback, RowGather,
-    SpanMove, SyncHazards, TableId, TableScatter, TableSpans, Translate, WindowTranslate,
+    ByteSpan, BytesId, CopyEvent, Device, DeviceOp, Error, HostBytesId, HostCopy, HostSync,
+    LaneTranslate, Readback, RowGather, SpanMove, SyncHazards, TableId, TableScatter, TableSpans,
+    Translate, WindowTranslate,
 };
 use std::fmt;
 use std::panic::Location;
@@ -31,7 +32,8 @@ pub struct DeviceCall<'a> {
     /// `move_spans`, the spans of a `fill_spans`, the entries of a `scatter_table`, the
     /// values of an `upload_table`, the tables of a `scatter_tables` or
     /// `copy_table_spans`, the translations of a `translate_many`, the windows of a
-    /// `translate_windows`, the gathers of a `gather_rows`), 1 for an op with none.
+    /// `translate_windows`, the gathers of a `gather_rows`, the copies of a
+    /// `copy_device_to_host` or `copy_host_to_device`), 1 for an op with none.
     pub items: usize,
     /// The permit of a [`Readback`] op ([`DeviceOp::waits`]); `None` for the others.
     pub permit: Option<&'a HostSync>,
@@ -330,6 +332,51 @@ impl<D: Device + ?Sized, H: DeviceHooks> Device for Intercepted<D, H> {
         self.after(call, self.inner.translate_lanes(all))
     }
 
+    fn alloc_host(&self, len: u64) -> Result<HostBytesId, Error> {
+        let call = self.before(DeviceOp::AllocHost, 1, None)?;
+        self.after(call, self.inner.alloc_host(len))
+    }
+
+    fn free_host(&self, host: HostBytesId) -> Result<(), Error> {
+        let call = self.before(DeviceOp::FreeHost, 1, None)?;
+        self.after(call, self.inner.free_host(host))
+    }
+
+    fn copy_device_to_host(
+        &self,
+        buf: BytesId,
+        host: HostBytesId,
+        copies: &[HostCopy],
+    ) -> Result<(), Error> {
+        let call = self.before(DeviceOp::CopyDeviceToHost, copies.len(), None)?;
+        self.after(call, self.inner.copy_device_to_host(buf, host, copies))
+    }
+
+    fn copy_host_to_device(
+        &self,
+        host: HostBytesId,
+        buf: BytesId,
+        copies: &[HostCopy],
+    ) -> Result<(), Error> {
+        let call = self.before(DeviceOp::CopyHostToDevice, copies.len(), None)?;
+        self.after(call, self.inner.copy_host_to_device(host, buf, copies))
+    }
+
+    fn record_copy_event(&self) -> Result<CopyEvent, Error> {
+        let call = self.before(DeviceOp::RecordCopyEvent, 1, None)?;
+        self.after(call, self.inner.record_copy_event())
+    }
+
+    fn copy_event_done(&self, event: CopyEvent) -> Result<bool, Error> {
+        let call = self.before(DeviceOp::CopyEventDone, 1, None)?;
+        self.after(call, self.inner.copy_event_done(event))
+    }
+
+    fn free_copy_event(&self, event: CopyEvent) -> Result<(), Error> {
+        let call = self.before(DeviceOp::FreeCopyEvent, 1, None)?;
+        self.after(call, self.inner.free_copy_event(event))
+    }
+
     // Not an op: it issues nothing (the hooks see the reads and waits around it).
     fn export_table(&self, table: TableId) -> Result<crate::TableExport, Error> {
         self.inner.export_table(table)
@@ -368,6 +415,17 @@ impl<D: Readback + ?Sized, H: DeviceHooks> Readback for Intercepted<D, H> {
     fn synchronize(&self, sync: &HostSync) -> Result<(), Error> {
         let call = self.before(DeviceOp::Synchronize, 1, Some(sync))?;
         self.after(call, self.inner.synchronize(sync))
+    }
+
+    fn read_host(
+        &self,
+        sync: &HostSync,
+        host: HostBytesId,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, Error> {
+        let call = self.before(DeviceOp::ReadHost, 1, Some(sync))?;
+        self.after(call, self.inner.read_host(sync, host, offset, len))
     }
 }
 

@@ -55,11 +55,39 @@
 //! # let _ = dev; Ok(()) }
 //! ```
 //!
+//! # The host tier
+//! What the GPU cannot hold (KV pages, recurrent states) a cache keeps in host-tier
+//! buffers ([`Device::alloc_host`]: pinned memory on [`CudaDevice`], chunked host memory
+//! on [`CpuDevice`], a length on [`NullDevice`]) and moves with stream-ordered copies
+//! ([`Device::copy_device_to_host`], [`Device::copy_host_to_device`]) that never wait.
+//! Whether a copy has completed (so a written-back page may be reused) is asked of an
+//! event recorded after it ([`Device::record_copy_event`], [`Device::copy_event_done`]),
+//! never waited for; only [`Readback::read_host`] waits.
+//!
+//! ```
+//! use unikv_kernels::{CpuDevice, Device, HostCopy, HostSync, Readback};
+//!
+//! let dev = CpuDevice::new();
+//! let buf = dev.alloc_bytes(64, 7).unwrap();
+//! let host = dev.alloc_host(32).unwrap();
+//! // Write back 16 bytes at 8, then load them back at 40.
+//! dev.copy_device_to_host(buf, host, &[HostCopy { device: 8, host: 0, len: 16 }]).unwrap();
+//! dev.copy_host_to_device(host, buf, &[HostCopy { device: 40, host: 0, len: 16 }]).unwrap();
+//! let done = dev.record_copy_event().unwrap();
+//! assert!(dev.copy_event_done(done).unwrap()); // a query, never a wait
+//! dev.free_copy_event(done).unwrap();
+//! let sync = HostSync::acquire("doc example");
+//! assert_eq!(dev.read_host(&sync, host, 0, 17).unwrap()[15..], [7, 0]);
+//! ```
+//!
 //! # Invariants this crate keeps
 //! - Architecture invariant: no method of [`Device`] waits for the device or returns a
 //!   value whose size depends on device data. Waiting ops live on [`Readback`] and need a
 //!   [`HostSync`] permit; scheduling-path code holds an `Arc<dyn Device>`, so a host sync
-//!   there does not compile, and [`SyncLedger`] counts any that happen elsewhere.
+//!   there does not compile, and [`SyncLedger`] counts any that happen elsewhere. The
+//!   host-tier copies are enqueued, and their completion is only ever queried
+//!   ([`Device::copy_event_done`]); the bytes of a host buffer reach the host's code
+//!   only through [`Readback::read_host`].
 //! - Every op checks its arguments on the host before it writes or issues anything: an
 //!   op that returns an error has changed nothing.
 //! - [`CpuDevice`] defines the semantics; every CUDA op has a CPU twin and a parity test
@@ -97,9 +125,9 @@ pub use clock::{thread_cpu_time, thread_cpu_time_overhead};
 pub use cpu::CpuDevice;
 pub use cuda::{CapturedGraph, CudaDevice, DEFAULT_STAGING_BYTES, DeviceEvent, DriverRecord};
 pub use device::{
-    ByteSpan, BytesId, Device, DeviceOp, ExportDevice, HostSync, LaneTranslate, Readback,
-    RowGather, SpanMove, TableExport, TableId, TableScatter, TableSpans, Translate,
-    WindowTranslate,
+    ByteSpan, BytesId, CopyEvent, Device, DeviceOp, ExportDevice, HostBytesId, HostCopy, HostSync,
+    LaneTranslate, Readback, RowGather, SpanMove, TableExport, TableId, TableScatter, TableSpans,
+    Translate, WindowTranslate,
 };
 pub use driver::{
     DriverCall, Grid, Kernel, RawEvent, RawStream, StreamKind, SyncHazard, SyncHazards,

@@ -1,10 +1,10 @@
 //! `NullDevice`: a device that keeps no bytes, for bookkeeping-only runs at any size.
 
-use crate::check;
+use crate::check::{self, CopyInto};
 use crate::handles::Handles;
 use crate::{
-    ByteSpan, BytesId, Device, Error, HostSync, LaneTranslate, Readback, RowGather, SpanMove,
-    TableId, TableScatter, TableSpans, Translate, WindowTranslate,
+    ByteSpan, BytesId, CopyEvent, Device, Error, HostBytesId, HostCopy, HostSync, LaneTranslate,
+    Readback, RowGather, SpanMove, TableId, TableScatter, TableSpans, Translate, WindowTranslate,
 };
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -16,6 +16,8 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 ///
 /// Reads come back as zeros of the length asked (nothing was kept): this device is for
 /// measuring and sizing runs, not for checking data; the byte-keeping [`CpuDevice`] is.
+/// Host-tier buffers are lengths too, checked like device buffers, and copy events are
+/// complete when recorded.
 ///
 /// ```
 /// use unikv_kernels::{Device, HostSync, NullDevice, Readback, SpanMove};
@@ -38,6 +40,8 @@ pub struct NullDevice {
 struct Lengths {
     bytes: Handles<u64>,
     tables: Handles<usize>,
+    hosts: Handles<u64>,
+    events: Handles<()>,
 }
 
 impl Default for NullDevice {
@@ -46,6 +50,8 @@ impl Default for NullDevice {
             state: Mutex::new(Lengths {
                 bytes: Handles::new("bytes", "none"),
                 tables: Handles::new("table", "none"),
+                hosts: Handles::new("host bytes", "none"),
+                events: Handles::new("copy event", "none"),
             }),
         }
     }
@@ -68,6 +74,27 @@ impl NullDevice {
 
     fn table_len(&self, table: TableId) -> Result<usize, Error> {
         self.state().tables.get(table.0).copied()
+    }
+
+    fn host_len(&self, host: HostBytesId) -> Result<u64, Error> {
+        self.state().hosts.get(host.0).copied()
+    }
+
+    fn host_copies(
+        &self,
+        into: CopyInto,
+        buf: BytesId,
+        host: HostBytesId,
+        copies: &[HostCopy],
+    ) -> Result<(), Error> {
+        check::host_copies(
+            into,
+            buf,
+            host,
+            copies,
+            |b| self.bytes_len(b),
+            |h| self.host_len(h),
+        )
     }
 }
 
@@ -156,6 +183,48 @@ impl Device for NullDevice {
     fn translate_lanes(&self, all: &[LaneTranslate]) -> Result<(), Error> {
         check::lanes(all, |t| self.table_len(t)).map(drop)
     }
+
+    fn alloc_host(&self, len: u64) -> Result<HostBytesId, Error> {
+        let mut st = self.state();
+        st.hosts.next()?;
+        Ok(HostBytesId(st.hosts.push(len)))
+    }
+
+    fn free_host(&self, host: HostBytesId) -> Result<(), Error> {
+        self.state().hosts.remove(host.0)
+    }
+
+    fn copy_device_to_host(
+        &self,
+        buf: BytesId,
+        host: HostBytesId,
+        copies: &[HostCopy],
+    ) -> Result<(), Error> {
+        self.host_copies(CopyInto::Host, buf, host, copies)
+    }
+
+    fn copy_host_to_device(
+        &self,
+        host: HostBytesId,
+        buf: BytesId,
+        copies: &[HostCopy],
+    ) -> Result<(), Error> {
+        self.host_copies(CopyInto::Device, buf, host, copies)
+    }
+
+    fn record_copy_event(&self) -> Result<CopyEvent, Error> {
+        let mut st = self.state();
+        st.events.next()?;
+        Ok(CopyEvent(st.events.push(())))
+    }
+
+    fn copy_event_done(&self, event: CopyEvent) -> Result<bool, Error> {
+        self.state().events.get(event.0).map(|()| true)
+    }
+
+    fn free_copy_event(&self, event: CopyEvent) -> Result<(), Error> {
+        self.state().events.remove(event.0)
+    }
 }
 
 impl Readback for NullDevice {
@@ -178,6 +247,17 @@ impl Readback for NullDevice {
         len: u64,
     ) -> Result<Vec<u8>, Error> {
         check::bytes_range("read_bytes", buf, offset, len, self.bytes_len(buf)?)?;
+        Ok(vec![0; len as usize])
+    }
+
+    fn read_host(
+        &self,
+        _sync: &HostSync,
+        host: HostBytesId,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, Error> {
+        check::host_range("read_host", host, offset, len, self.host_len(host)?)?;
         Ok(vec![0; len as usize])
     }
 

@@ -10,8 +10,8 @@
 
 use unikv_invariants::testing::page_sizes;
 use unikv_kernels::{
-    ByteSpan, BytesId, CpuDevice, CudaDevice, Device, Error, HostSync, LaneTranslate, Readback,
-    RowGather, SpanMove, TableId, TableScatter, TableSpans, Translate, WindowTranslate,
+    ByteSpan, BytesId, CpuDevice, CudaDevice, Device, Error, HostCopy, HostSync, LaneTranslate,
+    Readback, RowGather, SpanMove, TableId, TableScatter, TableSpans, Translate, WindowTranslate,
 };
 
 fn gpu_required() -> bool {
@@ -182,6 +182,63 @@ fn translate_errors_match_cpu() {
             .map(|args| format!("{:?}", dev.translate(args)))
             .collect();
         Ok((errors, dev.read_table(&sync(), out, 0, 4)?))
+    });
+}
+
+/// The host tier's round trips: pages written back to a host buffer, their device ranges
+/// reused at once (stream order keeps each copy ahead), pages loaded back elsewhere, and
+/// the refusals, as the CPU does them.
+#[test]
+fn host_copies_match_cpu() {
+    let page = 4096 + 5; // odd length: no alignment assumptions
+    let mut rng = Rng(11);
+    let pattern: Vec<u8> = (0..12 * page).map(|_| rng.next() as u8).collect();
+    check_parity("host copies", |dev| {
+        let buf = bytes(dev, &pattern)?;
+        let p = page as u64;
+        let host = dev.alloc_host(8 * p + 3)?;
+        let copy = |device, host, len| HostCopy { device, host, len };
+        let mut rng = Rng(5);
+        for round in 0..4 {
+            // Write back three random pages into host slots round..round + 3 (the first
+            // two adjacent on both sides when the pages are), and reuse their ranges.
+            let pages: Vec<u64> = (0..3).map(|_| rng.below(12)).collect();
+            let slots = [round, round + 1, round + 3];
+            let out: Vec<HostCopy> = pages
+                .iter()
+                .zip(slots)
+                .map(|(&page, slot)| copy(page * p, slot * p + 3, p))
+                .collect();
+            dev.copy_device_to_host(buf, host, &out)?;
+            let reused: Vec<ByteSpan> = pages
+                .iter()
+                .map(|&page| ByteSpan {
+                    offset: page * p,
+                    len: p,
+                })
+                .collect();
+            dev.fill_spans(buf, &reused, round as u8)?;
+            // Load slots back into two other pages (a part of one, a whole other).
+            let back = [copy(((round + 5) % 12) * p + 7, slots[0] * p + 3, p - 9)];
+            dev.copy_host_to_device(host, buf, &back)?;
+            dev.copy_host_to_device(host, buf, &[copy(11 * p, slots[2] * p + 3, p)])?;
+        }
+        let event = dev.record_copy_event()?;
+        let s = sync();
+        let (host_bytes, device) = (
+            dev.read_host(&s, host, 0, 8 * p + 3)?,
+            dev.read_bytes(&s, buf, 0, 12 * p)?,
+        );
+        let done = dev.copy_event_done(event)?; // after a read-back: done on every backend
+        let refusals = [
+            dev.copy_device_to_host(buf, host, &[copy(11 * p, 8 * p, 4)]),
+            dev.copy_host_to_device(host, buf, &[copy(0, 0, 8), copy(4, 64, 8)]),
+        ]
+        .map(|r| format!("{r:?}"));
+        let unchanged = dev.read_host(&s, host, 0, 8 * p + 3)? == host_bytes;
+        dev.free_copy_event(event)?;
+        dev.free_host(host)?;
+        Ok((host_bytes, device, done, refusals, unchanged))
     });
 }
 

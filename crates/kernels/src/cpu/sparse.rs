@@ -24,6 +24,14 @@ pub(crate) enum Chunk {
     Data(Box<[u8]>),
 }
 
+/// A run of a buffer's bytes inside one chunk ([`Buffer::copy_from`]).
+enum Run<'a> {
+    /// This many bytes of one value.
+    Uniform(u8, usize),
+    /// The bytes themselves.
+    Bytes(&'a [u8]),
+}
+
 /// A CPU byte buffer; see the module docs.
 #[derive(Debug)]
 pub(crate) enum Buffer {
@@ -197,18 +205,58 @@ impl Buffer {
         }
     }
 
-    /// Writes `bytes` at `offset` (in bounds) as a kernel would (tests).
-    #[cfg(test)]
+    /// Writes `bytes` at `offset` (in bounds: checked by the caller). A piece that
+    /// repeats its uniform chunk's value changes nothing and materialises nothing.
     pub(crate) fn write(&mut self, offset: u64, bytes: &[u8]) {
         match self {
             Buffer::Dense(v) => v[offset as usize..][..bytes.len()].copy_from_slice(bytes),
             Buffer::Chunked(chunks, _) => {
                 let mut at = 0;
                 for (c, o, n) in pieces(offset, bytes.len() as u64) {
-                    chunks[c].data()[o..o + n].copy_from_slice(&bytes[at..at + n]);
+                    let piece = &bytes[at..at + n];
+                    match chunks[c] {
+                        Chunk::Uniform(v) if piece.iter().all(|&b| b == v) => {}
+                        _ => chunks[c].data()[o..o + n].copy_from_slice(piece),
+                    }
                     at += n;
                 }
             }
+        }
+    }
+
+    /// The bytes from `at` (in bounds) to the end of its chunk, at most `max` (> 0): one
+    /// value repeated, or a slice.
+    fn run(&self, at: u64, max: u64) -> Run<'_> {
+        match self {
+            Buffer::Dense(v) => Run::Bytes(&v[at as usize..(at + max) as usize]),
+            Buffer::Chunked(chunks, _) => {
+                let (c, o) = ((at / CHUNK as u64) as usize, (at % CHUNK as u64) as usize);
+                let n = (CHUNK - o).min(max as usize);
+                match &chunks[c] {
+                    Chunk::Uniform(v) => Run::Uniform(*v, n),
+                    Chunk::Data(d) => Run::Bytes(&d[o..o + n]),
+                }
+            }
+        }
+    }
+
+    /// Copies `len` bytes of `src` from `src_at` to `dst` of this buffer (both ranges in
+    /// bounds: checked by the caller): a host-tier copy between two buffers. Uniform
+    /// source chunks are filled, not copied, so copying unwritten bytes costs no memory.
+    pub(crate) fn copy_from(&mut self, dst: u64, src: &Buffer, src_at: u64, len: u64) {
+        let mut done = 0;
+        while done < len {
+            let n = match src.run(src_at + done, len - done) {
+                Run::Uniform(v, n) => {
+                    self.fill(dst + done, n as u64, v);
+                    n
+                }
+                Run::Bytes(bytes) => {
+                    self.write(dst + done, bytes);
+                    bytes.len()
+                }
+            };
+            done += n as u64;
         }
     }
 
@@ -236,6 +284,12 @@ mod tests {
         Fill(u64, u64, u8),
         /// Source, destination, length: disjoint ranges.
         Copy(u64, u64, u64),
+        /// Source in the buffer, destination in the other buffer, length (a write-back).
+        CopyOut(u64, u64, u64),
+        /// Source in the other buffer, destination in the buffer, length (a load-back).
+        CopyIn(u64, u64, u64),
+        /// Bytes written at an offset, as a kernel would.
+        Write(u64, Vec<u8>),
         Dense,
     }
 
@@ -252,6 +306,14 @@ mod tests {
                 let n = n.min(LEN - dst).min(LEN / 2 - src);
                 Some(if a % 2 == 0 { Op::Copy(src, dst, n) } else { Op::Copy(dst, src, n) })
             }),
+            2 => (0..LEN, 0..LEN, 0..LEN).prop_map(|(a, b, n)| {
+                Op::CopyOut(a, b, n.min(LEN - a).min(LEN - b))
+            }),
+            2 => (0..LEN, 0..LEN, 0..LEN).prop_map(|(a, b, n)| {
+                Op::CopyIn(a, b, n.min(LEN - a).min(LEN - b))
+            }),
+            1 => (0..LEN, proptest::collection::vec(prop_oneof![Just(0u8), any::<u8>()], 0..300))
+                .prop_map(|(o, bytes)| Op::Write(o.min(LEN - bytes.len() as u64), bytes)),
             1 => Just(Op::Dense),
         ]
     }
@@ -264,6 +326,9 @@ mod tests {
         ) {
             let mut buffer = Buffer::new(LEN, fill).unwrap();
             let mut flat = vec![fill; LEN as usize];
+            // A second buffer (a host tier's) that copies cross to and from.
+            let mut other = Buffer::new(LEN, 3).unwrap();
+            let mut other_flat = vec![3; LEN as usize];
             for op in ops {
                 match op {
                     Op::Fill(o, n, v) => {
@@ -274,11 +339,26 @@ mod tests {
                         buffer.copy(s, d, n);
                         flat.copy_within(s as usize..(s + n) as usize, d as usize);
                     }
+                    Op::CopyOut(s, d, n) => {
+                        other.copy_from(d, &buffer, s, n);
+                        other_flat[d as usize..(d + n) as usize]
+                            .copy_from_slice(&flat[s as usize..(s + n) as usize]);
+                    }
+                    Op::CopyIn(s, d, n) => {
+                        buffer.copy_from(d, &other, s, n);
+                        flat[d as usize..(d + n) as usize]
+                            .copy_from_slice(&other_flat[s as usize..(s + n) as usize]);
+                    }
+                    Op::Write(o, bytes) => {
+                        buffer.write(o, &bytes);
+                        flat[o as usize..][..bytes.len()].copy_from_slice(&bytes);
+                    }
                     Op::Dense => {
                         prop_assert_eq!(&*buffer.dense_mut().unwrap(), &flat[..]);
                     }
                 }
                 prop_assert_eq!(buffer.read(0, LEN).unwrap(), flat.clone());
+                prop_assert_eq!(other.read(0, LEN).unwrap(), other_flat.clone());
             }
             prop_assert_eq!(buffer.read(5, 70_000).unwrap(), flat[5..70_005].to_vec());
         }
@@ -298,5 +378,21 @@ mod tests {
         // Filling a whole chunk drops its bytes.
         buffer.fill(0, CHUNK as u64, 0);
         assert_eq!(buffer.data_chunks(), 1);
+    }
+
+    #[test]
+    fn copying_unwritten_bytes_between_buffers_costs_no_memory() {
+        let mut device = Buffer::new(16 << 30, 0).unwrap();
+        let mut host = Buffer::new(8 << 30, 0).unwrap();
+        host.copy_from(0, &device, 4 << 30, 4 << 30);
+        device.copy_from(12 << 30, &host, 1 << 30, 2 << 30);
+        assert_eq!((device.data_chunks(), host.data_chunks()), (0, 0));
+        // A stamp crosses as bytes; a write of a chunk's own value materialises nothing.
+        device.fill(CHUNK as u64 - 1, 2, 9);
+        host.copy_from(100, &device, CHUNK as u64 - 2, 4);
+        assert_eq!(host.read(100, 4).unwrap(), [0, 9, 9, 0]);
+        assert_eq!(host.data_chunks(), 1);
+        host.write(5 * CHUNK as u64, &[0; 100]);
+        assert_eq!(host.data_chunks(), 1);
     }
 }
