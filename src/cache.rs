@@ -80,6 +80,7 @@ use unikv_radix::{
 mod builder;
 mod checkpoints;
 mod evict;
+mod host;
 mod scratch;
 mod speculative;
 mod window;
@@ -232,6 +233,8 @@ pub struct HybridCache {
     verify_scratch: scratch::VerifyScratch,
     /// The engine's replay rollback, when it registered one (else the copy rollback).
     replay: Option<Arc<dyn crate::StateReplay>>,
+    /// The host tier, when the builder gave it memory.
+    host: Option<host::HostTier>,
 }
 
 impl HybridCache {
@@ -435,9 +438,14 @@ impl HybridCache {
     /// logits of the first output token, so at least one token is always left to prefill.
     pub fn match_prefix(&mut self, prompt: Vec<TokenId>) -> PrefixMatch {
         let result = self.match_in_tree(&prompt);
+        let host = self
+            .host
+            .as_mut()
+            .and_then(|h| h.match_beyond(&prompt[..prompt.len().saturating_sub(1)], result.len.0));
         PrefixMatch {
             tokens: prompt,
             result,
+            host,
             epoch: self.epoch,
             cache: self.id,
         }
@@ -546,7 +554,8 @@ impl HybridCache {
         };
         let state = match self.states {
             Some(_) => {
-                let matched = if cached > 0 {
+                // A host part brings its own state (loaded into the running slot below).
+                let matched = if cached > 0 && hit.host.is_none() {
                     self.tree.node(hit.result.node)?.mamba
                 } else {
                     None
@@ -567,11 +576,9 @@ impl HybridCache {
         let id = self.next_request;
         self.next_request += 1;
         self.live_requests += 1;
-        self.hit_tokens += cached as u64;
-        self.kv_hit_tokens += hit.result.full_hit.0 as u64;
-        self.admitted_prompt_tokens += hit.tokens.len() as u64;
+        let (reused, kv_hit) = (hit.cached_tokens(), hit.kv_hit_tokens());
         let row = hit.result.values.iter().map(|v| PoolToken(v.0)).collect();
-        Ok(Request {
+        let mut req = Request {
             id,
             cache: self.id,
             tokens: hit.tokens,
@@ -580,11 +587,22 @@ impl HybridCache {
             cursor: cached,
             lock,
             window_lock_released: false,
-            cached_at_admission: cached,
-            kv_hit_at_admission: hit.result.full_hit.0,
+            cached_at_admission: reused,
+            kv_hit_at_admission: kv_hit,
             state,
             verifies: Default::default(),
-        })
+        };
+        if let Some(host) = &hit.host
+            && let Err(e) = self.load_back(&mut req, host)
+        {
+            // Nothing was loaded: the request goes as if never admitted.
+            self.release(req)?;
+            return Err(e);
+        }
+        self.hit_tokens += reused as u64;
+        self.kv_hit_tokens += kv_hit as u64;
+        self.admitted_prompt_tokens += req.tokens.len() as u64;
+        Ok(req)
     }
 
     /// What makes a position of a prompt matched as `result` worth a state.
@@ -970,7 +988,8 @@ impl HybridCache {
         if unikv_invariants::enabled() {
             self.alloc.check_conservation();
         }
-        let conservation = self.check_conservation();
+        let polled_copies = self.poll_copies();
+        let conservation = self.check_conservation().and_then(|()| self.check_host());
         let uploaded = self.sync_mirror();
         let reopened = if self.alloc.in_free_group() {
             Ok(())
@@ -989,6 +1008,7 @@ impl HybridCache {
         // the next step (the drained ones stay counted in the scope's report).
         let polled = self.scope.poll();
         closed?;
+        polled_copies?;
         conservation?;
         uploaded?;
         reopened?;
@@ -1100,7 +1120,7 @@ impl HybridCache {
                 &cap.full,
                 sizes.full_evictable.0,
                 sizes.full_protected.0,
-                self.held_full_pages,
+                self.held_full_pages + self.host.as_ref().map_or(0, |h| h.parked_full),
             ),
             swa: side(
                 "swa",
@@ -1108,7 +1128,7 @@ impl HybridCache {
                 &cap.swa,
                 sizes.swa_evictable.0,
                 sizes.swa_protected.0,
-                self.held_swa_pages,
+                self.held_swa_pages + self.host.as_ref().map_or(0, |h| h.parked_swa),
             ),
             // A slot is a page of one: its counts go through `side` times the page size.
             mamba: side(
@@ -1117,7 +1137,9 @@ impl HybridCache {
                 &cap.mamba,
                 sizes.mamba_evictable.0 * ps,
                 sizes.mamba_protected.0 * ps,
-                self.held_slots + self.verify_scratch.slots(),
+                self.held_slots
+                    + self.verify_scratch.slots()
+                    + self.host.as_ref().map_or(0, |h| h.parked_slots),
             ),
             live_requests: self.live_requests,
             hit_tokens: self.hit_tokens,
@@ -1125,6 +1147,7 @@ impl HybridCache {
             admitted_prompt_tokens: self.admitted_prompt_tokens,
             evictions: self.evictions,
             verify_scratch_slots: self.verify_scratch.slots(),
+            host: self.host_stats(),
         }
     }
 }

@@ -47,7 +47,7 @@ pub use speculative::{
     MAX_VERIFY_BATCH, MAX_VERIFY_WIDTH, ReplayContext, ScratchShape, Speculation, StateCommit,
     StateReplay,
 };
-pub use stats::{CacheStats, EvictionCounts, SideStats, StepReport};
+pub use stats::{CacheStats, EvictionCounts, HostStats, SideStats, StepReport};
 pub use step::{
     DeviceLayout, KvGeometry, RequestStep, StepCapacity, StepCheckpoint, StepMetadata, StepView,
 };

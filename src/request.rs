@@ -5,36 +5,66 @@ use unikv_mamba::{CheckpointWrite, PlanMarks};
 use unikv_pools::{VirtualSlot, VirtualToken as PoolToken};
 use unikv_radix::{LockHandle, MatchResult, TokenId};
 
+/// The host part of a match ([`crate::PrefixMatch`]): positions `[device end, len)`
+/// come from the host.
+#[derive(Clone, Debug)]
+pub(crate) struct HostMatch {
+    /// The host tree's node the match ends at.
+    pub(crate) node: unikv_radix::NodeId,
+    /// Where the host match ends (beyond the device match).
+    pub(crate) len: usize,
+    /// The host tree's FULL hit.
+    pub(crate) full_hit: usize,
+    /// The host values of `[0, len)`.
+    pub(crate) values: Vec<unikv_radix::VirtualToken>,
+    /// The host state unit at `len` (models with recurrent state).
+    pub(crate) state: Option<u32>,
+}
+
 /// The result of [`crate::HybridCache::match_prefix`]: how much of a prompt the prefix
 /// cache holds. Nothing is locked yet — dropping it aborts with nothing to undo.
 #[derive(Debug)]
 pub struct PrefixMatch {
     pub(crate) tokens: Vec<TokenId>,
     pub(crate) result: MatchResult,
+    /// The part beyond `result` the host tier holds, when it has one.
+    pub(crate) host: Option<HostMatch>,
     pub(crate) epoch: u64,
     pub(crate) cache: u64,
 }
 
 impl PrefixMatch {
-    /// Tokens of the prompt the request reuses from the cache (whole pages): KV whose
-    /// last window of SWA is live and, for a model with recurrent layers, at whose end a
-    /// state is cached (the request resumes from it).
+    /// Tokens of the prompt the request reuses from the cache (whole pages), on the
+    /// device and loaded back from the host: KV whose last window of SWA is cached and,
+    /// for a model with recurrent layers, at whose end a state is cached (the request
+    /// resumes from it).
     pub fn cached_tokens(&self) -> usize {
+        self.host.as_ref().map_or(self.result.len.0, |h| h.len)
+    }
+
+    /// Of [`PrefixMatch::cached_tokens`], those the device holds.
+    pub fn device_tokens(&self) -> usize {
         self.result.len.0
     }
 
-    /// Tokens of the prompt whose FULL KV the cache holds (whole pages), at least
-    /// [`PrefixMatch::cached_tokens`]. What lies beyond the cached tokens is recomputed
-    /// ([`PrefixMatch::recomputed_tokens`]): the match could not end there (no state,
-    /// or too little live SWA behind it).
+    /// Of [`PrefixMatch::cached_tokens`], those admission loads back from the host tier.
+    pub fn host_tokens(&self) -> usize {
+        self.cached_tokens() - self.device_tokens()
+    }
+
+    /// Tokens of the prompt whose FULL KV the cache holds (whole pages, device or host),
+    /// at least [`PrefixMatch::cached_tokens`]. What lies beyond the cached tokens is
+    /// recomputed ([`PrefixMatch::recomputed_tokens`]): the match could not end there (no
+    /// state, or too little live SWA behind it).
     pub fn kv_hit_tokens(&self) -> usize {
-        self.result.full_hit.0
+        let host = self.host.as_ref().map_or(0, |h| h.full_hit);
+        self.result.full_hit.0.max(host)
     }
 
     /// Tokens whose KV the cache holds but the request recomputes:
     /// [`PrefixMatch::kv_hit_tokens`] − [`PrefixMatch::cached_tokens`].
     pub fn recomputed_tokens(&self) -> usize {
-        self.result.full_hit.0 - self.result.len.0
+        self.kv_hit_tokens() - self.cached_tokens()
     }
 
     /// The prompt's length.

@@ -73,6 +73,9 @@ pub struct CacheStats {
     /// State slots of speculative verify scratch groups (counted in `mamba.held_pages`):
     /// the groups unsettled verifies write and those kept for the next ones.
     pub verify_scratch_slots: usize,
+    /// The host tier's figures (`None` without one:
+    /// [`crate::HybridCacheBuilder::host_memory_bytes`]).
+    pub host: Option<HostStats>,
 }
 
 /// What [`crate::HybridCache::step_boundary`] did.
@@ -80,4 +83,31 @@ pub struct CacheStats {
 pub struct StepReport {
     /// The step that just ended (1-based).
     pub step: u64,
+}
+
+/// What the host tier did, for [`crate::CacheStats::host`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostStats {
+    /// Bytes of the host buffer.
+    pub total_bytes: u64,
+    /// Bytes the host holds per kind: FULL pages, SWA pages, recurrent states.
+    pub full_bytes: u64,
+    /// See [`HostStats::full_bytes`].
+    pub swa_bytes: u64,
+    /// See [`HostStats::full_bytes`].
+    pub state_bytes: u64,
+    /// Most bytes the host held at once (all kinds).
+    pub peak_bytes: u64,
+    /// Prompt tokens admissions loaded back from the host.
+    pub hit_tokens: u64,
+    /// Bytes written back (device to host).
+    pub written_bytes: u64,
+    /// Bytes loaded back (host to device).
+    pub loaded_bytes: u64,
+    /// Copies issued (one per run of adjacent bytes).
+    pub copies: u64,
+    /// The largest single copy, in bytes.
+    pub largest_copy: u64,
+    /// Write-backs skipped because the host could not make room for them.
+    pub refused_writes: u64,
 }

@@ -13,7 +13,7 @@ use unikv_invariants::Scope;
 use unikv_kernels::{CpuDevice, Device};
 use unikv_mamba::StatePolicy;
 use unikv_pools::{
-    KvAllocator, PrefixCaching, REFERENCE_MAMBA_FULL_MEMORY_RATIO, StaticSlots, StaticSwa,
+    KvAllocator, PrefixCaching, REFERENCE_MAMBA_FULL_MEMORY_RATIO, Side, StaticSlots, StaticSwa,
     StaticSwaConfig, UnifiedSwa, UnifiedSwaConfig, reference_slot_pool,
 };
 use unikv_radix::{RadixTree, TreeConfig};
@@ -141,6 +141,7 @@ pub struct HybridCacheBuilder {
     speculation: Option<crate::Speculation>,
     replay: Option<Arc<dyn crate::StateReplay>>,
     wrap: Option<AllocatorWrapper>,
+    host_memory_bytes: u64,
 }
 
 /// The shape of the verify scratch's lanes: a state per entry under the copy rollback,
@@ -200,6 +201,7 @@ impl std::fmt::Debug for HybridCacheBuilder {
             .field("speculation", &self.speculation)
             .field("replay", &self.replay)
             .field("wrapped", &self.wrap.is_some())
+            .field("host_memory_bytes", &self.host_memory_bytes)
             .finish()
     }
 }
@@ -220,6 +222,7 @@ impl HybridCacheBuilder {
             speculation: None,
             replay: None,
             wrap: None,
+            host_memory_bytes: 0,
         }
     }
 
@@ -314,6 +317,18 @@ impl HybridCacheBuilder {
     /// [`Error::Config`]. Default: the copy rollback.
     pub fn state_replay(mut self, replay: Arc<dyn crate::StateReplay>) -> Self {
         self.replay = Some(replay);
+        self
+    }
+
+    /// Gives the cache a host tier of `bytes` (default 0: none): prefixes the device
+    /// evicts are written back to a host buffer (pinned on CUDA) and a later prompt that
+    /// matches them loads them back instead of recomputing them
+    /// ([`crate::PrefixMatch::host_tokens`]). The buffer holds FULL pages, the SWA
+    /// window's pages behind a written-back position and recurrent states
+    /// ([`crate::HostStats`]). A size that holds no page, state or frame is
+    /// [`Error::Config`].
+    pub fn host_memory_bytes(mut self, bytes: u64) -> Self {
+        self.host_memory_bytes = bytes;
         self
     }
 
@@ -478,9 +493,11 @@ impl HybridCacheBuilder {
         } else {
             TreeConfig::full_only(self.page_size)
         };
-        let tree_config = match states {
+        // The host tree is the device tree's twin without the path cap (the host keeps
+        // what the device evicted, states included).
+        let host_config = match states {
             Some(policy) => {
-                let tree_config = tree_config.with_mamba().with_mamba_path_cap(MAMBA_PATH_CAP);
+                let tree_config = tree_config.with_mamba();
                 match policy.interval() {
                     Some(interval) => {
                         tree_config.with_mamba_checkpoint_interval(interval.get() as usize)
@@ -489,6 +506,33 @@ impl HybridCacheBuilder {
                 }
             }
             None => tree_config,
+        };
+        let tree_config = match states {
+            Some(_) => host_config.with_mamba_path_cap(MAMBA_PATH_CAP),
+            None => host_config,
+        };
+        let host = if self.host_memory_bytes > 0 {
+            let envelope = |side: Side, present: bool| {
+                if present {
+                    alloc.grid(side).envelope
+                } else {
+                    0
+                }
+            };
+            let units = [
+                envelope(Side::Full, true),
+                envelope(Side::Swa, has_swa),
+                envelope(Side::Mamba, states.is_some()),
+            ];
+            Some(super::host::HostTier::new(
+                &*step_device,
+                self.host_memory_bytes,
+                units,
+                host_config,
+                scope.clone(),
+            )?)
+        } else {
+            None
         };
         let mut tree = RadixTree::new(tree_config)?;
         tree.set_invariant_scope(scope.clone());
@@ -530,6 +574,7 @@ impl HybridCacheBuilder {
             speculation: self.speculation,
             verify_scratch: super::scratch::VerifyScratch::new(shape),
             replay: self.replay,
+            host,
         })
     }
 }

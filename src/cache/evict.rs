@@ -167,9 +167,13 @@ impl HybridCache {
             // less FULL, so a recheck before it would evict the same nodes again.
             let actions = if plan.full_pages > 0 {
                 let floor = plan.full_floor_pages.max(1);
-                let (actions, _) = self
-                    .tree
-                    .evict_until(Component::Full, |r| r.full.0 / ps >= floor);
+                let actions = if self.host.is_some() {
+                    self.evict_writing_back(floor)?
+                } else {
+                    self.tree
+                        .evict_until(Component::Full, |r| r.full.0 / ps >= floor)
+                        .0
+                };
                 // Only a shared buffer gives FULL bytes to slots.
                 if demand.mamba_slots > 0 && self.layout == Layout::Unified {
                     self.evictions.donor_nodes += actions
@@ -190,6 +194,29 @@ impl HybridCache {
             self.apply(&actions);
             self.alloc.flush_deferred();
         }
+    }
+
+    /// The FULL pass with a host tier: node by node until `floor` pages are released,
+    /// each victim written back first; the frees of a victim whose copy is still running
+    /// are parked until it is done, the others returned to apply now.
+    fn evict_writing_back(&mut self, floor: usize) -> Result<Vec<Action>, Error> {
+        let mut now = Vec::new();
+        let mut released = 0;
+        while released < floor {
+            let Some(victim) = self.tree.next_victim(Component::Full) else {
+                break;
+            };
+            let event = self.write_back(victim)?;
+            let Some(step) = self.tree.evict_one(Component::Full) else {
+                break;
+            };
+            released += unikv_radix::Released::of(&step).full.0 / self.ps;
+            match event {
+                Some(_) => self.apply_after(event, step),
+                None => now.extend(step),
+            }
+        }
+        Ok(now)
     }
 
     /// Evicts every unlocked prefix from the cache (an engine's "flush cache"), applying

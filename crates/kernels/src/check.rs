@@ -318,9 +318,9 @@ pub(crate) fn host_copies(
             };
             (start, start + c.len, i)
         });
-    let (kind, id) = match into {
-        CopyInto::Host => ("host bytes", host.0),
-        CopyInto::Device => ("bytes", buf.0),
+    let id = match into {
+        CopyInto::Host => host.0,
+        CopyInto::Device => buf.0,
     };
     let disjoint = |ranges: &mut dyn Iterator<Item = (u64, u64, usize)>| {
         // In start order, two ranges overlap only if two neighbours do.
@@ -329,11 +329,10 @@ pub(crate) fn host_copies(
             if let Some(p) = prev.filter(|p| d.0 < p.1) {
                 return Err(Error::OverlappingCopies {
                     op,
-                    kind,
                     id,
-                    copy: d.2,
+                    copy: d.2 as u32,
                     dst: d.0..d.1,
-                    other_copy: p.2,
+                    other_copy: p.2 as u32,
                     other: p.0..p.1,
                 });
             }

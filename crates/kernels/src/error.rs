@@ -83,22 +83,20 @@ pub enum Error {
     /// overlapping ranges of the destination buffer, so the outcome would depend on the
     /// order they ran. Refused before anything is issued.
     #[error(
-        "{op}: destination {dst:?} of copy {copy} overlaps destination {other:?} of copy {other_copy} in {kind} {id}"
+        "{op}: destination {dst:?} of copy {copy} overlaps destination {other:?} of copy {other_copy} in destination buffer {id}"
     )]
     OverlappingCopies {
-        /// The op.
+        /// The op (its name says the direction: the destination is host bytes for
+        /// `copy_device_to_host`, bytes for `copy_host_to_device`).
         op: &'static str,
-        /// The destination's kind: `host bytes` for a write-back, `bytes` for a
-        /// load-back.
-        kind: &'static str,
         /// The destination's handle number.
         id: u32,
         /// Index (in the call's slice) of the copy whose destination overlaps.
-        copy: usize,
+        copy: u32,
         /// That destination's byte range.
         dst: std::ops::Range<u64>,
         /// Index of the copy it overlaps.
-        other_copy: usize,
+        other_copy: u32,
         /// That copy's destination range.
         other: std::ops::Range<u64>,
     },

@@ -172,12 +172,12 @@ fn refusals() -> Vec<(&'static str, Call, &'static str)> {
             Box::new(|d, b, h, _| {
                 d.copy_device_to_host(b, h, &[copy(0, 40, 8), copy(64, 0, 16), copy(128, 12, 4)])
             }),
-            r#"OverlappingCopies { op: "copy_device_to_host", kind: "host bytes", id: 0, copy: 2, dst: 12..16, other_copy: 1, other: 0..16 }"#,
+            r#"OverlappingCopies { op: "copy_device_to_host", id: 0, copy: 2, dst: 12..16, other_copy: 1, other: 0..16 }"#,
         ),
         (
             "two load-backs into overlapping device ranges",
             Box::new(|d, b, h, _| d.copy_host_to_device(h, b, &[copy(16, 0, 16), copy(31, 64, 2)])),
-            r#"OverlappingCopies { op: "copy_host_to_device", kind: "bytes", id: 0, copy: 1, dst: 31..33, other_copy: 0, other: 16..32 }"#,
+            r#"OverlappingCopies { op: "copy_host_to_device", id: 0, copy: 1, dst: 31..33, other_copy: 0, other: 16..32 }"#,
         ),
         (
             "an unknown event",

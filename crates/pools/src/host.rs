@@ -217,6 +217,23 @@ impl HostPool {
         self.spare[kind.index()] + u64::from(self.free_frames()) * per
     }
 
+    /// Whether allocations of `need[k]` units of kind [`HostKind::ALL`]`[k]` all fit
+    /// together: kinds share the free frames, so each may fit alone and not all three.
+    pub fn fits(&self, need: [u64; 3]) -> bool {
+        let mut frames = 0u64;
+        for (k, kind) in HostKind::ALL.iter().enumerate() {
+            if need[k] == 0 {
+                continue;
+            }
+            let per = u64::from(self.units_per_frame(*kind));
+            if per == 0 {
+                return false;
+            }
+            frames += need[k].saturating_sub(self.spare[k]).div_ceil(per);
+        }
+        frames <= u64::from(self.free_frames())
+    }
+
     /// `block`'s number among every unit of `kind` the buffer could hold (`frame ×
     /// units per frame + index`): an id that fits a `u32` value of a tree.
     pub fn unit_id(&self, kind: HostKind, block: HostBlock) -> u32 {
@@ -449,6 +466,9 @@ mod tests {
             "full, swa, state"
         );
         assert_eq!(HostKind::ALL.map(|k| p.available(k)), [40, 100, 10]);
+        // Alone each fits; together they need more frames than there are.
+        assert!(p.fits([40, 0, 0]) && p.fits([0, 0, 10]) && !p.fits([4, 0, 10]));
+        assert!(p.fits([4, 10, 8]) && !p.fits([1, 0, 0].map(|_| 41)));
         let b = HostBlock { frame: 3, index: 2 };
         assert_eq!(p.unit_id(HostKind::Full, b), 14);
         assert_eq!(p.block_of(HostKind::Full, 14), Some(b));

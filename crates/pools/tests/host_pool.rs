@@ -71,6 +71,9 @@ proptest! {
                     let free_frames = frames - lent.len() as u64;
                     let available = if per == 0 { 0 } else { lent_here * per - used_here + free_frames * per };
                     prop_assert_eq!(pool.available(kind), available);
+                    let mut one = [0u64; 3];
+                    one[HostKind::ALL.iter().position(|&k| k == kind).unwrap()] = n as u64;
+                    prop_assert_eq!(pool.fits(one), n == 0 || (per > 0 && n as u64 <= available));
                     let mut out = Vec::new();
                     match pool.alloc(kind, n, &mut out) {
                         Ok(()) => {

@@ -1,0 +1,609 @@
+//! The host tier: prefixes the device evicts are written back to a host buffer, and a
+//! later prompt that matches them loads them back instead of recomputing them.
+//!
+//! One mechanism per job, each reused from the device side. The host tier is a second
+//! [`RadixTree`] over the same keys whose values are host units instead of virtual
+//! tokens (a FULL page's host unit id × page size + offset; a state's host unit id as its
+//! slot), so a host match obeys the device's rules — it ends only where the SWA window
+//! behind it and a state at it are on the host — and the host tree's LRU evicts host data
+//! as the device tree's evicts device data, through the same [`Action`]s. [`HostPool`]
+//! keeps the bytes' bookkeeping; only the SWA window's pages behind a written-back
+//! position and the states at positions get host bytes
+//! (`a_demoted_prefix_hits_from_the_host_and_loads_back_its_bytes`).
+//!
+//! Copies are device work in stream order ([`Device::copy_device_to_host`],
+//! [`Device::copy_host_to_device`]), merged into one run per stretch of adjacent pages.
+//! A write-back's device pages are freed once its copy's event is done, learnt by a
+//! non-blocking query; until then they stay held (parked), never waited for. A load-back
+//! keeps its host path locked until its copy is done.
+
+use super::HybridCache;
+use crate::error::Error;
+use crate::request::HostMatch;
+use crate::stats::HostStats;
+use std::collections::HashMap;
+use unikv_kernels::{CopyEvent, Device, HostBytesId, HostCopy};
+use unikv_pools::{FreeOp, HostBlock, HostKind, HostPool, HostPoolSpec, Side, VirtualPage};
+use unikv_radix::{
+    Action, Component, InsertRequest, LockHandle, MambaSlot, NodeId, RadixTree, TokenId,
+    TreeConfig, VirtualToken as TreeToken,
+};
+
+/// A copy whose completion the cache waits for without waiting: what it releases once
+/// its event is done.
+#[derive(Debug)]
+struct Parked {
+    event: CopyEvent,
+    release: Release,
+}
+
+#[derive(Debug)]
+enum Release {
+    /// A write-back's device frees (the evicted node's actions).
+    Device(Vec<Action>),
+    /// A load-back's lock on its host path.
+    HostLock(LockHandle),
+}
+
+/// The host tier of a cache: its pool, its tree and its copies in flight.
+#[derive(Debug)]
+pub(super) struct HostTier {
+    pool: HostPool,
+    tree: RadixTree,
+    buffer: HostBytesId,
+    /// The host SWA unit of each host FULL unit whose page's SWA is on the host.
+    swa: HashMap<u32, u32>,
+    parked: Vec<Parked>,
+    /// Device pages and slots a write-back still holds (parked), per side.
+    pub(super) parked_full: usize,
+    pub(super) parked_swa: usize,
+    pub(super) parked_slots: usize,
+    stats: HostStats,
+}
+
+impl HostTier {
+    /// A host tier of `bytes` for pages and states of the device grids `full`, `swa`
+    /// and `state` (envelope bytes, 0 for an absent side), with a tree like the
+    /// device's (`config`, without its path cap).
+    pub(super) fn new(
+        device: &dyn Device,
+        bytes: u64,
+        units: [u64; 3],
+        config: TreeConfig,
+        scope: unikv_invariants::Scope,
+    ) -> Result<HostTier, Error> {
+        let pool = HostPool::new(HostPoolSpec {
+            total_bytes: bytes,
+            full_page_bytes: units[0],
+            swa_page_bytes: units[1],
+            state_bytes: units[2],
+        })
+        .map_err(|e| Error::Config(format!("host memory: {e}")))?;
+        let ps = config.page_size as u64;
+        let ids = u64::from(pool.frame_count()) * u64::from(pool.units_per_frame(HostKind::Full));
+        if ids.saturating_mul(ps) > u64::from(u32::MAX) {
+            return Err(Error::Config(format!(
+                "host memory of {bytes} bytes holds {ids} FULL pages of {ps} tokens: more \
+                 token ids than 32 bits hold"
+            )));
+        }
+        let mut tree = RadixTree::new(config)?;
+        tree.set_invariant_scope(scope);
+        let buffer = device.alloc_host(pool.frame_count() as u64 * pool.frame_bytes())?;
+        Ok(HostTier {
+            pool,
+            tree,
+            buffer,
+            swa: HashMap::new(),
+            parked: Vec::new(),
+            parked_full: 0,
+            parked_swa: 0,
+            parked_slots: 0,
+            stats: HostStats {
+                total_bytes: bytes,
+                ..HostStats::default()
+            },
+        })
+    }
+
+    fn ps(&self) -> usize {
+        self.tree.config().page_size as usize
+    }
+
+    /// The host tree's match of `key` when it reaches past `device` tokens.
+    pub(super) fn match_beyond(&mut self, key: &[TokenId], device: usize) -> Option<HostMatch> {
+        let m = self.tree.match_prefix(key);
+        if m.len.0 <= device {
+            return None;
+        }
+        let state = self.tree.node(m.node).ok()?.mamba.map(|s| s.0);
+        Some(HostMatch {
+            node: m.node,
+            len: m.len.0,
+            full_hit: m.full_hit.0,
+            values: m.values.to_vec(),
+            state,
+        })
+    }
+
+    /// Frees the host units the host tree's `actions` release. A unit the pool does not
+    /// hold is a conservation breach the step boundary reports; nothing else is freed
+    /// twice.
+    fn apply(&mut self, actions: &[Action]) {
+        let ps = self.ps();
+        let (mut full, mut swa, mut states) = (Vec::new(), Vec::new(), Vec::new());
+        // Each page of `tokens`: its SWA unit when the host holds one, and its FULL unit
+        // into `full` when given.
+        let pages = |map: &mut HashMap<u32, u32>,
+                     tokens: &[TreeToken],
+                     full: Option<&mut Vec<u32>>,
+                     swa: &mut Vec<u32>| {
+            let units = tokens.iter().step_by(ps).map(|t| t.0 / ps as u32);
+            let mut full = full;
+            for unit in units {
+                if let Some(full) = full.as_deref_mut() {
+                    full.push(unit);
+                }
+                swa.extend(map.remove(&unit));
+            }
+        };
+        for action in actions {
+            match action {
+                Action::FreeDeviceKv { tokens }
+                | Action::FreeDeviceKvFullOnly { tokens }
+                | Action::EvictNode { tokens, .. } => {
+                    pages(&mut self.swa, tokens, Some(&mut full), &mut swa)
+                }
+                Action::SwaRebuild { .. } => {}
+                Action::RecoverSwaWithLockedFull { kept, incoming, .. } => {
+                    for (k, i) in kept.iter().zip(incoming).step_by(ps) {
+                        let (k, i) = (k.0 / ps as u32, i.0 / ps as u32);
+                        if let Some(s) = self.swa.remove(&i) {
+                            self.swa.insert(k, s);
+                        }
+                        full.push(i);
+                    }
+                }
+                Action::TombstoneSwa { tokens, .. } => pages(&mut self.swa, tokens, None, &mut swa),
+                Action::EvictMambaState { slot, .. } | Action::FreeMambaSlot { slot } => {
+                    states.push(slot.0)
+                }
+            }
+        }
+        for (kind, ids) in [
+            (HostKind::Full, full),
+            (HostKind::Swa, swa),
+            (HostKind::State, states),
+        ] {
+            let blocks: Vec<HostBlock> = ids
+                .iter()
+                .filter_map(|&id| self.pool.block_of(kind, id))
+                .collect();
+            // A refusal leaves the pool as it was: conservation against the tree then
+            // names the breach at the step boundary.
+            let _ = self.pool.free(kind, &blocks);
+        }
+    }
+
+    /// Host units of `kind` for `n` units, evicting the host tree's least recently used
+    /// prefixes (never the path under `keep`, which is locked meanwhile) until they fit.
+    /// `None` when they cannot.
+    fn take(&mut self, need: [usize; 3], keep: Option<NodeId>) -> Option<[Vec<HostBlock>; 3]> {
+        let lock = keep.and_then(|n| self.tree.lock(n).ok());
+        let fits = |pool: &HostPool| pool.fits(need.map(|n| n as u64));
+        while !fits(&self.pool) {
+            let Some(actions) = self.tree.evict_one(Component::Full) else {
+                break;
+            };
+            self.apply(&actions);
+        }
+        if let Some(lock) = lock {
+            let _ = self.tree.unlock(lock);
+        }
+        if !fits(&self.pool) {
+            return None;
+        }
+        let mut out: [Vec<HostBlock>; 3] = Default::default();
+        for (i, &kind) in HostKind::ALL.iter().enumerate() {
+            if need[i] > 0 && self.pool.alloc(kind, need[i], &mut out[i]).is_err() {
+                // `fits` held, so this is a bookkeeping bug: give back what was taken.
+                for (kind, blocks) in HostKind::ALL.iter().zip(&out) {
+                    let _ = self.pool.free(*kind, blocks);
+                }
+                return None;
+            }
+        }
+        Some(out)
+    }
+
+    fn count_copies(&mut self, copies: &[HostCopy]) {
+        self.stats.copies += copies.len() as u64;
+        for c in copies {
+            self.stats.largest_copy = self.stats.largest_copy.max(c.len);
+        }
+    }
+
+    /// The tier's figures now.
+    pub(super) fn stats(&self) -> HostStats {
+        HostStats {
+            full_bytes: self.pool.held_bytes(HostKind::Full),
+            swa_bytes: self.pool.held_bytes(HostKind::Swa),
+            state_bytes: self.pool.held_bytes(HostKind::State),
+            ..self.stats
+        }
+    }
+
+    fn note_peak(&mut self) {
+        let held: u64 = HostKind::ALL.iter().map(|&k| self.pool.held_bytes(k)).sum();
+        self.stats.peak_bytes = self.stats.peak_bytes.max(held);
+    }
+
+    /// Conservation of the host tier: the pool's own, and every unit it holds is one the
+    /// host tree names (FULL pages and states in the tree, SWA pages of its live nodes).
+    pub(super) fn conservation(&self) -> Result<(), String> {
+        self.pool.conservation()?;
+        let ps = self.ps() as u64;
+        let sizes = self.tree.sizes();
+        let tree_full = (sizes.full_evictable.0 + sizes.full_protected.0) as u64;
+        let tree_swa = (sizes.swa_evictable.0 + sizes.swa_protected.0) as u64 / ps;
+        let tree_states = (sizes.mamba_evictable.0 + sizes.mamba_protected.0) as u64;
+        let pool = [
+            self.pool.held(HostKind::Full) * ps,
+            self.pool.held(HostKind::Swa),
+            self.pool.held(HostKind::State),
+        ];
+        let tree = [tree_full, tree_swa, tree_states];
+        if pool != tree || self.swa.len() as u64 != tree_swa {
+            return Err(format!(
+                "host tier: the pool holds (FULL tokens, SWA pages, states) {pool:?}, the host \
+                 tree names {tree:?}, {} host pages map an SWA unit",
+                self.swa.len()
+            ));
+        }
+        self.tree
+            .sanity_check()
+            .map_err(|e| format!("host tree: {e}"))
+    }
+}
+
+/// Merges per-page copies into runs where both sides are adjacent.
+fn merged(mut copies: Vec<HostCopy>) -> Vec<HostCopy> {
+    copies.sort_unstable_by_key(|c| c.host);
+    let mut out: Vec<HostCopy> = Vec::with_capacity(copies.len());
+    for c in copies {
+        match out.last_mut() {
+            Some(r) if r.host + r.len == c.host && r.device + r.len == c.device => r.len += c.len,
+            _ => out.push(c),
+        }
+    }
+    out
+}
+
+impl HybridCache {
+    /// Writes the prefix ending at device node `victim` back to the host before the
+    /// device evicts it: the FULL pages the host does not hold yet, the SWA pages of the
+    /// window behind its end when they are live, and its state. Returns the copy's event
+    /// when it is still running (the device frees wait for it). A host that cannot make
+    /// room, or a refused copy, skips the write-back: the eviction goes on as without a
+    /// host tier and nothing is lost on either side.
+    pub(super) fn write_back(&mut self, victim: NodeId) -> Result<Option<CopyEvent>, Error> {
+        let Some(host) = self.host.as_mut() else {
+            return Ok(None);
+        };
+        let ps = self.ps;
+        let key = self.tree.path_key(victim)?;
+        let values = self.tree.prefix_values(victim)?.to_vec();
+        let view = self.tree.node(victim)?;
+        let (state, end) = (view.mamba, key.len());
+        let m = host.tree.match_prefix(&key);
+        let hf = m.full_hit.0;
+        let host_state_at_end = hf == end && host.tree.node(m.full_hit_node)?.mamba.is_some();
+        let want_state = state.is_some() && !host_state_at_end;
+        let new_pages = (end - hf) / ps;
+        if new_pages == 0 && !want_state {
+            return Ok(None);
+        }
+        let host_prefix = if hf > 0 {
+            host.tree.prefix_values(m.full_hit_node)?.to_vec()
+        } else {
+            Vec::new()
+        };
+        // The SWA window behind the end and behind the page before it (where a prompt
+        // that repeats this one stops matching: a match never covers its last token),
+        // where it is new on the host and live on the device.
+        let swa_from = if self.has_swa {
+            let window_pages = self.window.div_ceil(ps).max(1);
+            hf.max(end.saturating_sub((window_pages + 1) * ps))
+        } else {
+            end
+        };
+        let swa_live = (swa_from..end).step_by(ps).all(|p| {
+            self.alloc.swa_state(VirtualPage(values[p].0 / ps as u32))
+                == unikv_pools::SwaState::Live
+        });
+        let swa_from = if swa_live { swa_from } else { end };
+        let need = [new_pages, (end - swa_from) / ps, usize::from(want_state)];
+        let host = self.host.as_mut().expect("checked above");
+        let keep = (hf > 0).then_some(m.full_hit_node);
+        let Some(units) = host.take(need, keep) else {
+            host.stats.refused_writes += 1;
+            return Ok(None);
+        };
+        let [full, swa, states] = &units;
+        let mut copies = Vec::with_capacity(full.len() + swa.len() + states.len());
+        let mut host_values = host_prefix;
+        let mut swa_pairs = Vec::with_capacity(swa.len());
+        for (i, &b) in full.iter().enumerate() {
+            let p = hf + i * ps;
+            let unit = host.pool.unit_id(HostKind::Full, b);
+            host_values.extend((0..ps as u32).map(|o| TreeToken(unit * ps as u32 + o)));
+            let page = values[p].0 / ps as u32;
+            let (device, len) = self_device_page(&*self.alloc, Side::Full, page);
+            copies.push(HostCopy {
+                device,
+                host: host.pool.offset(HostKind::Full, b),
+                len,
+            });
+            if p >= swa_from {
+                let s = swa[(p - swa_from) / ps];
+                let (device, len) = self_device_page(&*self.alloc, Side::Swa, page);
+                copies.push(HostCopy {
+                    device,
+                    host: host.pool.offset(HostKind::Swa, s),
+                    len,
+                });
+                swa_pairs.push((unit, host.pool.unit_id(HostKind::Swa, s)));
+            }
+        }
+        let state_unit = match (state, states.first()) {
+            (Some(MambaSlot(slot)), Some(&b)) => {
+                let grid = self.alloc.grid(Side::Mamba);
+                let phys = self
+                    .alloc
+                    .physical_slot(unikv_pools::VirtualSlot(slot))
+                    .unwrap_or(0);
+                copies.push(HostCopy {
+                    device: grid.offset(phys),
+                    host: host.pool.offset(HostKind::State, b),
+                    len: grid.envelope,
+                });
+                Some(host.pool.unit_id(HostKind::State, b))
+            }
+            _ => None,
+        };
+        let copies = merged(copies);
+        if let Err(e) = self
+            .device
+            .copy_device_to_host(self.alloc.buffer(), host.buffer, &copies)
+        {
+            // Nothing was issued: the units go back, the eviction goes on.
+            for (kind, blocks) in HostKind::ALL.iter().zip(&units) {
+                let _ = host.pool.free(*kind, blocks);
+            }
+            host.stats.refused_writes += 1;
+            let _ = e;
+            return Ok(None);
+        }
+        host.count_copies(&copies);
+        host.stats.written_bytes += copies.iter().map(|c| c.len).sum::<u64>();
+        let mut insert = InsertRequest::new(&key, &host_values)
+            .prev_prefix_len(hf)
+            .window_cursor(swa_from);
+        if let Some(unit) = state_unit {
+            insert = insert.mamba(MambaSlot(unit));
+        }
+        let outcome = host.tree.insert(insert)?;
+        host.swa.extend(swa_pairs);
+        host.apply(&outcome.actions);
+        // Rows the host tree did not take (it makes no leaf of tombstones only) go back.
+        let kept = outcome.cached_len.0.max(hf);
+        if kept < end {
+            let untaken: Vec<TreeToken> = host_values[kept..end].to_vec();
+            host.apply(&[Action::FreeDeviceKv { tokens: untaken }]);
+        }
+        host.note_peak();
+        let event = self.device.record_copy_event()?;
+        if self.device.copy_event_done(event)? {
+            self.device.free_copy_event(event)?;
+            Ok(None)
+        } else {
+            Ok(Some(event))
+        }
+    }
+
+    /// Parks `actions` (a write-back's device frees) until `event` is done, counting
+    /// their pages as held meanwhile; applies them at once without an event.
+    pub(super) fn apply_after(&mut self, event: Option<CopyEvent>, actions: Vec<Action>) {
+        let (Some(event), Some(host)) = (event, self.host.as_mut()) else {
+            self.apply(&actions);
+            return;
+        };
+        for a in &actions {
+            let r = a.released();
+            host.parked_full += r.full.0 / self.ps;
+            host.parked_swa += r.swa.0 / self.ps;
+            host.parked_slots += r.mamba.0;
+        }
+        host.parked.push(Parked {
+            event,
+            release: Release::Device(actions),
+        });
+    }
+
+    /// Releases what the copies that completed since the last call held: a write-back's
+    /// device frees, a load-back's host lock. A query per copy, never a wait.
+    pub(super) fn poll_copies(&mut self) -> Result<(), Error> {
+        let Some(host) = self.host.as_mut() else {
+            return Ok(());
+        };
+        let mut done = Vec::new();
+        let mut i = 0;
+        while i < host.parked.len() {
+            if self.device.copy_event_done(host.parked[i].event)? {
+                done.push(host.parked.swap_remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        for parked in done {
+            self.device.free_copy_event(parked.event)?;
+            match parked.release {
+                Release::Device(actions) => {
+                    let host = self.host.as_mut().expect("checked above");
+                    for a in &actions {
+                        let r = a.released();
+                        host.parked_full -= r.full.0 / self.ps;
+                        host.parked_swa -= r.swa.0 / self.ps;
+                        host.parked_slots -= r.mamba.0;
+                    }
+                    self.apply(&actions);
+                }
+                Release::HostLock(lock) => {
+                    self.host
+                        .as_mut()
+                        .expect("checked above")
+                        .tree
+                        .unlock(lock)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Loads the host part of a match into `req`'s new rows (allocated here, after its
+    /// device part) and its running state: FULL pages, the SWA pages the host holds, the
+    /// state at the end. The host path stays locked until the copy is done. On error
+    /// nothing stays allocated or locked.
+    pub(super) fn load_back(
+        &mut self,
+        req: &mut crate::Request,
+        hm: &HostMatch,
+    ) -> Result<(), Error> {
+        let ps = self.ps;
+        let from = req.row.len();
+        let extend = unikv_pools::ExtendRequest {
+            prefix_len: from,
+            seq_len: hm.len,
+            last_token: req.row.last().copied(),
+        };
+        let pages = extend.new_pages(self.alloc.page_size());
+        self.make_room(self.kv_demand(pages))?;
+        self.scratch.clear();
+        let mut rows = std::mem::take(&mut self.scratch);
+        if let Err(e) = self.alloc.alloc_extend(&[extend], &mut rows) {
+            self.scratch = rows;
+            return Err(self.out_of_memory(e));
+        }
+        let host = self.host.as_mut().expect("a host match needs a host tier");
+        let lock = host.tree.lock(hm.node)?;
+        let mut copies = Vec::new();
+        for p in (from..hm.len).step_by(ps) {
+            let unit = hm.values[p].0 / ps as u32;
+            let page = rows[p - from].0 / ps as u32;
+            let Some(b) = host.pool.block_of(HostKind::Full, unit) else {
+                continue;
+            };
+            let (device, len) = self_device_page(&*self.alloc, Side::Full, page);
+            copies.push(HostCopy {
+                device,
+                host: host.pool.offset(HostKind::Full, b),
+                len,
+            });
+            if let Some(b) = host
+                .swa
+                .get(&unit)
+                .and_then(|&s| host.pool.block_of(HostKind::Swa, s))
+            {
+                let (device, len) = self_device_page(&*self.alloc, Side::Swa, page);
+                copies.push(HostCopy {
+                    device,
+                    host: host.pool.offset(HostKind::Swa, b),
+                    len,
+                });
+            }
+        }
+        if let (Some(unit), Some(state)) = (hm.state, &req.state)
+            && let Some(b) = host.pool.block_of(HostKind::State, unit)
+        {
+            let grid = self.alloc.grid(Side::Mamba);
+            let phys = self.alloc.physical_slot(state.running).unwrap_or(0);
+            copies.push(HostCopy {
+                device: grid.offset(phys),
+                host: host.pool.offset(HostKind::State, b),
+                len: grid.envelope,
+            });
+        }
+        let copies = merged(copies);
+        let issued = self
+            .device
+            .copy_host_to_device(host.buffer, self.alloc.buffer(), &copies)
+            .and_then(|()| self.device.record_copy_event());
+        let event = match issued {
+            Ok(event) => event,
+            Err(e) => {
+                let host = self.host.as_mut().expect("checked above");
+                let _ = host.tree.unlock(lock);
+                self.alloc.free_batch(&[FreeOp::KvRow {
+                    row: &rows,
+                    dead_lo: 0,
+                    cursor: 0,
+                    len: rows.len(),
+                }]);
+                rows.clear();
+                self.scratch = rows;
+                return Err(e.into());
+            }
+        };
+        let host = self.host.as_mut().expect("checked above");
+        host.count_copies(&copies);
+        host.stats.loaded_bytes += copies.iter().map(|c| c.len).sum::<u64>();
+        host.stats.hit_tokens += (hm.len - from) as u64;
+        host.parked.push(Parked {
+            event,
+            release: Release::HostLock(lock),
+        });
+        let before = self.held(req);
+        req.row.extend_from_slice(&rows);
+        self.account(before, self.held(req));
+        rows.clear();
+        self.scratch = rows;
+        Ok(())
+    }
+
+    /// Checks the host tier's conservation (at every step boundary, when invariants are
+    /// on).
+    pub(super) fn check_host(&self) -> Result<(), Error> {
+        let Some(host) = &self.host else {
+            return Ok(());
+        };
+        if !unikv_invariants::enabled() {
+            return Ok(());
+        }
+        let result = host.conservation();
+        let holds = result.is_ok();
+        let detail = || result.clone().err().unwrap_or_default();
+        if !self
+            .scope
+            .expect(&crate::invariants_decl::HOST_CONSERVATION, holds, detail)
+        {
+            return Err(Error::Conservation {
+                step: self.step,
+                detail: detail(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The host tier's figures (`None` without one).
+    pub(super) fn host_stats(&self) -> Option<HostStats> {
+        self.host.as_ref().map(HostTier::stats)
+    }
+}
+
+/// The byte offset and length of `page`'s envelope on `side` (the sink's when unmapped:
+/// a page the tree holds is always mapped).
+fn self_device_page(alloc: &dyn unikv_pools::KvAllocator, side: Side, page: u32) -> (u64, u64) {
+    let grid = alloc.grid(side);
+    let phys = alloc.physical_page(side, VirtualPage(page)).unwrap_or(0);
+    (grid.offset(phys), grid.envelope)
+}

@@ -1,0 +1,326 @@
+//! The host tier (issue 40): prefixes the device evicts are written back to host memory
+//! and loaded back, bytes and all, by a later prompt that matches them; a host hit ends
+//! only where the model has everything it needs; an abort frees both tiers; host
+//! eviction never leaves the host tree naming data the pool dropped. Every case on both
+//! layouts, a FULL + SWA, a FULL + Mamba and a tri-pool model, at the matrix's page
+//! sizes, with both tiers' conservation checked at every step boundary.
+
+mod common;
+
+use common::{LAYOUTS, TINY_MAMBA, TINY_TRI, page_sizes, tiny_model};
+use std::sync::Arc;
+use unikv::kernels::{ByteSpan, CpuDevice, Device, HostSync, Readback};
+use unikv::pools::{Side, VirtualPage, VirtualSlot};
+use unikv::{HybridCache, Layout, ModelSpec, Request, TokenId};
+
+/// Pages of the prompts' shared part.
+const PAGES: usize = 8;
+
+struct Case {
+    cache: HybridCache,
+    device: Arc<CpuDevice>,
+    ps: usize,
+    label: String,
+}
+
+fn models() -> [ModelSpec; 3] {
+    [tiny_model(8, 1), TINY_MAMBA, TINY_TRI]
+}
+
+/// Runs `case` for every model, layout and page size, with a host tier of `host(model,
+/// page size)` bytes, then checks that releasing everything frees every device page and
+/// slot.
+fn each(host: impl Fn(ModelSpec, usize) -> u64, case: impl Fn(&mut Case)) {
+    for model in models() {
+        for layout in LAYOUTS {
+            for ps in page_sizes() {
+                let device = Arc::new(CpuDevice::new());
+                let cache = HybridCache::builder()
+                    .model(model)
+                    .layout(layout)
+                    .page_size(ps)
+                    .memory_bytes(memory(model, ps as usize))
+                    .host_memory_bytes(host(model, ps as usize))
+                    .device(device.clone() as Arc<dyn Device>)
+                    .build()
+                    .unwrap();
+                let label = format!("{} {} ps {ps}", model.name, layout.as_str());
+                let mut c = Case {
+                    cache,
+                    device,
+                    ps: ps as usize,
+                    label,
+                };
+                case(&mut c);
+                let cache = &mut c.cache;
+                assert_eq!(cache.stats().live_requests, 0, "{}", c.label);
+                cache.evict_all().unwrap();
+                cache.step_boundary().unwrap();
+                let s = cache.stats();
+                assert_eq!(
+                    (s.full.available_pages, s.mamba.available_pages),
+                    (s.full.total_pages, s.mamba.total_pages),
+                    "{}: every device page and slot is free again",
+                    c.label
+                );
+            }
+        }
+    }
+}
+
+/// Room for a few prompts of [`PAGES`] pages and their states.
+fn memory(model: ModelSpec, ps: usize) -> u64 {
+    let per_token = model.full_bytes_per_token() + model.swa_bytes_per_token();
+    let tokens = (4 * PAGES * ps + 64 * ps) as u64;
+    tokens * per_token + 16 * model.state_bytes_per_request() + (1 << 16)
+}
+
+/// `PAGES` pages of `first`'s tokens, then `tail` tokens of their own (prompts with
+/// tails of different lengths part at the tail's first token).
+fn prompt(first: u32, tail: usize, ps: usize) -> Vec<TokenId> {
+    let mut p: Vec<TokenId> = (0..(PAGES * ps) as u32)
+        .map(|i| TokenId(first * 1_000_000 + i))
+        .collect();
+    p.extend(
+        (0..tail as u32).map(|i| TokenId(900_000_000 + first * 100_000 + tail as u32 * 1_000 + i)),
+    );
+    p
+}
+
+/// A next turn after `prompt(first, 1, ps)`: that prompt, then `ps + 1` new tokens.
+fn follow_up(first: u32, ps: usize) -> Vec<TokenId> {
+    let mut p = prompt(first, 1, ps);
+    p.extend((0..=ps as u32).map(|i| TokenId(800_000_000 + first * 1_000 + i)));
+    p
+}
+
+impl Case {
+    /// Admits `p`, prefills it whole and returns the request.
+    fn prefill(&mut self, p: Vec<TokenId>) -> Request {
+        let hit = self.cache.match_prefix(p);
+        let mut req = self.cache.admit(hit).unwrap();
+        let n = req.remaining_prefill();
+        self.cache.alloc_extend(&mut req, n).unwrap();
+        req
+    }
+
+    fn page_span(&self, side: Side, token: unikv::pools::VirtualToken) -> ByteSpan {
+        let alloc = self.cache.allocator();
+        let grid = alloc.grid(side);
+        let phys = alloc
+            .physical_page(side, VirtualPage(token.0 / self.ps as u32))
+            .expect("a mapped page");
+        ByteSpan {
+            offset: grid.offset(phys),
+            len: grid.envelope,
+        }
+    }
+
+    fn slot_span(&self, slot: VirtualSlot) -> ByteSpan {
+        let alloc = self.cache.allocator();
+        let grid = alloc.grid(Side::Mamba);
+        ByteSpan {
+            offset: grid.offset(alloc.physical_slot(slot).expect("a mapped slot")),
+            len: grid.envelope,
+        }
+    }
+
+    fn fill(&self, span: ByteSpan, value: u8) {
+        let buf = self.cache.allocator().buffer();
+        self.device.fill_spans(buf, &[span], value).unwrap();
+    }
+
+    fn read(&self, span: ByteSpan) -> Vec<u8> {
+        let buf = self.cache.allocator().buffer();
+        self.device
+            .read_bytes(&HostSync::acquire("test"), buf, span.offset, span.len)
+            .unwrap()
+    }
+
+    fn has_swa(&self) -> bool {
+        self.cache.model().swa_layers > 0
+    }
+
+    /// Evicts every unlocked prefix from the device through the eviction loop (which
+    /// writes back), not `evict_all` (a flush).
+    fn demote_all(&mut self) {
+        let s = self.cache.stats();
+        self.cache
+            .evict_to_free(s.full.available_pages + s.full.evictable_pages, 0)
+            .unwrap();
+        self.cache.step_boundary().unwrap();
+    }
+}
+
+/// Byte a page `i` of the shared prompt is marked with (FULL), and its SWA page.
+fn mark(i: usize) -> (u8, u8) {
+    (1 + i as u8, 0x40 + i as u8)
+}
+
+const STATE_MARK: u8 = 0x77;
+
+/// A finished prompt, marked byte by byte on the device, is evicted (written back);
+/// a prompt sharing its pages then matches it on the host, and admission loads the
+/// FULL pages, the SWA window's pages and the state back into the request's own rows,
+/// byte for byte.
+#[test]
+fn a_demoted_prefix_hits_from_the_host_and_loads_back_its_bytes() {
+    each(
+        |_, _| 1 << 22,
+        |c| {
+            let ps = c.ps;
+            let a = c.prefill(prompt(1, 1, ps));
+            let len = a.len();
+            // Mark the rows (the tree adopts them when the request finishes) and its states.
+            for (i, t) in a.row().iter().step_by(ps).enumerate() {
+                c.fill(c.page_span(Side::Full, *t), mark(i).0);
+                if c.has_swa() {
+                    c.fill(c.page_span(Side::Swa, *t), mark(i).1);
+                }
+            }
+            for w in a.held_checkpoints() {
+                c.fill(c.slot_span(w.slot), STATE_MARK);
+            }
+            c.cache.cache_finished(a).unwrap();
+            c.cache.step_boundary().unwrap();
+            // What the device serves a next turn: the host must serve the same.
+            let on_device = c.cache.match_prefix(follow_up(1, ps)).cached_tokens();
+            assert!(
+                on_device >= len / ps * ps - ps && on_device > 0,
+                "{}",
+                c.label
+            );
+            c.demote_all();
+            let label = c.label.clone();
+            let host = c.cache.stats().host.unwrap();
+            assert!(
+                host.written_bytes > 0 && host.full_bytes > 0,
+                "{label}: {host:?}"
+            );
+
+            let hit = c.cache.match_prefix(follow_up(1, ps));
+            assert_eq!(hit.device_tokens(), 0, "{label}");
+            assert_eq!(hit.host_tokens(), on_device, "{label}");
+            let b = c.cache.admit(hit).unwrap();
+            assert_eq!(b.cached_at_admission(), on_device, "{label}");
+            let window_pages = c.cache.model().window.div_ceil(ps as u32) as usize;
+            let pages = on_device / ps;
+            for (i, t) in b.row()[..on_device].iter().step_by(ps).enumerate() {
+                let full = c.read(c.page_span(Side::Full, *t));
+                assert!(
+                    full.iter().all(|&x| x == mark(i).0),
+                    "{label}: FULL page {i}"
+                );
+                if c.has_swa() && i + window_pages >= pages {
+                    let swa = c.read(c.page_span(Side::Swa, *t));
+                    assert!(swa.iter().all(|&x| x == mark(i).1), "{label}: SWA page {i}");
+                }
+            }
+            if let Some(slot) = b.state_slot() {
+                let bytes = c.read(c.slot_span(slot));
+                assert!(bytes.iter().all(|&x| x == STATE_MARK), "{label}: state");
+            }
+            c.cache.release(b).unwrap();
+            c.cache.step_boundary().unwrap();
+            let host = c.cache.stats().host.unwrap();
+            assert_eq!(host.hit_tokens, on_device as u64, "{label}");
+            assert!(
+                host.loaded_bytes > 0 && host.copies > 0,
+                "{label}: {host:?}"
+            );
+        },
+    );
+}
+
+/// A host tier too small for the prefixes it is given keeps what fits (least recently
+/// used goes), never names data it dropped, and serves what it kept: the pool and the
+/// host tree agree at every boundary (checked there), and every host match loads.
+#[test]
+fn a_small_host_tier_evicts_lru_and_never_names_what_it_dropped() {
+    // Room for about three of the six prompts.
+    let three = |model: ModelSpec, ps: usize| {
+        let per_token = model.full_bytes_per_token() + model.swa_bytes_per_token();
+        3 * ((PAGES + 2) * ps) as u64 * per_token + 3 * model.state_bytes_per_request()
+    };
+    each(three, |c| {
+        let ps = c.ps;
+        for first in 1..=6 {
+            let a = c.prefill(prompt(first, 1, ps));
+            c.cache.cache_finished(a).unwrap();
+            c.cache.step_boundary().unwrap();
+            c.demote_all();
+        }
+        let mut hits = Vec::new();
+        for first in 1..=6 {
+            let hit = c.cache.match_prefix(follow_up(first, ps));
+            let host = hit.host_tokens();
+            let b = c.cache.admit(hit).unwrap();
+            assert_eq!(b.cached_at_admission(), host, "{}", c.label);
+            hits.push(host > 0);
+            c.cache.release(b).unwrap();
+            c.cache.step_boundary().unwrap();
+        }
+        // The oldest went, the newest stayed.
+        assert!(!hits[0] && hits[5], "{}: {hits:?}", c.label);
+    });
+}
+
+/// A request admitted with a host hit and released at once (an abort right after its
+/// load) frees its device rows and leaves the host prefix cached and unlocked.
+#[test]
+fn an_abort_after_a_load_frees_both_tiers() {
+    each(
+        |_, _| 1 << 22,
+        |c| {
+            let ps = c.ps;
+            let a = c.prefill(prompt(1, 1, ps));
+            c.cache.cache_finished(a).unwrap();
+            c.cache.step_boundary().unwrap();
+            c.demote_all();
+            let hit = c.cache.match_prefix(follow_up(1, ps));
+            let host = hit.host_tokens();
+            assert!(host > 0, "{}", c.label);
+            let b = c.cache.admit(hit).unwrap();
+            c.cache.release(b).unwrap();
+            c.cache.step_boundary().unwrap();
+            // The host still holds it: the next match hits it again.
+            let again = c.cache.match_prefix(follow_up(1, ps));
+            assert_eq!(again.host_tokens(), host, "{}", c.label);
+        },
+    );
+}
+
+/// Without a host tier nothing changes: no host figures, and an evicted prefix is gone.
+#[test]
+fn without_a_host_tier_an_evicted_prefix_is_recomputed() {
+    each(
+        |_, _| 0,
+        |c| {
+            assert!(c.cache.stats().host.is_none());
+            let ps = c.ps;
+            let a = c.prefill(prompt(1, 1, ps));
+            c.cache.cache_finished(a).unwrap();
+            c.cache.step_boundary().unwrap();
+            c.demote_all();
+            let hit = c.cache.match_prefix(prompt(1, ps + 1, ps));
+            assert_eq!(
+                (hit.cached_tokens(), hit.host_tokens()),
+                (0, 0),
+                "{}",
+                c.label
+            );
+        },
+    );
+}
+
+#[test]
+fn a_host_tier_that_holds_nothing_is_refused() {
+    let err = HybridCache::builder()
+        .model(TINY_MAMBA)
+        .layout(Layout::Unified)
+        .memory_bytes(1 << 20)
+        .host_memory_bytes(8)
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("host memory"), "{err}");
+}
