@@ -539,3 +539,50 @@ impl PendingVerify {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_commit_saves_each_checkpoint_then_the_running_slot_from_the_entry_at_its_position() {
+        let entries: Vec<LogEntry> = (0..4).map(|i| LogEntry { slot: 9, index: i }).collect();
+        let commit = StateCommit {
+            request: 1,
+            running: 70,
+            entries: &entries,
+            checkpoints: &[(1, 50), (3, 51)],
+        };
+        let saves: Vec<(LogEntry, u32)> = commit.saves().collect();
+        assert_eq!(
+            saves,
+            [(entries[0], 50), (entries[2], 51), (entries[3], 70)]
+        );
+        // Nothing accepted: nothing to save (the running slot already holds its state).
+        let none = StateCommit {
+            entries: &[],
+            checkpoints: &[],
+            ..commit
+        };
+        assert_eq!(none.saves().count(), 0);
+    }
+
+    #[test]
+    fn a_log_entry_as_large_as_a_slot_fits_one_to_a_slot_and_a_larger_one_none() {
+        assert_eq!(
+            ScratchShape::replaying(5, 100, 100),
+            Some(ScratchShape {
+                width: 5,
+                entries_per_slot: 1
+            })
+        );
+        assert_eq!(ScratchShape::replaying(5, 100, 101), None);
+        assert_eq!(ScratchShape::replaying(5, 100, 0), None);
+        assert_eq!(
+            ScratchShape::replaying(5, 100, 30)
+                .unwrap()
+                .entries_per_slot,
+            3
+        );
+    }
+}
