@@ -168,7 +168,7 @@ impl HybridCache {
             let actions = if plan.full_pages > 0 {
                 let floor = plan.full_floor_pages.max(1);
                 let actions = if self.host.is_some() {
-                    self.evict_writing_back(floor)?
+                    self.evict_writing_back(Component::Full, floor)?
                 } else {
                     self.tree
                         .evict_until(Component::Full, |r| r.full.0 / ps >= floor)
@@ -182,10 +182,21 @@ impl HybridCache {
                         .count() as u64;
                 }
                 Some(actions).filter(|a| !a.is_empty())
-            } else if plan.swa_pages > 0 {
-                self.tree.evict_one(Component::Swa)
             } else {
-                self.tree.evict_one(Component::Mamba)
+                let component = if plan.swa_pages > 0 {
+                    Component::Swa
+                } else {
+                    Component::Mamba
+                };
+                if self.host.is_some() {
+                    // One node; its frees may be parked behind its write-back.
+                    let before = self.tree.sizes();
+                    let now = self.evict_writing_back(component, 1)?;
+                    let progressed = self.tree.sizes() != before;
+                    Some(now).filter(|a| !a.is_empty() || progressed)
+                } else {
+                    self.tree.evict_one(component)
+                }
             };
             let Some(actions) = actions else {
                 return Err(self.oom(demand));
@@ -196,21 +207,30 @@ impl HybridCache {
         }
     }
 
-    /// The FULL pass with a host tier: node by node until `floor` pages are released,
-    /// each victim written back first; the frees of a victim whose copy is still running
-    /// are parked until it is done, the others returned to apply now.
-    fn evict_writing_back(&mut self, floor: usize) -> Result<Vec<Action>, Error> {
+    /// An eviction pass with a host tier: node by node until `floor` pages (FULL) or
+    /// nodes (SWA, Mamba) are released, each victim written back first (an SWA
+    /// tombstone or a state eviction would otherwise leave the host a prefix it cannot
+    /// end a match at); the frees of a victim whose copy is still running are parked
+    /// until it is done, the others returned to apply now.
+    fn evict_writing_back(
+        &mut self,
+        component: Component,
+        floor: usize,
+    ) -> Result<Vec<Action>, Error> {
         let mut now = Vec::new();
         let mut released = 0;
         while released < floor {
-            let Some(victim) = self.tree.next_victim(Component::Full) else {
+            let Some(victim) = self.tree.next_victim(component) else {
                 break;
             };
             let event = self.write_back(victim)?;
-            let Some(step) = self.tree.evict_one(Component::Full) else {
+            let Some(step) = self.tree.evict_one(component) else {
                 break;
             };
-            released += unikv_radix::Released::of(&step).full.0 / self.ps;
+            released += match component {
+                Component::Full => unikv_radix::Released::of(&step).full.0 / self.ps,
+                Component::Swa | Component::Mamba => 1,
+            };
             match event {
                 Some(_) => self.apply_after(event, step),
                 None => now.extend(step),
