@@ -324,3 +324,84 @@ fn a_host_tier_that_holds_nothing_is_refused() {
         .unwrap_err();
     assert!(err.to_string().contains("host memory"), "{err}");
 }
+
+/// A turn that decoded past its window (its SWA behind the window released) and was
+/// evicted still serves its next turn from the host: the write-back takes the live
+/// stretch of the window behind the end, whatever the device released before it.
+#[test]
+fn a_turn_decoded_past_its_window_serves_its_next_turn_from_the_host() {
+    each(
+        |_, _| 1 << 22,
+        |c| {
+            let ps = c.ps;
+            let mut a = c.prefill(prompt(1, 1, ps));
+            c.cache.step_boundary().unwrap();
+            // Decode three windows' worth (and at least three pages).
+            let n = (3 * c.cache.model().window as usize).max(3 * ps) as u32;
+            for t in 0..n {
+                c.cache
+                    .alloc_decode(&mut [&mut a], &[TokenId(700_000_000 + t)])
+                    .unwrap();
+                c.cache.step_boundary().unwrap();
+            }
+            let mut next: Vec<TokenId> = a.tokens().to_vec();
+            next.extend((0..=ps as u32).map(|i| TokenId(600_000_000 + i)));
+            c.cache.cache_finished(a).unwrap();
+            c.cache.step_boundary().unwrap();
+            let on_device = c.cache.match_prefix(next.clone()).cached_tokens();
+            c.demote_all();
+            let hit = c.cache.match_prefix(next);
+            assert_eq!(
+                (hit.device_tokens(), hit.host_tokens()),
+                (0, on_device),
+                "{}",
+                c.label
+            );
+            let b = c.cache.admit(hit).unwrap();
+            c.cache.release(b).unwrap();
+            c.cache.step_boundary().unwrap();
+        },
+    );
+}
+
+/// Only anchors go to the host: a prompt's grid state (a checkpoint-grid point inside
+/// it) is dropped with its device copy, its prompt-end state is written back.
+#[test]
+fn grid_states_are_not_written_back() {
+    for layout in LAYOUTS {
+        let device = Arc::new(CpuDevice::new());
+        let mut cache = HybridCache::builder()
+            .model(TINY_MAMBA)
+            .layout(layout)
+            .page_size(16)
+            .checkpoint_interval(64)
+            .memory_bytes(1 << 20)
+            .host_memory_bytes(1 << 22)
+            .device(device as Arc<dyn Device>)
+            .build()
+            .unwrap();
+        // 230 tokens: a grid state at 192, the prompt's last whole page ends at 224.
+        let p: Vec<TokenId> = (0..230).map(TokenId).collect();
+        let hit = cache.match_prefix(p.clone());
+        let mut a = cache.admit(hit).unwrap();
+        cache.alloc_extend(&mut a, 230).unwrap();
+        let at: Vec<usize> = a.checkpoint_writes().iter().map(|w| w.at_len).collect();
+        assert_eq!(at, [192, 224], "{layout}");
+        cache.cache_finished(a).unwrap();
+        cache.step_boundary().unwrap();
+        let s = cache.stats();
+        cache
+            .evict_to_free(s.full.available_pages + s.full.evictable_pages, 0)
+            .unwrap();
+        cache.step_boundary().unwrap();
+        let host = cache.stats().host.unwrap();
+        let state = cache.allocator().grid(Side::Mamba).envelope;
+        assert_eq!(
+            host.state_bytes, state,
+            "{layout}: one state, the prompt end's"
+        );
+        let mut next = p;
+        next.push(TokenId(5_000));
+        assert_eq!(cache.match_prefix(next).host_tokens(), 224, "{layout}");
+    }
+}

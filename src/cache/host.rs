@@ -294,7 +294,12 @@ impl HybridCache {
         let key = self.tree.path_key(victim)?;
         let values = self.tree.prefix_values(victim)?.to_vec();
         let view = self.tree.node(victim)?;
-        let (state, end) = (view.mamba, key.len());
+        // Grid states inside a prompt serve only a request that leaves the path before
+        // the next state: not worth a state's host bytes.
+        let state = view
+            .mamba
+            .filter(|_| view.mamba_role == Some(unikv_radix::StateRole::Anchor));
+        let end = key.len();
         let m = host.tree.match_prefix(&key);
         let hf = m.full_hit.0;
         let host_state_at_end = hf == end && host.tree.node(m.full_hit_node)?.mamba.is_some();
@@ -317,11 +322,18 @@ impl HybridCache {
         } else {
             end
         };
-        let swa_live = (swa_from..end).step_by(ps).all(|p| {
-            self.alloc.swa_state(VirtualPage(values[p].0 / ps as u32))
+        // The longest live stretch ending at the end (a decode released the SWA behind
+        // its window, so the page before the window may be gone already).
+        let mut live_from = end;
+        while live_from > swa_from
+            && self
+                .alloc
+                .swa_state(VirtualPage(values[live_from - ps].0 / ps as u32))
                 == unikv_pools::SwaState::Live
-        });
-        let swa_from = if swa_live { swa_from } else { end };
+        {
+            live_from -= ps;
+        }
+        let swa_from = live_from;
         let need = [new_pages, (end - swa_from) / ps, usize::from(want_state)];
         let host = self.host.as_mut().expect("checked above");
         let keep = (hf > 0).then_some(m.full_hit_node);
