@@ -422,6 +422,12 @@ impl HybridCache {
         &self.tree
     }
 
+    /// The host tier's prefix tree (its values are host units), for read-only inspection;
+    /// `None` without a host tier ([`HybridCacheBuilder::host_memory_bytes`]).
+    pub fn host_tree(&self) -> Option<&RadixTree> {
+        self.host.as_ref().map(|h| h.tree())
+    }
+
     /// The cache's invariant scope: its allocator and its tree count their breaches in it,
     /// [`HybridCache::step_boundary`] polls it, and its report is this cache's alone
     /// (another cache in the process has its own). Its fail mode can be set through it.
@@ -552,6 +558,15 @@ impl HybridCache {
         } else {
             None
         };
+        let host_lock = match self.lock_host(&hit) {
+            Ok(l) => l,
+            Err(e) => {
+                if let Some(lock) = lock {
+                    self.tree.unlock(lock)?;
+                }
+                return Err(e);
+            }
+        };
         let state = match self.states {
             Some(_) => {
                 // A host part brings its own state (loaded into the running slot below).
@@ -567,6 +582,7 @@ impl HybridCache {
                         if let Some(lock) = lock {
                             self.tree.unlock(lock)?;
                         }
+                        self.unlock_host(host_lock)?;
                         return Err(e);
                     }
                 }
@@ -592,10 +608,11 @@ impl HybridCache {
             state,
             verifies: Default::default(),
         };
-        if let Some(host) = &hit.host
-            && let Err(e) = self.load_back(&mut req, host)
+        if let (Some(host), Some(host_lock)) = (&hit.host, host_lock)
+            && let Err(e) = self.load_back(&mut req, host, host_lock)
         {
             // Nothing was loaded: the request goes as if never admitted.
+            self.unlock_host(Some(host_lock))?;
             self.release(req)?;
             return Err(e);
         }

@@ -223,7 +223,14 @@ impl HybridCache {
             let Some(victim) = self.tree.next_victim(component) else {
                 break;
             };
-            let event = self.write_back(victim)?;
+            let event = match self.write_back(victim) {
+                Ok(event) => event,
+                Err(e) => {
+                    // What this pass evicted is out of the tree: its frees go now.
+                    self.apply(&now);
+                    return Err(e);
+                }
+            };
             let Some(step) = self.tree.evict_one(component) else {
                 break;
             };

@@ -106,6 +106,11 @@ impl HostTier {
         })
     }
 
+    /// Its tree.
+    pub(super) fn tree(&self) -> &RadixTree {
+        &self.tree
+    }
+
     fn ps(&self) -> usize {
         self.tree.config().page_size as usize
     }
@@ -384,18 +389,23 @@ impl HybridCache {
             _ => None,
         };
         let copies = merged(copies);
-        if let Err(e) = self
+        let issued = self
             .device
             .copy_device_to_host(self.alloc.buffer(), host.buffer, &copies)
-        {
-            // Nothing was issued: the units go back, the eviction goes on.
-            for (kind, blocks) in HostKind::ALL.iter().zip(&units) {
-                let _ = host.pool.free(*kind, blocks);
+            .and_then(|()| self.device.record_copy_event());
+        let event = match issued {
+            Ok(event) => event,
+            Err(_) => {
+                // Refused (nothing issued), or issued with no event to learn its end by:
+                // the host does not take it (a later write-back of the units is ordered
+                // after it), and the eviction goes on as without a host tier.
+                for (kind, blocks) in HostKind::ALL.iter().zip(&units) {
+                    let _ = host.pool.free(*kind, blocks);
+                }
+                host.stats.refused_writes += 1;
+                return Ok(None);
             }
-            host.stats.refused_writes += 1;
-            let _ = e;
-            return Ok(None);
-        }
+        };
         host.count_copies(&copies);
         host.stats.written_bytes += copies.iter().map(|c| c.len).sum::<u64>();
         let mut insert = InsertRequest::new(&key, &host_values)
@@ -414,9 +424,9 @@ impl HybridCache {
             host.apply(&[Action::FreeDeviceKv { tokens: untaken }]);
         }
         host.note_peak();
-        let event = self.device.record_copy_event()?;
-        if self.device.copy_event_done(event)? {
-            self.device.free_copy_event(event)?;
+        // A query that fails counts as not done: the frees wait for the next one.
+        if self.device.copy_event_done(event).unwrap_or(false) {
+            let _ = self.device.free_copy_event(event);
             Ok(None)
         } else {
             Ok(Some(event))
@@ -430,12 +440,10 @@ impl HybridCache {
             self.apply(&actions);
             return;
         };
-        for a in &actions {
-            let r = a.released();
-            host.parked_full += r.full.0 / self.ps;
-            host.parked_swa += r.swa.0 / self.ps;
-            host.parked_slots += r.mamba.0;
-        }
+        let [full, swa, slots] = parked_pages(&actions, self.ps, self.has_swa);
+        host.parked_full += full;
+        host.parked_swa += swa;
+        host.parked_slots += slots;
         host.parked.push(Parked {
             event,
             release: Release::Device(actions),
@@ -451,23 +459,27 @@ impl HybridCache {
         let mut done = Vec::new();
         let mut i = 0;
         while i < host.parked.len() {
-            if self.device.copy_event_done(host.parked[i].event)? {
+            // A query that fails counts as not done: asked again at the next boundary.
+            if self
+                .device
+                .copy_event_done(host.parked[i].event)
+                .unwrap_or(false)
+            {
                 done.push(host.parked.swap_remove(i));
             } else {
                 i += 1;
             }
         }
         for parked in done {
-            self.device.free_copy_event(parked.event)?;
+            // A handle the device fails to release costs the device a handle, nothing here.
+            let _ = self.device.free_copy_event(parked.event);
             match parked.release {
                 Release::Device(actions) => {
                     let host = self.host.as_mut().expect("checked above");
-                    for a in &actions {
-                        let r = a.released();
-                        host.parked_full -= r.full.0 / self.ps;
-                        host.parked_swa -= r.swa.0 / self.ps;
-                        host.parked_slots -= r.mamba.0;
-                    }
+                    let [full, swa, slots] = parked_pages(&actions, self.ps, self.has_swa);
+                    host.parked_full -= full;
+                    host.parked_swa -= swa;
+                    host.parked_slots -= slots;
                     self.apply(&actions);
                 }
                 Release::HostLock(lock) => {
@@ -482,14 +494,36 @@ impl HybridCache {
         Ok(())
     }
 
+    /// Locks the host path of a match before admission makes room (a write-back could
+    /// otherwise evict it from the host): `None` without a host part.
+    pub(super) fn lock_host(
+        &mut self,
+        hit: &crate::PrefixMatch,
+    ) -> Result<Option<LockHandle>, Error> {
+        match (&hit.host, self.host.as_mut()) {
+            (Some(hm), Some(host)) => Ok(Some(host.tree.lock(hm.node)?)),
+            _ => Ok(None),
+        }
+    }
+
+    /// Gives back a lock [`HybridCache::lock_host`] took.
+    pub(super) fn unlock_host(&mut self, lock: Option<LockHandle>) -> Result<(), Error> {
+        if let (Some(lock), Some(host)) = (lock, self.host.as_mut()) {
+            host.tree.unlock(lock)?;
+        }
+        Ok(())
+    }
+
     /// Loads the host part of a match into `req`'s new rows (allocated here, after its
     /// device part) and its running state: FULL pages, the SWA pages the host holds, the
-    /// state at the end. The host path stays locked until the copy is done. On error
-    /// nothing stays allocated or locked.
+    /// state at the end. `lock` (from [`HybridCache::lock_host`]) holds the host path;
+    /// it is released once the copy is done. On error nothing stays allocated, and the
+    /// lock is the caller's to release.
     pub(super) fn load_back(
         &mut self,
         req: &mut crate::Request,
         hm: &HostMatch,
+        lock: LockHandle,
     ) -> Result<(), Error> {
         let ps = self.ps;
         let from = req.row.len();
@@ -507,8 +541,9 @@ impl HybridCache {
             return Err(self.out_of_memory(e));
         }
         let host = self.host.as_mut().expect("a host match needs a host tier");
-        let lock = host.tree.lock(hm.node)?;
         let mut copies = Vec::new();
+        // Rows from here to the end get their SWA from the host; those below keep none.
+        let mut swa_lo = hm.len;
         for p in (from..hm.len).step_by(ps) {
             let unit = hm.values[p].0 / ps as u32;
             let page = rows[p - from].0 / ps as u32;
@@ -521,6 +556,15 @@ impl HybridCache {
                 host: host.pool.offset(HostKind::Full, b),
                 len,
             });
+            match host
+                .swa
+                .get(&unit)
+                .and_then(|&s| host.pool.block_of(HostKind::Swa, s))
+            {
+                Some(_) if swa_lo == hm.len => swa_lo = p,
+                Some(_) => {}
+                None => swa_lo = hm.len,
+            }
             if let Some(b) = host
                 .swa
                 .get(&unit)
@@ -553,8 +597,6 @@ impl HybridCache {
         let event = match issued {
             Ok(event) => event,
             Err(e) => {
-                let host = self.host.as_mut().expect("checked above");
-                let _ = host.tree.unlock(lock);
                 self.alloc.free_batch(&[FreeOp::KvRow {
                     row: &rows,
                     dead_lo: 0,
@@ -566,6 +608,19 @@ impl HybridCache {
                 return Err(e.into());
             }
         };
+        let before = self.held(req);
+        req.row.extend_from_slice(&rows);
+        self.account(before, self.held(req));
+        rows.clear();
+        self.scratch = rows;
+        // The loaded rows below the window the host held have SWA pages with nothing in
+        // them: released, as a decode releases what leaves its window.
+        if self.has_swa && swa_lo > from {
+            self.alloc
+                .free_swa_segment(unikv_pools::Segment::of_row(&req.row, from..swa_lo))?;
+            self.window_released(req, swa_lo)?;
+        }
+        // Last, so that no error path after it hands the lock back twice.
         let host = self.host.as_mut().expect("checked above");
         host.count_copies(&copies);
         host.stats.loaded_bytes += copies.iter().map(|c| c.len).sum::<u64>();
@@ -574,11 +629,6 @@ impl HybridCache {
             event,
             release: Release::HostLock(lock),
         });
-        let before = self.held(req);
-        req.row.extend_from_slice(&rows);
-        self.account(before, self.held(req));
-        rows.clear();
-        self.scratch = rows;
         Ok(())
     }
 
@@ -610,6 +660,14 @@ impl HybridCache {
     pub(super) fn host_stats(&self) -> Option<HostStats> {
         self.host.as_ref().map(HostTier::stats)
     }
+}
+
+/// The FULL pages, SWA pages (none without SWA layers: the tree counts a node's side
+/// as live then) and state slots `actions` release.
+fn parked_pages(actions: &[Action], ps: usize, has_swa: bool) -> [usize; 3] {
+    let r = unikv_radix::Released::of(actions);
+    let swa = if has_swa { r.swa.0 / ps } else { 0 };
+    [r.full.0 / ps, swa, r.mamba.0]
 }
 
 /// The byte offset and length of `page`'s envelope on `side` (the sink's when unmapped:

@@ -56,7 +56,11 @@ impl HybridCache {
     }
 
     /// Moves `req`'s cursor to `new_cursor` once the SWA below it is freed.
-    fn window_released(&mut self, req: &mut Request, new_cursor: usize) -> Result<(), Error> {
+    pub(super) fn window_released(
+        &mut self,
+        req: &mut Request,
+        new_cursor: usize,
+    ) -> Result<(), Error> {
         let before = self.held(req);
         req.cursor = new_cursor;
         self.account(before, self.held(req));

@@ -159,6 +159,9 @@ impl Sim {
         if let Some(replay) = sc.state_replay() {
             builder = builder.state_replay(replay);
         }
+        if let Some(bytes) = sc.host_memory_bytes {
+            builder = builder.host_memory_bytes(bytes);
+        }
         if sc.model.has_recurrent_state() {
             let ps = sc.page_size;
             builder = builder
@@ -293,6 +296,13 @@ impl Sim {
                 return Err(self.fail(format!("leaked {side:?}")));
             }
         }
+        if let Some(host) = stats.host {
+            self.out.host_seeds += 1;
+            self.out.host_hit_tokens += host.hit_tokens;
+            self.out.host_written_bytes += host.written_bytes;
+            self.out.host_loaded_bytes += host.loaded_bytes;
+            self.out.host_refused_writes += host.refused_writes;
+        }
         self.out.steps = self.sc.steps;
         Ok(self.out)
     }
@@ -400,8 +410,18 @@ impl Sim {
     }
 
     /// The oracle's match for `prompt`: see the module docs.
-    fn oracle(&self, prompt: &[TokenId]) -> usize {
-        let tree: &RadixTree = self.cache.tree();
+    /// What a match of `prompt` must serve: the longest valid end the device tree
+    /// holds, or the host tier's when longer (its tree has the same rules).
+    fn oracle(&self, prompt: &[TokenId]) -> (usize, usize) {
+        let device = self.oracle_in(self.cache.tree(), prompt);
+        let host = self
+            .cache
+            .host_tree()
+            .map_or(0, |tree| self.oracle_in(tree, prompt));
+        (device, device.max(host))
+    }
+
+    fn oracle_in(&self, tree: &RadixTree, prompt: &[TokenId]) -> usize {
         let key = &prompt[..prompt.len().saturating_sub(1)];
         let key_len = key.len() / self.ps * self.ps;
         let window = if self.sc.model.swa_layers > 0 {
@@ -448,13 +468,15 @@ impl Sim {
         let cap = 2 + (self.sc.seed % 6) as usize;
         while self.running.len() < cap && !self.waiting.is_empty() {
             let (prompt, output) = self.waiting[0].clone();
-            let expected = self.oracle(&prompt);
+            let (device, expected) = self.oracle(&prompt);
             let hit = self.cache.match_prefix(prompt);
-            if hit.cached_tokens() != expected {
+            if (hit.device_tokens(), hit.cached_tokens()) != (device, expected) {
                 return Err(self.fail(format!(
-                    "a match of {} tokens served {} cached tokens, the oracle says {expected}",
+                    "a match of {} tokens served {} cached tokens ({} on the device), the \
+                     oracle says {expected} ({device})",
                     hit.prompt_len(),
-                    hit.cached_tokens()
+                    hit.cached_tokens(),
+                    hit.device_tokens()
                 )));
             }
             if self.chance(40) {

@@ -256,6 +256,17 @@ pub fn run_command(
                     total.settle_faults_after_effect
                 )
             })
+            .and_then(|()| {
+                writeln!(
+                    out,
+                    "sim: host tier: {} seeds, {} prompt tokens loaded back, {} bytes written back and {} loaded, {} write-backs skipped",
+                    total.host_seeds,
+                    total.host_hit_tokens,
+                    total.host_written_bytes,
+                    total.host_loaded_bytes,
+                    total.host_refused_writes
+                )
+            })
             .and_then(|()| writeln!(out, "sim: {ran} passed, 0 failed"))?;
             Ok(true)
         }
@@ -330,6 +341,19 @@ mod tests {
         assert!(total.allocator_faults > 0, "{total:?}");
         assert!(total.hit_tokens > 0, "{total:?}");
         assert!(total.stamps_checked > 1000, "{total:?}");
+    }
+
+    /// Half the seeds run with a host tier: prefixes are written back, and loaded back
+    /// (the stamps check the loaded rows and states like any other reused ones).
+    #[test]
+    fn host_tier_seeds_write_back_and_load_back() {
+        let total = run_many(0, 200, |_, _| {}).unwrap_or_else(|f| panic!("{f}"));
+        assert!(total.host_seeds > 50 && total.host_seeds < 150, "{total:?}");
+        assert!(total.host_written_bytes > 0, "{total:?}");
+        assert!(
+            total.host_hit_tokens > 0 && total.host_loaded_bytes > 0,
+            "{total:?}"
+        );
     }
 
     /// Recurrent seeds save checkpoints, several in one forward too, under every

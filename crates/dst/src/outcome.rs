@@ -67,6 +67,16 @@ pub struct Outcome {
     /// Faults injected into those three calls (each checked to change nothing, then
     /// retried).
     pub verify_call_faults: u64,
+    /// Seeds run with a host tier.
+    pub host_seeds: u64,
+    /// Prompt tokens admissions loaded back from the host tier.
+    pub host_hit_tokens: u64,
+    /// Bytes written back to the host tier, and loaded back from it.
+    pub host_written_bytes: u64,
+    /// See [`Outcome::host_written_bytes`].
+    pub host_loaded_bytes: u64,
+    /// Write-backs the host skipped (no room, or a copy refused by a fault).
+    pub host_refused_writes: u64,
 }
 
 impl Outcome {
@@ -100,6 +110,11 @@ impl Outcome {
         self.verify_ids_checked += o.verify_ids_checked;
         self.compactions += o.compactions;
         self.verify_call_faults += o.verify_call_faults;
+        self.host_seeds += o.host_seeds;
+        self.host_hit_tokens += o.host_hit_tokens;
+        self.host_written_bytes += o.host_written_bytes;
+        self.host_loaded_bytes += o.host_loaded_bytes;
+        self.host_refused_writes += o.host_refused_writes;
     }
 }
 

@@ -36,6 +36,10 @@ pub struct Scenario {
     /// For half the speculative seeds of a recurrent model: the replay rollback, with
     /// this many log entries to a state slot ([`DstReplay`]); else the copy rollback.
     pub replay: Option<u32>,
+    /// For half the seeds, a host tier of this many bytes (1 to 4 times the device
+    /// budget): device evictions write prefixes back, admissions load host hits back,
+    /// and the stamps check what came back.
+    pub host_memory_bytes: Option<u64>,
 }
 
 /// The named models with their KV rows and recurrent state scaled down (head dims / 32,
@@ -115,6 +119,10 @@ impl Scenario {
             replay,
             floor + floor * rng.below(64) / 16,
         );
+        // The host tier from a stream of its own, so every other draw stays what it was.
+        let mut host_rng = SplitMix64::for_stream(seed, "dst.host");
+        let host_memory_bytes =
+            (host_rng.below(2) == 0).then(|| memory_bytes * [1, 2, 4][host_rng.below(3) as usize]);
         Scenario {
             seed,
             model,
@@ -128,6 +136,7 @@ impl Scenario {
             speculation,
             draft_trees,
             replay,
+            host_memory_bytes,
         }
     }
 
