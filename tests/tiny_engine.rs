@@ -54,6 +54,7 @@ fn the_engine_on_unikv_generates_exactly_what_the_contiguous_reference_does() {
                     max_running: 6,
                     prefill_budget: 4 * unit as usize,
                     fault: Fault::None,
+                    host_memory_bytes: 0,
                 };
                 let label = format!("ps {ps} {} {}", layout.as_str(), model.as_str());
                 let (jobs, stats) = serve(&cfg).unwrap_or_else(|e| panic!("{label}: {e}"));

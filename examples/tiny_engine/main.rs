@@ -51,11 +51,13 @@ reference, for page sizes 1, 16 and 256, static and unified; exit status 0 when 
 output is identical and every resumed state equals its recompute, 1 otherwise, 2 on
 bad arguments.
 
-Usage: cargo run --release --example tiny_engine [-- --spec K]
+Usage: cargo run --release --example tiny_engine [-- --spec K | --host-memory]
 
 Options:
-  --spec K    decode speculatively: a draft model proposes chains of K tokens (1 to 8)
-              and a draft tree, the target verifies them through unikv's verify metadata
+  --spec K        decode speculatively: a draft model proposes chains of K tokens (1 to 8)
+                  and a draft tree, the target verifies them through unikv's verify metadata
+  --host-memory   the mixed workload with a 64 MiB host tier: evicted prefixes are written
+                  back to host memory and loaded back by the admissions that match them
   -h, --help  print this help
 
 Environment:
@@ -73,7 +75,8 @@ fn main() {
         std::process::exit(2);
     }
     let all_identical = match args.as_slice() {
-        [] => plain(),
+        [] => plain(0),
+        [flag] if flag == "--host-memory" => plain(HOST_MEMORY_BYTES),
         [flag, k] if flag == "--spec" => match k.parse::<usize>() {
             Ok(k) if (1..=8).contains(&k) => speculative(k),
             _ => usage(&format!(
@@ -93,7 +96,9 @@ fn main() {
 
 /// The usage line and status 2.
 fn usage(error: &str) -> ! {
-    eprintln!("tiny_engine: {error}\nusage: tiny_engine [--spec K] (try `tiny_engine --help`)");
+    eprintln!(
+        "tiny_engine: {error}\nusage: tiny_engine [--spec K | --host-memory] (try `tiny_engine --help`)"
+    );
     std::process::exit(2);
 }
 
@@ -173,9 +178,15 @@ fn serve_speculative_or_exit(cfg: &RunConfig, mode: SpecMode) -> (Vec<Job>, Spec
     })
 }
 
-/// The plain matrix; whether every output was identical.
-fn plain() -> bool {
+/// The host tier `--host-memory` gives each cache: far more than the small budget's
+/// device memory, so evicted prefixes stay on the host.
+const HOST_MEMORY_BYTES: u64 = 64 << 20;
+
+/// The plain matrix, with a host tier of `host` bytes (0: none); whether every output
+/// was identical (and, with a host tier, some admission loaded a prefix back).
+fn plain(host: u64) -> bool {
     let mut all_identical = true;
+    let mut host_hits = 0;
     for ps in [1u32, 16, 256] {
         println!("page size {ps}");
         for model in Model::ALL {
@@ -196,12 +207,14 @@ fn plain() -> bool {
                     max_running: 8,
                     prefill_budget: 4 * unit as usize,
                     fault: Fault::None,
+                    host_memory_bytes: host,
                 };
                 let (jobs, stats) = serve_or_exit(&cfg);
                 let (want, ref_time, ref_tokens) = reference_outputs(&cfg, &jobs);
                 let verdict = compare(&jobs, &want).and_then(|n| stats.resumed_states().map(|_| n));
                 print_row(&cfg, &jobs, &stats, ref_time, ref_tokens);
                 all_identical &= report(verdict);
+                host_hits += stats.host_hit_tokens;
             }
         }
         for workload in [Workload::SharedPrefix, Workload::MultiTurn] {
@@ -209,7 +222,10 @@ fn plain() -> bool {
                 let mut baseline: Option<Vec<Job>> = None;
                 for layout in LAYOUTS {
                     for reuse in [Reuse::Off, Reuse::On] {
-                        let cfg = RunConfig::scripted(ps, layout, model, workload, reuse);
+                        let cfg = RunConfig {
+                            host_memory_bytes: host,
+                            ..RunConfig::scripted(ps, layout, model, workload, reuse)
+                        };
                         let (jobs, stats) = serve_or_exit(&cfg);
                         let (want, ref_time, ref_tokens) = reference_outputs(&cfg, &jobs);
                         let base = baseline.get_or_insert_with(|| jobs.clone());
@@ -220,6 +236,14 @@ fn plain() -> bool {
                 }
             }
         }
+    }
+    if host > 0 {
+        println!("tokens loaded back from the host tier: {host_hits}");
+        all_identical &= report(if host_hits > 0 {
+            Ok(0)
+        } else {
+            Err("no admission loaded a prefix back from the host tier".into())
+        });
     }
     all_identical
 }
@@ -242,7 +266,7 @@ fn serve_or_exit(cfg: &RunConfig) -> (Vec<Job>, RunStats) {
 fn print_row(cfg: &RunConfig, jobs: &[Job], stats: &RunStats, ref_time: Duration, ref_tokens: u64) {
     println!(
         "  {:<12} {:<7} {:<13} reuse {:<3}  unikv {:>8.0} tok/s  reference {:>8.0} tok/s  \
-         hits {:>3}  reused {:>5} of {:>5} prompt tokens (KV hit {:>5})  \
+         hits {:>3}  reused {:>5} of {:>5} prompt tokens (KV hit {:>5}, from the host {:>5})  \
          compaction moves {:>4}  window releases {:>4}  evictions {:>3}  retractions {:>3}  \
          aborts {:>2}  requests {:>3}",
         cfg.model.as_str(),
@@ -255,6 +279,7 @@ fn print_row(cfg: &RunConfig, jobs: &[Job], stats: &RunStats, ref_time: Duration
         stats.hit_tokens,
         stats.prompt_tokens,
         stats.kv_hit_tokens,
+        stats.host_hit_tokens,
         stats.compaction_moves,
         stats.window_releases,
         stats.evictions,

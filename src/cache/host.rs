@@ -243,10 +243,14 @@ impl HostTier {
         self.stats.peak_bytes = self.stats.peak_bytes.max(held);
     }
 
-    /// Conservation of the host tier: the pool's own, and every unit it holds is one the
-    /// host tree names (FULL pages and states in the tree, SWA pages of its live nodes).
-    pub(super) fn conservation(&self) -> Result<(), String> {
-        self.pool.conservation()?;
+    /// Conservation of the host tier: every unit the pool holds is one the host tree
+    /// names (FULL pages and states in the tree, SWA pages of its live nodes), from the
+    /// counters (O(1)); with `deep`, also the pool's own frame walk and the tree's sanity
+    /// check (O(frames + nodes)).
+    pub(super) fn conservation(&self, deep: bool) -> Result<(), String> {
+        if deep {
+            self.pool.conservation()?;
+        }
         let ps = self.ps() as u64;
         let sizes = self.tree.sizes();
         let tree_full = (sizes.full_evictable.0 + sizes.full_protected.0) as u64;
@@ -265,9 +269,12 @@ impl HostTier {
                 self.swa.len()
             ));
         }
-        self.tree
-            .sanity_check()
-            .map_err(|e| format!("host tree: {e}"))
+        if deep {
+            self.tree
+                .sanity_check()
+                .map_err(|e| format!("host tree: {e}"))?;
+        }
+        Ok(())
     }
 }
 
@@ -632,8 +639,9 @@ impl HybridCache {
         Ok(())
     }
 
-    /// Checks the host tier's conservation (at every step boundary, when invariants are
-    /// on).
+    /// Checks the host tier's conservation at every step boundary when invariants are
+    /// on: its counters every time, the walk of its frames and tree at `Strict` every
+    /// [`super::TREE_SANITY_INTERVAL`]-th step (as the device tree's).
     pub(super) fn check_host(&self) -> Result<(), Error> {
         let Some(host) = &self.host else {
             return Ok(());
@@ -641,7 +649,9 @@ impl HybridCache {
         if !unikv_invariants::enabled() {
             return Ok(());
         }
-        let result = host.conservation();
+        let deep = unikv_invariants::level() == unikv_invariants::Level::Strict
+            && self.step.is_multiple_of(super::TREE_SANITY_INTERVAL);
+        let result = host.conservation(deep);
         let holds = result.is_ok();
         let detail = || result.clone().err().unwrap_or_default();
         if !self

@@ -63,6 +63,9 @@ pub struct RunConfig {
     pub prefill_budget: usize,
     /// A deliberate bug ([`Fault::None`] for a real run).
     pub fault: Fault,
+    /// Bytes of the cache's host tier (0: none): evicted prefixes are written back to
+    /// host memory and loaded back by the admissions that match them.
+    pub host_memory_bytes: u64,
 }
 
 impl RunConfig {
@@ -89,6 +92,7 @@ impl RunConfig {
             max_running: 4,
             prefill_budget: 2 * grid,
             fault: Fault::None,
+            host_memory_bytes: 0,
         }
     }
 }

@@ -55,6 +55,8 @@ pub struct RunStats {
     pub window_releases: u64,
     /// Nodes evicted from the prefix cache.
     pub evictions: u64,
+    /// Of `hit_tokens`, those loaded back from the host tier.
+    pub host_hit_tokens: u64,
     /// Requests retracted for memory and admitted again.
     pub retractions: u64,
     /// Requests aborted.
@@ -156,6 +158,9 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
         .device(device.clone());
     if cfg.model.is_recurrent() {
         builder = builder.checkpoint_interval(checkpoint_grid(cfg.page_size));
+    }
+    if cfg.host_memory_bytes > 0 {
+        builder = builder.host_memory_bytes(cfg.host_memory_bytes);
     }
     let mut cache = builder.build()?;
     let slot_layout = MambaSpec::new(spec.mamba_layers, spec.recurrent)
@@ -484,6 +489,7 @@ pub fn serve(cfg: &RunConfig) -> Result<(Vec<Job>, RunStats), Error> {
     stats.compaction_moves = device.hooks().moved().saturating_sub(state_copies);
     let ev = cache.stats().evictions;
     stats.evictions = ev.full_nodes + ev.swa_tombstones + ev.mamba_states;
+    stats.host_hit_tokens = cache.stats().host.map_or(0, |h| h.hit_tokens);
     Ok((jobs, stats))
 }
 
