@@ -81,6 +81,7 @@ mod builder;
 mod checkpoints;
 mod evict;
 mod host;
+pub use host::HostWritePolicy;
 mod scratch;
 mod speculative;
 mod window;
@@ -558,6 +559,9 @@ impl HybridCache {
         } else {
             None
         };
+        if cached > 0 {
+            self.note_hit(hit.result.node);
+        }
         let host_lock = match self.lock_host(&hit) {
             Ok(l) => l,
             Err(e) => {
@@ -966,6 +970,7 @@ impl HybridCache {
         let outcome = self.tree.insert(insert)?;
         self.epoch += 1;
         self.apply(&outcome.actions);
+        self.note_cached(outcome.node);
         Ok(outcome)
     }
 
@@ -1015,6 +1020,7 @@ impl HybridCache {
         };
         // The step's forward is ordered before anything a later match issues.
         self.tree.publish_states();
+        let written = self.write_through();
         let sane = if self.step.is_multiple_of(TREE_SANITY_INTERVAL) {
             self.tree.sanity_check_at_strict()
         } else {
@@ -1026,6 +1032,7 @@ impl HybridCache {
         let polled = self.scope.poll();
         closed?;
         polled_copies?;
+        written?;
         conservation?;
         uploaded?;
         reopened?;

@@ -36,8 +36,8 @@ mod tables;
 mod verify;
 
 pub use cache::{
-    DEFAULT_EVICTION_INTERVAL, HybridCache, HybridCacheBuilder, Layout, TREE_SANITY_INTERVAL,
-    static_slot_pool, verify_scratch_slots,
+    DEFAULT_EVICTION_INTERVAL, HostWritePolicy, HybridCache, HybridCacheBuilder, Layout,
+    TREE_SANITY_INTERVAL, static_slot_pool, verify_scratch_slots,
 };
 pub use error::{AcceptedFault, Error};
 pub use model::{KvRows, ModelSpec, RecurrentState};

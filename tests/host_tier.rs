@@ -11,7 +11,7 @@ use common::{LAYOUTS, TINY_MAMBA, TINY_TRI, page_sizes, tiny_model};
 use std::sync::Arc;
 use unikv::kernels::{ByteSpan, CpuDevice, Device, HostSync, Readback};
 use unikv::pools::{Side, VirtualPage, VirtualSlot};
-use unikv::{HybridCache, Layout, ModelSpec, Request, TokenId};
+use unikv::{HostWritePolicy, HybridCache, Layout, ModelSpec, Request, TokenId};
 
 /// Pages of the prompts' shared part.
 const PAGES: usize = 8;
@@ -404,4 +404,86 @@ fn grid_states_are_not_written_back() {
         next.push(TokenId(5_000));
         assert_eq!(cache.match_prefix(next).host_tokens(), 224, "{layout}");
     }
+}
+
+fn policy_cache(policy: HostWritePolicy) -> HybridCache {
+    HybridCache::builder()
+        .model(TINY_TRI)
+        .layout(Layout::Unified)
+        .page_size(16)
+        .memory_bytes(1 << 20)
+        .host_memory_bytes(1 << 22)
+        .host_write_policy(policy)
+        .build()
+        .unwrap()
+}
+
+/// Finishes a prefilled request of `p` and passes a step boundary.
+fn finish(cache: &mut HybridCache, p: &[TokenId]) {
+    let hit = cache.match_prefix(p.to_vec());
+    let mut req = cache.admit(hit).unwrap();
+    let n = req.remaining_prefill();
+    cache.alloc_extend(&mut req, n).unwrap();
+    cache.cache_finished(req).unwrap();
+    cache.step_boundary().unwrap();
+}
+
+/// Write-back copies on eviction only; write-through at the boundary after caching,
+/// so the eviction then copies nothing; selective write-through after the prefix's
+/// `hits`-th admission hit.
+#[test]
+fn write_policies_copy_on_eviction_on_caching_or_on_reuse() {
+    let p: Vec<TokenId> = (0..100).map(TokenId).collect();
+    let written = |cache: &HybridCache| cache.stats().host.unwrap().written_bytes;
+    let evict = |cache: &mut HybridCache| {
+        let s = cache.stats();
+        cache
+            .evict_to_free(s.full.available_pages + s.full.evictable_pages, 0)
+            .unwrap();
+        cache.step_boundary().unwrap();
+    };
+
+    let mut back = policy_cache(HostWritePolicy::WriteBack);
+    finish(&mut back, &p);
+    assert_eq!(written(&back), 0);
+    evict(&mut back);
+    let on_eviction = written(&back);
+    assert!(on_eviction > 0);
+
+    let mut through = policy_cache(HostWritePolicy::WriteThrough);
+    finish(&mut through, &p);
+    assert_eq!(
+        written(&through),
+        on_eviction,
+        "the same bytes, before any eviction"
+    );
+    evict(&mut through);
+    assert_eq!(
+        written(&through),
+        on_eviction,
+        "the eviction copies nothing more"
+    );
+    assert_eq!(through.match_prefix(p.clone()).host_tokens(), 96);
+
+    let mut selective = policy_cache(HostWritePolicy::WriteThroughSelective { hits: 2 });
+    finish(&mut selective, &p);
+    let mut longer = p.clone();
+    longer.extend((0..20).map(|i| TokenId(5_000 + i)));
+    for hit in 1..=2 {
+        assert_eq!(written(&selective), 0, "before hit {hit}'s boundary");
+        let m = selective.match_prefix(longer.clone());
+        assert!(m.device_tokens() > 0);
+        let req = selective.admit(m).unwrap();
+        selective.release(req).unwrap();
+        selective.step_boundary().unwrap();
+    }
+    assert!(written(&selective) > 0, "copied after the second hit");
+
+    let zero = HybridCache::builder()
+        .model(TINY_TRI)
+        .memory_bytes(1 << 20)
+        .host_memory_bytes(1 << 22)
+        .host_write_policy(HostWritePolicy::WriteThroughSelective { hits: 0 })
+        .build();
+    assert!(zero.is_err());
 }

@@ -142,6 +142,7 @@ pub struct HybridCacheBuilder {
     replay: Option<Arc<dyn crate::StateReplay>>,
     wrap: Option<AllocatorWrapper>,
     host_memory_bytes: u64,
+    host_write_policy: super::HostWritePolicy,
 }
 
 /// The shape of the verify scratch's lanes: a state per entry under the copy rollback,
@@ -202,6 +203,7 @@ impl std::fmt::Debug for HybridCacheBuilder {
             .field("replay", &self.replay)
             .field("wrapped", &self.wrap.is_some())
             .field("host_memory_bytes", &self.host_memory_bytes)
+            .field("host_write_policy", &self.host_write_policy)
             .finish()
     }
 }
@@ -223,6 +225,7 @@ impl HybridCacheBuilder {
             replay: None,
             wrap: None,
             host_memory_bytes: 0,
+            host_write_policy: super::HostWritePolicy::WriteBack,
         }
     }
 
@@ -329,6 +332,15 @@ impl HybridCacheBuilder {
     /// [`Error::Config`].
     pub fn host_memory_bytes(mut self, bytes: u64) -> Self {
         self.host_memory_bytes = bytes;
+        self
+    }
+
+    /// When the host tier copies a device prefix (default
+    /// [`crate::HostWritePolicy::WriteBack`]: on eviction). Only with
+    /// [`HybridCacheBuilder::host_memory_bytes`]; a selective write-through of 0 hits is
+    /// [`Error::Config`].
+    pub fn host_write_policy(mut self, policy: crate::HostWritePolicy) -> Self {
+        self.host_write_policy = policy;
         self
     }
 
@@ -530,6 +542,7 @@ impl HybridCacheBuilder {
                 units,
                 host_config,
                 scope.clone(),
+                self.host_write_policy,
             )?)
         } else {
             None

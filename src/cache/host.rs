@@ -29,6 +29,25 @@ use unikv_radix::{
     TreeConfig, VirtualToken as TreeToken,
 };
 
+/// When the host tier copies a device prefix (SGLang HiCache's three policies).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HostWritePolicy {
+    /// On eviction: a prefix goes to the host when the device evicts it (its frees wait
+    /// for the copy).
+    #[default]
+    WriteBack,
+    /// On caching: every prefix a request hands the tree is copied at the next step
+    /// boundary (after the forward that wrote it), so an eviction finds it there and
+    /// frees at once; host traffic for prefixes that are never evicted.
+    WriteThrough,
+    /// On reuse: a prefix is copied at the step boundary after its `hits`-th admission
+    /// hit it (and written back on eviction like any other).
+    WriteThroughSelective {
+        /// Admissions that hit a prefix before it is copied (at least 1).
+        hits: u32,
+    },
+}
+
 /// A copy whose completion the cache waits for without waiting: what it releases once
 /// its event is done.
 #[derive(Debug)]
@@ -54,6 +73,11 @@ pub(super) struct HostTier {
     /// The host SWA unit of each host FULL unit whose page's SWA is on the host.
     swa: HashMap<u32, u32>,
     parked: Vec<Parked>,
+    policy: HostWritePolicy,
+    /// Device nodes to copy at the next step boundary (write-through).
+    through: Vec<NodeId>,
+    /// Admissions that hit each device node so far (write-through-selective).
+    hits: HashMap<NodeId, u32>,
     /// Device pages and slots a write-back still holds (parked), per side.
     pub(super) parked_full: usize,
     pub(super) parked_swa: usize,
@@ -71,7 +95,13 @@ impl HostTier {
         units: [u64; 3],
         config: TreeConfig,
         scope: unikv_invariants::Scope,
+        policy: HostWritePolicy,
     ) -> Result<HostTier, Error> {
+        if policy == (HostWritePolicy::WriteThroughSelective { hits: 0 }) {
+            return Err(Error::Config(
+                "a selective write-through needs at least 1 hit".into(),
+            ));
+        }
         let pool = HostPool::new(HostPoolSpec {
             total_bytes: bytes,
             full_page_bytes: units[0],
@@ -96,6 +126,9 @@ impl HostTier {
             buffer,
             swa: HashMap::new(),
             parked: Vec::new(),
+            policy,
+            through: Vec::new(),
+            hits: HashMap::new(),
             parked_full: 0,
             parked_swa: 0,
             parked_slots: 0,
@@ -438,6 +471,55 @@ impl HybridCache {
         } else {
             Ok(Some(event))
         }
+    }
+
+    /// A request handed the tree the prefix ending at device node `node`: under
+    /// write-through it is copied at the next step boundary.
+    pub(super) fn note_cached(&mut self, node: NodeId) {
+        if let Some(host) = self.host.as_mut()
+            && host.policy == HostWritePolicy::WriteThrough
+        {
+            host.through.push(node);
+        }
+    }
+
+    /// An admission hit device node `node`: under selective write-through its
+    /// `hits`-th hit queues it for the next step boundary.
+    pub(super) fn note_hit(&mut self, node: NodeId) {
+        if let Some(host) = self.host.as_mut()
+            && let HostWritePolicy::WriteThroughSelective { hits } = host.policy
+        {
+            let count = host.hits.entry(node).or_insert(0);
+            *count += 1;
+            if *count == hits {
+                host.through.push(node);
+            }
+        }
+    }
+
+    /// Copies the prefixes write-through queued (at a step boundary, after the forward
+    /// that wrote them): what the host lacks of each, as a write-back would, with no
+    /// device page to free. A node evicted since is skipped.
+    pub(super) fn write_through(&mut self) -> Result<(), Error> {
+        let Some(host) = self.host.as_mut() else {
+            return Ok(());
+        };
+        let queued = std::mem::take(&mut host.through);
+        for node in queued {
+            if self.tree.node(node).is_err() {
+                continue;
+            }
+            if let Some(event) = self.write_back(node)? {
+                // Nothing waits for it: the device pages stay cached.
+                let _ = self.device.free_copy_event(event);
+            }
+        }
+        // Stale counts (of evicted nodes) go with the queue's turn.
+        if let Some(host) = self.host.as_mut() {
+            let tree = &self.tree;
+            host.hits.retain(|&n, _| tree.node(n).is_ok());
+        }
+        Ok(())
     }
 
     /// Parks `actions` (a write-back's device frees) until `event` is done, counting
