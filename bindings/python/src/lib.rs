@@ -206,9 +206,11 @@ impl HybridCache {
     /// Hugging Face `config.json` as a dict (gpt-oss, Gemma, Qwen3-Next, Nemotron-H;
     /// `model_name` names it), `memory` the buffer's bytes (an int or `"16GiB"`),
     /// `layout` `"unified"` or `"static"`; the checkpoint knobs apply to models with
-    /// recurrent state.
+    /// recurrent state. `host_memory_bytes` gives the cache a host tier of that many
+    /// bytes (0: none): prefixes the device evicts are written back there and loaded
+    /// back by a later prompt that matches them (`PrefixMatch.host_tokens`).
     #[new]
-    #[pyo3(signature = (*, model, memory, page_size = 1, layout = "unified", swa_full_tokens_ratio = 0.8, checkpoint_interval = None, checkpoints_per_step = None, model_name = None, device = "cpu", speculation = None))]
+    #[pyo3(signature = (*, model, memory, page_size = 1, layout = "unified", swa_full_tokens_ratio = 0.8, checkpoint_interval = None, checkpoints_per_step = None, model_name = None, device = "cpu", speculation = None, host_memory_bytes = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -222,6 +224,7 @@ impl HybridCache {
         model_name: Option<&str>,
         device: &str,
         speculation: Option<speculative::Speculation>,
+        host_memory_bytes: u64,
     ) -> PyResult<HybridCache> {
         let spec = hf::model(model, model_name)?;
         let bytes = self::memory(memory)?;
@@ -232,6 +235,7 @@ impl HybridCache {
             .page_size(page_size)
             .memory_bytes(bytes)
             .layout(layout)
+            .host_memory_bytes(host_memory_bytes)
             .device(device.clone());
         if let Some(n) = checkpoint_interval {
             builder = builder.checkpoint_interval(n);
@@ -686,10 +690,23 @@ impl HybridCache {
 #[pymethods]
 impl PrefixMatch {
     /// Prompt tokens the request reuses (KV with a live window and, with recurrent
-    /// layers, a cached state at its end).
+    /// layers, a cached state at its end): `device_tokens + host_tokens`.
     #[getter]
     fn cached_tokens(&self) -> PyResult<usize> {
         self.get().map(unikv::PrefixMatch::cached_tokens)
+    }
+
+    /// Of `cached_tokens`, those the device holds.
+    #[getter]
+    fn device_tokens(&self) -> PyResult<usize> {
+        self.get().map(unikv::PrefixMatch::device_tokens)
+    }
+
+    /// Of `cached_tokens`, those admission loads back from the host tier (0 without
+    /// one).
+    #[getter]
+    fn host_tokens(&self) -> PyResult<usize> {
+        self.get().map(unikv::PrefixMatch::host_tokens)
     }
 
     /// Prompt tokens whose KV is cached (at least `cached_tokens`).
@@ -707,8 +724,10 @@ impl PrefixMatch {
     fn __repr__(&self) -> String {
         match &self.inner {
             Some(m) => format!(
-                "PrefixMatch(cached_tokens={}, kv_hit_tokens={}, prompt_len={})",
+                "PrefixMatch(cached_tokens={}, device_tokens={}, host_tokens={}, kv_hit_tokens={}, prompt_len={})",
                 m.cached_tokens(),
+                m.device_tokens(),
+                m.host_tokens(),
                 m.kv_hit_tokens(),
                 m.prompt_len()
             ),
@@ -847,6 +866,54 @@ struct Stats {
     live_requests: usize,
     /// Prompt tokens reused from the prefix cache, in all.
     hit_tokens: u64,
+    /// The host tier's figures (`None` without one).
+    host: Option<HostStats>,
+}
+
+/// What the host tier did and holds (`Stats.host`).
+#[pyclass(module = "unikv", name = "HostStats", frozen, get_all)]
+#[derive(Clone)]
+struct HostStats {
+    /// Bytes of the host buffer.
+    total_bytes: u64,
+    /// Bytes the host holds of FULL pages.
+    full_bytes: u64,
+    /// Bytes the host holds of SWA pages.
+    swa_bytes: u64,
+    /// Bytes the host holds of recurrent states.
+    state_bytes: u64,
+    /// Most bytes the host held at once (all kinds).
+    peak_bytes: u64,
+    /// Prompt tokens admissions loaded back from the host.
+    hit_tokens: u64,
+    /// Bytes written back (device to host).
+    written_bytes: u64,
+    /// Bytes loaded back (host to device).
+    loaded_bytes: u64,
+    /// Copies issued (one per run of adjacent bytes).
+    copies: u64,
+    /// The largest single copy, in bytes.
+    largest_copy: u64,
+    /// Write-backs skipped because the host could not make room for them.
+    refused_writes: u64,
+}
+
+impl From<&unikv::HostStats> for HostStats {
+    fn from(h: &unikv::HostStats) -> HostStats {
+        HostStats {
+            total_bytes: h.total_bytes,
+            full_bytes: h.full_bytes,
+            swa_bytes: h.swa_bytes,
+            state_bytes: h.state_bytes,
+            peak_bytes: h.peak_bytes,
+            hit_tokens: h.hit_tokens,
+            written_bytes: h.written_bytes,
+            loaded_bytes: h.loaded_bytes,
+            copies: h.copies,
+            largest_copy: h.largest_copy,
+            refused_writes: h.refused_writes,
+        }
+    }
 }
 
 impl From<&unikv::SideStats> for SideStats {
@@ -870,6 +937,7 @@ impl From<&unikv::CacheStats> for Stats {
             mamba: (&s.mamba).into(),
             live_requests: s.live_requests,
             hit_tokens: s.hit_tokens,
+            host: s.host.as_ref().map(HostStats::from),
         }
     }
 }
@@ -936,6 +1004,7 @@ fn _unikv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_invariant_level, m)?)?;
     m.add_function(wrap_pyfunction!(invariant_level, m)?)?;
     m.add_class::<SideStats>()?;
+    m.add_class::<HostStats>()?;
     m.add_class::<engine::ModelSpec>()?;
     m.add_class::<engine::KvGeometry>()?;
     m.add_class::<engine::CpuBuffer>()?;

@@ -13,8 +13,8 @@
 //!
 //! | op | fields | value |
 //! |---|---|---|
-//! | `new` | `model`, `memory`, `page_size`, `layout`, `checkpoint_interval` | `{"page_size", "step"}` |
-//! | `match` | `tokens` | `{"cached", "kv_hit", "prompt_len"}` |
+//! | `new` | `model`, `memory`, `page_size`, `layout`, `checkpoint_interval`, optional `host_memory_bytes` | `{"page_size", "step"}` |
+//! | `match` | `tokens` | `{"cached", "device", "host", "kv_hit", "prompt_len"}` |
 //! | `can_admit` | `match`, `reserve` | a bool |
 //! | `admit` | `match` | the request's id |
 //! | `alloc_extend` | `req`, `n` | `null` |
@@ -24,13 +24,15 @@
 //! | `release` | `req` | the request's tokens |
 //! | `tokens` | `req` | the request's tokens |
 //! | `step_boundary` | | `{"step", "text"}` |
+//! | `evict_to_free` | `full_pages`, `swa_pages` | `null` |
 //! | `stats` | | the counters |
 //!
 //! Each record is `{"value": v}` or `{"error": [class, {attribute: int or null}]}`,
 //! with `"requests"` (per request `null` once consumed, else `[id, len,
 //! remaining_prefill, cached_at_admission]`) and `"stats"` (the counters, `null`
-//! without a cache). An index past the lists records the error class `NoSuchIndex`
-//! (the Python side never makes one, so it shows where the two sides' lists diverged).
+//! without a cache; their `"host"` lists the host tier's figures, `null` without one).
+//! An index past the lists records the error class `NoSuchIndex` (the Python side never
+//! makes one, so it shows where the two sides' lists diverged).
 
 use crate::errors::{Class, classify, guarded, invalid};
 use pyo3::prelude::*;
@@ -218,6 +220,19 @@ impl Reference {
             "mamba": side(&s.mamba),
             "live_requests": s.live_requests,
             "hit_tokens": s.hit_tokens,
+            "host": s.host.map(|h| json!([
+                h.total_bytes,
+                h.full_bytes,
+                h.swa_bytes,
+                h.state_bytes,
+                h.peak_bytes,
+                h.hit_tokens,
+                h.written_bytes,
+                h.loaded_bytes,
+                h.copies,
+                h.largest_copy,
+                h.refused_writes
+            ])),
         })
     }
 
@@ -255,6 +270,8 @@ impl Reference {
                     let hit = cache.match_prefix(tokens);
                     let value = json!({
                         "cached": hit.cached_tokens(),
+                        "device": hit.device_tokens(),
+                        "host": hit.host_tokens(),
                         "kv_hit": hit.kv_hit_tokens(),
                         "prompt_len": hit.prompt_len(),
                     });
@@ -347,6 +364,13 @@ impl Reference {
                 .step_boundary()
                 .map(|report| json!({"step": report.step, "text": format!("{report:?}")}))
                 .map_err(Refusal::from),
+            "evict_to_free" => {
+                let (full, swa) = (index(op, "full_pages")?, index(op, "swa_pages")?);
+                cache
+                    .evict_to_free(full, swa)
+                    .map(|()| Value::Null)
+                    .map_err(Refusal::from)
+            }
             "stats" => Ok(self.stats()),
             other => return Err(format!("unknown op {other:?}")),
         })
@@ -426,6 +450,10 @@ impl Reference {
                 Some(u32::try_from(uint(op, "checkpoint_interval")?).map_err(|e| e.to_string())?)
             }
         };
+        let host_memory_bytes = match op.get("host_memory_bytes") {
+            None => 0,
+            Some(_) => uint(op, "host_memory_bytes")?,
+        };
         let Some(spec) = ModelSpec::by_name(model) else {
             return Ok(Err(Refusal::binding()));
         };
@@ -433,7 +461,8 @@ impl Reference {
             .model(spec)
             .page_size(page_size)
             .memory_bytes(memory)
-            .layout(layout);
+            .layout(layout)
+            .host_memory_bytes(host_memory_bytes);
         if let Some(n) = checkpoint_interval {
             builder = builder.checkpoint_interval(n);
         }

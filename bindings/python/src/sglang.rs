@@ -115,8 +115,9 @@ pub fn _kernel_ids<'py>(
 
 /// The virtual ids (int64) the prefix cache holds for `tokens[..length]`, read from the
 /// tree without locking, splitting or refreshing anything: `length` is a match's
-/// `cached_tokens` (or `kv_hit_tokens`), so the tree holds that prefix whole. Walks
-/// every node once (`RadixTree::nodes`), so it costs O(nodes), not O(length).
+/// `device_tokens`, so the device tree holds that prefix whole (a host part is in the
+/// host tree, whose values are host units, not ids). Walks every node once
+/// (`RadixTree::nodes`), so it costs O(nodes), not O(length).
 #[pyfunction]
 pub fn _prefix_indices<'py>(
     py: Python<'py>,

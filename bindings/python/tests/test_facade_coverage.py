@@ -20,6 +20,8 @@ ELSEWHERE = {
     "translate_many": "the step and verify metadata translate on the device",
     "allocator": "Rust-only inspection of the allocator trait object; Python has stats()",
     "tree": "Rust-only inspection of the radix tree; Python has stats()",
+    "host_tree": "Rust-only inspection of the host tier's radix tree, as tree(); "
+    "Python has stats().host and PrefixMatch.host_tokens",
     "export_table": "unikv.DeviceTable(cache, meta): the DLPack export",
     "make_stream_wait": "DeviceTable.__dlpack__(stream=...) orders the consumer's stream",
     "device_arc": "Rust-only: Python names the device by HybridCache(device=...)",

@@ -2,7 +2,9 @@
 
 Each seed builds a small cache (gpt-oss-20b or qwen3-next-80b-a3b, page size 1, 16 or
 256, either layout, memory small enough that admissions and decodes run out and the
-prefix cache evicts) and makes about 60 random operations, valid and invalid, through
+prefix cache evicts; seeds from ``SEEDS_PER_MODEL`` on with a host tier half the
+device's size, and operations that evict to it, so later prompts load prefixes back)
+and makes about 60 random operations, valid and invalid, through
 ``unikv.HybridCache`` and its ``Request`` and ``PrefixMatch`` objects, recording after
 each what Python sees: the value or the exception (class and numbers), every request's
 view and the cache's counters. ``unikv._unikv._reference_run`` replays the same
@@ -18,7 +20,7 @@ import numpy as np
 import pytest
 
 import unikv
-from unikv._unikv import _reference_run
+from unikv._unikv import _capacity, _reference_run
 
 Op = dict[str, Any]
 """One operation, as ``_reference_run`` reads it (see ``reference.rs`` for the set)."""
@@ -29,6 +31,7 @@ Record = dict[str, Any]
 MODELS = ["gpt-oss-20b", "qwen3-next-80b-a3b"]
 """An SWA model and a recurrent one (no SWA, Mamba state slots)."""
 SEEDS_PER_MODEL = 100
+"""Seeds without a host tier (``0 ..``), and as many with one (from here on)."""
 OPS_PER_SEED = 60
 REGRESSION_SEEDS: list[int] = []
 """Seeds that once diverged, run for both models whatever ``SEEDS_PER_MODEL`` is."""
@@ -52,6 +55,25 @@ def side(s: unikv.SideStats) -> list[int]:
     return [s.total, s.available, s.evictable, s.protected, s.held]
 
 
+def host(h: Optional[unikv.HostStats]) -> Optional[list[int]]:
+    """The host tier's figures as the reference lists them (``None`` without one)."""
+    if h is None:
+        return None
+    return [
+        h.total_bytes,
+        h.full_bytes,
+        h.swa_bytes,
+        h.state_bytes,
+        h.peak_bytes,
+        h.hit_tokens,
+        h.written_bytes,
+        h.loaded_bytes,
+        h.copies,
+        h.largest_copy,
+        h.refused_writes,
+    ]
+
+
 class Driver:
     """Runs operations through the Python API and records what they give."""
 
@@ -73,6 +95,7 @@ class Driver:
             "mamba": side(s.mamba),
             "live_requests": s.live_requests,
             "hit_tokens": s.hit_tokens,
+            "host": host(s.host),
         }
 
     def views(self) -> list[Optional[list[int]]]:
@@ -115,6 +138,7 @@ class Driver:
                 page_size=op["page_size"],
                 layout=op["layout"],
                 checkpoint_interval=op["checkpoint_interval"],
+                host_memory_bytes=op.get("host_memory_bytes", 0),
             )
             return {"page_size": self.cache.page_size, "step": self.cache.step}
         cache = self.cache
@@ -124,6 +148,8 @@ class Driver:
             self.matches.append(hit)
             return {
                 "cached": hit.cached_tokens,
+                "device": hit.device_tokens,
+                "host": hit.host_tokens,
                 "kv_hit": hit.kv_hit_tokens,
                 "prompt_len": hit.prompt_len,
             }
@@ -157,6 +183,9 @@ class Driver:
         if kind == "step_boundary":
             report = cache.step_boundary()
             return {"step": report.step, "text": report.text}
+        if kind == "evict_to_free":
+            cache.evict_to_free(full_pages=op["full_pages"], swa_pages=op["swa_pages"])
+            return None
         if kind == "stats":
             return self.stats()
         raise AssertionError(f"unknown op {kind!r}")
@@ -165,10 +194,13 @@ class Driver:
 class Generator:
     """Random operations, valid and invalid, chosen from the driver's state."""
 
-    def __init__(self, rng: random.Random, driver: Driver, unit: int) -> None:
+    def __init__(
+        self, rng: random.Random, driver: Driver, unit: int, host_tier: bool
+    ) -> None:
         self.rng = rng
         self.driver = driver
         self.unit = unit
+        self.host_tier = host_tier
         # Prompts share prefixes of a few documents, of what requests cached and of
         # running requests' tokens.
         self.documents = [
@@ -176,7 +208,8 @@ class Generator:
         ]
 
     def new(self, model: str) -> Op:
-        """A cache: small memory, any page size and layout; now and then too small."""
+        """A cache: small memory, any page size and layout; now and then too small.
+        With a host tier, one of half the device's memory."""
         rng = self.rng
         page_size = self.unit if self.unit > 16 else rng.choice([1, 16])
         layout = rng.choice(["unified", "static"])
@@ -195,7 +228,7 @@ class Generator:
         checkpoint: Optional[int] = None
         if model != "gpt-oss-20b" and rng.random() < 0.5:
             checkpoint = page_size * rng.choice([1, 2, 4])
-        return {
+        op: Op = {
             "op": "new",
             "model": model,
             "memory": rng.randrange(int(low * MiB), int(high * MiB)),
@@ -203,6 +236,9 @@ class Generator:
             "layout": layout,
             "checkpoint_interval": checkpoint,
         }
+        if self.host_tier:
+            op["host_memory_bytes"] = op["memory"] // 2
+        return op
 
     def token(self) -> int:
         """A token id, now and then one no cache accepts."""
@@ -293,6 +329,17 @@ class Generator:
             return {"op": "release", "req": self.request(live)}
         if roll < 0.84:
             return {"op": "tokens", "req": self.request(live)}
+        if roll < 0.90 and self.host_tier:
+            # Demote some or all unlocked prefixes to the host (the eviction loop writes
+            # back), now and then more than there is (refused, nothing evicted).
+            cache = d.cache
+            assert cache is not None
+            s = cache.stats()
+            now = _capacity(cache)["full_schedulable_pages"]
+            some = now + rng.randint(1, max(1, s.full.evictable))
+            full = rng.choice([some, some, now + s.full.evictable, s.full.total + 1])
+            swa = full if s.swa.total > 0 and rng.random() < 0.1 else 0
+            return {"op": "evict_to_free", "full_pages": full, "swa_pages": swa}
         if roll < 0.98:
             return {"op": "step_boundary"}
         return {"op": "stats"}
@@ -302,7 +349,12 @@ def run_seed(model: str, seed: int) -> tuple[list[Op], list[Record]]:
     """Generates and runs one seed's operations through Python; returns both."""
     rng = random.Random(f"{model}/{seed}")
     driver = Driver()
-    gen = Generator(rng, driver, unit=rng.choice([16, 16, 256]))
+    gen = Generator(
+        rng,
+        driver,
+        unit=rng.choice([16, 16, 256]),
+        host_tier=seed >= SEEDS_PER_MODEL,
+    )
     ops = [gen.new(model)]
     records = [driver.apply(ops[0])]
     if driver.cache is None:
@@ -334,15 +386,18 @@ def check_seed(model: str, seed: int) -> dict[str, int]:
             )
         outcome = ours["error"][0] if "error" in ours else "ok"
         counts[outcome] = counts.get(outcome, 0) + 1
+        if op["op"] == "match" and "value" in ours and ours["value"]["host"] > 0:
+            counts["host hit"] = counts.get("host hit", 0) + 1
     return counts
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_python_and_the_facade_agree_step_by_step(model: str) -> None:
-    """Every seed's records agree; together they reach successes, OutOfMemory and
-    InvalidArgument often enough for the comparison to mean something."""
+    """Every seed's records agree; together they reach successes, OutOfMemory,
+    InvalidArgument and matches on the host tier often enough for the comparison to
+    mean something."""
     totals: dict[str, int] = {}
-    seeds = sorted(set(range(SEEDS_PER_MODEL)) | set(REGRESSION_SEEDS))
+    seeds = sorted(set(range(2 * SEEDS_PER_MODEL)) | set(REGRESSION_SEEDS))
     for seed in seeds:
         for outcome, n in check_seed(model, seed).items():
             totals[outcome] = totals.get(outcome, 0) + n
@@ -351,3 +406,4 @@ def test_python_and_the_facade_agree_step_by_step(model: str) -> None:
     assert totals.get("ok", 0) > 1000
     assert totals.get("OutOfMemory", 0) > 10
     assert totals.get("InvalidArgument", 0) > 100
+    assert totals.get("host hit", 0) > 10

@@ -286,3 +286,77 @@ def test_a_recurrent_model_matches_at_a_cached_state_and_evicts_it_with_its_node
     result = tree.evict(10**6)
     assert result.num_tokens_evicted == 256 and result.mamba_num_evicted == 2
     assert allocator.available_size() == start
+
+
+def test_a_host_hit_is_the_match_results_host_part_and_inc_lock_ref_loads_it() -> None:
+    memory = 16 << 20
+    host_bytes = sg.hicache_host_memory_bytes(
+        enable_hierarchical_cache=True, hicache_ratio=8.0, memory=memory
+    )
+    cache = unikv.HybridCache(
+        model="gpt-oss-20b", memory=memory, page_size=PS, host_memory_bytes=host_bytes
+    )
+    allocator, tree = sg.adapter(cache, tensors="numpy")
+    first = prompt(10 * PS + 1)
+    req = admit(tree, first)
+    allocator.alloc_extend([req], [req.remaining_prefill])
+    tree.cache_finished_req(req)
+    cache.step_boundary()
+    next_turn = first + prompt(PS + 1, base=50_000)
+    on_device = tree.match_prefix(next_turn)
+    n = len(on_device.device_indices)
+    assert n >= 9 * PS
+    assert on_device.host_hit_length == 0 and on_device.cache_protected_len == n
+
+    # SGLang's eviction writes the prefix back to the host (unikv's write-back policy).
+    evicted = tree.evict(sg.EvictParams(num_tokens=tree.evictable_size()))
+    assert evicted.num_tokens_evicted >= n and tree.evictable_size() == 0
+    cache.step_boundary()
+    stats = cache.stats().host
+    assert stats is not None and stats.written_bytes > 0
+
+    match = tree.match_prefix(next_turn)
+    assert len(as_array(match.device_indices)) == 0
+    assert match.host_hit_length == n
+    assert match.cache_protected_len == 0 and match.full_kv_hit_length >= n
+    assert match.last_host_node is match.best_match_node
+    # Locking is admission: the host part is loaded back into the request's own rows.
+    req = tree.inc_lock_ref(match.last_host_node).request
+    assert req.cached_at_admission == n
+    ids = as_array(allocator.kv_indices(req))
+    assert ids.shape == (n,) and len(set(ids.tolist())) == n
+    assert req.remaining_prefill == len(next_turn) - n
+    allocator.alloc_extend([req], [req.remaining_prefill])
+    tree.cache_finished_req(req)
+    cache.step_boundary()
+    stats = cache.stats().host
+    assert stats is not None and stats.hit_tokens == n and stats.loaded_bytes > 0
+    again = tree.match_prefix(next_turn)
+    assert again.host_hit_length == 0 and len(again.device_indices) >= n
+
+
+def test_hicache_server_arguments_map_to_host_memory_bytes() -> None:
+    assert sg.hicache_host_memory_bytes(enable_hierarchical_cache=False) == 0
+    assert (
+        sg.hicache_host_memory_bytes(enable_hierarchical_cache=True, hicache_size=4)
+        == 4 * 10**9
+    )
+    by_ratio = sg.hicache_host_memory_bytes(
+        enable_hierarchical_cache=True, hicache_ratio=2.0, memory=64 << 20
+    )
+    assert by_ratio == 128 << 20
+    cache = unikv.HybridCache(
+        model="gpt-oss-20b", memory=64 << 20, host_memory_bytes=by_ratio
+    )
+    stats = cache.stats().host
+    assert stats is not None and stats.total_bytes == by_ratio
+    with pytest.raises(unikv.InvalidArgument, match="memory"):
+        sg.hicache_host_memory_bytes(enable_hierarchical_cache=True)
+    for policy in ("write_through", "write_through_selective"):
+        with pytest.raises(unikv.InvalidArgument, match="write_back"):
+            sg.hicache_host_memory_bytes(
+                enable_hierarchical_cache=True,
+                hicache_size=1,
+                hicache_write_policy=policy,
+            )
+    assert sg.HICACHE_WRITE_POLICIES == ("write_back",)

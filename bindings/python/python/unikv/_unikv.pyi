@@ -64,7 +64,14 @@ class PrefixMatch:
     """What the prefix cache holds for a prompt; admitting it consumes it."""
 
     @property
-    def cached_tokens(self) -> int: ...
+    def cached_tokens(self) -> int:
+        """Prompt tokens the request reuses: ``device_tokens + host_tokens``."""
+    @property
+    def device_tokens(self) -> int:
+        """Of ``cached_tokens``, those the device holds."""
+    @property
+    def host_tokens(self) -> int:
+        """Of ``cached_tokens``, those admission loads back from the host tier."""
     @property
     def kv_hit_tokens(self) -> int: ...
     @property
@@ -160,6 +167,43 @@ class SideStats:
     protected: int
     held: int
 
+class HostStats:
+    """What the host tier did and holds (``Stats.host``); bytes and counts."""
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the host buffer."""
+    @property
+    def full_bytes(self) -> int:
+        """Bytes the host holds of FULL pages."""
+    @property
+    def swa_bytes(self) -> int:
+        """Bytes the host holds of SWA pages."""
+    @property
+    def state_bytes(self) -> int:
+        """Bytes the host holds of recurrent states."""
+    @property
+    def peak_bytes(self) -> int:
+        """Most bytes the host held at once (all kinds)."""
+    @property
+    def hit_tokens(self) -> int:
+        """Prompt tokens admissions loaded back from the host."""
+    @property
+    def written_bytes(self) -> int:
+        """Bytes written back (device to host)."""
+    @property
+    def loaded_bytes(self) -> int:
+        """Bytes loaded back (host to device)."""
+    @property
+    def copies(self) -> int:
+        """Copies issued (one per run of adjacent bytes)."""
+    @property
+    def largest_copy(self) -> int:
+        """The largest single copy, in bytes."""
+    @property
+    def refused_writes(self) -> int:
+        """Write-backs skipped because the host could not make room for them."""
+
 class Stats:
     """The cache's counters."""
 
@@ -169,6 +213,8 @@ class Stats:
     mamba: SideStats
     live_requests: int
     hit_tokens: int
+    host: Optional[HostStats]
+    """The host tier's figures (``None`` without ``host_memory_bytes``)."""
 
 class ModelSpec:
     """A model given by its geometry (FULL, SWA and recurrent layers, one K/V row shape
@@ -310,7 +356,10 @@ class HybridCache:
         model_name: Optional[str] = None,
         device: str = "cpu",
         speculation: Optional[Speculation] = None,
-    ) -> None: ...
+        host_memory_bytes: int = 0,
+    ) -> None:
+        """``host_memory_bytes``: a host tier of that many bytes (0: none); evicted
+        prefixes are written back to it and loaded back by a later match."""
     @property
     def model(self) -> str: ...
     @property

@@ -16,6 +16,10 @@ SGLang's scheduler talks to two objects that share the KV pools: a token-to-KV a
     tree_cache.cache_finished_req(req)
     cache.step_boundary()                            # once per scheduler step
 
+SGLang's HiCache (a host tier) is the cache's ``host_memory_bytes``
+(:func:`hicache_host_memory_bytes` maps the server arguments); a match's host part is
+``MatchResult.host_hit_length``, loaded back by ``inc_lock_ref``.
+
 unikv owns the request-to-token rows: a request's KV indices are its rows, allocated by
 the request and freed with it. So the calls that take a batch's lengths and last
 locations in SGLang take the requests here, and ``free`` takes a request, not indices.
@@ -53,6 +57,7 @@ __all__ = [
     "DecLockRefResult",
     "EvictParams",
     "EvictResult",
+    "HICACHE_WRITE_POLICIES",
     "IncLockRefResult",
     "Indices",
     "InsertResult",
@@ -61,6 +66,7 @@ __all__ = [
     "RadixCache",
     "TokenToKVPoolAllocator",
     "adapter",
+    "hicache_host_memory_bytes",
     "torch_available",
 ]
 
@@ -427,15 +433,18 @@ class PrefixNode:
 
 
 class MatchResult(NamedTuple):
-    """SGLang's ``MatchResult``: the cached prefix's ids and where the match ended. There
-    is no host tier, so the host fields are 0 and the host node is the device node."""
+    """SGLang's ``MatchResult``: the cached prefix's ids and where the match ended. Every
+    node is the same :class:`PrefixNode` (the match, device and host parts together);
+    ``inc_lock_ref`` on it admits the request and loads the host part back."""
 
     device_indices: Indices
-    """The int64 virtual ids of the reused prefix (whole pages)."""
+    """The int64 virtual ids of the reused prefix the device holds (whole pages)."""
     last_device_node: PrefixNode
     last_host_node: PrefixNode
     best_match_node: PrefixNode
     host_hit_length: int = 0
+    """Tokens past ``device_indices`` that the host tier holds and admission loads back
+    (``PrefixMatch.host_tokens``; 0 without a host tier)."""
     swa_host_hit_length: int = 0
     swa_branching_seqlen: Optional[int] = None
     mamba_host_hit_length: int = 0
@@ -463,13 +472,15 @@ class RadixCache:
 
     def match_prefix(self, key: Key) -> MatchResult:
         """Matches ``key`` (the prompt) against the prefix cache; nothing is locked.
-        ``device_indices`` are the reused prefix's ids (whole pages, never the prompt's
-        last token, whose forward gives the first output's logits)."""
+        ``device_indices`` are the ids of the reused prefix the device holds (whole
+        pages, never the prompt's last token, whose forward gives the first output's
+        logits); ``host_hit_length`` tokens after them are on the host tier, loaded back
+        when ``inc_lock_ref`` admits the match."""
         tokens = _token_ids(key)
         match = self._cache.match_prefix(tokens)
-        cached = match.cached_tokens
-        if cached:
-            raw = _unikv._prefix_indices(self._cache, tokens, cached)
+        on_device = match.device_tokens
+        if on_device:
+            raw = _unikv._prefix_indices(self._cache, tokens, on_device)
             indices = self._ids.virtual(raw)
         else:
             indices = np.zeros(0, dtype=np.int64)
@@ -479,14 +490,16 @@ class RadixCache:
             last_device_node=node,
             last_host_node=node,
             best_match_node=node,
-            cache_protected_len=cached,
+            host_hit_length=match.host_tokens,
+            cache_protected_len=on_device,
             full_kv_hit_length=match.kv_hit_tokens,
         )
 
     def inc_lock_ref(self, node: PrefixNode) -> IncLockRefResult:
         """Locks the matched prefix for a new request and returns the receipt with the
-        request (admission: a recurrent model's request also gets its state slot here).
-        Each lock is one request: a node is locked once."""
+        request (admission: a recurrent model's request also gets its state slot here,
+        and a host hit is loaded back into the request's rows, SGLang's
+        ``init_load_back``). Each lock is one request: a node is locked once."""
         before = self.evictable_size()
         request = self._cache.admit(node.match)
         return IncLockRefResult(delta=self.evictable_size() - before, request=request)
@@ -613,3 +626,40 @@ def adapter(
     """The allocator and the prefix cache SGLang's scheduler holds, both over ``cache``."""
     allocator = TokenToKVPoolAllocator(cache, tensors=tensors)
     return allocator, RadixCache(allocator)
+
+
+HICACHE_WRITE_POLICIES = ("write_back",)
+"""The HiCache write policies unikv implements: a prefix is written to the host when the
+device evicts it (SGLang's ``write_through`` and ``write_through_selective``, which back
+up on hits, are not implemented)."""
+
+
+def hicache_host_memory_bytes(
+    *,
+    enable_hierarchical_cache: bool,
+    hicache_size: int = 0,
+    hicache_ratio: float = 2.0,
+    memory: Optional[int] = None,
+    hicache_write_policy: str = "write_back",
+) -> int:
+    """SGLang's HiCache server arguments as ``HybridCache(host_memory_bytes=...)``: 0
+    when ``enable_hierarchical_cache`` is off; else ``hicache_size`` gigabytes (10^9
+    bytes, as SGLang counts them) when it is set, or ``hicache_ratio`` times the
+    device's ``memory`` (bytes, an int). The host tier's own checks (a size too small to
+    hold a page or a state) are the cache's, when it is built. A write policy other
+    than ``"write_back"`` raises ``InvalidArgument`` (see ``HICACHE_WRITE_POLICIES``)."""
+    if not enable_hierarchical_cache:
+        return 0
+    if hicache_write_policy not in HICACHE_WRITE_POLICIES:
+        raise InvalidArgument(
+            f"hicache_write_policy={hicache_write_policy!r} is not implemented: unikv "
+            "writes a prefix back to the host when the device evicts it ('write_back')"
+        )
+    if hicache_size > 0:
+        return int(hicache_size) * 10**9
+    if memory is None or hicache_ratio <= 0:
+        raise InvalidArgument(
+            "HiCache sized by hicache_ratio needs the device's memory in bytes "
+            f"(memory={memory!r}) and a positive ratio (hicache_ratio={hicache_ratio!r})"
+        )
+    return int(hicache_ratio * memory)
