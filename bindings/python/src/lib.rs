@@ -176,6 +176,19 @@ fn layout(name: &str, swa_full_tokens_ratio: f64) -> PyResult<Layout> {
     }
 }
 
+/// A host write policy by SGLang's name for it.
+fn write_policy(name: &str, hits: u32) -> PyResult<unikv::HostWritePolicy> {
+    match name {
+        "write_back" => Ok(unikv::HostWritePolicy::WriteBack),
+        "write_through" => Ok(unikv::HostWritePolicy::WriteThrough),
+        "write_through_selective" => Ok(unikv::HostWritePolicy::WriteThroughSelective { hits }),
+        other => Err(invalid(format!(
+            "unknown host write policy {other:?} (expected \"write_back\", \"write_through\" \
+             or \"write_through_selective\")"
+        ))),
+    }
+}
+
 /// The device a cache's buffer lives on: `"cpu"` (bytes in host memory: the CPU twins
 /// of the kernels run) or `"none"` (lengths only: bookkeeping without bytes, as the
 /// replay's `--device none`).
@@ -208,9 +221,12 @@ impl HybridCache {
     /// `layout` `"unified"` or `"static"`; the checkpoint knobs apply to models with
     /// recurrent state. `host_memory_bytes` gives the cache a host tier of that many
     /// bytes (0: none): prefixes the device evicts are written back there and loaded
-    /// back by a later prompt that matches them (`PrefixMatch.host_tokens`).
+    /// back by a later prompt that matches them (`PrefixMatch.host_tokens`);
+    /// `host_write_policy` says when a prefix is copied (`"write_back"`: on eviction,
+    /// `"write_through"`: once cached, `"write_through_selective"`: after
+    /// `host_write_hits` admissions hit it).
     #[new]
-    #[pyo3(signature = (*, model, memory, page_size = 1, layout = "unified", swa_full_tokens_ratio = 0.8, checkpoint_interval = None, checkpoints_per_step = None, model_name = None, device = "cpu", speculation = None, host_memory_bytes = 0))]
+    #[pyo3(signature = (*, model, memory, page_size = 1, layout = "unified", swa_full_tokens_ratio = 0.8, checkpoint_interval = None, checkpoints_per_step = None, model_name = None, device = "cpu", speculation = None, host_memory_bytes = 0, host_write_policy = "write_back", host_write_hits = 2))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -225,6 +241,8 @@ impl HybridCache {
         device: &str,
         speculation: Option<speculative::Speculation>,
         host_memory_bytes: u64,
+        host_write_policy: &str,
+        host_write_hits: u32,
     ) -> PyResult<HybridCache> {
         let spec = hf::model(model, model_name)?;
         let bytes = self::memory(memory)?;
@@ -236,6 +254,7 @@ impl HybridCache {
             .memory_bytes(bytes)
             .layout(layout)
             .host_memory_bytes(host_memory_bytes)
+            .host_write_policy(write_policy(host_write_policy, host_write_hits)?)
             .device(device.clone());
         if let Some(n) = checkpoint_interval {
             builder = builder.checkpoint_interval(n);

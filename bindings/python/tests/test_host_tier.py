@@ -189,3 +189,40 @@ def test_the_host_figures_are_read_only() -> None:
         assert isinstance(getattr(figures, name), int)
         with pytest.raises(AttributeError):
             setattr(figures, name, 0)
+
+
+def test_write_through_copies_a_prefix_once_cached_and_a_bad_policy_is_refused() -> None:
+    prompt = list(range(100))
+    written = []
+    for policy in ("write_back", "write_through"):
+        cache = unikv.HybridCache(
+            model="gpt-oss-20b",
+            memory=64 << 20,
+            page_size=16,
+            host_memory_bytes=64 << 20,
+            host_write_policy=policy,
+        )
+        req = cache.admit(cache.match_prefix(prompt))
+        cache.alloc_extend(req, req.remaining_prefill)
+        cache.cache_finished(req)
+        cache.step_boundary()
+        host = cache.stats().host
+        assert host is not None
+        written.append(host.written_bytes)
+    # Write-back waits for an eviction; write-through copied at the boundary.
+    assert written[0] == 0 and written[1] > 0
+    with pytest.raises(unikv.InvalidArgument, match="write_through_selective"):
+        unikv.HybridCache(
+            model="gpt-oss-20b",
+            memory=64 << 20,
+            host_memory_bytes=64 << 20,
+            host_write_policy="lazy",
+        )
+    with pytest.raises(unikv.InvalidArgument, match="1 hit"):
+        unikv.HybridCache(
+            model="gpt-oss-20b",
+            memory=64 << 20,
+            host_memory_bytes=64 << 20,
+            host_write_policy="write_through_selective",
+            host_write_hits=0,
+        )

@@ -352,11 +352,21 @@ def test_hicache_server_arguments_map_to_host_memory_bytes() -> None:
     assert stats is not None and stats.total_bytes == by_ratio
     with pytest.raises(unikv.InvalidArgument, match="memory"):
         sg.hicache_host_memory_bytes(enable_hierarchical_cache=True)
-    for policy in ("write_through", "write_through_selective"):
-        with pytest.raises(unikv.InvalidArgument, match="write_back"):
+    for policy in sg.HICACHE_WRITE_POLICIES:
+        assert (
             sg.hicache_host_memory_bytes(
                 enable_hierarchical_cache=True,
                 hicache_size=1,
                 hicache_write_policy=policy,
             )
-    assert sg.HICACHE_WRITE_POLICIES == ("write_back",)
+            == 10**9
+        )
+    with pytest.raises(unikv.InvalidArgument, match="write_through"):
+        sg.hicache_host_memory_bytes(
+            enable_hierarchical_cache=True, hicache_size=1, hicache_write_policy="lazy"
+        )
+    assert sg.HICACHE_WRITE_POLICIES == (
+        "write_back",
+        "write_through",
+        "write_through_selective",
+    )

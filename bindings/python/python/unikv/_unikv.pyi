@@ -357,9 +357,14 @@ class HybridCache:
         device: str = "cpu",
         speculation: Optional[Speculation] = None,
         host_memory_bytes: int = 0,
+        host_write_policy: str = "write_back",
+        host_write_hits: int = 2,
     ) -> None:
         """``host_memory_bytes``: a host tier of that many bytes (0: none); evicted
-        prefixes are written back to it and loaded back by a later match."""
+        prefixes are written back to it and loaded back by a later match.
+        ``host_write_policy``: when a prefix is copied to the host — ``"write_back"`` (on
+        eviction), ``"write_through"`` (once cached) or ``"write_through_selective"``
+        (after ``host_write_hits`` admissions hit it)."""
     @property
     def model(self) -> str: ...
     @property

@@ -628,10 +628,9 @@ def adapter(
     return allocator, RadixCache(allocator)
 
 
-HICACHE_WRITE_POLICIES = ("write_back",)
-"""The HiCache write policies unikv implements: a prefix is written to the host when the
-device evicts it (SGLang's ``write_through`` and ``write_through_selective``, which back
-up on hits, are not implemented)."""
+HICACHE_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+"""The HiCache write policies, by SGLang's names, that ``HybridCache(host_write_policy=...)``
+takes: on eviction, once cached, or after ``host_write_hits`` admissions hit a prefix."""
 
 
 def hicache_host_memory_bytes(
@@ -646,14 +645,15 @@ def hicache_host_memory_bytes(
     when ``enable_hierarchical_cache`` is off; else ``hicache_size`` gigabytes (10^9
     bytes, as SGLang counts them) when it is set, or ``hicache_ratio`` times the
     device's ``memory`` (bytes, an int). The host tier's own checks (a size too small to
-    hold a page or a state) are the cache's, when it is built. A write policy other
-    than ``"write_back"`` raises ``InvalidArgument`` (see ``HICACHE_WRITE_POLICIES``)."""
+    hold a page or a state) are the cache's, when it is built. The write policy goes to
+    ``HybridCache(host_write_policy=...)`` under the same name; one not in
+    ``HICACHE_WRITE_POLICIES`` raises ``InvalidArgument``."""
     if not enable_hierarchical_cache:
         return 0
     if hicache_write_policy not in HICACHE_WRITE_POLICIES:
         raise InvalidArgument(
-            f"hicache_write_policy={hicache_write_policy!r} is not implemented: unikv "
-            "writes a prefix back to the host when the device evicts it ('write_back')"
+            f"unknown hicache_write_policy={hicache_write_policy!r} (expected one of "
+            f"{HICACHE_WRITE_POLICIES})"
         )
     if hicache_size > 0:
         return int(hicache_size) * 10**9
