@@ -352,6 +352,7 @@ impl RunCli {
             record_ops: self.record_ops,
             backend: self.device,
             speculation,
+            host_memory_bytes: 0,
         };
         Ok(options)
     }
