@@ -140,6 +140,11 @@ pub struct ReplayCli {
     /// What runs.
     #[command(flatten)]
     pub run: RunCli,
+    /// A host tier of SIZE (as --memory): prefixes the device evicts are written back to
+    /// host memory and loaded back by the prompts that match them; the report adds the
+    /// host's rows (REPORT ROWS) [default: none]
+    #[arg(long = "host-memory", value_name = "SIZE", value_parser = parse_memory)]
+    pub host_memory: Option<u64>,
     /// Print one JSON object instead of the table
     #[arg(long)]
     pub json: bool,
@@ -275,7 +280,10 @@ impl ReplayCli {
     /// that span options checked (a workload that needs recurrent state, `--record-ops`
     /// with one run).
     pub fn resolve(self) -> Result<ReplayArgs, CliError> {
-        let options = self.run.resolve(!self.no_timing)?;
+        let options = ReplayOptions {
+            host_memory_bytes: self.host_memory.unwrap_or(0),
+            ..self.run.resolve(!self.no_timing)?
+        };
         if options.record_ops.is_some() && options.runs() != 1 {
             return Err(CliError::RecordOpsNeedsOneRun {
                 runs: options.runs(),
@@ -352,6 +360,8 @@ impl RunCli {
             record_ops: self.record_ops,
             backend: self.device,
             speculation,
+            // `unikv replay`'s own option (`ReplayCli::resolve`); bench-scale has none.
+            host_memory_bytes: 0,
         };
         Ok(options)
     }
@@ -713,6 +723,8 @@ mod tests {
             "t.jsonl",
             "--device",
             "none",
+            "--host-memory",
+            "64GiB",
         ])
         .unwrap();
         let o = &r.options;
@@ -723,6 +735,7 @@ mod tests {
         assert_eq!(o.model, ModelSpec::GPT_OSS_120B);
         assert_eq!(o.page_sizes, [16, 1, 64]);
         assert_eq!(o.memory_bytes, 24 << 30);
+        assert_eq!(o.host_memory_bytes, 64 << 30);
         assert_eq!(o.layouts, [Layout::Unified]);
         assert_eq!(o.seed, 42);
         assert_eq!(o.invariant_level, Level::Warn);
@@ -750,6 +763,10 @@ mod tests {
             (&["--layout", "static", "--layout", "both"][..], "--layout"),
             (&["--seed", "1", "--seed=1"], "--seed"),
             (&["--memory", "1GiB", "--memory", "2GiB"], "--memory"),
+            (
+                &["--host-memory", "1GiB", "--host-memory=1GiB"],
+                "--host-memory",
+            ),
             (
                 &["--model", "gpt-oss-20b", "--model", "gpt-oss-120b"],
                 "--model",
@@ -844,6 +861,10 @@ mod tests {
             (&["--memory", "24G"], "bad memory size \"24G\""),
             (&["--memory", "0"], "the size must be positive"),
             (&["--memory="], "bad memory size \"\""),
+            (&["--host-memory", "64G"], "bad memory size \"64G\""),
+            (&["--host-memory", "0"], "the size must be positive"),
+            (&["--host-memory="], "bad memory size \"\""),
+            (&["--host-memory", "1.5GB"], ""),
             (&["--layout", "paged"], "unknown layout \"paged\""),
             (
                 &["--device", "gpu"],
@@ -1044,8 +1065,13 @@ mod tests {
             let err = parse(&["bench-scale", "--scales", bad]).unwrap_err();
             assert!(err.contains("--scales"), "{err}");
         }
-        // The replay's outputs it does not honour are not options of bench-scale.
-        for flag in [&["--svg", "plots"][..], &["--no-timing"]] {
+        // The replay's outputs it does not honour are not options of bench-scale, nor is
+        // the host tier, whose figures its table has no rows for.
+        for flag in [
+            &["--svg", "plots"][..],
+            &["--no-timing"],
+            &["--host-memory", "1GiB"],
+        ] {
             let mut args = vec!["bench-scale"];
             args.extend_from_slice(flag);
             let err = parse(&args).unwrap_err();

@@ -1,7 +1,8 @@
 //! `--svg DIR`: one plot per run of each sub-pool's bytes over steps (`full`, `swa`,
 //! `mamba`, their total and the budget), drawn with plotters' SVG backend. Every plot
-//! carries one line of what the prefix cache served ([`reuse_line`]: hit rate, KV hit,
-//! recurrent hit, tokens recomputed, checkpoint slots at peak); a run of a model with
+//! carries one line of what the prefix cache served ([`reuse_line`]: hit rate, with a host
+//! tier its device and host parts, KV hit, recurrent hit, tokens recomputed, checkpoint
+//! slots at peak); a run of a model with
 //! recurrent state also one line of its state slots: the peak in use, the capacity,
 //! cached states and FULL donor nodes evicted for them ([`mamba_line`]).
 //!
@@ -174,13 +175,22 @@ fn draw(run: &RunStats, model: &str, path: &Path) -> Result<(), String> {
 }
 
 /// The line every plot carries: what the prefix cache served the run's prompts — the
-/// hit rate, the KV hit, for a model with recurrent state the recurrent hit, the tokens
-/// recomputed, and for such a model the most slots held as checkpoints.
+/// hit rate (with a host tier, the tokens of it the device held and those loaded back
+/// from the host), the KV hit, for a model with recurrent state the recurrent hit, the
+/// tokens recomputed, and for such a model the most slots held as checkpoints.
 pub fn reuse_line(run: &RunStats) -> String {
     use unikv_workload::units::group_digits;
     let rate = match run.prefix_hit_rate() {
         Some(rate) => format!("{:.1} %", rate * 100.0),
         None => "—".to_string(),
+    };
+    let rate = match &run.host {
+        Some(h) => format!(
+            "{rate} (device {}, host {})",
+            group_digits(h.device_hit_tokens),
+            group_digits(h.host_hit_tokens)
+        ),
+        None => rate,
     };
     let kv = group_digits(run.kv_hit_tokens);
     let recomputed = group_digits(run.recomputed_tokens);
@@ -282,6 +292,22 @@ mod tests {
             reuse_line(&sample_report().runs[0]),
             "prefix hit 81.2 %: KV hit 790,528, recomputed 4,096 tokens"
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// With a host tier the reuse line splits the hit into the device's and the host's
+    /// tokens; without one it is as it was.
+    #[test]
+    fn a_run_with_a_host_tier_says_where_its_hit_came_from() {
+        let dir = scratch("svg-host");
+        let report = unikv_replay::samples::sample_host_report();
+        let line = "prefix hit 51.0 % (device 21,504, host 507,904): KV hit 529,408, \
+                    recomputed 0 tokens";
+        assert_eq!(reuse_line(&report.runs[1]), line);
+        let paths = write_plots(&report, &dir).unwrap();
+        let svg = std::fs::read_to_string(&paths[1]).unwrap();
+        assert!(svg.contains(line), "{svg}");
+        assert!(!reuse_line(&sample_report().runs[1]).contains("host"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -68,6 +68,7 @@ fn replay_help_documents_the_options_the_defaults_and_the_trace_format() {
         "--svg <DIR>",
         "--trace <FILE>",
         "--record-ops <FILE>",
+        "--host-memory <SIZE>",
         "[default: 1,256]",
         "TRACE FORMAT",
         "shared-prefix",
@@ -79,6 +80,19 @@ fn replay_help_documents_the_options_the_defaults_and_the_trace_format() {
         "synthetic-tri      4 FULL + 12 SWA + 16 recurrent layers (window 1024),\n",
         "mamba-starvation  4,096-token histories",
         "[default for a model with recurrent state]",
+        // The host tier's rows and the bandwidth their times assume.
+        "\n  device hit tokens ",
+        "\n  host hit tokens ",
+        "\n  host loaded bytes ",
+        "\n  host written bytes ",
+        "\n  host load time ",
+        "\n  host write-back time ",
+        "\n  host peak (SIDE) ",
+        "\n  host peak bytes ",
+        "\n  host copies ",
+        "\n  host largest copy ",
+        "\n  host refused writes ",
+        "PCIe Gen5 x16, 64 GB/s",
     ] {
         assert!(stdout.contains(needle), "{needle} missing from:\n{stdout}");
     }
@@ -142,6 +156,23 @@ fn assert_one_line_error(args: &[&str], needle: &str) {
 fn bad_options_are_one_line_errors_with_status_2() {
     for (args, needle) in [
         (&["replay", "--memory", "24G"][..], "bad memory size"),
+        (
+            &["replay", "--host-memory", "64G"],
+            "invalid value '64G' for '--host-memory <SIZE>': bad memory size",
+        ),
+        (
+            &["replay", "--host-memory", "0"],
+            "for '--host-memory <SIZE>': bad memory size \"0\": the size must be positive",
+        ),
+        (
+            &["replay", "--host-memory", "1GiB", "--host-memory", "2GiB"],
+            "the argument '--host-memory <SIZE>' cannot be used multiple times",
+        ),
+        // A host tier too small for one page is the cache's refusal, before any run.
+        (
+            &["replay", "--workload", "smoke", "--host-memory", "1"],
+            "host memory: bad pool configuration: a host pool of 1 bytes holds no frame",
+        ),
         (&["replay", "--workload", "nope"], "unknown workload"),
         (&["replay", "--model", "llama"], "unknown model"),
         (
@@ -801,6 +832,78 @@ fn a_real_budget_runs_bookkeeping_only_on_device_none() {
     };
     assert_eq!(calls("cpu"), calls("none"));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--host-memory` gives every run a host tier. In 24 MiB the static smoke run evicts
+/// the shared prompt its later requests would hit; the host takes it and loads it back:
+/// the same run hits twice the tokens, all 320 more from the host. The JSON run carries a
+/// `host` object (null without a host tier) and the table its rows (none without).
+#[test]
+fn a_host_tier_loads_back_what_a_small_device_evicted() {
+    let args = [
+        "--workload",
+        "smoke",
+        "--layout",
+        "static",
+        "--page-size",
+        "16",
+        "--memory",
+        "24MiB",
+        "--device",
+        "none",
+    ];
+    let with_host = [&args[..], &["--host-memory", "1GiB"]].concat();
+    let without = replay_json(&args);
+    let with = replay_json(&with_host);
+    let (plain, tiered) = (&passing_runs(&without)[0], &passing_runs(&with)[0]);
+    assert!(plain["host"].is_null(), "{plain}");
+    let host = &tiered["host"];
+    let n = |v: &serde_json::Value| v.as_u64().unwrap_or_else(|| panic!("{v} in {host}"));
+    assert_eq!(n(&host["total_bytes"]), 1 << 30);
+    assert_eq!(n(&host["host_hit_tokens"]), 320);
+    assert_eq!(
+        n(&host["device_hit_tokens"]) + n(&host["host_hit_tokens"]),
+        n(&tiered["prefix_hit_tokens"])
+    );
+    assert_eq!(
+        n(&tiered["prefix_hit_tokens"]),
+        2 * n(&plain["prefix_hit_tokens"]),
+        "{plain}\n{tiered}"
+    );
+    // The FULL rows of the 320 tokens at least, and their time at 64 GB/s.
+    let per_token = n(&with["model"]["full_bytes_per_token"]);
+    assert!(n(&host["loaded_bytes"]) >= 320 * per_token, "{host}");
+    assert_eq!(n(&host["transfer_bytes_per_second"]), 64_000_000_000);
+    assert_eq!(n(&host["load_ns"]), n(&host["loaded_bytes"]) / 64);
+    assert_eq!(n(&host["write_back_ns"]), n(&host["written_bytes"]) / 64);
+    assert!(
+        n(&host["written_bytes"]) > 0 && n(&host["copies"]) > 0,
+        "{host}"
+    );
+    for peak in ["peak_full_bytes", "peak_swa_bytes"] {
+        assert!(
+            n(&host[peak]) > 0 && n(&host[peak]) <= n(&host["peak_bytes"]),
+            "{peak}: {host}"
+        );
+    }
+    assert_eq!(n(&host["peak_state_bytes"]), 0, "gpt-oss keeps no state");
+
+    let table = |args: &[&str]| {
+        let mut all = vec!["replay", "--no-timing"];
+        all.extend_from_slice(args);
+        let (status, stdout, stderr) = unikv(&all);
+        assert_eq!(status, Some(0), "{stderr}");
+        stdout
+    };
+    let tiered = table(&with_host);
+    assert!(tiered.contains("\nhost tier: 1.00 GiB, "), "{tiered}");
+    let host_hit = tiered.lines().find(|l| l.starts_with("  host hit tokens "));
+    assert!(host_hit.is_some_and(|l| l.ends_with(" 320")), "{tiered}");
+    let plain = table(&args);
+    assert!(
+        !plain.contains("host tier") && !plain.contains("host hit"),
+        "{plain}"
+    );
 }
 
 #[test]

@@ -127,6 +127,10 @@ pub struct RunConfig {
     /// Speculative decoding (`--spec`, `--spec-tree`, `--spec-late`): every decode step
     /// is a verify step. `None` decodes one token per step.
     pub speculation: Option<SpecMode>,
+    /// The host tier's buffer in bytes (`--host-memory`; 0, the default: none): prefixes
+    /// the device evicts are written back there and loaded back by a prompt that
+    /// matches them ([`unikv::HybridCacheBuilder::host_memory_bytes`]).
+    pub host_memory_bytes: u64,
 }
 
 impl RunConfig {
@@ -153,6 +157,7 @@ impl RunConfig {
             max_steps: RunConfig::DEFAULT_MAX_STEPS,
             backend: Backend::Cpu,
             speculation: None,
+            host_memory_bytes: 0,
         }
     }
 }
@@ -187,6 +192,8 @@ pub struct ReplayOptions {
     /// Speculative decoding in every run (`--spec K`, `--spec-tree N`, `--spec-late`);
     /// each run is then also replayed without it, for the report's comparison.
     pub speculation: Option<SpecMode>,
+    /// The host tier of every run, in bytes (`--host-memory`; 0, the default: none).
+    pub host_memory_bytes: u64,
 }
 
 impl Default for ReplayOptions {
@@ -205,6 +212,7 @@ impl Default for ReplayOptions {
             timing: true,
             backend: Backend::Cpu,
             speculation: None,
+            host_memory_bytes: 0,
         }
     }
 }
@@ -229,6 +237,7 @@ pub(crate) fn cache_builder(
         .page_size(config.page_size)
         .memory_bytes(config.memory_bytes)
         .layout(config.layout)
+        .host_memory_bytes(config.host_memory_bytes)
         .device(device);
     let builder = match config.speculation {
         Some(_) => builder.speculation(speculation(config).expect("a speculative run")),
@@ -391,6 +400,7 @@ mod tests {
         assert_eq!(r.memory_bytes, 16 << 30);
         assert_eq!(r.invariant_level, Level::Strict);
         assert!(r.timing && r.trace.is_none() && r.record_ops.is_none());
+        assert_eq!(r.host_memory_bytes, 0, "no host tier");
         assert_eq!(r.runs(), 20);
     }
 }

@@ -8,7 +8,7 @@
 //! | [`config`] | [`LAYOUTS`], [`Backend`], one run's [`RunConfig`], a replay's [`ReplayOptions`] |
 //! | [`scheduler`] | the scheduler: [`scheduler::run`], [`StepProgress`] |
 //! | [`runs`] | a replay's workloads and runs in order; [`run`]: one run, its ops recorded if asked |
-//! | [`stats`] | [`RunStats`], [`MambaStats`], samples, timing, why a run fails |
+//! | [`stats`] | [`RunStats`], [`MambaStats`], [`HostRunStats`], samples, timing, why a run fails |
 //! | [`report`] | [`Report`]: the table, the JSON object, the verdict |
 //! | [`scale`] | `bench-scale`: the runs at growing pool and request counts |
 //! | [`speculative`] | speculative runs: [`SpecMode`], the draft tree, the seeded acceptance |
@@ -44,6 +44,6 @@ pub use report::Report;
 pub use runs::run;
 pub use scheduler::StepProgress;
 pub use speculative::SpecMode;
-pub use stats::{MambaStats, RunStats, StepSample};
+pub use stats::{HostRunStats, MambaStats, PCIE_GEN5_X16_BYTES_PER_SECOND, RunStats, StepSample};
 /// The facade's layout, the one a run is configured with (re-exported for the binary).
 pub use unikv::Layout;

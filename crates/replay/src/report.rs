@@ -15,6 +15,12 @@
 //! evicted, FULL nodes evicted as donors for slots); the table of any other model has
 //! none.
 //!
+//! A replay with a host tier (`--host-memory`) says so under the header, with the PCIe
+//! bandwidth its transfer times assume ([`PCIE_GEN5_X16_BYTES_PER_SECOND`]), and adds its
+//! rows: the hit split into the device's and the host's tokens, the bytes loaded back and
+//! written back and their time on the link, the host's peak bytes per kind and in all,
+//! its copies and the write-backs it refused. A table without one has none of this.
+//!
 //! # The JSON object (`--json`, schema `unikv.replay.v3`)
 //! ```text
 //! {
@@ -65,6 +71,20 @@
 //!                                   ns_per_page counts their time only)
 //!     "pass": bool,
 //!     "failures": [ str ],          why the run failed, one sentence each
+//!     "host": {                     the host tier (--host-memory); null without one
+//!       "total_bytes": u64,         its buffer
+//!       "device_hit_tokens": u64,   prefix_hit_tokens the device held at admission,
+//!       "host_hit_tokens": u64,     and those loaded back from the host (the rest)
+//!       "loaded_bytes": u64,        bytes copied host to device (load-backs)
+//!       "written_bytes": u64,       bytes copied device to host (write-backs at eviction)
+//!       "peak_full_bytes": u64, "peak_swa_bytes": u64, "peak_state_bytes": u64,
+//!                                   most bytes held per kind at a step boundary
+//!       "peak_bytes": u64,          most bytes held at once, all kinds
+//!       "copies": u64, "largest_copy": u64,  copies issued both ways, the largest
+//!       "refused_writes": u64,      write-backs skipped: the host could not make room
+//!       "transfer_bytes_per_second": u64,  the link assumed per direction (PCIe Gen5 x16)
+//!       "load_ns": u64, "write_back_ns": u64  loaded and written bytes / that bandwidth
+//!     } | null,
 //!     "speculative": {              only in a speculative run (--spec, --spec-tree)
 //!       "draft": str, "width": u32, "late": bool,
 //!       "verify_steps": u64,        verify steps allocated, one per request and step
@@ -88,7 +108,9 @@
 use crate::config::serialize_layout;
 use crate::error::ReplayError;
 use crate::speculative::ACCEPT_PROBABILITY;
-use crate::stats::{Failure, MambaStats, RunStats, SpecStats, Timing};
+use crate::stats::{
+    Failure, HostRunStats, MambaStats, PCIE_GEN5_X16_BYTES_PER_SECOND, RunStats, SpecStats, Timing,
+};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -110,6 +132,9 @@ REPORT ROWS (a column per layout, then unified/static):
                             (models with state; the same as the hit rate's tokens)
   recomputed tokens         KV hit minus tokens served: cached KV computed again
                             (no state, or too little live SWA, where the hit ended)
+  device hit tokens         with --host-memory: of the tokens served, those the device
+                            held at admission,
+  host hit tokens             and those loaded back from the host tier
   evictions (KIND)          tokens evicted from the prefix cache under pressure: full
                             (whole nodes), swa (window tombstones)
   evictions (mamba states)  cached recurrent states evicted (models with state)
@@ -119,6 +144,16 @@ REPORT ROWS (a column per layout, then unified/static):
   peak checkpoint slots     most of them held as checkpoints (cached in the tree, or
                             saved by a request and not yet taken): all but running ones
   state slot capacity       state slots the layout can hold (static: its fixed pool)
+  host loaded bytes         with --host-memory: bytes copied back, host to device
+  host written bytes        bytes written back, device to host, as the device evicted
+  host load time            those bytes' time on the link at PCIe Gen5 x16, 64 GB/s
+  host write-back time        per direction (time = bytes / bandwidth, each apart)
+  host peak (SIDE)          most bytes the host held per kind at a step boundary: full,
+                            swa, mamba (recurrent states)
+  host peak bytes           most bytes the host held at once, all kinds
+  host copies               copies issued both ways (one per run of adjacent bytes)
+  host largest copy         the largest single copy
+  host refused writes       write-backs skipped because the host could not make room
   steps                     scheduler steps to finish the workload
   host syncs per step       device waits on the scheduling path (must be 0)
   step CPU time, median     allocator and tree host time per step (device work
@@ -210,6 +245,16 @@ impl Report {
                 spec.draft, spec.width
             );
         }
+        if let Some(host) = self.runs.iter().find_map(|r| r.host.as_ref()) {
+            let _ = writeln!(
+                out,
+                "host tier: {}, written back as the device evicts, loaded back by the \
+                 prompts that match; transfer times at PCIe Gen5 x16, {} GB/s per direction \
+                 (bytes / bandwidth)",
+                format_bytes(host.total_bytes),
+                PCIE_GEN5_X16_BYTES_PER_SECOND / 1_000_000_000
+            );
+        }
         for (workload, page_size, runs) in self.groups() {
             let _ = writeln!(out, "\n{workload} · page size {page_size}");
             out.push_str(&self.render_group(&runs));
@@ -262,6 +307,26 @@ impl Report {
             );
         }
         table.row("recomputed tokens", runs, |r| count(r.recomputed_tokens));
+        let tiered = runs.iter().any(|r| r.host.is_some());
+        // A replay with a host tier: a host cell of each run ("—" for a run without).
+        let host = |cell: fn(&HostRunStats) -> Cell| {
+            move |r: &RunStats| match &r.host {
+                Some(h) => cell(h),
+                None => Cell::Text("—".into(), None),
+            }
+        };
+        if tiered {
+            table.row(
+                "device hit tokens",
+                runs,
+                host(|h| Cell::Count(h.device_hit_tokens)),
+            );
+            table.row(
+                "host hit tokens",
+                runs,
+                host(|h| Cell::Count(h.host_hit_tokens)),
+            );
+        }
         for kind in union_keys(runs, |r| &r.evictions_by_kind) {
             table.row(&format!("evictions ({kind})"), runs, |r| {
                 count(r.evictions_by_kind.get(&kind).copied().unwrap_or(0))
@@ -289,6 +354,55 @@ impl Report {
                 mamba(|m| m.peak_checkpoint_slots),
             );
             table.row("state slot capacity", runs, mamba(|m| m.slots_total));
+        }
+        if tiered {
+            table.row(
+                "host loaded bytes",
+                runs,
+                host(|h| Cell::bytes(h.loaded_bytes)),
+            );
+            table.row(
+                "host written bytes",
+                runs,
+                host(|h| Cell::bytes(h.written_bytes)),
+            );
+            table.row("host load time", runs, host(|h| Cell::time(h.load_ns())));
+            table.row(
+                "host write-back time",
+                runs,
+                host(|h| Cell::time(h.write_back_ns())),
+            );
+            table.row(
+                "host peak (full)",
+                runs,
+                host(|h| Cell::bytes(h.peak_full_bytes)),
+            );
+            if self.model.swa_layers > 0 {
+                table.row(
+                    "host peak (swa)",
+                    runs,
+                    host(|h| Cell::bytes(h.peak_swa_bytes)),
+                );
+            }
+            if self.model.has_recurrent_state() {
+                table.row(
+                    "host peak (mamba)",
+                    runs,
+                    host(|h| Cell::bytes(h.peak_state_bytes)),
+                );
+            }
+            table.row("host peak bytes", runs, host(|h| Cell::bytes(h.peak_bytes)));
+            table.row("host copies", runs, host(|h| Cell::Count(h.copies)));
+            table.row(
+                "host largest copy",
+                runs,
+                host(|h| Cell::bytes(h.largest_copy)),
+            );
+            table.row(
+                "host refused writes",
+                runs,
+                host(|h| Cell::Count(h.refused_writes)),
+            );
         }
         table.row("steps", runs, |r| count(r.steps));
         table.row("host syncs per step", runs, |r| {
@@ -492,6 +606,12 @@ impl Report {
                         },
                         pass: failures.is_empty(),
                         failures,
+                        host: r.host.as_ref().map(|h| JsonHost {
+                            stats: h,
+                            transfer_bytes_per_second: PCIE_GEN5_X16_BYTES_PER_SECOND,
+                            load_ns: h.load_ns(),
+                            write_back_ns: h.write_back_ns(),
+                        }),
                         speculative: r.speculative.as_ref().map(|s| JsonSpec {
                             stats: s,
                             accepted_per_step: s.accepted_per_step(),
@@ -579,8 +699,19 @@ struct JsonRun<'a> {
     step_with_metadata_cpu_ns: Option<Timing>,
     pass: bool,
     failures: Vec<String>,
+    host: Option<JsonHost<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     speculative: Option<JsonSpec<'a>>,
+}
+
+/// A run's host tier in its JSON object: its figures and their time on the link.
+#[derive(Serialize)]
+struct JsonHost<'a> {
+    #[serde(flatten)]
+    stats: &'a HostRunStats,
+    transfer_bytes_per_second: u64,
+    load_ns: u64,
+    write_back_ns: u64,
 }
 
 /// A speculative run's part of its JSON object.
@@ -603,6 +734,16 @@ enum Cell {
 }
 
 impl Cell {
+    /// Bytes, in binary units, compared.
+    fn bytes(bytes: u64) -> Cell {
+        Cell::Text(format_bytes(bytes), Some(bytes as f64))
+    }
+
+    /// A time in nanoseconds, in its unit, compared.
+    fn time(ns: u64) -> Cell {
+        Cell::Text(format_ns(ns), Some(ns as f64))
+    }
+
     fn text_and_value(self) -> (String, Option<f64>) {
         match self {
             Cell::Count(v) => (group_digits(v), Some(v as f64)),
@@ -694,7 +835,9 @@ fn union_keys<'a>(
 mod tests {
     use super::*;
     use crate::config::LAYOUTS;
-    use crate::samples::{sample_mamba_report, sample_pair, sample_report, sample_spec_report};
+    use crate::samples::{
+        sample_host_report, sample_mamba_report, sample_pair, sample_report, sample_spec_report,
+    };
 
     #[test]
     fn a_model_with_recurrent_state_gets_mamba_rows_and_no_swa_rows() {
@@ -745,8 +888,14 @@ mod tests {
     #[test]
     fn every_row_of_the_table_is_explained_by_the_replay_help() {
         let rows = ROWS_HELP;
-        for table in
-            [sample_report(), sample_mamba_report(), sample_spec_report()].map(|r| r.render_table())
+        for table in [
+            sample_report(),
+            sample_mamba_report(),
+            sample_spec_report(),
+            sample_host_report(),
+            mamba_host_report(),
+        ]
+        .map(|r| r.render_table())
         {
             // Rows start with two spaces; the column header with more.
             for line in table
@@ -865,6 +1014,111 @@ mod tests {
         let plain: serde_json::Value =
             serde_json::from_str(&sample_mamba_report().to_json().unwrap()).unwrap();
         assert!(plain["runs"][0].get("speculative").is_none());
+    }
+
+    /// [`sample_mamba_report`] with a host tier holding states.
+    fn mamba_host_report() -> Report {
+        let mut report = sample_mamba_report();
+        for run in &mut report.runs {
+            run.host = Some(HostRunStats {
+                total_bytes: 64 << 30,
+                host_hit_tokens: run.prefix_hit_tokens / 2,
+                device_hit_tokens: run.prefix_hit_tokens / 2,
+                peak_state_bytes: 40 * 77_266_944,
+                ..HostRunStats::default()
+            });
+        }
+        report
+    }
+
+    /// A replay with a host tier says so under the header and adds a row per host
+    /// figure; the JSON run carries a `host` object (null without a host tier, whose
+    /// table has none of these rows).
+    #[test]
+    fn a_host_tier_adds_its_rows_and_json_object() {
+        let table = sample_host_report().render_table();
+        insta::assert_snapshot!(table);
+        let rows = [
+            "host tier: 64.00 GiB,",
+            "64 GB/s per direction",
+            "device hit tokens",
+            "host hit tokens",
+            "host loaded bytes",
+            "host written bytes",
+            "host load time",
+            "host write-back time",
+            "host peak (full)",
+            "host peak (swa)",
+            "host peak bytes",
+            "host copies",
+            "host largest copy",
+            "host refused writes",
+        ];
+        for row in rows {
+            assert!(table.contains(row), "{row}: {table}");
+            for plain in [sample_report(), sample_mamba_report(), sample_spec_report()] {
+                assert!(!plain.render_table().contains(row), "{row}");
+            }
+        }
+        // gpt-oss keeps no state; qwen3-next has no SWA.
+        assert!(!table.contains("host peak (mamba)"), "{table}");
+        let mamba = mamba_host_report().render_table();
+        assert!(mamba.contains("host peak (mamba)"), "{mamba}");
+        assert!(!mamba.contains("host peak (swa)"), "{mamba}");
+        // 13,958,643,712 bytes at 64 GB/s: 218.1 ms.
+        let load = table.lines().find(|l| l.starts_with("  host load time"));
+        assert!(load.is_some_and(|l| l.contains(" 218.10 ms ")), "{table}");
+        let value: serde_json::Value =
+            serde_json::from_str(&sample_host_report().to_json().unwrap()).unwrap();
+        let host = &value["runs"][0]["host"];
+        assert_eq!(host["total_bytes"], 64u64 << 30);
+        assert_eq!(host["device_hit_tokens"], 12_288);
+        assert_eq!(host["host_hit_tokens"], 509_952);
+        assert_eq!(
+            host["device_hit_tokens"].as_u64().unwrap() + host["host_hit_tokens"].as_u64().unwrap(),
+            value["runs"][0]["prefix_hit_tokens"].as_u64().unwrap()
+        );
+        assert_eq!(host["loaded_bytes"], 13_958_643_712u64);
+        assert_eq!(host["written_bytes"], 36_473_995_264u64);
+        assert_eq!(host["peak_full_bytes"], 35_869_491_200u64);
+        assert_eq!(host["peak_swa_bytes"], 1_879_048_192u64);
+        assert_eq!(host["peak_state_bytes"], 0);
+        assert_eq!(host["peak_bytes"], 37_748_539_392u64);
+        assert_eq!(host["copies"], 3_968);
+        assert_eq!(host["largest_copy"], 23_592_960);
+        assert_eq!(host["refused_writes"], 0);
+        assert_eq!(host["transfer_bytes_per_second"], 64_000_000_000u64);
+        assert_eq!(host["load_ns"], 218_103_808);
+        assert_eq!(host["write_back_ns"], 569_906_176);
+        for plain in [sample_report(), sample_mamba_report(), sample_spec_report()] {
+            let value: serde_json::Value = serde_json::from_str(&plain.to_json().unwrap()).unwrap();
+            for run in value["runs"].as_array().unwrap() {
+                assert!(run["host"].is_null(), "{run}");
+            }
+        }
+    }
+
+    /// A transfer takes bytes / [`PCIE_GEN5_X16_BYTES_PER_SECOND`], and the help states
+    /// the bandwidth the constant holds.
+    #[test]
+    fn transfer_times_are_bytes_over_the_stated_pcie_bandwidth() {
+        use crate::stats::transfer_ns;
+        assert_eq!(transfer_ns(64_000_000_000), 1_000_000_000);
+        assert_eq!(transfer_ns(64), 1);
+        assert_eq!(transfer_ns(63), 0, "rounded down");
+        assert_eq!(transfer_ns(1 << 30), 16_777_216);
+        assert_eq!(
+            transfer_ns(u64::MAX),
+            (u128::from(u64::MAX) * 1_000 / 64_000) as u64
+        );
+        let host = HostRunStats {
+            loaded_bytes: 128_000,
+            written_bytes: 64_000,
+            ..HostRunStats::default()
+        };
+        assert_eq!((host.load_ns(), host.write_back_ns()), (2_000, 1_000));
+        let gbps = PCIE_GEN5_X16_BYTES_PER_SECOND / 1_000_000_000;
+        assert!(ROWS_HELP.contains(&format!("PCIe Gen5 x16, {gbps} GB/s")));
     }
 
     #[test]

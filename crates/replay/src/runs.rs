@@ -44,6 +44,7 @@ pub fn plan(options: &ReplayOptions, workloads: &[Workload]) -> Vec<(usize, RunC
                 config.invariant_level = options.invariant_level;
                 config.backend = options.backend;
                 config.speculation = options.speculation;
+                config.host_memory_bytes = options.host_memory_bytes;
                 runs.push((w, config));
             }
         }
@@ -71,6 +72,7 @@ pub fn check_configs(options: &ReplayOptions) -> Result<(), ReplayError> {
         for &page_size in &options.page_sizes {
             let mut config = RunConfig::new(options.model, layout, page_size, options.memory_bytes);
             config.speculation = options.speculation;
+            config.host_memory_bytes = options.host_memory_bytes;
             check_config(&config)?;
         }
     }

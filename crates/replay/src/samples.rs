@@ -3,7 +3,7 @@
 
 use crate::config::LAYOUTS;
 use crate::report::Report;
-use crate::stats::{MambaStats, RunStats, SpecStats, StepSample};
+use crate::stats::{HostRunStats, MambaStats, RunStats, SpecStats, StepSample};
 use std::collections::BTreeMap;
 use unikv::Layout;
 use unikv::ModelSpec;
@@ -177,6 +177,82 @@ pub fn sample_mamba_report() -> Report {
         memory_bytes: 16 << 30,
         seed: 1,
         invariant_level: Level::Strict,
+        timing: false,
+        runs: vec![statik, unified],
+    }
+}
+
+/// A hand-made pair of runs with a host tier (`--host-memory 64GiB`), shaped like a
+/// gpt-oss-20b `multi-turn` replay at page size 16 in 1 GiB of device memory, without
+/// timing: most of the hit is loaded back from the host.
+pub fn sample_host_report() -> Report {
+    let map = |pairs: &[(&str, u64)]| -> BTreeMap<String, u64> {
+        pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+    };
+    let base = RunStats {
+        workload: "multi-turn".into(),
+        page_size: 16,
+        memory_bytes: 1 << 30,
+        requests_total: 512,
+        requests_completed: 512,
+        peak_admitted: 32,
+        ..RunStats::default()
+    };
+    let statik = RunStats {
+        layout: LAYOUTS[0],
+        retractions: 41,
+        prompt_tokens: 1_061_888,
+        prefix_hit_tokens: 522_240,
+        kv_hit_tokens: 522_240,
+        evictions_by_kind: map(&[("full", 1_468_416), ("swa", 1_523_712)]),
+        peak_bytes_by_subpool: map(&[("full", 596_361_216), ("swa", 477_102_080)]),
+        steps: 31_204,
+        host: Some(HostRunStats {
+            total_bytes: 64 << 30,
+            device_hit_tokens: 12_288,
+            host_hit_tokens: 509_952,
+            loaded_bytes: 13_958_643_712,
+            written_bytes: 36_473_995_264,
+            peak_full_bytes: 35_869_491_200,
+            peak_swa_bytes: 1_879_048_192,
+            peak_state_bytes: 0,
+            peak_bytes: 37_748_539_392,
+            copies: 3_968,
+            largest_copy: 23_592_960,
+            refused_writes: 0,
+        }),
+        ..base.clone()
+    };
+    let unified = RunStats {
+        layout: Layout::Unified,
+        retractions: 3,
+        prompt_tokens: 1_037_312,
+        prefix_hit_tokens: 529_408,
+        kv_hit_tokens: 529_408,
+        evictions_by_kind: map(&[("full", 1_101_312), ("swa", 2_064_384)]),
+        peak_bytes_by_subpool: map(&[("full", 863_502_336), ("swa", 209_715_200)]),
+        steps: 29_877,
+        host: Some(HostRunStats {
+            total_bytes: 64 << 30,
+            device_hit_tokens: 21_504,
+            host_hit_tokens: 507_904,
+            loaded_bytes: 13_908_312_064,
+            written_bytes: 27_858_370_560,
+            peak_full_bytes: 27_065_843_712,
+            peak_swa_bytes: 1_413_480_448,
+            peak_state_bytes: 0,
+            peak_bytes: 28_479_324_160,
+            copies: 3_612,
+            largest_copy: 23_592_960,
+            refused_writes: 0,
+        }),
+        ..base
+    };
+    Report {
+        model: ModelSpec::GPT_OSS_20B,
+        memory_bytes: 1 << 30,
+        seed: 1,
+        invariant_level: Level::Off,
         timing: false,
         runs: vec![statik, unified],
     }

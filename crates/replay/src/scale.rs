@@ -164,6 +164,7 @@ pub fn bench_scale(
             let workload = workloads[w].tenants(scale);
             let mut config = config.clone();
             config.memory_bytes = config.memory_bytes.saturating_mul(u64::from(scale));
+            config.host_memory_bytes = config.host_memory_bytes.saturating_mul(u64::from(scale));
             progress.start(
                 &format!(
                     "{} · page size {} · {} · scale {scale}",

@@ -535,6 +535,13 @@ impl<'a> Simulation<'a> {
             mamba.state_evictions = e.mamba_states;
             mamba.donor_nodes = e.donor_nodes;
         }
+        if let (Some(host), Some(tier)) = (&mut self.stats.host, &stats.host) {
+            host.observe(tier);
+            host.device_hit_tokens = self
+                .stats
+                .prefix_hit_tokens
+                .saturating_sub(host.host_hit_tokens);
+        }
         self.stats.host_syncs += self.ledger.syncs() as u64;
         self.stats.invariant_violations = violations(&self.cache);
         self.stats.speculative = self.spec.take().map(|s| s.stats);

@@ -1,5 +1,6 @@
 //! What a run reports: [`RunStats`] (filled by the scheduler), its Mamba part
-//! ([`MambaStats`]), the bounded per-step samples the plots draw ([`SampleRecorder`]),
+//! ([`MambaStats`]), its host tier's part ([`HostRunStats`], with the PCIe bandwidth its
+//! transfer times assume, [`PCIE_GEN5_X16_BYTES_PER_SECOND`]), the bounded per-step samples the plots draw ([`SampleRecorder`]),
 //! the CPU time summary ([`Timing`]) and why a run fails the verdict ([`Failure`]).
 
 use crate::config::{LAYOUTS, RunConfig, serialize_layout};
@@ -42,6 +43,84 @@ pub struct MambaStats {
     /// but the live requests' running ones (states cached in the tree, and those a
     /// request saved that the tree has not taken yet).
     pub peak_checkpoint_slots: u64,
+}
+
+/// The host-device bandwidth a run's transfer times assume, per direction: PCIe Gen5 x16,
+/// 64 GB/s (10⁹ bytes), its nominal figure (32 GT/s × 16 lanes ≈ 63 GB/s after 128b/130b
+/// encoding; pinned copies measure 50–55 GB/s, so the times are lower bounds). A time is
+/// bytes / bandwidth, loads (host to device) and write-backs (device to host) apart: the
+/// link is full duplex, so the two may overlap each other (and the forward); the report
+/// shows what the bytes cost the link, not a stall.
+pub const PCIE_GEN5_X16_BYTES_PER_SECOND: u64 = 64_000_000_000;
+
+/// Nanoseconds `bytes` take at [`PCIE_GEN5_X16_BYTES_PER_SECOND`] (rounded down).
+pub fn transfer_ns(bytes: u64) -> u64 {
+    (u128::from(bytes) * 1_000_000_000 / u128::from(PCIE_GEN5_X16_BYTES_PER_SECOND)) as u64
+}
+
+/// What a run's host tier did (`--host-memory`): how the prefix cache's hits split
+/// between the device and the host, the bytes moved each way and what they cost the link
+/// ([`PCIE_GEN5_X16_BYTES_PER_SECOND`]), and the bytes the host held. `None` in
+/// [`RunStats::host`] without a host tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct HostRunStats {
+    /// Bytes of the host buffer (`--host-memory`).
+    pub total_bytes: u64,
+    /// Of [`RunStats::prefix_hit_tokens`], those the device held at admission.
+    pub device_hit_tokens: u64,
+    /// Of [`RunStats::prefix_hit_tokens`], those admission loaded back from the host
+    /// (each admission's [`unikv::PrefixMatch::host_tokens`]).
+    pub host_hit_tokens: u64,
+    /// Bytes loaded back, host to device.
+    pub loaded_bytes: u64,
+    /// Bytes written back, device to host, as the device evicted prefixes.
+    pub written_bytes: u64,
+    /// The most bytes of FULL pages the host held at a step boundary.
+    pub peak_full_bytes: u64,
+    /// The most bytes of SWA pages (the window behind a written-back position) the host
+    /// held at a step boundary.
+    pub peak_swa_bytes: u64,
+    /// The most bytes of recurrent states the host held at a step boundary.
+    pub peak_state_bytes: u64,
+    /// The most bytes the host held at once, all kinds (the tier's own peak, taken at
+    /// every write-back, so at least any step boundary's sum).
+    pub peak_bytes: u64,
+    /// Copies issued, both ways (one per run of adjacent bytes).
+    pub copies: u64,
+    /// The largest single copy, in bytes.
+    pub largest_copy: u64,
+    /// Write-backs skipped because the host could not make room for them.
+    pub refused_writes: u64,
+}
+
+impl HostRunStats {
+    /// The load-backs' time on the link: [`HostRunStats::loaded_bytes`] at
+    /// [`PCIE_GEN5_X16_BYTES_PER_SECOND`], in nanoseconds.
+    pub fn load_ns(&self) -> u64 {
+        transfer_ns(self.loaded_bytes)
+    }
+
+    /// The write-backs' time on the link: [`HostRunStats::written_bytes`] at
+    /// [`PCIE_GEN5_X16_BYTES_PER_SECOND`], in nanoseconds.
+    pub fn write_back_ns(&self) -> u64 {
+        transfer_ns(self.written_bytes)
+    }
+
+    /// Takes the cache's host figures at a step boundary: the per-kind peaks sampled,
+    /// the counters as they are.
+    pub fn observe(&mut self, host: &unikv::HostStats) {
+        self.total_bytes = host.total_bytes;
+        self.peak_full_bytes = self.peak_full_bytes.max(host.full_bytes);
+        self.peak_swa_bytes = self.peak_swa_bytes.max(host.swa_bytes);
+        self.peak_state_bytes = self.peak_state_bytes.max(host.state_bytes);
+        self.peak_bytes = self.peak_bytes.max(host.peak_bytes);
+        self.host_hit_tokens = host.hit_tokens;
+        self.loaded_bytes = host.loaded_bytes;
+        self.written_bytes = host.written_bytes;
+        self.copies = host.copies;
+        self.largest_copy = host.largest_copy;
+        self.refused_writes = host.refused_writes;
+    }
 }
 
 /// What a speculative run's verify steps did, and what the same run did without
@@ -163,6 +242,8 @@ pub struct RunStats {
     pub samples: Vec<StepSample>,
     /// A speculative run's verify steps and its baseline (`None` without speculation).
     pub speculative: Option<SpecStats>,
+    /// What the host tier did (`None` without one, [`RunConfig::host_memory_bytes`]).
+    pub host: Option<HostRunStats>,
 }
 
 /// Empty statistics of the static layout (the facade's [`Layout`] has no default): no
@@ -194,6 +275,7 @@ impl Default for RunStats {
             leaked_pages: 0,
             samples: Vec::new(),
             speculative: None,
+            host: None,
         }
     }
 }
@@ -208,6 +290,10 @@ impl RunStats {
             page_size: config.page_size,
             memory_bytes: config.memory_bytes,
             requests_total: workload.requests.len() as u64,
+            host: (config.host_memory_bytes > 0).then(|| HostRunStats {
+                total_bytes: config.host_memory_bytes,
+                ..HostRunStats::default()
+            }),
             ..RunStats::default()
         }
     }

@@ -1,6 +1,7 @@
 //! What a run counts as it goes: the pages the allocator handles ([`PagesHandled`], a
-//! hook on every allocator call), the bytes and peaks of each sub-pool, the samples, host
-//! syncs and the invariant violations the step boundary reports.
+//! hook on every allocator call), the bytes and peaks of each sub-pool (and of the host
+//! tier's kinds), the samples, host syncs and the invariant violations the step boundary
+//! reports.
 
 use super::Simulation;
 use crate::error::ReplayError;
@@ -42,7 +43,7 @@ impl Simulation<'_> {
     }
 
     /// Samples bytes per sub-pool and tracks their peaks (and the peak of state slots in
-    /// use).
+    /// use, and the host tier's bytes per kind).
     pub(super) fn observe(&mut self, step: u64) {
         let stats = self.cache.stats();
         let bytes = subpool_bytes(&self.config.model, &stats);
@@ -63,6 +64,10 @@ impl Simulation<'_> {
             let own = stats.live_requests as u64 + stats.verify_scratch_slots as u64;
             let checkpoints = in_use.saturating_sub(own);
             mamba.peak_checkpoint_slots = mamba.peak_checkpoint_slots.max(checkpoints);
+        }
+        // The host tier's bytes per kind, sampled here as the device's are.
+        if let (Some(host), Some(tier)) = (&mut self.stats.host, &stats.host) {
+            host.observe(tier);
         }
         self.samples.record(step, || {
             bytes.iter().map(|(n, b)| (n.to_string(), *b)).collect()

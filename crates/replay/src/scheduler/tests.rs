@@ -384,3 +384,116 @@ fn pages_handled_counts_the_pages_bound_and_released() {
         "{sixteen} vs {one}"
     );
 }
+
+/// Two clients of two three-turn conversations each (prompts of 128 new tokens after the
+/// history, 32 output tokens a turn): in a small device a client's history is evicted
+/// while the other client runs. (Heavier pressure on gpt-oss trips `step.window_live`
+/// with or without a host tier: the scheduler caches a prefill chunk before the step's
+/// later allocations, which may then evict SWA the step's forward still reads.)
+fn tiered_chat() -> Workload {
+    let shape = unikv_workload::workload::ChatShape {
+        clients: 2,
+        turns: &[3, 3],
+        user_tokens: 128,
+        output_tokens: 32,
+    };
+    shape.build(
+        "chat",
+        unikv_workload::workload::TokenSource::new(9, "chat"),
+    )
+}
+
+/// [`tiered_chat`] at page size 16 on `--device none`, with a host tier of
+/// `host_memory_bytes` (0: none).
+fn tiered_run(
+    model: ModelSpec,
+    layout: Layout,
+    memory_bytes: u64,
+    host_memory_bytes: u64,
+) -> RunStats {
+    let mut config = RunConfig::new(model, layout, 16, memory_bytes);
+    config.backend = Backend::None;
+    config.host_memory_bytes = host_memory_bytes;
+    run(&tiered_chat(), &config, (), &|_| {}).unwrap()
+}
+
+/// A device too small for the conversations' histories evicts them before their next
+/// turns; a host tier takes them and loads them back: the same run hits more, computes
+/// fewer prompt tokens and recomputes no more (the recurrent model, whose states the
+/// host keeps too, fewer), as much as a device that never evicts would, and says where
+/// its hits came from and what moved. Without a host tier a run has no host figures.
+#[test]
+fn a_host_tier_hits_more_and_recomputes_less_on_a_small_device() {
+    for (model, memory) in [
+        (ModelSpec::GPT_OSS_20B, 32 << 20),
+        (ModelSpec::QWEN3_NEXT_80B_A3B, 512 << 20),
+    ] {
+        for layout in LAYOUTS {
+            let without = tiered_run(model, layout, memory, 0);
+            let with = tiered_run(model, layout, memory, 4 << 30);
+            let ample = tiered_run(model, layout, 4 << 30, 0);
+            for s in [&without, &with, &ample] {
+                assert!(
+                    s.failures().is_empty(),
+                    "{model} {layout} {}: {:?}",
+                    s.memory_bytes,
+                    s.failures()
+                );
+            }
+            assert!(without.host.is_none(), "{model} {layout}");
+            let computed = |s: &RunStats| s.prompt_tokens - s.prefix_hit_tokens;
+            assert!(
+                with.prefix_hit_tokens > without.prefix_hit_tokens
+                    && computed(&with) < computed(&without)
+                    && with.recomputed_tokens <= without.recomputed_tokens,
+                "{model} {layout}: {without:?} vs {with:?}"
+            );
+            assert_eq!(
+                (with.prefix_hit_tokens, with.recomputed_tokens),
+                (ample.prefix_hit_tokens, ample.recomputed_tokens),
+                "{model} {layout}: as a device that never evicts"
+            );
+            if model.has_recurrent_state() {
+                assert!(
+                    with.recomputed_tokens < without.recomputed_tokens,
+                    "{model} {layout}"
+                );
+            }
+            let host = with.host.expect("a host tier");
+            assert_eq!(host.total_bytes, 4 << 30);
+            assert_eq!(
+                host.device_hit_tokens + host.host_hit_tokens,
+                with.prefix_hit_tokens
+            );
+            assert!(host.host_hit_tokens > 0, "{host:?}");
+            // Every host hit token's FULL row came back, in whole pages.
+            assert!(
+                host.loaded_bytes >= host.host_hit_tokens * model.full_bytes_per_token(),
+                "{host:?}"
+            );
+            assert!(host.written_bytes > 0 && host.copies > 0, "{host:?}");
+            assert!(
+                host.largest_copy > 0
+                    && host.largest_copy <= host.written_bytes.max(host.loaded_bytes),
+                "{host:?}"
+            );
+            assert!(host.peak_full_bytes > 0, "{host:?}");
+            assert_eq!(host.peak_swa_bytes > 0, model.swa_layers > 0, "{host:?}");
+            assert_eq!(
+                host.peak_state_bytes > 0,
+                model.has_recurrent_state(),
+                "{host:?}"
+            );
+            let kinds = [
+                host.peak_full_bytes,
+                host.peak_swa_bytes,
+                host.peak_state_bytes,
+            ];
+            assert!(
+                kinds.iter().all(|&b| b <= host.peak_bytes) && host.peak_bytes <= host.total_bytes,
+                "{host:?}"
+            );
+            assert_eq!(host.refused_writes, 0, "4 GiB holds every history");
+        }
+    }
+}
