@@ -40,10 +40,13 @@ fn tiny_engine_help_prints_its_usage() {
             String::from_utf8_lossy(&out.stderr)
         );
         assert!(
-            stdout.contains("Usage: cargo run --release --example tiny_engine [-- --spec K]"),
+            stdout.contains(
+                "Usage: cargo run --release --example tiny_engine [-- --spec K | --host-memory]"
+            ),
             "{stdout}"
         );
         assert!(stdout.contains("--spec K"), "{stdout}");
+        assert!(stdout.contains("--host-memory"), "{stdout}");
     }
     let out = Command::new(tiny_engine())
         .arg("--frobnicate")
