@@ -237,10 +237,11 @@ fn a_demoted_prefix_hits_from_the_host_and_loads_back_its_bytes() {
 /// host tree agree at every boundary (checked there), and every host match loads.
 #[test]
 fn a_small_host_tier_evicts_lru_and_never_names_what_it_dropped() {
-    // Room for about three of the six prompts.
+    // Room for about three of the six prompts' FULL pages and states (the host holds
+    // only a window of SWA pages).
     let three = |model: ModelSpec, ps: usize| {
-        let per_token = model.full_bytes_per_token() + model.swa_bytes_per_token();
-        3 * ((PAGES + 2) * ps) as u64 * per_token + 3 * model.state_bytes_per_request()
+        3 * ((PAGES + 1) * ps) as u64 * model.full_bytes_per_token()
+            + 3 * model.state_bytes_per_request()
     };
     each(three, |c| {
         let ps = c.ps;

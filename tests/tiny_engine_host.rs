@@ -41,7 +41,7 @@ fn prefixes_loaded_back_from_the_host_serve_exactly_what_a_recompute_does() {
                     layout,
                     model,
                     workload: Workload::Mixed {
-                        requests: if ps >= 256 { 12 } else { 24 },
+                        requests: if ps >= 256 { 32 } else { 24 },
                         max_new: unit as usize,
                         abort_chance: 0.02,
                     },
