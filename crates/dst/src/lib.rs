@@ -347,8 +347,8 @@ mod tests {
     /// (the stamps check the loaded rows and states like any other reused ones).
     #[test]
     fn host_tier_seeds_write_back_and_load_back() {
-        let total = run_many(0, 200, |_, _| {}).unwrap_or_else(|f| panic!("{f}"));
-        assert!(total.host_seeds > 50 && total.host_seeds < 150, "{total:?}");
+        let total = run_many(0, 40, |_, _| {}).unwrap_or_else(|f| panic!("{f}"));
+        assert!(total.host_seeds > 10 && total.host_seeds < 30, "{total:?}");
         assert!(total.host_written_bytes > 0, "{total:?}");
         assert!(
             total.host_hit_tokens > 0 && total.host_loaded_bytes > 0,
