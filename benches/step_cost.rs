@@ -71,6 +71,7 @@ fn decoding(model: ModelSpec, layout: Layout, ps: u32, ctx: usize) -> (HybridCac
             requests: BATCH,
             max_len: ctx + DECODED + 1,
             max_new_tokens: BATCH,
+            max_loaded_pages: 0,
         })
         .expect("lanes reserved");
     let requests = prefilled(&mut cache, BATCH, ctx, CHUNK);

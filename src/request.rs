@@ -19,6 +19,8 @@ pub(crate) struct HostMatch {
     pub(crate) values: Vec<unikv_radix::VirtualToken>,
     /// The host state unit at `len` (models with recurrent state).
     pub(crate) state: Option<u32>,
+    /// Bytes its load-back copies.
+    pub(crate) load_bytes: u64,
 }
 
 /// The result of [`crate::HybridCache::match_prefix`]: how much of a prompt the prefix
@@ -50,6 +52,13 @@ impl PrefixMatch {
     /// Of [`PrefixMatch::cached_tokens`], those admission loads back from the host tier.
     pub fn host_tokens(&self) -> usize {
         self.cached_tokens() - self.device_tokens()
+    }
+
+    /// Bytes admission copies from the host tier to load back
+    /// [`PrefixMatch::host_tokens`]: their FULL pages, the SWA window's pages the host
+    /// holds behind their end, and the state at it (0 without a host part).
+    pub fn load_bytes(&self) -> u64 {
+        self.host.as_ref().map_or(0, |h| h.load_bytes)
     }
 
     /// Tokens of the prompt whose FULL KV the cache holds (whole pages, device or host),

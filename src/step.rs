@@ -30,6 +30,9 @@
 //! (`step_metadata_from_the_lanes_issues_no_host_sync`).
 //!
 //! # Checks
+//! - A load-back from the host tier is listed, page by page, in the `load_*` sections of
+//!   the step that admitted it, host- and device-built alike, and in no later step
+//!   (`load_backs_are_sections_of_the_step_table`).
 //! - The device-built table equals the host-built one entry for entry after every step
 //!   of the Mamba and speculative property tests (`tests/common`'s
 //!   `assert_device_tables_match_host`), and the first cases pin worked examples
@@ -63,6 +66,7 @@ pub struct StepMetadata {
     built: Option<(u64, u64)>,
     requests: Vec<RequestMeta>,
     checkpoints: Vec<StepCheckpoint>,
+    loaded: Vec<LoadedPage>,
     /// The header (and, built on the host, the page tables too).
     image: Vec<i32>,
     lanes: Vec<u32>,
@@ -99,6 +103,12 @@ impl StepMetadata {
 /// | `checkpoint_starts` | `B + 1` | prefix sums of the checkpoints each request saves |
 /// | `checkpoint_slots` | `Σ checkpoints` | physical slot each checkpoint is saved to |
 /// | `checkpoint_at` | `Σ checkpoints` | the row length whose state is saved there |
+/// | `load_starts` | `B + 1` (host tier only) | prefix sums of the pages each request's load-back brought in this step |
+/// | `load_full` | `Σ loaded` | FULL kernel id of each loaded page's first token |
+/// | `load_swa` | `Σ loaded` (SWA only) | its SWA kernel id when its SWA came from the host, else 0 |
+/// | `load_host_full` | `Σ loaded` | the host FULL unit it came from (see [`HostGeometry`]) |
+/// | `load_host_swa` | `Σ loaded` (SWA only) | the host SWA unit, −1 when none |
+/// | `load_states` | `B` (host tier and recurrent only) | host state unit loaded into its running slot, −1 when none |
 /// | `full_pages` | `Σ pages` | kernel id of each FULL page's first token (0: the sink) |
 /// | `swa_pages` | `Σ window pages` | kernel id of each SWA window page's first token |
 ///
@@ -139,6 +149,18 @@ pub struct DeviceLayout {
     pub checkpoint_slots: usize,
     /// Offset of `checkpoint_at`.
     pub checkpoint_at: usize,
+    /// Offset of `load_starts`.
+    pub load_starts: usize,
+    /// Offset of `load_full`.
+    pub load_full: usize,
+    /// Offset of `load_swa`.
+    pub load_swa: usize,
+    /// Offset of `load_host_full`.
+    pub load_host_full: usize,
+    /// Offset of `load_host_swa`.
+    pub load_host_swa: usize,
+    /// Offset of `load_states`.
+    pub load_states: usize,
     /// Offset of `full_pages`, and the length of the header the host writes.
     pub full_pages: usize,
     /// Offset of `swa_pages`.
@@ -167,6 +189,8 @@ struct RequestMeta {
     write_swa: Range<usize>,
     state_slot: Option<u32>,
     checkpoints: Range<usize>,
+    loaded: Range<usize>,
+    loaded_state: Option<u32>,
 }
 
 /// A checkpoint a request's recurrent kernel saves in this step: the state after
@@ -177,6 +201,48 @@ pub struct StepCheckpoint {
     pub slot: u32,
     /// The row length whose state is saved (inside this step's new tokens).
     pub at_len: usize,
+}
+
+/// A page a load-back brought from the host tier into a request's rows in this step
+/// (issued at admission as device work in stream order: the forward runs after it on the
+/// same stream, or waits for it by an event).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadedPage {
+    /// Row position of the page's first token.
+    pub at: usize,
+    /// FULL kernel id of that token.
+    pub full: i32,
+    /// SWA kernel id of that token when its SWA came from the host, else 0.
+    pub swa: i32,
+    /// The host FULL unit it came from (see [`HostGeometry`]).
+    pub host_full: u32,
+    /// The host SWA unit, when its SWA came from the host.
+    pub host_swa: Option<u32>,
+}
+
+/// Byte geometry of the host tier's buffer: unit `u` of a kind lies in frame
+/// `u / units_per_frame`, at index `u % units_per_frame` (kinds in
+/// [`unikv_pools::HostKind::ALL`] order: FULL pages, SWA pages, states).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostGeometry {
+    /// Bytes of one frame.
+    pub frame_bytes: u64,
+    /// Units of each kind a frame holds.
+    pub units_per_frame: [u32; 3],
+    /// Bytes of one unit of each kind (a device page's or slot's envelope).
+    pub unit_bytes: [u64; 3],
+}
+
+impl HostGeometry {
+    /// Byte offset of unit `unit` of `kind` in the host buffer (`None` for a kind the
+    /// buffer leaves out).
+    pub fn offset(&self, kind: unikv_pools::HostKind, unit: u32) -> Option<u64> {
+        let k = kind as usize;
+        let per = self.units_per_frame[k];
+        (per > 0).then(|| {
+            u64::from(unit / per) * self.frame_bytes + u64::from(unit % per) * self.unit_bytes[k]
+        })
+    }
 }
 
 /// Byte geometry of the buffer as kernels address it: a FULL or SWA kernel id `k` names
@@ -255,6 +321,11 @@ pub struct RequestStep<'a> {
     /// The checkpoints this step saves, in ascending position (see
     /// [`Request::checkpoint_writes`]).
     pub checkpoints: &'a [StepCheckpoint],
+    /// The pages its admission loaded back from the host tier since the last step
+    /// boundary, in row order.
+    pub loaded: &'a [LoadedPage],
+    /// The host state unit its admission loaded into its running slot.
+    pub loaded_state: Option<u32>,
 }
 
 impl RequestStep<'_> {
@@ -327,6 +398,8 @@ impl<'a> StepView<'a> {
             write_swa: &img[m.write_swa.clone()],
             state_slot: m.state_slot,
             checkpoints: &self.meta.checkpoints[m.checkpoints.clone()],
+            loaded: &self.meta.loaded[m.loaded.clone()],
+            loaded_state: m.loaded_state,
         }
     }
 
@@ -420,6 +493,7 @@ impl HybridCache {
             pages: capacity.max_len.div_ceil(ps),
             new_tokens: capacity.max_new_tokens,
             saves: capacity.requests * self.saves_per_request(),
+            loads: capacity.max_loaded_pages,
         };
         let device = self.device_arc();
         self.lanes_mut().reserve(device.as_ref(), shape)
@@ -445,6 +519,7 @@ impl HybridCache {
                 .unwrap_or(0),
             new_tokens: batch.iter().map(|&(_, n)| n).sum(),
             saves: batch.iter().map(|(r, _)| r.checkpoint_writes().len()).sum(),
+            loads: self.loaded_pages(batch),
         };
         let shape = self.lanes().shape();
         if shape.holds(need) {
@@ -454,6 +529,19 @@ impl HybridCache {
         grown.saves = grown.saves.max(grown.requests * self.saves_per_request());
         let device = self.device_arc();
         self.lanes_mut().reserve(device.as_ref(), grown)
+    }
+
+    /// Pages the load-backs of `batch`'s requests brought in this step.
+    fn loaded_pages(&self, batch: &[(&Request, usize)]) -> usize {
+        let loads = self.step_loads();
+        if loads.is_empty() {
+            return 0;
+        }
+        batch
+            .iter()
+            .filter_map(|(r, _)| loads.iter().find(|l| l.request == r.id()))
+            .map(|l| l.pages.len())
+            .sum()
     }
 
     /// Builds the metadata of one step for `batch` (each request with the tokens this
@@ -505,6 +593,7 @@ impl HybridCache {
         meta.built = None;
         meta.requests.clear();
         meta.checkpoints.clear();
+        meta.loaded.clear();
         meta.image.clear();
         self.check_step_batch(batch)?;
         self.sync_mirror()?;
@@ -548,6 +637,9 @@ impl HybridCache {
         } else {
             0
         };
+        let has_host = self.host_geometry().is_some();
+        let has_state = self.model().has_recurrent_state();
+        let loads = if has_host { shape.loads } else { 0 };
         let mut l = DeviceLayout {
             batch: b,
             max_batch: bb,
@@ -574,6 +666,12 @@ impl HybridCache {
             l.checkpoint_starts = section(bb + 1);
             l.checkpoint_slots = section(shape.saves);
             l.checkpoint_at = section(shape.saves);
+            l.load_starts = section(if has_host { bb + 1 } else { 0 });
+            l.load_full = section(loads);
+            l.load_swa = section(if has_swa { loads } else { 0 });
+            l.load_host_full = section(loads);
+            l.load_host_swa = section(if has_swa { loads } else { 0 });
+            l.load_states = section(if has_host && has_state { bb } else { 0 });
             l.full_pages = section(bb * shape.pages);
             l.swa_pages = section(swa_capacity);
             l.len = at;
@@ -649,6 +747,35 @@ impl HybridCache {
                     at_len: c.at_len,
                 });
             }
+            let first_load = meta.loaded.len();
+            let load = self.step_loads().iter().find(|l| l.request == req.id());
+            if has_host {
+                img[l.load_starts + i] = first_load as i32;
+            }
+            for p in load.map_or(&[][..], |l| &l.pages) {
+                let k = meta.loaded.len();
+                let page = LoadedPage {
+                    at: p.at,
+                    full: alloc.kernel_id(Side::Full, row[p.at]),
+                    swa: match p.host_swa {
+                        Some(_) => alloc.kernel_id(Side::Swa, row[p.at]),
+                        None => 0,
+                    },
+                    host_full: p.host_full,
+                    host_swa: p.host_swa,
+                };
+                img[l.load_full + k] = page.full;
+                img[l.load_host_full + k] = page.host_full as i32;
+                if has_swa {
+                    img[l.load_swa + k] = page.swa;
+                    img[l.load_host_swa + k] = page.host_swa.map_or(-1, |u| u as i32);
+                }
+                meta.loaded.push(page);
+            }
+            let loaded_state = load.and_then(|l| l.state);
+            if has_host && has_state {
+                img[l.load_states + i] = loaded_state.map_or(-1, |u| u as i32);
+            }
             let checkpoints = first_save..meta.checkpoints.len();
             meta.requests.push(RequestMeta {
                 request: req.id(),
@@ -661,6 +788,8 @@ impl HybridCache {
                 write_swa,
                 state_slot,
                 checkpoints,
+                loaded: first_load..meta.loaded.len(),
+                loaded_state,
             });
             q += n;
             f += full_n;
@@ -677,6 +806,12 @@ impl HybridCache {
                 (l.checkpoint_starts, saved),
             ] {
                 img[section + b..=section + bb].fill(total as i32);
+            }
+            if has_host {
+                img[l.load_starts + b..=l.load_starts + bb].fill(meta.loaded.len() as i32);
+                if has_state {
+                    img[l.load_states + b..l.load_states + bb].fill(-1);
+                }
             }
         }
         self.invariant_scope()

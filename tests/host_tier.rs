@@ -201,6 +201,7 @@ fn a_demoted_prefix_hits_from_the_host_and_loads_back_its_bytes() {
             let hit = c.cache.match_prefix(follow_up(1, ps));
             assert_eq!(hit.device_tokens(), 0, "{label}");
             assert_eq!(hit.host_tokens(), on_device, "{label}");
+            let load_bytes = hit.load_bytes();
             let b = c.cache.admit(hit).unwrap();
             assert_eq!(b.cached_at_admission(), on_device, "{label}");
             let window_pages = c.cache.model().window.div_ceil(ps as u32) as usize;
@@ -224,10 +225,10 @@ fn a_demoted_prefix_hits_from_the_host_and_loads_back_its_bytes() {
             c.cache.step_boundary().unwrap();
             let host = c.cache.stats().host.unwrap();
             assert_eq!(host.hit_tokens, on_device as u64, "{label}");
-            assert!(
-                host.loaded_bytes > 0 && host.copies > 0,
-                "{label}: {host:?}"
-            );
+            assert!(host.copies > 0, "{label}: {host:?}");
+            // The match priced exactly what admission copied.
+            assert!(load_bytes > 0, "{label}");
+            assert_eq!(host.loaded_bytes, load_bytes, "{label}");
         },
     );
 }

@@ -501,6 +501,7 @@ fn step_metadata_from_the_lanes_issues_no_host_sync() {
                     requests: 4,
                     max_len: 4 * keep + 64,
                     max_new_tokens: 4,
+                    max_loaded_pages: 0,
                 })
                 .unwrap();
             let mut meta = unikv::StepMetadata::new();

@@ -138,6 +138,7 @@ fn metadata_names_the_host_kernel_ids_and_is_uploaded_in_one_op() {
                 requests: 2,
                 max_len: 8 * (keep + fx.interval),
                 max_new_tokens: 4 * keep,
+                max_loaded_pages: 0,
             })
             .unwrap();
         let mut meta = StepMetadata::new();
@@ -418,6 +419,7 @@ fn a_reserved_capacity_gives_every_step_the_same_layout() {
                 requests: 4,
                 max_len: 4 * keep,
                 max_new_tokens: keep + 4,
+                max_loaded_pages: 0,
             })
             .unwrap();
         let mut a = fx.admit(text(1, 2 * keep));
@@ -471,4 +473,145 @@ fn a_reserved_capacity_gives_every_step_the_same_layout() {
         fx.step();
         fx.teardown(more);
     });
+}
+
+/// A load-back is device work listed in the step metadata: the step that admits a
+/// request with a host hit lists, in its fixed-shape `load_*` sections, each page the
+/// load brought in (its FULL kernel id, its SWA kernel id when the host held its
+/// window, the host units it came from) and the state it loaded, host- and
+/// device-built alike; the next step lists nothing. A cache without a host tier has
+/// no such sections.
+#[test]
+fn load_backs_are_sections_of_the_step_table() {
+    for model in [tiny_model(W, 1), TINY_MAMBA, TINY_TRI] {
+        for_each_layout_and_page_size(|layout, ps| {
+            let label = format!("{} {} ps {ps}", model.name, layout.as_str());
+            let ps = ps as usize;
+            let build = |host: u64| {
+                HybridCache::builder()
+                    .model(model)
+                    .layout(layout)
+                    .page_size(ps as u32)
+                    .memory_bytes(1 << 22)
+                    .host_memory_bytes(host)
+                    .device(Arc::new(CpuDevice::new()))
+                    .build()
+                    .unwrap()
+            };
+            let first = text(1, 8 * ps + 1);
+            let next = concat(&first, &text(2, ps + 1));
+            let prefill = |cache: &mut HybridCache, p: &[TokenId]| {
+                let hit = cache.match_prefix(p.to_vec());
+                let mut req = cache.admit(hit).unwrap();
+                let n = req.remaining_prefill();
+                cache.alloc_extend(&mut req, n).unwrap();
+                (req, n)
+            };
+            let mut meta = StepMetadata::new();
+
+            // Without a host tier the sections are empty.
+            let mut plain = build(0);
+            let (req, n) = prefill(&mut plain, &first);
+            plain.build_step_metadata(&mut meta, &[(&req, n)]).unwrap();
+            let l = plain.step_view(&meta).unwrap().device_layout();
+            assert_eq!(
+                (l.load_starts, l.load_states),
+                (l.full_pages, l.full_pages),
+                "{label}: no load sections"
+            );
+            plain.release(req).unwrap();
+
+            let mut cache = build(1 << 22);
+            let (a, _) = prefill(&mut cache, &first);
+            cache.cache_finished(a).unwrap();
+            cache.step_boundary().unwrap();
+            let s = cache.stats();
+            cache
+                .evict_to_free(s.full.available_pages + s.full.evictable_pages, 0)
+                .unwrap();
+            cache.step_boundary().unwrap();
+            let hit = cache.match_prefix(next.clone());
+            let loaded = hit.host_tokens();
+            assert!(loaded > 0 && hit.device_tokens() == 0, "{label}");
+            let (b, n) = prefill(&mut cache, &next);
+            cache.build_step_metadata(&mut meta, &[(&b, n)]).unwrap();
+            let view = cache.step_view(&meta).unwrap();
+            let (l, img, m) = (view.device_layout(), view.host_image(), view.request(0));
+            let alloc = cache.allocator();
+            let has_swa = model.swa_layers > 0;
+            assert_eq!(m.loaded.len(), loaded / ps, "{label}");
+            for (k, p) in m.loaded.iter().enumerate() {
+                assert_eq!(p.at, k * ps, "{label}");
+                let row = b.row()[p.at];
+                assert_eq!(p.full, alloc.kernel_id(Side::Full, row), "{label}");
+                assert_eq!(img[l.load_full + k], p.full, "{label}");
+                assert_eq!(img[l.load_host_full + k], p.host_full as i32, "{label}");
+                if has_swa {
+                    let swa = p.host_swa.map_or(0, |_| alloc.kernel_id(Side::Swa, row));
+                    assert_eq!((p.swa, img[l.load_swa + k]), (swa, swa), "{label}");
+                    let unit = p.host_swa.map_or(-1, |u| u as i32);
+                    assert_eq!(img[l.load_host_swa + k], unit, "{label}");
+                }
+            }
+            // The window behind the loaded end came from the host.
+            assert_eq!(
+                m.loaded.last().unwrap().host_swa.is_some(),
+                has_swa,
+                "{label}"
+            );
+            let starts = &img[l.load_starts..=l.load_starts + l.max_batch];
+            assert_eq!(starts[0], 0, "{label}");
+            assert!(
+                starts[1..].iter().all(|&s| s == m.loaded.len() as i32),
+                "{label}"
+            );
+            let state = model.has_recurrent_state();
+            assert_eq!(m.loaded_state.is_some(), state, "{label}");
+            if state {
+                let unit = m.loaded_state.map_or(-1, |u| u as i32);
+                assert_eq!(img[l.load_states], unit, "{label}");
+                assert!(
+                    img[l.load_states + 1..l.load_states + l.max_batch]
+                        .iter()
+                        .all(|&u| u == -1)
+                );
+            }
+            // Each host unit lies inside the host buffer.
+            let g = cache.host_geometry().unwrap();
+            let end = cache.stats().host.unwrap().total_bytes;
+            for p in m.loaded {
+                let at = g.offset(unikv::pools::HostKind::Full, p.host_full).unwrap();
+                assert!(at + g.unit_bytes[0] <= end, "{label}");
+            }
+            // The host-built table has the same header.
+            let header = img[..l.header_len()].to_vec();
+            let mut on_host = StepMetadata::new();
+            cache
+                .build_step_metadata_on_host(&mut on_host, &[(&b, n)])
+                .unwrap();
+            let host_view = cache.step_view(&on_host).unwrap();
+            assert_eq!(
+                host_view.host_image()[..l.header_len()],
+                header[..],
+                "{label}"
+            );
+            let listed: Vec<unikv::LoadedPage> = host_view.request(0).loaded.to_vec();
+            let view = cache.step_view(&on_host).unwrap();
+            assert_eq!(listed, view.request(0).loaded, "{label}");
+
+            // The next step lists nothing: its decode loaded no page.
+            let mut b = b;
+            cache.step_boundary().unwrap();
+            cache.alloc_decode(&mut [&mut b], &[TokenId(7)]).unwrap();
+            cache.build_step_metadata(&mut meta, &[(&b, 1)]).unwrap();
+            let view = cache.step_view(&meta).unwrap();
+            let (l, img) = (view.device_layout(), view.host_image());
+            assert!(view.request(0).loaded.is_empty(), "{label}");
+            assert_eq!(view.request(0).loaded_state, None, "{label}");
+            let starts = &img[l.load_starts..=l.load_starts + l.max_batch];
+            assert!(starts.iter().all(|&s| s == 0), "{label}: {starts:?}");
+            cache.release(b).unwrap();
+            cache.step_boundary().unwrap();
+        });
+    }
 }

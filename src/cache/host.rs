@@ -64,6 +64,58 @@ enum Release {
     HostLock(LockHandle),
 }
 
+/// A host unit: its id (a host tree value) and its block in the pool.
+type Unit = (u32, HostBlock);
+
+/// One page of a load-back: its row position, its FULL unit, and its SWA unit when the
+/// host holds the page's SWA.
+#[derive(Clone, Copy, Debug)]
+struct PlannedPage {
+    at: usize,
+    full: Unit,
+    swa: Option<Unit>,
+}
+
+/// What a load-back moves (see [`HostTier::load_plan`]).
+#[derive(Debug)]
+struct LoadPlan {
+    pages: Vec<PlannedPage>,
+    state: Option<Unit>,
+}
+
+impl LoadPlan {
+    /// The bytes it copies.
+    fn bytes(&self, pool: &HostPool) -> u64 {
+        let swa = self.pages.iter().filter(|p| p.swa.is_some()).count() as u64;
+        self.pages.len() as u64 * pool.unit_bytes(HostKind::Full)
+            + swa * pool.unit_bytes(HostKind::Swa)
+            + u64::from(self.state.is_some()) * pool.unit_bytes(HostKind::State)
+    }
+}
+
+/// A page a load-back brought into a request's rows, kept for the step metadata until
+/// the step boundary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LoadedPage {
+    /// Row position of the page's first token.
+    pub(crate) at: usize,
+    /// Its host FULL unit.
+    pub(crate) host_full: u32,
+    /// Its host SWA unit, when its SWA came from the host.
+    pub(crate) host_swa: Option<u32>,
+}
+
+/// A request's load-back in the current step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct StepLoad {
+    /// The request it loaded into.
+    pub(crate) request: u64,
+    /// The pages, in row order.
+    pub(crate) pages: Vec<LoadedPage>,
+    /// The host state unit copied into its running slot.
+    pub(crate) state: Option<u32>,
+}
+
 /// The host tier of a cache: its pool, its tree and its copies in flight.
 #[derive(Debug)]
 pub(super) struct HostTier {
@@ -78,6 +130,8 @@ pub(super) struct HostTier {
     through: Vec<NodeId>,
     /// Admissions that hit each device node so far (write-through-selective).
     hits: HashMap<NodeId, u32>,
+    /// The load-backs issued since the last step boundary (the step metadata lists them).
+    pub(super) loads: Vec<StepLoad>,
     /// Device pages and slots a write-back still holds (parked), per side.
     pub(super) parked_full: usize,
     pub(super) parked_swa: usize,
@@ -129,6 +183,7 @@ impl HostTier {
             policy,
             through: Vec::new(),
             hits: HashMap::new(),
+            loads: Vec::new(),
             parked_full: 0,
             parked_swa: 0,
             parked_slots: 0,
@@ -155,13 +210,52 @@ impl HostTier {
             return None;
         }
         let state = self.tree.node(m.node).ok()?.mamba.map(|s| s.0);
-        Some(HostMatch {
+        let mut hm = HostMatch {
             node: m.node,
             len: m.len.0,
             full_hit: m.full_hit.0,
             values: m.values.to_vec(),
             state,
-        })
+            load_bytes: 0,
+        };
+        // A plan that misses a unit loads nothing: its bytes are 0, admission refuses it.
+        hm.load_bytes = self
+            .load_plan(&hm, device)
+            .map_or(0, |plan| plan.bytes(&self.pool));
+        Some(hm)
+    }
+
+    /// What loading the host part `[from, hm.len)` of a match moves: every FULL page,
+    /// the SWA pages the host holds, the state at the end. `None` when the pool lacks a
+    /// unit the host tree names (a conservation breach the step boundary reports).
+    fn load_plan(&self, hm: &HostMatch, from: usize) -> Option<LoadPlan> {
+        let ps = self.ps();
+        let mut pages = Vec::with_capacity((hm.len - from) / ps);
+        for at in (from..hm.len).step_by(ps) {
+            let unit = hm.values[at].0 / ps as u32;
+            let full = self.pool.block_of(HostKind::Full, unit)?;
+            let swa = match self.swa.get(&unit) {
+                Some(&s) => Some((s, self.pool.block_of(HostKind::Swa, s)?)),
+                None => None,
+            };
+            pages.push(PlannedPage {
+                at,
+                full: (unit, full),
+                swa,
+            });
+        }
+        // Only the trailing stretch of pages whose SWA the host holds is a window a
+        // position can use; SWA bytes before a gap are not loaded.
+        let trailing = pages.iter().rev().take_while(|p| p.swa.is_some()).count();
+        let gap = pages.len() - trailing;
+        for p in &mut pages[..gap] {
+            p.swa = None;
+        }
+        let state = match hm.state {
+            Some(unit) => Some((unit, self.pool.block_of(HostKind::State, unit)?)),
+            None => None,
+        };
+        Some(LoadPlan { pages, state })
     }
 
     /// Frees the host units the host tree's `actions` release. A unit the pool does not
@@ -390,61 +484,62 @@ impl HybridCache {
         let mut copies = Vec::with_capacity(full.len() + swa.len() + states.len());
         let mut host_values = host_prefix;
         let mut swa_pairs = Vec::with_capacity(swa.len());
+        // Every page the tree holds is mapped, and so is every slot: one that is not (a
+        // bookkeeping breach the boundary reports) skips the write-back, never copies
+        // the sink.
+        let mut mapped = true;
         for (i, &b) in full.iter().enumerate() {
             let p = hf + i * ps;
             let unit = host.pool.unit_id(HostKind::Full, b);
             host_values.extend((0..ps as u32).map(|o| TreeToken(unit * ps as u32 + o)));
             let page = values[p].0 / ps as u32;
-            let (device, len) = self_device_page(&*self.alloc, Side::Full, page);
-            copies.push(HostCopy {
-                device,
-                host: host.pool.offset(HostKind::Full, b),
-                len,
-            });
+            let mut copy = |side, kind, block| match device_page(&*self.alloc, side, page) {
+                Some(device) => copies.push(HostCopy {
+                    device,
+                    host: host.pool.offset(kind, block),
+                    len: host.pool.unit_bytes(kind),
+                }),
+                None => mapped = false,
+            };
+            copy(Side::Full, HostKind::Full, b);
             if p >= swa_from {
                 let s = swa[(p - swa_from) / ps];
-                let (device, len) = self_device_page(&*self.alloc, Side::Swa, page);
-                copies.push(HostCopy {
-                    device,
-                    host: host.pool.offset(HostKind::Swa, s),
-                    len,
-                });
+                copy(Side::Swa, HostKind::Swa, s);
                 swa_pairs.push((unit, host.pool.unit_id(HostKind::Swa, s)));
             }
         }
         let state_unit = match (state, states.first()) {
             (Some(MambaSlot(slot)), Some(&b)) => {
-                let grid = self.alloc.grid(Side::Mamba);
-                let phys = self
-                    .alloc
-                    .physical_slot(unikv_pools::VirtualSlot(slot))
-                    .unwrap_or(0);
-                copies.push(HostCopy {
-                    device: grid.offset(phys),
-                    host: host.pool.offset(HostKind::State, b),
-                    len: grid.envelope,
-                });
+                match self.alloc.physical_slot(unikv_pools::VirtualSlot(slot)) {
+                    Some(phys) => copies.push(HostCopy {
+                        device: self.alloc.grid(Side::Mamba).offset(phys),
+                        host: host.pool.offset(HostKind::State, b),
+                        len: host.pool.unit_bytes(HostKind::State),
+                    }),
+                    None => mapped = false,
+                }
                 Some(host.pool.unit_id(HostKind::State, b))
             }
             _ => None,
         };
         let copies = merged(copies);
-        let issued = self
-            .device
-            .copy_device_to_host(self.alloc.buffer(), host.buffer, &copies)
-            .and_then(|()| self.device.record_copy_event());
-        let event = match issued {
-            Ok(event) => event,
-            Err(_) => {
-                // Refused (nothing issued), or issued with no event to learn its end by:
-                // the host does not take it (a later write-back of the units is ordered
-                // after it), and the eviction goes on as without a host tier.
-                for (kind, blocks) in HostKind::ALL.iter().zip(&units) {
-                    let _ = host.pool.free(*kind, blocks);
-                }
-                host.stats.refused_writes += 1;
-                return Ok(None);
+        let issued = if mapped {
+            self.device
+                .copy_device_to_host(self.alloc.buffer(), host.buffer, &copies)
+                .and_then(|()| self.device.record_copy_event())
+                .ok()
+        } else {
+            None
+        };
+        let Some(event) = issued else {
+            // Unmapped, refused (nothing issued), or issued with no event to learn its
+            // end by: the host does not take it (a later write-back of the units is
+            // ordered after it), and the eviction goes on as without a host tier.
+            for (kind, blocks) in HostKind::ALL.iter().zip(&units) {
+                let _ = host.pool.free(*kind, blocks);
             }
+            host.stats.refused_writes += 1;
+            return Ok(None);
         };
         host.count_copies(&copies);
         host.stats.written_bytes += copies.iter().map(|c| c.len).sum::<u64>();
@@ -539,12 +634,31 @@ impl HybridCache {
         });
     }
 
+    /// The load-backs issued since the last step boundary, which the step metadata lists.
+    pub(crate) fn step_loads(&self) -> &[StepLoad] {
+        self.host.as_ref().map_or(&[], |h| &h.loads[..])
+    }
+
+    /// The byte geometry of the host buffer (`None` without a host tier).
+    pub fn host_geometry(&self) -> Option<crate::step::HostGeometry> {
+        self.host.as_ref().map(|h| {
+            let per = HostKind::ALL.map(|k| h.pool.units_per_frame(k));
+            crate::step::HostGeometry {
+                frame_bytes: h.pool.frame_bytes(),
+                units_per_frame: per,
+                unit_bytes: HostKind::ALL.map(|k| h.pool.unit_bytes(k)),
+            }
+        })
+    }
+
     /// Releases what the copies that completed since the last call held: a write-back's
-    /// device frees, a load-back's host lock. A query per copy, never a wait.
+    /// device frees, a load-back's host lock. A query per copy, never a wait. The step's
+    /// load-back list starts over.
     pub(super) fn poll_copies(&mut self) -> Result<(), Error> {
         let Some(host) = self.host.as_mut() else {
             return Ok(());
         };
+        host.loads.clear();
         let mut done = Vec::new();
         let mut i = 0;
         while i < host.parked.len() {
@@ -614,7 +728,6 @@ impl HybridCache {
         hm: &HostMatch,
         lock: LockHandle,
     ) -> Result<(), Error> {
-        let ps = self.ps;
         let from = req.row.len();
         let extend = unikv_pools::ExtendRequest {
             prefix_len: from,
@@ -629,62 +742,37 @@ impl HybridCache {
             self.scratch = rows;
             return Err(self.out_of_memory(e));
         }
-        let host = self.host.as_mut().expect("a host match needs a host tier");
-        let mut copies = Vec::new();
-        // Rows from here to the end get their SWA from the host; those below keep none.
-        let mut swa_lo = hm.len;
-        for p in (from..hm.len).step_by(ps) {
-            let unit = hm.values[p].0 / ps as u32;
-            let page = rows[p - from].0 / ps as u32;
-            let Some(b) = host.pool.block_of(HostKind::Full, unit) else {
-                continue;
-            };
-            let (device, len) = self_device_page(&*self.alloc, Side::Full, page);
-            copies.push(HostCopy {
-                device,
-                host: host.pool.offset(HostKind::Full, b),
-                len,
-            });
-            match host
-                .swa
-                .get(&unit)
-                .and_then(|&s| host.pool.block_of(HostKind::Swa, s))
-            {
-                Some(_) if swa_lo == hm.len => swa_lo = p,
-                Some(_) => {}
-                None => swa_lo = hm.len,
-            }
-            if let Some(b) = host
-                .swa
-                .get(&unit)
-                .and_then(|&s| host.pool.block_of(HostKind::Swa, s))
-            {
-                let (device, len) = self_device_page(&*self.alloc, Side::Swa, page);
-                copies.push(HostCopy {
-                    device,
-                    host: host.pool.offset(HostKind::Swa, b),
-                    len,
-                });
-            }
-        }
-        if let (Some(unit), Some(state)) = (hm.state, &req.state)
-            && let Some(b) = host.pool.block_of(HostKind::State, unit)
-        {
-            let grid = self.alloc.grid(Side::Mamba);
-            let phys = self.alloc.physical_slot(state.running).unwrap_or(0);
-            copies.push(HostCopy {
-                device: grid.offset(phys),
-                host: host.pool.offset(HostKind::State, b),
-                len: grid.envelope,
-            });
-        }
-        let copies = merged(copies);
-        let issued = self
-            .device
-            .copy_host_to_device(host.buffer, self.alloc.buffer(), &copies)
-            .and_then(|()| self.device.record_copy_event());
-        let event = match issued {
-            Ok(event) => event,
+        let host = self.host.as_ref().expect("a host match needs a host tier");
+        let planned = host.load_plan(hm, from).and_then(|plan| {
+            // Rows from `swa_lo` to the end get their SWA from the host; those below
+            // keep none.
+            let swa_lo = plan
+                .pages
+                .iter()
+                .find(|p| p.swa.is_some())
+                .map_or(hm.len, |p| p.at);
+            let copies = load_copies(&plan, &rows, from, host, &*self.alloc, req)?;
+            Some((plan, swa_lo, copies))
+        });
+        let issued = match planned {
+            Some((plan, swa_lo, copies)) => self
+                .device
+                .copy_host_to_device(host.buffer, self.alloc.buffer(), &copies)
+                .and_then(|()| self.device.record_copy_event())
+                .map(|event| (event, plan, swa_lo, copies))
+                .map_err(Error::from),
+            // The host tree names a unit the pool lacks, or a new row or the running
+            // slot is unmapped: a bookkeeping breach, refused before anything is copied.
+            None => Err(Error::Conservation {
+                step: self.step,
+                detail: format!(
+                    "the load-back of rows {from}..{} misses a host unit or a device page",
+                    hm.len
+                ),
+            }),
+        };
+        let (event, plan, swa_lo, copies) = match issued {
+            Ok(issued) => issued,
             Err(e) => {
                 self.alloc.free_batch(&[FreeOp::KvRow {
                     row: &rows,
@@ -694,7 +782,7 @@ impl HybridCache {
                 }]);
                 rows.clear();
                 self.scratch = rows;
-                return Err(e.into());
+                return Err(e);
             }
         };
         let before = self.held(req);
@@ -714,6 +802,19 @@ impl HybridCache {
         host.count_copies(&copies);
         host.stats.loaded_bytes += copies.iter().map(|c| c.len).sum::<u64>();
         host.stats.hit_tokens += (hm.len - from) as u64;
+        host.loads.push(StepLoad {
+            request: req.id,
+            pages: plan
+                .pages
+                .iter()
+                .map(|p| LoadedPage {
+                    at: p.at,
+                    host_full: p.full.0,
+                    host_swa: p.swa.map(|s| s.0),
+                })
+                .collect(),
+            state: plan.state.filter(|_| req.state.is_some()).map(|s| s.0),
+        });
         host.parked.push(Parked {
             event,
             release: Release::HostLock(lock),
@@ -762,10 +863,52 @@ fn parked_pages(actions: &[Action], ps: usize, has_swa: bool) -> [usize; 3] {
     [r.full.0 / ps, swa, r.mamba.0]
 }
 
-/// The byte offset and length of `page`'s envelope on `side` (the sink's when unmapped:
-/// a page the tree holds is always mapped).
-fn self_device_page(alloc: &dyn unikv_pools::KvAllocator, side: Side, page: u32) -> (u64, u64) {
-    let grid = alloc.grid(side);
-    let phys = alloc.physical_page(side, VirtualPage(page)).unwrap_or(0);
-    (grid.offset(phys), grid.envelope)
+/// The byte offset of `page`'s envelope on `side` (`None` when unmapped).
+fn device_page(alloc: &dyn unikv_pools::KvAllocator, side: Side, page: u32) -> Option<u64> {
+    let phys = alloc.physical_page(side, VirtualPage(page))?;
+    Some(alloc.grid(side).offset(phys))
+}
+
+/// The copies of a load-back of `plan` into `rows` (the new rows from row `from`): its
+/// FULL and SWA pages, the state into `req`'s running slot. `None` when a row or the
+/// slot is unmapped.
+fn load_copies(
+    plan: &LoadPlan,
+    rows: &[unikv_pools::VirtualToken],
+    from: usize,
+    host: &HostTier,
+    alloc: &dyn unikv_pools::KvAllocator,
+    req: &crate::Request,
+) -> Option<Vec<HostCopy>> {
+    let ps = host.ps();
+    let unit = |kind, block| (host.pool.offset(kind, block), host.pool.unit_bytes(kind));
+    let mut copies = Vec::with_capacity(2 * plan.pages.len() + 1);
+    for p in &plan.pages {
+        let page = rows[p.at - from].0 / ps as u32;
+        let (at, len) = unit(HostKind::Full, p.full.1);
+        copies.push(HostCopy {
+            device: device_page(alloc, Side::Full, page)?,
+            host: at,
+            len,
+        });
+        if let Some((_, b)) = p.swa {
+            let (at, len) = unit(HostKind::Swa, b);
+            copies.push(HostCopy {
+                device: device_page(alloc, Side::Swa, page)?,
+                host: at,
+                len,
+            });
+        }
+    }
+    if let (Some((_, b)), Some(state)) = (plan.state, &req.state) {
+        let (at, len) = unit(HostKind::State, b);
+        copies.push(HostCopy {
+            device: alloc
+                .grid(Side::Mamba)
+                .offset(alloc.physical_slot(state.running)?),
+            host: at,
+            len,
+        });
+    }
+    Some(merged(copies))
 }

@@ -32,6 +32,9 @@ pub struct StepCapacity {
     /// The most tokens one step computes, over its whole batch (a decode batch's size,
     /// or the prefill budget plus the decodes beside it).
     pub max_new_tokens: usize,
+    /// The most pages a step's admissions load back from the host tier, over the whole
+    /// batch (0 without a host tier: the step table then has no load-back sections).
+    pub max_loaded_pages: usize,
 }
 
 /// A capacity in the units the lanes and the table use.
@@ -45,6 +48,8 @@ pub(crate) struct Shape {
     pub(crate) new_tokens: usize,
     /// Checkpoints a step saves.
     pub(crate) saves: usize,
+    /// Pages a step's load-backs bring in.
+    pub(crate) loads: usize,
 }
 
 impl Shape {
@@ -63,6 +68,7 @@ impl Shape {
             pages: grow(self.pages, need.pages),
             new_tokens: grow(self.new_tokens, need.new_tokens),
             saves: grow(self.saves, need.saves),
+            loads: grow(self.loads, need.loads),
         }
     }
 
@@ -72,6 +78,7 @@ impl Shape {
             && need.pages <= self.pages
             && need.new_tokens <= self.new_tokens
             && need.saves <= self.saves
+            && need.loads <= self.loads
     }
 }
 
@@ -159,6 +166,7 @@ impl Lanes {
             pages: shape.pages.max(self.shape.pages).max(1),
             new_tokens: shape.new_tokens.max(self.shape.new_tokens).max(1),
             saves: shape.saves.max(self.shape.saves),
+            loads: shape.loads.max(self.shape.loads),
         };
         let lanes_grow = self.table.is_none()
             || shape.requests != self.shape.requests

@@ -656,21 +656,24 @@ impl HybridCache {
         })
     }
 
-    /// Shapes step metadata for `requests` running requests of up to `max_len` tokens and
-    /// steps of up to `max_new_tokens` new tokens (set-up: a device allocation), so every
-    /// step's table has the same layout and no step within it allocates.
-    #[pyo3(signature = (*, requests, max_len, max_new_tokens))]
+    /// Shapes step metadata for `requests` running requests of up to `max_len` tokens,
+    /// steps of up to `max_new_tokens` new tokens and `max_loaded_pages` pages loaded
+    /// back from the host tier (set-up: a device allocation), so every step's table has
+    /// the same layout and no step within it allocates.
+    #[pyo3(signature = (*, requests, max_len, max_new_tokens, max_loaded_pages = 0))]
     fn reserve_step_metadata(
         &self,
         py: Python<'_>,
         requests: usize,
         max_len: usize,
         max_new_tokens: usize,
+        max_loaded_pages: usize,
     ) -> PyResult<()> {
         let capacity = unikv::StepCapacity {
             requests,
             max_len,
             max_new_tokens,
+            max_loaded_pages,
         };
         self.with(py, |c| c.reserve_step_metadata(capacity))
     }
@@ -686,6 +689,25 @@ impl HybridCache {
     /// evicted.
     fn evict_all(&self, py: Python<'_>) -> PyResult<usize> {
         self.with(py, |c| c.evict_all())
+    }
+
+    /// The host tier's buffer geometry, or `None` without a host tier: a dict with
+    /// `frame_bytes`, `units_per_frame` and `unit_bytes` (each a list for FULL pages,
+    /// SWA pages and states). Unit `u` of a kind `k` is at byte
+    /// `u // units_per_frame[k] * frame_bytes + u % units_per_frame[k] * unit_bytes[k]`:
+    /// how the step table's `load_host_*` entries become host byte offsets.
+    fn host_geometry<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Option<Bound<'py, pyo3::types::PyDict>>> {
+        let Some(g) = self.with(py, |c| Ok(c.host_geometry()))? else {
+            return Ok(None);
+        };
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("frame_bytes", g.frame_bytes)?;
+        d.set_item("units_per_frame", g.units_per_frame.to_vec())?;
+        d.set_item("unit_bytes", g.unit_bytes.to_vec())?;
+        Ok(Some(d))
     }
 
     /// The cache's counters now.
@@ -732,6 +754,13 @@ impl PrefixMatch {
     #[getter]
     fn kv_hit_tokens(&self) -> PyResult<usize> {
         self.get().map(unikv::PrefixMatch::kv_hit_tokens)
+    }
+
+    /// Bytes admission copies from the host tier to load back `host_tokens` (0 without
+    /// a host part).
+    #[getter]
+    fn load_bytes(&self) -> PyResult<u64> {
+        self.get().map(unikv::PrefixMatch::load_bytes)
     }
 
     /// The prompt's length.

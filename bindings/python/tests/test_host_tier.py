@@ -104,6 +104,8 @@ def test_an_evicted_prompt_is_matched_on_the_host_and_admitted_cached(
     assert (hit.cached_tokens, hit.device_tokens, hit.host_tokens) == (cached, 0, cached)
     assert hit.kv_hit_tokens >= cached
     assert f"host_tokens={cached}" in repr(hit)
+    load_bytes = hit.load_bytes
+    assert load_bytes > 0
     assert cache.can_admit(hit)
     req = cache.admit(hit)
     with pytest.raises(unikv.InvalidArgument, match="admitted already"):
@@ -117,7 +119,7 @@ def test_an_evicted_prompt_is_matched_on_the_host_and_admitted_cached(
 
     loaded = host(cache)
     assert loaded.hit_tokens == cached
-    assert loaded.loaded_bytes > 0 and loaded.copies > written.copies
+    assert loaded.loaded_bytes == load_bytes and loaded.copies > written.copies
     assert loaded.written_bytes == written.written_bytes
     assert cache.stats().hit_tokens == cached
     # The finished request cached it on the device again: the device serves it now.
@@ -226,3 +228,16 @@ def test_write_through_copies_a_prefix_once_cached_and_a_bad_policy_is_refused()
             host_write_policy="write_through_selective",
             host_write_hits=0,
         )
+
+
+def test_the_host_geometry_places_every_unit_in_the_host_buffer() -> None:
+    cache = make("gpt-oss-20b", 16 << 20, 128 << 20)
+    geometry = cache.host_geometry()
+    assert geometry is not None
+    frame = geometry["frame_bytes"]
+    assert isinstance(frame, int) and frame > 0
+    units, sizes = geometry["units_per_frame"], geometry["unit_bytes"]
+    assert isinstance(units, list) and isinstance(sizes, list)
+    assert all(u * b <= frame for u, b in zip(units, sizes))
+    plain = unikv.HybridCache(model="gpt-oss-20b", memory=16 << 20, page_size=PS)
+    assert plain.host_geometry() is None

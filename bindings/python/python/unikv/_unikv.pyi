@@ -73,6 +73,9 @@ class PrefixMatch:
     def host_tokens(self) -> int:
         """Of ``cached_tokens``, those admission loads back from the host tier."""
     @property
+    def load_bytes(self) -> int:
+        """Bytes admission copies from the host tier to load back ``host_tokens``."""
+    @property
     def kv_hit_tokens(self) -> int: ...
     @property
     def prompt_len(self) -> int: ...
@@ -415,11 +418,19 @@ class HybridCache:
     def decode_step(self, requests: Requests, next_tokens: Tokens) -> StepMetadata:
         """``alloc_decode`` then ``build_step_metadata`` (one new token each), one call."""
     def reserve_step_metadata(
-        self, *, requests: int, max_len: int, max_new_tokens: int
+        self,
+        *,
+        requests: int,
+        max_len: int,
+        max_new_tokens: int,
+        max_loaded_pages: int = 0,
     ) -> None: ...
     def evict_to_free(self, *, full_pages: int = 0, swa_pages: int = 0) -> None: ...
     def evict_all(self) -> int: ...
     def step_boundary(self) -> StepReport: ...
+    def host_geometry(self) -> Optional[dict[str, Union[int, list[int]]]]:
+        """The host buffer's geometry (``frame_bytes``, ``units_per_frame``,
+        ``unit_bytes``), or ``None`` without a host tier."""
     def stats(self) -> Stats: ...
 
 def set_invariant_level(level: Optional[str]) -> None:
