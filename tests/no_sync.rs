@@ -535,3 +535,95 @@ fn step_metadata_from_the_lanes_issues_no_host_sync() {
         });
     }
 }
+
+/// The host tier's paths wait for nothing either: with a long kernel holding the stream,
+/// an eviction that writes a prefix back, a step boundary that finds the copy still
+/// running (its device pages stay parked), an admission that loads the prefix back from
+/// the host, the step's metadata listing the load, and the next boundaries all return
+/// while the kernel runs, with zero host syncs; once the stream drains, a boundary frees
+/// the parked pages.
+#[test]
+fn the_host_tier_writes_back_and_loads_back_while_the_gpu_is_still_busy() {
+    for model in [tiny_model(W, 1), TINY_TRI] {
+        for layout in LAYOUTS {
+            let dev = Arc::new(CudaDevice::emulated());
+            let ledger = Arc::new(SyncLedger::new(dev.clone()));
+            let label = format!("{} {}", model.name, layout.as_str());
+            let ps = 16;
+            let mut cache = unikv::HybridCache::builder()
+                .model(model)
+                .layout(layout)
+                .page_size(ps as u32)
+                .memory_bytes(1 << 22)
+                .host_memory_bytes(1 << 22)
+                .device(ledger.clone())
+                .build()
+                .unwrap();
+            let first = text(1, 8 * ps + 1);
+            let next = concat(&first, &text(2, ps + 1));
+            let prefill = |cache: &mut unikv::HybridCache, p: &[TokenId]| {
+                let hit = cache.match_prefix(p.to_vec());
+                let mut req = cache.admit(hit).unwrap();
+                let n = req.remaining_prefill();
+                cache.alloc_extend(&mut req, n).unwrap();
+                (req, n)
+            };
+            // Set-up: the step table is shaped for the load-back too, and the first
+            // build allocates it.
+            cache
+                .reserve_step_metadata(unikv::StepCapacity {
+                    requests: 2,
+                    max_len: 16 * ps,
+                    max_new_tokens: 16 * ps,
+                    max_loaded_pages: 16,
+                })
+                .unwrap();
+            let mut meta = unikv::StepMetadata::new();
+            let (a, n) = prefill(&mut cache, &first);
+            cache.build_step_metadata(&mut meta, &[(&a, n)]).unwrap();
+            cache.cache_finished(a).unwrap();
+            cache.step_boundary().unwrap();
+            ledger.reset();
+
+            let spin = dev.enqueue_spin(2_000_000_000).unwrap();
+            let s = cache.stats();
+            // Everything is evicted, but the write-back is queued behind the kernel: its
+            // pages stay held, so the room asked for is not there yet.
+            let evicted = cache.evict_to_free(s.full.available_pages + s.full.evictable_pages, 0);
+            assert!(
+                matches!(evicted, Err(unikv::Error::OutOfMemory { .. })),
+                "{label}: {evicted:?}"
+            );
+            assert_eq!(cache.stats().full.evictable_pages, 0, "{label}");
+            cache.step_boundary().unwrap();
+            let hit = cache.match_prefix(next.clone());
+            assert!(hit.host_tokens() > 0, "{label}");
+            let (b, n) = prefill(&mut cache, &next);
+            cache.build_step_metadata(&mut meta, &[(&b, n)]).unwrap();
+            assert!(!cache.step_view(&meta).unwrap().request(0).loaded.is_empty());
+            cache.cache_finished(b).unwrap();
+            cache.step_boundary().unwrap();
+            assert!(
+                !spin.is_done().unwrap(),
+                "{label}: a step waited for the stream"
+            );
+            ledger
+                .check_no_syncs()
+                .unwrap_or_else(|report| panic!("{label}: {report}"));
+            assert!(cache.stats().host.unwrap().copies >= 2, "{label}");
+            // Only the write-back's parked pages are still held.
+            cache.evict_all().unwrap();
+            cache.step_boundary().unwrap();
+            let s = cache.stats();
+            assert!(s.full.available_pages < s.full.total_pages, "{label}");
+
+            dev.synchronize(&unikv::kernels::HostSync::acquire("test: end of the proof"))
+                .unwrap();
+            cache.step_boundary().unwrap();
+            cache.evict_all().unwrap();
+            cache.step_boundary().unwrap();
+            let s = cache.stats();
+            assert_eq!(s.full.available_pages, s.full.total_pages, "{label}");
+        }
+    }
+}
