@@ -145,6 +145,11 @@ pub struct ReplayCli {
     /// host's rows (REPORT ROWS) [default: none]
     #[arg(long = "host-memory", value_name = "SIZE", value_parser = parse_memory)]
     pub host_memory: Option<u64>,
+    /// Models with recurrent layers save a state every TOKENS tokens (a multiple of the
+    /// page size), in prefill and decode alike [default: 256 in whole pages, SGLang's
+    /// --mamba-track-interval]
+    #[arg(long = "checkpoint-interval", value_name = "TOKENS")]
+    pub checkpoint_interval: Option<u32>,
     /// Print one JSON object instead of the table
     #[arg(long)]
     pub json: bool,
@@ -282,6 +287,7 @@ impl ReplayCli {
     pub fn resolve(self) -> Result<ReplayArgs, CliError> {
         let options = ReplayOptions {
             host_memory_bytes: self.host_memory.unwrap_or(0),
+            checkpoint_interval: self.checkpoint_interval,
             ..self.run.resolve(!self.no_timing)?
         };
         if options.record_ops.is_some() && options.runs() != 1 {
@@ -360,8 +366,9 @@ impl RunCli {
             record_ops: self.record_ops,
             backend: self.device,
             speculation,
-            // `unikv replay`'s own option (`ReplayCli::resolve`); bench-scale has none.
+            // `unikv replay`'s own options (`ReplayCli::resolve`); bench-scale has none.
             host_memory_bytes: 0,
+            checkpoint_interval: None,
         };
         Ok(options)
     }
@@ -725,6 +732,8 @@ mod tests {
             "none",
             "--host-memory",
             "64GiB",
+            "--checkpoint-interval",
+            "512",
         ])
         .unwrap();
         let o = &r.options;
@@ -736,6 +745,7 @@ mod tests {
         assert_eq!(o.page_sizes, [16, 1, 64]);
         assert_eq!(o.memory_bytes, 24 << 30);
         assert_eq!(o.host_memory_bytes, 64 << 30);
+        assert_eq!(o.checkpoint_interval, Some(512));
         assert_eq!(o.layouts, [Layout::Unified]);
         assert_eq!(o.seed, 42);
         assert_eq!(o.invariant_level, Level::Warn);

@@ -1692,3 +1692,83 @@ fn on_a_terminal_progress_is_a_bar_that_redraws_in_place() {
         assert!(shown.contains(unit), "{args}: {shown:?}");
     }
 }
+
+/// Issue 40's replay figure: multi-turn histories a device budget cannot hold (a device
+/// that holds the running requests, about a third of what the 64 GiB run peaks at) are
+/// served from a 64 GiB host tier: device + host hit at least 90 % of the 64 GiB device
+/// run's, at least 5× fewer recomputed tokens than the same budget without a host tier,
+/// 0 host syncs and 0 leaks on either tier. The recurrent models save a state every 64
+/// tokens: at the default 256 a state's position, not memory, bounds what any budget
+/// reuses (the 64 GiB run itself recomputes as much as the host run).
+#[test]
+fn a_host_tier_serves_the_multi_turn_histories_the_device_cannot_hold() {
+    // One cell of the matrix runs it (its runs pick their own page size and level).
+    if std::env::var("UNIKV_TEST_PAGE_SIZE").is_ok_and(|ps| ps != "16")
+        || std::env::var("UNIKV_INVARIANT_CHECK").is_ok_and(|l| l != "strict")
+    {
+        return;
+    }
+    let cells: [(&str, &str, Option<&str>); 3] = [
+        ("gpt-oss-20b", "1GiB", None),
+        ("qwen3-next-80b-a3b", "8GiB", Some("64")),
+        ("nemotron-h-8b", "8GiB", Some("64")),
+    ];
+    std::thread::scope(|scope| {
+        for (model, memory, interval) in cells {
+            scope.spawn(move || {
+                let run = |memory: &str, host: Option<&str>| {
+                    let mut args = vec![
+                        "--model",
+                        model,
+                        "--workload",
+                        "multi-turn",
+                        "--page-size",
+                        "16",
+                        "--layout",
+                        "unified",
+                        "--device",
+                        "none",
+                        "--invariants",
+                        "off",
+                        "--memory",
+                        memory,
+                    ];
+                    if let Some(i) = interval {
+                        args.extend(["--checkpoint-interval", i]);
+                    }
+                    if let Some(h) = host {
+                        args.extend(["--host-memory", h]);
+                    }
+                    let doc = replay_json(&args);
+                    passing_runs(&doc)[0].clone()
+                };
+                let (small, host, large) = (
+                    run(memory, None),
+                    run(memory, Some("64GiB")),
+                    run("64GiB", None),
+                );
+                let rate = |r: &serde_json::Value| r["prefix_hit_rate"].as_f64().unwrap();
+                let recomputed = |r: &serde_json::Value| r["recomputed_tokens"].as_u64().unwrap();
+                assert!(
+                    rate(&host) >= 0.9 * rate(&large) && rate(&host) > rate(&small),
+                    "{model}: hit {} with the host, {} at 64 GiB, {} without",
+                    rate(&host),
+                    rate(&large),
+                    rate(&small)
+                );
+                assert!(
+                    5 * recomputed(&host) <= recomputed(&small) && recomputed(&small) > 0,
+                    "{model}: recomputed {} with the host, {} without",
+                    recomputed(&host),
+                    recomputed(&small)
+                );
+                let h = &host["host"];
+                assert!(
+                    h["host_hit_tokens"].as_u64().unwrap() > 0
+                        && h["loaded_bytes"].as_u64().unwrap() > 0,
+                    "{model}: {h}"
+                );
+            });
+        }
+    });
+}

@@ -131,6 +131,10 @@ pub struct RunConfig {
     /// the device evicts are written back there and loaded back by a prompt that
     /// matches them ([`unikv::HybridCacheBuilder::host_memory_bytes`]).
     pub host_memory_bytes: u64,
+    /// The recurrent checkpoint interval in tokens (`--checkpoint-interval`; `None`, the
+    /// default: the builder's, 256 tokens in whole pages,
+    /// [`unikv::HybridCacheBuilder::checkpoint_interval`]).
+    pub checkpoint_interval: Option<u32>,
 }
 
 impl RunConfig {
@@ -158,6 +162,7 @@ impl RunConfig {
             backend: Backend::Cpu,
             speculation: None,
             host_memory_bytes: 0,
+            checkpoint_interval: None,
         }
     }
 }
@@ -194,6 +199,9 @@ pub struct ReplayOptions {
     pub speculation: Option<SpecMode>,
     /// The host tier of every run, in bytes (`--host-memory`; 0, the default: none).
     pub host_memory_bytes: u64,
+    /// The recurrent checkpoint interval of every run (`--checkpoint-interval`; `None`:
+    /// the builder's default).
+    pub checkpoint_interval: Option<u32>,
 }
 
 impl Default for ReplayOptions {
@@ -213,6 +221,7 @@ impl Default for ReplayOptions {
             backend: Backend::Cpu,
             speculation: None,
             host_memory_bytes: 0,
+            checkpoint_interval: None,
         }
     }
 }
@@ -239,6 +248,10 @@ pub(crate) fn cache_builder(
         .layout(config.layout)
         .host_memory_bytes(config.host_memory_bytes)
         .device(device);
+    let builder = match config.checkpoint_interval {
+        Some(tokens) => builder.checkpoint_interval(tokens),
+        None => builder,
+    };
     let builder = match config.speculation {
         Some(_) => builder.speculation(speculation(config).expect("a speculative run")),
         None => builder,

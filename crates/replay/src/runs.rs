@@ -45,6 +45,7 @@ pub fn plan(options: &ReplayOptions, workloads: &[Workload]) -> Vec<(usize, RunC
                 config.backend = options.backend;
                 config.speculation = options.speculation;
                 config.host_memory_bytes = options.host_memory_bytes;
+                config.checkpoint_interval = options.checkpoint_interval;
                 runs.push((w, config));
             }
         }
@@ -73,6 +74,7 @@ pub fn check_configs(options: &ReplayOptions) -> Result<(), ReplayError> {
             let mut config = RunConfig::new(options.model, layout, page_size, options.memory_bytes);
             config.speculation = options.speculation;
             config.host_memory_bytes = options.host_memory_bytes;
+            config.checkpoint_interval = options.checkpoint_interval;
             check_config(&config)?;
         }
     }
