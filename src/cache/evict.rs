@@ -210,8 +210,8 @@ impl HybridCache {
     /// An eviction pass with a host tier: node by node until `floor` pages (FULL) or
     /// nodes (SWA, Mamba) are released, each victim written back first (an SWA
     /// tombstone or a state eviction would otherwise leave the host a prefix it cannot
-    /// end a match at); the frees of a victim whose copy is still running are parked
-    /// until it is done, the others returned to apply now.
+    /// end a match at); the frees of a FULL or state victim whose copy is still running
+    /// are parked until it is done, the others returned to apply now.
     fn evict_writing_back(
         &mut self,
         component: Component,
@@ -239,6 +239,15 @@ impl HybridCache {
                 Component::Swa | Component::Mamba => 1,
             };
             match event {
+                // An SWA tombstone's frees go now, in flight or not: the tree keeps the
+                // node and may rebuild or free its values this very step, so its SWA
+                // pages cannot wait for the copy. The copy was issued first: it reads
+                // them before any later work on the stream writes them.
+                Some(event) if component == Component::Swa => {
+                    // A pending event may be destroyed (its copy still completes).
+                    let _ = self.device.free_copy_event(event);
+                    now.extend(step);
+                }
                 Some(_) => self.apply_after(event, step),
                 None => now.extend(step),
             }

@@ -12,8 +12,12 @@ use crate::scenario::Scenario;
 use crate::stamps::{hash_at, kv_stamp, prefix_hashes, state_stamp};
 use std::collections::{HashMap, VecDeque};
 use std::panic::Location;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use unikv::kernels::{ByteSpan, CpuDevice, Device, Error as DeviceError, FaultInjector, TableId};
+use unikv::kernels::{
+    ByteSpan, CpuDevice, Device, DeviceCall, DeviceHooks, DeviceOp, Error as DeviceError,
+    FaultInjector, Intercepted, TableId,
+};
 use unikv::pools::{Call, Hooked, Hooks, KvAllocator, VirtualToken};
 use unikv::radix::RadixTree;
 use unikv::{Error, HybridCache, KvGeometry, Request, TokenId, VerifyMetadata};
@@ -53,7 +57,9 @@ pub(crate) struct Sim {
     cache: HybridCache,
     /// The byte geometry the cache's kernels address the buffer with.
     geometry: KvGeometry,
-    faults: Arc<FaultInjector<CpuDevice>>,
+    faults: Arc<FaultInjector<Lagging>>,
+    /// The device whose host-tier copies can lag (under the fault injector).
+    lag: Arc<Lagging>,
     /// The allocator calls to refuse.
     alloc_faults: Arc<Mutex<AllocFaults>>,
     /// The device under the fault injector: the engine's own reads and writes.
@@ -74,6 +80,46 @@ pub(crate) struct Sim {
     /// Speculative seeds: the engine's device table of what its kernels write for the
     /// verify (offsets: accepted counts, then last nodes; then the accepted paths).
     values: Option<TableId>,
+}
+
+/// The CPU device with [`LagHooks`]: host-tier copies that stay in flight.
+type Lagging = Intercepted<CpuDevice, LagHooks>;
+
+/// Makes host-tier copies stay in flight while on: the CPU device copies at once, so a
+/// query of a copy's event is refused instead (the cache counts a refused query as not
+/// done). A write-back's device pages then stay parked, a load-back's host path locked,
+/// and a request released right after its load aborts mid-load, as on a busy GPU.
+#[derive(Debug, Default)]
+pub(crate) struct LagHooks {
+    on: AtomicBool,
+    /// Queries that found a copy in flight.
+    lagged: AtomicU64,
+}
+
+impl DeviceHooks for LagHooks {
+    type Ticket = ();
+
+    #[track_caller]
+    fn before<D: Device + ?Sized>(&self, _: &D, call: DeviceCall<'_>) -> Result<(), DeviceError> {
+        if call.op != DeviceOp::CopyEventDone || !self.on.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let index = self.lagged.fetch_add(1, Ordering::Relaxed);
+        Err(DeviceError::InjectedFault {
+            op: "copy_event_done (in flight)",
+            index,
+            location: Location::caller(),
+        })
+    }
+
+    fn after<D: Device + ?Sized>(
+        &self,
+        _: &D,
+        _: DeviceCall<'_>,
+        _: (),
+        _: Result<(), &DeviceError>,
+    ) {
+    }
 }
 
 /// The allocator fault armed, shared by the engine and its [`AllocFaultHooks`].
@@ -141,7 +187,8 @@ fn short(e: &Error) -> bool {
 impl Sim {
     pub(crate) fn new(sc: Scenario) -> Result<Sim, Failure> {
         let dev = Arc::new(CpuDevice::new());
-        let faults = Arc::new(FaultInjector::new(dev.clone()));
+        let lag = Arc::new(Intercepted::with_hooks(dev.clone(), LagHooks::default()));
+        let faults = Arc::new(FaultInjector::new(lag.clone()));
         let device: Arc<dyn Device> = faults.clone();
         let alloc_faults = Arc::new(Mutex::new(AllocFaults::default()));
         let hooks = alloc_faults.clone();
@@ -207,6 +254,7 @@ impl Sim {
             sc,
             cache,
             faults,
+            lag,
             alloc_faults,
             dev,
             rng,
@@ -272,8 +320,10 @@ impl Sim {
             self.step = step;
             self.one_step()?;
         }
-        // Drain: release everything, evict everything; every page must come back.
+        // Drain: release everything, evict everything; every page must come back (the
+        // copies complete: their parked pages and locks go at the next boundary).
         self.disarm();
+        self.lag.hooks().on.store(false, Ordering::Relaxed);
         for r in std::mem::take(&mut self.running) {
             self.cache
                 .release(r.req)
@@ -298,6 +348,7 @@ impl Sim {
         }
         if let Some(host) = stats.host {
             self.out.host_seeds += 1;
+            self.out.host_copies_in_flight += self.lag.hooks().lagged.load(Ordering::Relaxed);
             self.out.host_hit_tokens += host.hit_tokens;
             self.out.host_written_bytes += host.written_bytes;
             self.out.host_loaded_bytes += host.loaded_bytes;
@@ -308,6 +359,11 @@ impl Sim {
     }
 
     fn one_step(&mut self) -> Result<(), Failure> {
+        // Host-tier seeds: in about a third of the steps the copies stay in flight.
+        if self.sc.host_memory_bytes.is_some() {
+            let on = self.chance(330);
+            self.lag.hooks().on.store(on, Ordering::Relaxed);
+        }
         self.arrivals();
         self.admit()?;
         self.prefill()?;
@@ -511,8 +567,12 @@ impl Sim {
                 verifies: VecDeque::new(),
             };
             self.check_request(&r, "at admission")?;
-            if self.chance(30) {
+            // A load-back still in flight: an abort now must keep its rows until the
+            // copy is done.
+            let mid_load = cached > device && self.lag.hooks().on.load(Ordering::Relaxed);
+            if self.chance(30) || (mid_load && self.chance(150)) {
                 // An abort right after admission.
+                self.out.host_aborts_mid_load += u64::from(mid_load);
                 self.release(r)?;
                 continue;
             }

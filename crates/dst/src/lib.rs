@@ -259,12 +259,14 @@ pub fn run_command(
             .and_then(|()| {
                 writeln!(
                     out,
-                    "sim: host tier: {} seeds, {} prompt tokens loaded back, {} bytes written back and {} loaded, {} write-backs skipped",
+                    "sim: host tier: {} seeds, {} prompt tokens loaded back, {} bytes written back and {} loaded, {} write-backs skipped, {} copy queries found a copy in flight, {} aborts mid-load",
                     total.host_seeds,
                     total.host_hit_tokens,
                     total.host_written_bytes,
                     total.host_loaded_bytes,
-                    total.host_refused_writes
+                    total.host_refused_writes,
+                    total.host_copies_in_flight,
+                    total.host_aborts_mid_load
                 )
             })
             .and_then(|()| writeln!(out, "sim: {ran} passed, 0 failed"))?;

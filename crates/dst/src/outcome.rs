@@ -77,6 +77,11 @@ pub struct Outcome {
     pub host_loaded_bytes: u64,
     /// Write-backs the host skipped (no room, or a copy refused by a fault).
     pub host_refused_writes: u64,
+    /// Queries of a host-tier copy's event that found it still in flight (its pages
+    /// parked, its host path locked).
+    pub host_copies_in_flight: u64,
+    /// Requests released right after admission while their load-back was in flight.
+    pub host_aborts_mid_load: u64,
 }
 
 impl Outcome {
@@ -115,6 +120,8 @@ impl Outcome {
         self.host_written_bytes += o.host_written_bytes;
         self.host_loaded_bytes += o.host_loaded_bytes;
         self.host_refused_writes += o.host_refused_writes;
+        self.host_copies_in_flight += o.host_copies_in_flight;
+        self.host_aborts_mid_load += o.host_aborts_mid_load;
     }
 }
 
