@@ -210,7 +210,8 @@ impl HybridCache {
     /// An eviction pass with a host tier: node by node until `floor` pages (FULL) or
     /// nodes (SWA, Mamba) are released, each victim written back first (an SWA
     /// tombstone or a state eviction would otherwise leave the host a prefix it cannot
-    /// end a match at); the frees of a victim whose copy is still running are parked
+    /// end a match at); the frees of pages or a slot a write-back still running reads
+    /// (this victim's, or an earlier one's that copied its ancestors' pages) are parked
     /// until it is done, the others returned to apply now.
     fn evict_writing_back(
         &mut self,
@@ -223,14 +224,11 @@ impl HybridCache {
             let Some(victim) = self.tree.next_victim(component) else {
                 break;
             };
-            let event = match self.write_back(victim) {
-                Ok(event) => event,
-                Err(e) => {
-                    // What this pass evicted is out of the tree: its frees go now.
-                    self.apply(&now);
-                    return Err(e);
-                }
-            };
+            if let Err(e) = self.write_back(victim) {
+                // What this pass evicted is out of the tree: its frees go now.
+                self.apply(&now);
+                return Err(e);
+            }
             let Some(step) = self.tree.evict_one(component) else {
                 break;
             };
@@ -238,21 +236,21 @@ impl HybridCache {
                 Component::Full => unikv_radix::Released::of(&step).full.0 / self.ps,
                 Component::Swa | Component::Mamba => 1,
             };
-            match event {
-                Some(_) => self.apply_after(event, step),
-                None => now.extend(step),
-            }
+            now.extend(self.park_behind_readers(step).into_iter().flatten());
         }
         Ok(now)
     }
 
     /// Evicts every unlocked prefix from the cache (an engine's "flush cache"), applying
-    /// the frees at once, and frees the idle verify scratch groups. Returns the tokens
-    /// evicted.
+    /// the frees at once (all of them once it is done when a write-back still running
+    /// reads one of their pages), and frees the idle verify scratch groups. Returns the
+    /// tokens evicted.
     pub fn evict_all(&mut self) -> Result<usize, Error> {
         let (actions, released) = self.tree.evict_until(Component::Full, |_| false);
         self.epoch += 1;
-        self.apply(&actions);
+        if let Some(actions) = self.park_behind_readers(actions) {
+            self.apply(&actions);
+        }
         // The verify scratch kept for the next verifies goes too (made again when needed).
         self.verify_scratch.free_idle(self.alloc.as_mut());
         self.alloc.flush_deferred();

@@ -13,9 +13,10 @@
 //!
 //! Copies are device work in stream order ([`Device::copy_device_to_host`],
 //! [`Device::copy_host_to_device`]), merged into one run per stretch of adjacent pages.
-//! A write-back's device pages are freed once its copy's event is done, learnt by a
-//! non-blocking query; until then they stay held (parked), never waited for. A load-back
-//! keeps its host path locked until its copy is done.
+//! A device page or slot a write-back reads (its victim's, or an ancestor's it copied)
+//! is freed once its copy's event is done, learnt by a non-blocking query; until then it
+//! stays held (parked), never waited for. A load-back keeps its host path locked until
+//! its copy is done.
 
 use super::HybridCache;
 use crate::error::Error;
@@ -53,7 +54,19 @@ pub enum HostWritePolicy {
 #[derive(Debug)]
 struct Parked {
     event: CopyEvent,
-    release: Release,
+    /// The device pages (virtual page ids, FULL and SWA alike; sorted) and the state slot
+    /// a write-back copies from: a free of any of them waits for the copy.
+    reads: Vec<u32>,
+    reads_slot: Option<u32>,
+    releases: Vec<Release>,
+}
+
+impl Parked {
+    /// Whether the copy reads one of `pages` or `slots`.
+    fn reads_any(&self, pages: &[u32], slots: &[u32]) -> bool {
+        pages.iter().any(|p| self.reads.binary_search(p).is_ok())
+            || self.reads_slot.is_some_and(|s| slots.contains(&s))
+    }
 }
 
 #[derive(Debug)]
@@ -327,13 +340,14 @@ fn merged(mut copies: Vec<HostCopy>) -> Vec<HostCopy> {
 impl HybridCache {
     /// Writes the prefix ending at device node `victim` back to the host before the
     /// device evicts it: the FULL pages the host does not hold yet, the SWA pages of the
-    /// window behind its end when they are live, and its state. Returns the copy's event
-    /// when it is still running (the device frees wait for it). A host that cannot make
-    /// room, or a refused copy, skips the write-back: the eviction goes on as without a
-    /// host tier and nothing is lost on either side.
-    pub(super) fn write_back(&mut self, victim: NodeId) -> Result<Option<CopyEvent>, Error> {
+    /// window behind its end when they are live, and its state. A copy still running is
+    /// parked with the device pages and slot it reads, so that their frees wait for it
+    /// ([`HybridCache::park_behind_readers`]). A host that cannot make room, or a refused
+    /// copy, skips the write-back: the eviction goes on as without a host tier and
+    /// nothing is lost on either side.
+    pub(super) fn write_back(&mut self, victim: NodeId) -> Result<(), Error> {
         let Some(host) = self.host.as_mut() else {
-            return Ok(None);
+            return Ok(());
         };
         let ps = self.ps;
         let key = self.tree.path_key(victim)?;
@@ -351,7 +365,7 @@ impl HybridCache {
         let want_state = state.is_some() && !host_state_at_end;
         let new_pages = (end - hf) / ps;
         if new_pages == 0 && !want_state {
-            return Ok(None);
+            return Ok(());
         }
         let host_prefix = if hf > 0 {
             host.tree.prefix_values(m.full_hit_node)?.to_vec()
@@ -384,17 +398,19 @@ impl HybridCache {
         let keep = (hf > 0).then_some(m.full_hit_node);
         let Some(units) = host.take(need, keep) else {
             host.stats.refused_writes += 1;
-            return Ok(None);
+            return Ok(());
         };
         let [full, swa, states] = &units;
         let mut copies = Vec::with_capacity(full.len() + swa.len() + states.len());
         let mut host_values = host_prefix;
         let mut swa_pairs = Vec::with_capacity(swa.len());
+        let mut reads = Vec::with_capacity(full.len());
         for (i, &b) in full.iter().enumerate() {
             let p = hf + i * ps;
             let unit = host.pool.unit_id(HostKind::Full, b);
             host_values.extend((0..ps as u32).map(|o| TreeToken(unit * ps as u32 + o)));
             let page = values[p].0 / ps as u32;
+            reads.push(page);
             let (device, len) = self_device_page(&*self.alloc, Side::Full, page);
             copies.push(HostCopy {
                 device,
@@ -443,7 +459,7 @@ impl HybridCache {
                     let _ = host.pool.free(*kind, blocks);
                 }
                 host.stats.refused_writes += 1;
-                return Ok(None);
+                return Ok(());
             }
         };
         host.count_copies(&copies);
@@ -467,10 +483,18 @@ impl HybridCache {
         // A query that fails counts as not done: the frees wait for the next one.
         if self.device.copy_event_done(event).unwrap_or(false) {
             let _ = self.device.free_copy_event(event);
-            Ok(None)
         } else {
-            Ok(Some(event))
+            reads.sort_unstable();
+            let reads_slot = state.filter(|_| state_unit.is_some()).map(|s| s.0);
+            let host = self.host.as_mut().expect("checked above");
+            host.parked.push(Parked {
+                event,
+                reads,
+                reads_slot,
+                releases: Vec::new(),
+            });
         }
+        Ok(())
     }
 
     /// A request handed the tree the prefix ending at device node `node`: under
@@ -509,10 +533,8 @@ impl HybridCache {
             if self.tree.node(node).is_err() {
                 continue;
             }
-            if let Some(event) = self.write_back(node)? {
-                // Nothing waits for it: the device pages stay cached.
-                let _ = self.device.free_copy_event(event);
-            }
+            // The device pages stay cached; a later eviction's frees wait for the copy.
+            self.write_back(node)?;
         }
         // Stale counts (of evicted nodes) go with the queue's turn.
         if let Some(host) = self.host.as_mut() {
@@ -522,21 +544,40 @@ impl HybridCache {
         Ok(())
     }
 
-    /// Parks `actions` (a write-back's device frees) until `event` is done, counting
-    /// their pages as held meanwhile; applies them at once without an event.
-    pub(super) fn apply_after(&mut self, event: Option<CopyEvent>, actions: Vec<Action>) {
-        let (Some(event), Some(host)) = (event, self.host.as_mut()) else {
-            self.apply(&actions);
-            return;
+    /// Parks `actions` (device frees) behind the latest write-back still running that
+    /// reads one of the pages or slots they free, counting them held until its event is
+    /// done; copies complete in issue order, so the earlier readers are done by then.
+    /// Returns them when no copy in flight reads them, to be applied now.
+    pub(super) fn park_behind_readers(&mut self, actions: Vec<Action>) -> Option<Vec<Action>> {
+        let Some(host) = self.host.as_mut() else {
+            return Some(actions);
         };
+        if host
+            .parked
+            .iter()
+            .all(|p| p.reads.is_empty() && p.reads_slot.is_none())
+        {
+            return Some(actions);
+        }
+        let (pages, slots) = freed_units(&actions, self.ps);
+        let Some(reader) = host
+            .parked
+            .iter_mut()
+            .rev()
+            .find(|p| p.reads_any(&pages, &slots))
+        else {
+            return Some(actions);
+        };
+        // A query that fails counts as not done, as at the step boundary.
+        if self.device.copy_event_done(reader.event).unwrap_or(false) {
+            return Some(actions);
+        }
         let [full, swa, slots] = parked_pages(&actions, self.ps, self.has_swa);
         host.parked_full += full;
         host.parked_swa += swa;
         host.parked_slots += slots;
-        host.parked.push(Parked {
-            event,
-            release: Release::Device(actions),
-        });
+        reader.releases.push(Release::Device(actions));
+        None
     }
 
     /// Releases what the copies that completed since the last call held: a write-back's
@@ -545,42 +586,33 @@ impl HybridCache {
         let Some(host) = self.host.as_mut() else {
             return Ok(());
         };
-        let mut done = Vec::new();
-        let mut i = 0;
-        while i < host.parked.len() {
-            // A query that fails counts as not done: asked again at the next boundary.
-            if self
-                .device
-                .copy_event_done(host.parked[i].event)
-                .unwrap_or(false)
-            {
-                done.push(host.parked.swap_remove(i));
-            } else {
-                i += 1;
-            }
-        }
+        // A query that fails counts as not done: asked again at the next boundary. The
+        // ones left keep their issue order (`park_behind_readers` picks the latest).
+        let device = &self.device;
+        let (done, pending): (Vec<Parked>, Vec<Parked>) = std::mem::take(&mut host.parked)
+            .into_iter()
+            .partition(|p| device.copy_event_done(p.event).unwrap_or(false));
+        host.parked = pending;
+        let mut unlocked = Ok(());
         for parked in done {
             // A handle the device fails to release costs the device a handle, nothing here.
             let _ = self.device.free_copy_event(parked.event);
-            match parked.release {
-                Release::Device(actions) => {
-                    let host = self.host.as_mut().expect("checked above");
-                    let [full, swa, slots] = parked_pages(&actions, self.ps, self.has_swa);
-                    host.parked_full -= full;
-                    host.parked_swa -= swa;
-                    host.parked_slots -= slots;
-                    self.apply(&actions);
-                }
-                Release::HostLock(lock) => {
-                    self.host
-                        .as_mut()
-                        .expect("checked above")
-                        .tree
-                        .unlock(lock)?;
+            for release in parked.releases {
+                let host = self.host.as_mut().expect("checked above");
+                match release {
+                    Release::Device(actions) => {
+                        let [full, swa, slots] = parked_pages(&actions, self.ps, self.has_swa);
+                        host.parked_full -= full;
+                        host.parked_swa -= swa;
+                        host.parked_slots -= slots;
+                        self.apply(&actions);
+                    }
+                    // An unlock that fails still lets the other releases go.
+                    Release::HostLock(lock) => unlocked = unlocked.and(host.tree.unlock(lock)),
                 }
             }
         }
-        Ok(())
+        unlocked.map_err(Into::into)
     }
 
     /// Locks the host path of a match before admission makes room (a write-back could
@@ -716,7 +748,9 @@ impl HybridCache {
         host.stats.hit_tokens += (hm.len - from) as u64;
         host.parked.push(Parked {
             event,
-            release: Release::HostLock(lock),
+            reads: Vec::new(),
+            reads_slot: None,
+            releases: vec![Release::HostLock(lock)],
         });
         Ok(())
     }
@@ -752,6 +786,28 @@ impl HybridCache {
     pub(super) fn host_stats(&self) -> Option<HostStats> {
         self.host.as_ref().map(HostTier::stats)
     }
+}
+
+/// The device pages (virtual page ids) and state slots `actions` free, on any side.
+fn freed_units(actions: &[Action], ps: usize) -> (Vec<u32>, Vec<u32>) {
+    let (mut pages, mut slots) = (Vec::new(), Vec::new());
+    let mut add = |tokens: &[TreeToken]| {
+        pages.extend(tokens.iter().step_by(ps).map(|t| t.0 / ps as u32));
+    };
+    for action in actions {
+        match action {
+            Action::FreeDeviceKv { tokens }
+            | Action::FreeDeviceKvFullOnly { tokens }
+            | Action::EvictNode { tokens, .. }
+            | Action::TombstoneSwa { tokens, .. } => add(tokens),
+            Action::RecoverSwaWithLockedFull { incoming, .. } => add(incoming),
+            Action::SwaRebuild { .. } => {}
+            Action::EvictMambaState { slot, .. } | Action::FreeMambaSlot { slot } => {
+                slots.push(slot.0)
+            }
+        }
+    }
+    (pages, slots)
 }
 
 /// The FULL pages, SWA pages (none without SWA layers: the tree counts a node's side
