@@ -1,7 +1,7 @@
 //! The host tier (issue 40): prefixes the device evicts are written back to host memory
 //! and loaded back, bytes and all, by a later prompt that matches them; a host hit ends
 //! only where the model has everything it needs; an abort frees both tiers; a device page
-//! a write-back in flight reads is not handed out before its event is done (on the
+//! a copy in flight reads or writes is not handed out before its event is done (on the
 //! emulated CUDA device, its stream stalled); host eviction never leaves the host tree
 //! naming data the pool dropped. Every case on both layouts, a FULL + SWA, a FULL + Mamba
 //! and a tri-pool model, at the matrix's page sizes, with both tiers' conservation
@@ -369,6 +369,11 @@ fn figures(s: &CacheStats) -> [[usize; 3]; 3] {
     [&s.full, &s.swa, &s.mamba].map(|x| [x.available_pages, x.evictable_pages, x.held_pages])
 }
 
+/// The host tree's locked (protected) FULL tokens.
+fn host_locked(cache: &HybridCache) -> usize {
+    cache.host_tree().unwrap().sizes().full_protected.0
+}
+
 /// A write-back in flight (the stream stalled: its copy queued, its event not done) keeps
 /// the evicted prefix's device pages and slots held across step boundaries: the
 /// allocation that evicted it for them fails, one that fits gets other pages. Once the
@@ -453,6 +458,59 @@ fn a_page_in_a_write_back_in_flight_is_not_reused_until_its_event_completes() {
                 c.check_loaded(&b, on_device);
                 c.cache.release(b).unwrap();
                 c.boundary();
+            },
+        )
+    });
+}
+
+/// A request admitted with a host hit and released while its load-back is still queued
+/// (an abort mid-load) keeps its rows and slots held, and the host path locked, until
+/// the copy is done: the copy still writes them. Then both tiers are free again and the
+/// host still serves the prefix.
+#[test]
+fn an_abort_mid_load_frees_both_tiers_once_the_copy_is_done() {
+    let setup = Setup {
+        emulated: true,
+        ..Setup::default()
+    };
+    scoped_level(Level::Strict, || {
+        each_in(
+            setup,
+            |_, _| 1 << 22,
+            |c| {
+                let ps = c.ps;
+                let a = c.prefill(prompt(1, 1, ps));
+                c.cache.cache_finished(a).unwrap();
+                c.boundary();
+                c.demote_all();
+                let idle = figures(&c.boundary());
+                let hit = c.cache.match_prefix(follow_up(1, ps));
+                let host = hit.host_tokens();
+                assert!(host > 0, "{}", c.label);
+
+                c.stall();
+                let b = c.cache.admit(hit).unwrap();
+                assert_eq!(b.len(), host, "{}", c.label);
+                let loading = figures(&c.cache.stats());
+                assert!(loading[0][2] > 0, "{}: {loading:?}", c.label);
+                assert!(host_locked(&c.cache) > 0, "{}", c.label);
+                c.cache.release(b).unwrap();
+                assert_eq!(c.cache.stats().live_requests, 0, "{}", c.label);
+                for _ in 0..3 {
+                    assert_eq!(
+                        figures(&c.boundary()),
+                        loading,
+                        "{}: the queued load still writes the rows",
+                        c.label
+                    );
+                    assert!(host_locked(&c.cache) > 0, "{}", c.label);
+                }
+
+                c.resume();
+                assert_eq!(figures(&c.boundary()), idle, "{}", c.label);
+                assert_eq!(host_locked(&c.cache), 0, "{}", c.label);
+                let again = c.cache.match_prefix(follow_up(1, ps));
+                assert_eq!(again.host_tokens(), host, "{}", c.label);
             },
         )
     });

@@ -16,7 +16,8 @@
 //! A device page or slot a write-back reads (its victim's, or an ancestor's it copied)
 //! is freed once its copy's event is done, learnt by a non-blocking query; until then it
 //! stays held (parked), never waited for. A load-back keeps its host path locked until
-//! its copy is done.
+//! its copy is done, and a request released before then keeps its rows and slots parked
+//! the same way (the queued copy still writes them).
 
 use super::HybridCache;
 use crate::error::Error;
@@ -24,7 +25,10 @@ use crate::request::HostMatch;
 use crate::stats::HostStats;
 use std::collections::HashMap;
 use unikv_kernels::{CopyEvent, Device, HostBytesId, HostCopy};
-use unikv_pools::{FreeOp, HostBlock, HostKind, HostPool, HostPoolSpec, Side, VirtualPage};
+use unikv_pools::{
+    FreeOp, HostBlock, HostKind, HostPool, HostPoolSpec, Side, VirtualPage, VirtualSlot,
+    VirtualToken as PoolToken,
+};
 use unikv_radix::{
     Action, Component, InsertRequest, LockHandle, MambaSlot, NodeId, RadixTree, TokenId,
     TreeConfig, VirtualToken as TreeToken,
@@ -54,6 +58,9 @@ pub enum HostWritePolicy {
 #[derive(Debug)]
 struct Parked {
     event: CopyEvent,
+    /// The request a load-back fills (`None` for a write-back): a release of it before
+    /// the copy is done parks its rows here too.
+    request: Option<u64>,
     /// The device pages (virtual page ids, FULL and SWA alike; sorted) and the state slot
     /// a write-back copies from: a free of any of them waits for the copy.
     reads: Vec<u32>,
@@ -75,6 +82,38 @@ enum Release {
     Device(Vec<Action>),
     /// A load-back's lock on its host path.
     HostLock(LockHandle),
+    /// A released request's rows and slots, which its load-back still writes.
+    Rows(ReleasedRows),
+}
+
+/// What [`HybridCache::release`] frees of a request: its rows past the tree-owned prefix
+/// (a [`FreeOp::KvRow`]'s fields) and its state slots.
+#[derive(Debug)]
+pub(super) struct ReleasedRows {
+    pub(super) row: Vec<PoolToken>,
+    pub(super) dead_lo: usize,
+    pub(super) cursor: usize,
+    pub(super) len: usize,
+    pub(super) slots: Vec<VirtualSlot>,
+    /// The FULL and SWA pages and the slots it counted as held.
+    pub(super) held: [usize; 3],
+}
+
+impl ReleasedRows {
+    /// Frees them (at once, or deferred to the open free group, as any row free).
+    pub(super) fn free(&self, alloc: &mut dyn unikv_pools::KvAllocator) {
+        let row = FreeOp::KvRow {
+            row: &self.row,
+            dead_lo: self.dead_lo,
+            cursor: self.cursor,
+            len: self.len,
+        };
+        if self.slots.is_empty() {
+            alloc.free_batch(&[row]);
+        } else {
+            alloc.free_batch(&[row, FreeOp::Slots(&self.slots)]);
+        }
+    }
 }
 
 /// The host tier of a cache: its pool, its tree and its copies in flight.
@@ -489,6 +528,7 @@ impl HybridCache {
             let host = self.host.as_mut().expect("checked above");
             host.parked.push(Parked {
                 event,
+                request: None,
                 reads,
                 reads_slot,
                 releases: Vec::new(),
@@ -580,6 +620,33 @@ impl HybridCache {
         None
     }
 
+    /// Parks released request `request`'s frees behind its load-back while that copy is
+    /// not done (it still writes the rows and the running slot, which the next step could
+    /// otherwise hand out), counting them held meanwhile. Returns them when nothing is in
+    /// flight, to be freed now.
+    pub(super) fn park_released(
+        &mut self,
+        request: u64,
+        rows: ReleasedRows,
+    ) -> Option<ReleasedRows> {
+        let Some(host) = self.host.as_mut() else {
+            return Some(rows);
+        };
+        let Some(load) = host.parked.iter_mut().find(|p| p.request == Some(request)) else {
+            return Some(rows);
+        };
+        // A query that fails counts as not done, as at the step boundary.
+        if self.device.copy_event_done(load.event).unwrap_or(false) {
+            return Some(rows);
+        }
+        let [full, swa, slots] = rows.held;
+        host.parked_full += full;
+        host.parked_swa += swa;
+        host.parked_slots += slots;
+        load.releases.push(Release::Rows(rows));
+        None
+    }
+
     /// Releases what the copies that completed since the last call held: a write-back's
     /// device frees, a load-back's host lock. A query per copy, never a wait.
     pub(super) fn poll_copies(&mut self) -> Result<(), Error> {
@@ -609,6 +676,13 @@ impl HybridCache {
                     }
                     // An unlock that fails still lets the other releases go.
                     Release::HostLock(lock) => unlocked = unlocked.and(host.tree.unlock(lock)),
+                    Release::Rows(rows) => {
+                        let [full, swa, slots] = rows.held;
+                        host.parked_full -= full;
+                        host.parked_swa -= swa;
+                        host.parked_slots -= slots;
+                        rows.free(self.alloc.as_mut());
+                    }
                 }
             }
         }
@@ -748,6 +822,7 @@ impl HybridCache {
         host.stats.hit_tokens += (hm.len - from) as u64;
         host.parked.push(Parked {
             event,
+            request: Some(req.id),
             reads: Vec::new(),
             reads_slot: None,
             releases: vec![Release::HostLock(lock)],
