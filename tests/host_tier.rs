@@ -37,6 +37,7 @@ struct Setup {
     models: Vec<ModelSpec>,
     /// An emulated CUDA device (its stream can be stalled) instead of a CPU one.
     emulated: bool,
+    checkpoint_interval: Option<u32>,
 }
 
 impl Default for Setup {
@@ -44,6 +45,7 @@ impl Default for Setup {
         Setup {
             models: models().to_vec(),
             emulated: false,
+            checkpoint_interval: None,
         }
     }
 }
@@ -66,15 +68,17 @@ fn each_in(setup: Setup, host: impl Fn(ModelSpec, usize) -> u64, case: impl Fn(&
                 } else {
                     (Arc::new(CpuDevice::new()), None)
                 };
-                let cache = HybridCache::builder()
+                let mut builder = HybridCache::builder()
                     .model(model)
                     .layout(layout)
                     .page_size(ps)
                     .memory_bytes(memory(model, ps as usize))
                     .host_memory_bytes(host(model, ps as usize))
-                    .device(device.clone() as Arc<dyn Device>)
-                    .build()
-                    .unwrap();
+                    .device(device.clone() as Arc<dyn Device>);
+                if let Some(interval) = setup.checkpoint_interval {
+                    builder = builder.checkpoint_interval(interval);
+                }
+                let cache = builder.build().unwrap();
                 let label = format!("{} {} ps {ps}", model.name, layout.as_str());
                 let mut c = Case {
                     cache,
@@ -103,7 +107,8 @@ fn each_in(setup: Setup, host: impl Fn(ModelSpec, usize) -> u64, case: impl Fn(&
 /// Room for a few prompts of [`PAGES`] pages and their states.
 fn memory(model: ModelSpec, ps: usize) -> u64 {
     let per_token = model.full_bytes_per_token() + model.swa_bytes_per_token();
-    let tokens = (4 * PAGES * ps + 64 * ps) as u64;
+    // A wide window needs a few of its own behind each request.
+    let tokens = (4 * PAGES * ps + 64 * ps).max(4 * model.window as usize) as u64;
     tokens * per_token + 16 * model.state_bytes_per_request() + (1 << 16)
 }
 
@@ -511,6 +516,102 @@ fn an_abort_mid_load_frees_both_tiers_once_the_copy_is_done() {
                 assert_eq!(host_locked(&c.cache), 0, "{}", c.label);
                 let again = c.cache.match_prefix(follow_up(1, ps));
                 assert_eq!(again.host_tokens(), host, "{}", c.label);
+            },
+        )
+    });
+}
+
+/// A host hit whose FULL KV reaches past its last state is cut back to that state: a
+/// turn decoded past its prompt with no checkpoint on the way and finished off a page
+/// boundary (no state at its last whole page) is evicted to the host; its next turn's
+/// host match ends at the prompt's anchor state (where the device's did), its KV hit
+/// reaches the host's deeper FULL pages, and admission loads back exactly to the anchor,
+/// its state included. FULL + Mamba and the tri-pool; a FULL + SWA model has no such
+/// cut (the window behind a turn's last whole page is live when it finishes).
+#[test]
+fn a_host_kv_hit_with_no_state_at_its_end_is_cut_back_to_its_last_state() {
+    let setup = Setup {
+        models: vec![
+            TINY_MAMBA,
+            // A window past the whole turn: nothing leaves it during the decode, so the
+            // anchor keeps the live window a match there needs.
+            ModelSpec {
+                window: 4096,
+                ..TINY_TRI
+            },
+        ],
+        // No grid point on the way: the prompt's anchor is the only state.
+        checkpoint_interval: Some(1 << 16),
+        ..Setup::default()
+    };
+    scoped_level(Level::Strict, || {
+        each_in(
+            setup,
+            |_, _| 1 << 22,
+            |c| {
+                let ps = c.ps;
+                let p = prompt(1, 1, ps);
+                // The prompt's last whole page (its end at page size 1).
+                let anchor = p.len() / ps * ps;
+                let mut a = c.prefill(p);
+                let at: Vec<usize> = a.checkpoint_writes().iter().map(|w| w.at_len).collect();
+                assert_eq!(at, [anchor], "{}", c.label);
+                c.mark_rows(&a);
+                c.boundary();
+                // Past the next whole page, ending off a page boundary (ps > 1).
+                for t in 0..ps as u32 + 2 {
+                    c.cache
+                        .alloc_decode(&mut [&mut a], &[TokenId(700_000_000 + t)])
+                        .unwrap();
+                    assert!(a.checkpoint_writes().is_empty(), "{}", c.label);
+                    c.boundary();
+                }
+                let deeper = a.len() / ps * ps;
+                assert!(deeper > anchor, "{}", c.label);
+                let mut next = a.tokens().to_vec();
+                next.extend((0..=ps as u32).map(|i| TokenId(600_000_000 + i)));
+                if ps > 1 {
+                    c.cache.cache_finished(a).unwrap();
+                } else {
+                    // Every length ends a page at page size 1, so finishing would cache
+                    // the running state at the end: cache the KV alone, then abort.
+                    c.cache.cache_unfinished(&mut a).unwrap();
+                    c.cache.release(a).unwrap();
+                }
+                c.boundary();
+                let on_device = c.cache.match_prefix(next.clone());
+                assert_eq!(
+                    (on_device.cached_tokens(), on_device.kv_hit_tokens()),
+                    (anchor, deeper),
+                    "{}",
+                    c.label
+                );
+                c.demote_all();
+                let hit = c.cache.match_prefix(next);
+                assert_eq!(
+                    (
+                        hit.device_tokens(),
+                        hit.host_tokens(),
+                        hit.cached_tokens(),
+                        hit.kv_hit_tokens()
+                    ),
+                    (0, anchor, anchor, deeper),
+                    "{}",
+                    c.label
+                );
+                let b = c.cache.admit(hit).unwrap();
+                assert_eq!(
+                    (b.len(), b.cached_at_admission(), b.kv_hit_at_admission()),
+                    (anchor, anchor, deeper),
+                    "{}",
+                    c.label
+                );
+                c.check_loaded(&b, anchor);
+                assert!(b.state_slot().is_some(), "{}", c.label);
+                c.cache.release(b).unwrap();
+                c.boundary();
+                let host = c.cache.stats().host.unwrap();
+                assert_eq!(host.hit_tokens, anchor as u64, "{}", c.label);
             },
         )
     });
