@@ -914,22 +914,26 @@ impl HybridCache {
     /// Releases `req` without caching (abort, or retraction under memory pressure): its
     /// own KV is freed, its lock released. Returns its tokens (prompt and generated), so a
     /// retracted request can be matched and admitted again later.
-    pub fn release(&mut self, req: Request) -> Result<Vec<TokenId>, Error> {
+    ///
+    /// A request whose load-back from the host tier is still in flight keeps its rows
+    /// and slots, counted as held, until the copy is done (learnt at a step boundary).
+    pub fn release(&mut self, mut req: Request) -> Result<Vec<TokenId>, Error> {
         self.check_owner(&req)?;
         self.tables.lanes.release(req.id);
         let before = self.held(&req);
-        let len = req.len();
-        let dead_lo = req.protected;
-        self.alloc.free_batch(&[FreeOp::KvRow {
-            row: &req.row,
+        let slots = req.state.as_ref().map_or_else(Vec::new, |s| s.slots());
+        self.held_slots -= slots.len();
+        let (len, dead_lo) = (req.len(), req.protected);
+        let rows = host::ReleasedRows {
+            row: std::mem::take(&mut req.row),
+            len,
             dead_lo,
             cursor: req.cursor.max(dead_lo),
-            len,
-        }]);
-        if let Some(state) = &req.state {
-            let slots = state.slots();
-            self.alloc.free_batch(&[FreeOp::Slots(&slots)]);
-            self.held_slots -= slots.len();
+            held: [before.0, before.1, slots.len()],
+            slots,
+        };
+        if let Some(rows) = self.park_released(req.id, rows) {
+            rows.free(self.alloc.as_mut());
         }
         self.verify_scratch.give_back_all(&req);
         if let Some(lock) = req.lock {

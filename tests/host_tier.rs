@@ -1,24 +1,29 @@
 //! The host tier (issue 40): prefixes the device evicts are written back to host memory
 //! and loaded back, bytes and all, by a later prompt that matches them; a host hit ends
-//! only where the model has everything it needs; an abort frees both tiers; host
-//! eviction never leaves the host tree naming data the pool dropped. Every case on both
-//! layouts, a FULL + SWA, a FULL + Mamba and a tri-pool model, at the matrix's page
-//! sizes, with both tiers' conservation checked at every step boundary.
+//! only where the model has everything it needs; an abort frees both tiers; a device page
+//! a copy in flight reads or writes is not handed out before its event is done (on the
+//! emulated CUDA device, its stream stalled); host eviction never leaves the host tree
+//! naming data the pool dropped. Every case on both layouts, a FULL + SWA, a FULL + Mamba
+//! and a tri-pool model, at the matrix's page sizes, with both tiers' conservation
+//! checked at every step boundary.
 
 mod common;
 
 use common::{LAYOUTS, TINY_MAMBA, TINY_TRI, page_sizes, tiny_model};
 use std::sync::Arc;
-use unikv::kernels::{ByteSpan, CpuDevice, Device, HostSync, Readback};
+use unikv::invariants::{Level, scoped_level};
+use unikv::kernels::{ByteSpan, CpuDevice, CudaDevice, Device, HostSync, Readback};
 use unikv::pools::{Side, VirtualPage, VirtualSlot};
-use unikv::{HostWritePolicy, HybridCache, Layout, ModelSpec, Request, TokenId};
+use unikv::{CacheStats, Error, HostWritePolicy, HybridCache, Layout, ModelSpec, Request, TokenId};
 
 /// Pages of the prompts' shared part.
 const PAGES: usize = 8;
 
 struct Case {
     cache: HybridCache,
-    device: Arc<CpuDevice>,
+    device: Arc<dyn Readback>,
+    /// The emulated CUDA device the cache runs on, when the case stalls its stream.
+    cuda: Option<Arc<CudaDevice>>,
     ps: usize,
     label: String,
 }
@@ -27,27 +32,58 @@ fn models() -> [ModelSpec; 3] {
     [tiny_model(8, 1), TINY_MAMBA, TINY_TRI]
 }
 
+/// What the cases of a test run on beyond the matrix's layouts and page sizes.
+struct Setup {
+    models: Vec<ModelSpec>,
+    /// An emulated CUDA device (its stream can be stalled) instead of a CPU one.
+    emulated: bool,
+    checkpoint_interval: Option<u32>,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Setup {
+            models: models().to_vec(),
+            emulated: false,
+            checkpoint_interval: None,
+        }
+    }
+}
+
 /// Runs `case` for every model, layout and page size, with a host tier of `host(model,
 /// page size)` bytes, then checks that releasing everything frees every device page and
 /// slot.
 fn each(host: impl Fn(ModelSpec, usize) -> u64, case: impl Fn(&mut Case)) {
-    for model in models() {
+    each_in(Setup::default(), host, case)
+}
+
+/// [`each`] on `setup`'s models and device.
+fn each_in(setup: Setup, host: impl Fn(ModelSpec, usize) -> u64, case: impl Fn(&mut Case)) {
+    for &model in &setup.models {
         for layout in LAYOUTS {
             for ps in page_sizes() {
-                let device = Arc::new(CpuDevice::new());
-                let cache = HybridCache::builder()
+                let (device, cuda): (Arc<dyn Readback>, _) = if setup.emulated {
+                    let cuda = Arc::new(CudaDevice::emulated());
+                    (cuda.clone(), Some(cuda))
+                } else {
+                    (Arc::new(CpuDevice::new()), None)
+                };
+                let mut builder = HybridCache::builder()
                     .model(model)
                     .layout(layout)
                     .page_size(ps)
                     .memory_bytes(memory(model, ps as usize))
                     .host_memory_bytes(host(model, ps as usize))
-                    .device(device.clone() as Arc<dyn Device>)
-                    .build()
-                    .unwrap();
+                    .device(device.clone() as Arc<dyn Device>);
+                if let Some(interval) = setup.checkpoint_interval {
+                    builder = builder.checkpoint_interval(interval);
+                }
+                let cache = builder.build().unwrap();
                 let label = format!("{} {} ps {ps}", model.name, layout.as_str());
                 let mut c = Case {
                     cache,
                     device,
+                    cuda,
                     ps: ps as usize,
                     label,
                 };
@@ -71,7 +107,8 @@ fn each(host: impl Fn(ModelSpec, usize) -> u64, case: impl Fn(&mut Case)) {
 /// Room for a few prompts of [`PAGES`] pages and their states.
 fn memory(model: ModelSpec, ps: usize) -> u64 {
     let per_token = model.full_bytes_per_token() + model.swa_bytes_per_token();
-    let tokens = (4 * PAGES * ps + 64 * ps) as u64;
+    // A wide window needs a few of its own behind each request.
+    let tokens = (4 * PAGES * ps + 64 * ps).max(4 * model.window as usize) as u64;
     tokens * per_token + 16 * model.state_bytes_per_request() + (1 << 16)
 }
 
@@ -141,6 +178,72 @@ impl Case {
         self.cache.model().swa_layers > 0
     }
 
+    /// Ends a step: both tiers' conservation is checked there (at strict in the cases
+    /// that need it), and every side's figures add up to its total.
+    fn boundary(&mut self) -> CacheStats {
+        self.cache.step_boundary().unwrap();
+        let s = self.cache.stats();
+        for side in [&s.full, &s.swa, &s.mamba] {
+            let sum = side.available_pages
+                + side.evictable_pages
+                + side.protected_pages
+                + side.held_pages;
+            assert_eq!(sum, side.total_pages, "{}: {side:?}", self.label);
+        }
+        s
+    }
+
+    /// Marks `req`'s FULL pages (and SWA pages) with [`mark`] and its held states with
+    /// [`STATE_MARK`] (the tree adopts them when it finishes).
+    fn mark_rows(&self, req: &Request) {
+        for (i, t) in req.row().iter().step_by(self.ps).enumerate() {
+            self.fill(self.page_span(Side::Full, *t), mark(i).0);
+            if self.has_swa() {
+                self.fill(self.page_span(Side::Swa, *t), mark(i).1);
+            }
+        }
+        for w in req.held_checkpoints() {
+            self.fill(self.slot_span(w.slot), STATE_MARK);
+        }
+    }
+
+    /// `req`'s first `loaded` rows (and its running state) hold the bytes
+    /// [`Case::mark_rows`] wrote: the FULL pages, the SWA window's pages behind the end,
+    /// the state.
+    fn check_loaded(&self, req: &Request, loaded: usize) {
+        let ps = self.ps;
+        let label = &self.label;
+        let window_pages = self.cache.model().window.div_ceil(ps as u32) as usize;
+        let pages = loaded / ps;
+        for (i, t) in req.row()[..loaded].iter().step_by(ps).enumerate() {
+            let full = self.read(self.page_span(Side::Full, *t));
+            assert!(
+                full.iter().all(|&x| x == mark(i).0),
+                "{label}: FULL page {i}"
+            );
+            if self.has_swa() && i + window_pages >= pages {
+                let swa = self.read(self.page_span(Side::Swa, *t));
+                assert!(swa.iter().all(|&x| x == mark(i).1), "{label}: SWA page {i}");
+            }
+        }
+        if let Some(slot) = req.state_slot() {
+            let bytes = self.read(self.slot_span(slot));
+            assert!(bytes.iter().all(|&x| x == STATE_MARK), "{label}: state");
+        }
+    }
+
+    /// Stalls the emulated device's stream: copies queue, their events are not done.
+    fn stall(&self) {
+        let cuda = self.cuda.as_ref().expect("an emulated device");
+        assert!(cuda.stall_stream(), "{}", self.label);
+    }
+
+    /// Resumes the stream: what it queued runs.
+    fn resume(&self) {
+        let cuda = self.cuda.as_ref().expect("an emulated device");
+        cuda.resume_stream().unwrap();
+    }
+
     /// Evicts every unlocked prefix from the device through the eviction loop (which
     /// writes back), not `evict_all` (a flush).
     fn demote_all(&mut self) {
@@ -171,16 +274,7 @@ fn a_demoted_prefix_hits_from_the_host_and_loads_back_its_bytes() {
             let ps = c.ps;
             let a = c.prefill(prompt(1, 1, ps));
             let len = a.len();
-            // Mark the rows (the tree adopts them when the request finishes) and its states.
-            for (i, t) in a.row().iter().step_by(ps).enumerate() {
-                c.fill(c.page_span(Side::Full, *t), mark(i).0);
-                if c.has_swa() {
-                    c.fill(c.page_span(Side::Swa, *t), mark(i).1);
-                }
-            }
-            for w in a.held_checkpoints() {
-                c.fill(c.slot_span(w.slot), STATE_MARK);
-            }
+            c.mark_rows(&a);
             c.cache.cache_finished(a).unwrap();
             c.cache.step_boundary().unwrap();
             // What the device serves a next turn: the host must serve the same.
@@ -204,23 +298,7 @@ fn a_demoted_prefix_hits_from_the_host_and_loads_back_its_bytes() {
             let load_bytes = hit.load_bytes();
             let b = c.cache.admit(hit).unwrap();
             assert_eq!(b.cached_at_admission(), on_device, "{label}");
-            let window_pages = c.cache.model().window.div_ceil(ps as u32) as usize;
-            let pages = on_device / ps;
-            for (i, t) in b.row()[..on_device].iter().step_by(ps).enumerate() {
-                let full = c.read(c.page_span(Side::Full, *t));
-                assert!(
-                    full.iter().all(|&x| x == mark(i).0),
-                    "{label}: FULL page {i}"
-                );
-                if c.has_swa() && i + window_pages >= pages {
-                    let swa = c.read(c.page_span(Side::Swa, *t));
-                    assert!(swa.iter().all(|&x| x == mark(i).1), "{label}: SWA page {i}");
-                }
-            }
-            if let Some(slot) = b.state_slot() {
-                let bytes = c.read(c.slot_span(slot));
-                assert!(bytes.iter().all(|&x| x == STATE_MARK), "{label}: state");
-            }
+            c.check_loaded(&b, on_device);
             c.cache.release(b).unwrap();
             c.cache.step_boundary().unwrap();
             let host = c.cache.stats().host.unwrap();
@@ -290,6 +368,254 @@ fn an_abort_after_a_load_frees_both_tiers() {
             assert_eq!(again.host_tokens(), host, "{}", c.label);
         },
     );
+}
+
+/// Every side's available, evictable and held pages.
+fn figures(s: &CacheStats) -> [[usize; 3]; 3] {
+    [&s.full, &s.swa, &s.mamba].map(|x| [x.available_pages, x.evictable_pages, x.held_pages])
+}
+
+/// The host tree's locked (protected) FULL tokens.
+fn host_locked(cache: &HybridCache) -> usize {
+    cache.host_tree().unwrap().sizes().full_protected.0
+}
+
+/// A write-back in flight (the stream stalled: its copy queued, its event not done) keeps
+/// the evicted prefix's device pages and slots held across step boundaries: the
+/// allocation that evicted it for them fails, one that fits gets other pages. Once the
+/// copy is done they are free, and the prefix hits from the host and loads back its bytes.
+#[test]
+fn a_page_in_a_write_back_in_flight_is_not_reused_until_its_event_completes() {
+    let setup = Setup {
+        emulated: true,
+        ..Setup::default()
+    };
+    scoped_level(Level::Strict, || {
+        each_in(
+            setup,
+            |_, _| 1 << 22,
+            |c| {
+                let ps = c.ps;
+                let a = c.prefill(prompt(1, 1, ps));
+                c.mark_rows(&a);
+                let a_pages: Vec<u64> = a.row()[..a.len() / ps * ps]
+                    .iter()
+                    .step_by(ps)
+                    .map(|t| c.page_span(Side::Full, *t).offset)
+                    .collect();
+                c.cache.cache_finished(a).unwrap();
+                let cached = figures(&c.boundary());
+                let on_device = c.cache.match_prefix(follow_up(1, ps)).cached_tokens();
+                assert!(on_device > 0, "{}", c.label);
+
+                c.stall();
+                let s = c.cache.stats();
+                let everything = s.full.available_pages + s.full.evictable_pages;
+                let err = c.cache.evict_to_free(everything, 0).unwrap_err();
+                assert!(
+                    matches!(err, Error::OutOfMemory { .. }),
+                    "{}: {err}",
+                    c.label
+                );
+                // Evicted and written back, but the copy still reads the pages: held.
+                let parked =
+                    cached.map(|[available, evictable, held]| [available, 0, held + evictable]);
+                assert_eq!(c.cache.tree().sizes().full_evictable.0, 0, "{}", c.label);
+                assert!(
+                    c.cache.stats().host.unwrap().written_bytes > 0,
+                    "{}",
+                    c.label
+                );
+                for _ in 0..3 {
+                    assert_eq!(figures(&c.boundary()), parked, "{}", c.label);
+                }
+                // A prompt that fits gets other pages.
+                let d = c.prefill(
+                    (0..2 * ps as u32)
+                        .map(|i| TokenId(500_000_000 + i))
+                        .collect(),
+                );
+                for t in d.row().iter().step_by(ps) {
+                    let page = c.page_span(Side::Full, *t).offset;
+                    assert!(!a_pages.contains(&page), "{}: page at {page}", c.label);
+                }
+                c.cache.release(d).unwrap();
+                assert_eq!(figures(&c.boundary()), parked, "{}", c.label);
+
+                c.resume();
+                let free = figures(&c.boundary());
+                for (side, [available, evictable, held]) in free.iter().enumerate() {
+                    let [before, before_evictable, before_held] = cached[side];
+                    assert_eq!(
+                        (*available, *evictable, *held),
+                        (before + before_evictable + before_held, 0, 0),
+                        "{}: side {side} free once the copy is done",
+                        c.label
+                    );
+                }
+                let hit = c.cache.match_prefix(follow_up(1, ps));
+                assert_eq!(
+                    (hit.device_tokens(), hit.host_tokens()),
+                    (0, on_device),
+                    "{}",
+                    c.label
+                );
+                let b = c.cache.admit(hit).unwrap();
+                c.check_loaded(&b, on_device);
+                c.cache.release(b).unwrap();
+                c.boundary();
+            },
+        )
+    });
+}
+
+/// A request admitted with a host hit and released while its load-back is still queued
+/// (an abort mid-load) keeps its rows and slots held, and the host path locked, until
+/// the copy is done: the copy still writes them. Then both tiers are free again and the
+/// host still serves the prefix.
+#[test]
+fn an_abort_mid_load_frees_both_tiers_once_the_copy_is_done() {
+    let setup = Setup {
+        emulated: true,
+        ..Setup::default()
+    };
+    scoped_level(Level::Strict, || {
+        each_in(
+            setup,
+            |_, _| 1 << 22,
+            |c| {
+                let ps = c.ps;
+                let a = c.prefill(prompt(1, 1, ps));
+                c.cache.cache_finished(a).unwrap();
+                c.boundary();
+                c.demote_all();
+                let idle = figures(&c.boundary());
+                let hit = c.cache.match_prefix(follow_up(1, ps));
+                let host = hit.host_tokens();
+                assert!(host > 0, "{}", c.label);
+
+                c.stall();
+                let b = c.cache.admit(hit).unwrap();
+                assert_eq!(b.len(), host, "{}", c.label);
+                let loading = figures(&c.cache.stats());
+                assert!(loading[0][2] > 0, "{}: {loading:?}", c.label);
+                assert!(host_locked(&c.cache) > 0, "{}", c.label);
+                c.cache.release(b).unwrap();
+                assert_eq!(c.cache.stats().live_requests, 0, "{}", c.label);
+                for _ in 0..3 {
+                    assert_eq!(
+                        figures(&c.boundary()),
+                        loading,
+                        "{}: the queued load still writes the rows",
+                        c.label
+                    );
+                    assert!(host_locked(&c.cache) > 0, "{}", c.label);
+                }
+
+                c.resume();
+                assert_eq!(figures(&c.boundary()), idle, "{}", c.label);
+                assert_eq!(host_locked(&c.cache), 0, "{}", c.label);
+                let again = c.cache.match_prefix(follow_up(1, ps));
+                assert_eq!(again.host_tokens(), host, "{}", c.label);
+            },
+        )
+    });
+}
+
+/// A host hit whose FULL KV reaches past its last state is cut back to that state: a
+/// turn decoded past its prompt with no checkpoint on the way and finished off a page
+/// boundary (no state at its last whole page) is evicted to the host; its next turn's
+/// host match ends at the prompt's anchor state (where the device's did), its KV hit
+/// reaches the host's deeper FULL pages, and admission loads back exactly to the anchor,
+/// its state included. FULL + Mamba and the tri-pool; a FULL + SWA model has no such
+/// cut (the window behind a turn's last whole page is live when it finishes).
+#[test]
+fn a_host_kv_hit_with_no_state_at_its_end_is_cut_back_to_its_last_state() {
+    let setup = Setup {
+        models: vec![
+            TINY_MAMBA,
+            // A window past the whole turn: nothing leaves it during the decode, so the
+            // anchor keeps the live window a match there needs.
+            ModelSpec {
+                window: 4096,
+                ..TINY_TRI
+            },
+        ],
+        // No grid point on the way: the prompt's anchor is the only state.
+        checkpoint_interval: Some(1 << 16),
+        ..Setup::default()
+    };
+    scoped_level(Level::Strict, || {
+        each_in(
+            setup,
+            |_, _| 1 << 22,
+            |c| {
+                let ps = c.ps;
+                let p = prompt(1, 1, ps);
+                // The prompt's last whole page (its end at page size 1).
+                let anchor = p.len() / ps * ps;
+                let mut a = c.prefill(p);
+                let at: Vec<usize> = a.checkpoint_writes().iter().map(|w| w.at_len).collect();
+                assert_eq!(at, [anchor], "{}", c.label);
+                c.mark_rows(&a);
+                c.boundary();
+                // Past the next whole page, ending off a page boundary (ps > 1).
+                for t in 0..ps as u32 + 2 {
+                    c.cache
+                        .alloc_decode(&mut [&mut a], &[TokenId(700_000_000 + t)])
+                        .unwrap();
+                    assert!(a.checkpoint_writes().is_empty(), "{}", c.label);
+                    c.boundary();
+                }
+                let deeper = a.len() / ps * ps;
+                assert!(deeper > anchor, "{}", c.label);
+                let mut next = a.tokens().to_vec();
+                next.extend((0..=ps as u32).map(|i| TokenId(600_000_000 + i)));
+                if ps > 1 {
+                    c.cache.cache_finished(a).unwrap();
+                } else {
+                    // Every length ends a page at page size 1, so finishing would cache
+                    // the running state at the end: cache the KV alone, then abort.
+                    c.cache.cache_unfinished(&mut a).unwrap();
+                    c.cache.release(a).unwrap();
+                }
+                c.boundary();
+                let on_device = c.cache.match_prefix(next.clone());
+                assert_eq!(
+                    (on_device.cached_tokens(), on_device.kv_hit_tokens()),
+                    (anchor, deeper),
+                    "{}",
+                    c.label
+                );
+                c.demote_all();
+                let hit = c.cache.match_prefix(next);
+                assert_eq!(
+                    (
+                        hit.device_tokens(),
+                        hit.host_tokens(),
+                        hit.cached_tokens(),
+                        hit.kv_hit_tokens()
+                    ),
+                    (0, anchor, anchor, deeper),
+                    "{}",
+                    c.label
+                );
+                let b = c.cache.admit(hit).unwrap();
+                assert_eq!(
+                    (b.len(), b.cached_at_admission(), b.kv_hit_at_admission()),
+                    (anchor, anchor, deeper),
+                    "{}",
+                    c.label
+                );
+                c.check_loaded(&b, anchor);
+                assert!(b.state_slot().is_some(), "{}", c.label);
+                c.cache.release(b).unwrap();
+                c.boundary();
+                let host = c.cache.stats().host.unwrap();
+                assert_eq!(host.hit_tokens, anchor as u64, "{}", c.label);
+            },
+        )
+    });
 }
 
 /// Without a host tier nothing changes: no host figures, and an evicted prefix is gone.

@@ -210,8 +210,9 @@ impl HybridCache {
     /// An eviction pass with a host tier: node by node until `floor` pages (FULL) or
     /// nodes (SWA, Mamba) are released, each victim written back first (an SWA
     /// tombstone or a state eviction would otherwise leave the host a prefix it cannot
-    /// end a match at); the frees of a FULL or state victim whose copy is still running
-    /// are parked until it is done, the others returned to apply now.
+    /// end a match at); the frees of pages or a slot a write-back still running reads
+    /// (this victim's, or an earlier one's that copied its ancestors' pages) are parked
+    /// until it is done, the others returned to apply now.
     fn evict_writing_back(
         &mut self,
         component: Component,
@@ -223,14 +224,11 @@ impl HybridCache {
             let Some(victim) = self.tree.next_victim(component) else {
                 break;
             };
-            let event = match self.write_back(victim) {
-                Ok(event) => event,
-                Err(e) => {
-                    // What this pass evicted is out of the tree: its frees go now.
-                    self.apply(&now);
-                    return Err(e);
-                }
-            };
+            if let Err(e) = self.write_back(victim) {
+                // What this pass evicted is out of the tree: its frees go now.
+                self.apply(&now);
+                return Err(e);
+            }
             let Some(step) = self.tree.evict_one(component) else {
                 break;
             };
@@ -238,30 +236,20 @@ impl HybridCache {
                 Component::Full => unikv_radix::Released::of(&step).full.0 / self.ps,
                 Component::Swa | Component::Mamba => 1,
             };
-            match event {
-                // An SWA tombstone's frees go now, in flight or not: the tree keeps the
-                // node and may rebuild or free its values this very step, so its SWA
-                // pages cannot wait for the copy. The copy was issued first: it reads
-                // them before any later work on the stream writes them.
-                Some(event) if component == Component::Swa => {
-                    // A pending event may be destroyed (its copy still completes).
-                    let _ = self.device.free_copy_event(event);
-                    now.extend(step);
-                }
-                Some(_) => self.apply_after(event, step),
-                None => now.extend(step),
-            }
+            now.extend(self.park_behind_readers(step));
         }
         Ok(now)
     }
 
     /// Evicts every unlocked prefix from the cache (an engine's "flush cache"), applying
-    /// the frees at once, and frees the idle verify scratch groups. Returns the tokens
-    /// evicted.
+    /// the frees at once (all of them once it is done when a write-back still running
+    /// reads one of their pages), and frees the idle verify scratch groups. Returns the
+    /// tokens evicted.
     pub fn evict_all(&mut self) -> Result<usize, Error> {
         let (actions, released) = self.tree.evict_until(Component::Full, |_| false);
         self.epoch += 1;
-        self.apply(&actions);
+        let now = self.park_behind_readers(actions);
+        self.apply(&now);
         // The verify scratch kept for the next verifies goes too (made again when needed).
         self.verify_scratch.free_idle(self.alloc.as_mut());
         self.alloc.flush_deferred();

@@ -13,9 +13,11 @@
 //!
 //! Copies are device work in stream order ([`Device::copy_device_to_host`],
 //! [`Device::copy_host_to_device`]), merged into one run per stretch of adjacent pages.
-//! A write-back's device pages are freed once its copy's event is done, learnt by a
-//! non-blocking query; until then they stay held (parked), never waited for. A load-back
-//! keeps its host path locked until its copy is done.
+//! A device page or slot a write-back reads (its victim's, or an ancestor's it copied)
+//! is freed once its copy's event is done, learnt by a non-blocking query; until then it
+//! stays held (parked), never waited for. A load-back keeps its host path locked until
+//! its copy is done, and a request released before then keeps its rows and slots parked
+//! the same way (the queued copy still writes them).
 
 use super::HybridCache;
 use crate::error::Error;
@@ -23,7 +25,10 @@ use crate::request::HostMatch;
 use crate::stats::HostStats;
 use std::collections::HashMap;
 use unikv_kernels::{CopyEvent, Device, HostBytesId, HostCopy};
-use unikv_pools::{FreeOp, HostBlock, HostKind, HostPool, HostPoolSpec, Side, VirtualPage};
+use unikv_pools::{
+    FreeOp, HostBlock, HostKind, HostPool, HostPoolSpec, Side, VirtualPage, VirtualSlot,
+    VirtualToken as PoolToken,
+};
 use unikv_radix::{
     Action, Component, InsertRequest, LockHandle, MambaSlot, NodeId, RadixTree, TokenId,
     TreeConfig, VirtualToken as TreeToken,
@@ -53,7 +58,22 @@ pub enum HostWritePolicy {
 #[derive(Debug)]
 struct Parked {
     event: CopyEvent,
-    release: Release,
+    /// The request a load-back fills (`None` for a write-back): a release of it before
+    /// the copy is done parks its rows here too.
+    request: Option<u64>,
+    /// The device pages (virtual page ids, FULL and SWA alike; sorted) and the state slot
+    /// a write-back copies from: a free of any of them waits for the copy.
+    reads: Vec<u32>,
+    reads_slot: Option<u32>,
+    releases: Vec<Release>,
+}
+
+impl Parked {
+    /// Whether the copy reads one of `pages` or `slots`.
+    fn reads_any(&self, pages: &[u32], slots: &[u32]) -> bool {
+        pages.iter().any(|p| self.reads.binary_search(p).is_ok())
+            || self.reads_slot.is_some_and(|s| slots.contains(&s))
+    }
 }
 
 #[derive(Debug)]
@@ -62,6 +82,38 @@ enum Release {
     Device(Vec<Action>),
     /// A load-back's lock on its host path.
     HostLock(LockHandle),
+    /// A released request's rows and slots, which its load-back still writes.
+    Rows(ReleasedRows),
+}
+
+/// What [`HybridCache::release`] frees of a request: its rows past the tree-owned prefix
+/// (a [`FreeOp::KvRow`]'s fields) and its state slots.
+#[derive(Debug)]
+pub(super) struct ReleasedRows {
+    pub(super) row: Vec<PoolToken>,
+    pub(super) dead_lo: usize,
+    pub(super) cursor: usize,
+    pub(super) len: usize,
+    pub(super) slots: Vec<VirtualSlot>,
+    /// The FULL and SWA pages and the slots it counted as held.
+    pub(super) held: [usize; 3],
+}
+
+impl ReleasedRows {
+    /// Frees them (at once, or deferred to the open free group, as any row free).
+    pub(super) fn free(&self, alloc: &mut dyn unikv_pools::KvAllocator) {
+        let row = FreeOp::KvRow {
+            row: &self.row,
+            dead_lo: self.dead_lo,
+            cursor: self.cursor,
+            len: self.len,
+        };
+        if self.slots.is_empty() {
+            alloc.free_batch(&[row]);
+        } else {
+            alloc.free_batch(&[row, FreeOp::Slots(&self.slots)]);
+        }
+    }
 }
 
 /// A host unit: its id (a host tree value) and its block in the pool.
@@ -421,13 +473,14 @@ fn merged(mut copies: Vec<HostCopy>) -> Vec<HostCopy> {
 impl HybridCache {
     /// Writes the prefix ending at device node `victim` back to the host before the
     /// device evicts it: the FULL pages the host does not hold yet, the SWA pages of the
-    /// window behind its end when they are live, and its state. Returns the copy's event
-    /// when it is still running (the device frees wait for it). A host that cannot make
-    /// room, or a refused copy, skips the write-back: the eviction goes on as without a
-    /// host tier and nothing is lost on either side.
-    pub(super) fn write_back(&mut self, victim: NodeId) -> Result<Option<CopyEvent>, Error> {
+    /// window behind its end when they are live, and its state. A copy still running is
+    /// parked with the device pages and slot it reads, so that their frees wait for it
+    /// ([`HybridCache::park_behind_readers`]). A host that cannot make room, or a refused
+    /// copy, skips the write-back: the eviction goes on as without a host tier and
+    /// nothing is lost on either side.
+    pub(super) fn write_back(&mut self, victim: NodeId) -> Result<(), Error> {
         let Some(host) = self.host.as_mut() else {
-            return Ok(None);
+            return Ok(());
         };
         let ps = self.ps;
         let key = self.tree.path_key(victim)?;
@@ -445,7 +498,7 @@ impl HybridCache {
         let want_state = state.is_some() && !host_state_at_end;
         let new_pages = (end - hf) / ps;
         if new_pages == 0 && !want_state {
-            return Ok(None);
+            return Ok(());
         }
         let host_prefix = if hf > 0 {
             host.tree.prefix_values(m.full_hit_node)?.to_vec()
@@ -478,12 +531,13 @@ impl HybridCache {
         let keep = (hf > 0).then_some(m.full_hit_node);
         let Some(units) = host.take(need, keep) else {
             host.stats.refused_writes += 1;
-            return Ok(None);
+            return Ok(());
         };
         let [full, swa, states] = &units;
         let mut copies = Vec::with_capacity(full.len() + swa.len() + states.len());
         let mut host_values = host_prefix;
         let mut swa_pairs = Vec::with_capacity(swa.len());
+        let mut reads = Vec::with_capacity(full.len());
         // Every page the tree holds is mapped, and so is every slot: one that is not (a
         // bookkeeping breach the boundary reports) skips the write-back, never copies
         // the sink.
@@ -493,6 +547,7 @@ impl HybridCache {
             let unit = host.pool.unit_id(HostKind::Full, b);
             host_values.extend((0..ps as u32).map(|o| TreeToken(unit * ps as u32 + o)));
             let page = values[p].0 / ps as u32;
+            reads.push(page);
             let mut copy = |side, kind, block| match device_page(&*self.alloc, side, page) {
                 Some(device) => copies.push(HostCopy {
                     device,
@@ -539,7 +594,7 @@ impl HybridCache {
                 let _ = host.pool.free(*kind, blocks);
             }
             host.stats.refused_writes += 1;
-            return Ok(None);
+            return Ok(());
         };
         host.count_copies(&copies);
         host.stats.written_bytes += copies.iter().map(|c| c.len).sum::<u64>();
@@ -562,10 +617,19 @@ impl HybridCache {
         // A query that fails counts as not done: the frees wait for the next one.
         if self.device.copy_event_done(event).unwrap_or(false) {
             let _ = self.device.free_copy_event(event);
-            Ok(None)
         } else {
-            Ok(Some(event))
+            reads.sort_unstable();
+            let reads_slot = state.filter(|_| state_unit.is_some()).map(|s| s.0);
+            let host = self.host.as_mut().expect("checked above");
+            host.parked.push(Parked {
+                event,
+                request: None,
+                reads,
+                reads_slot,
+                releases: Vec::new(),
+            });
         }
+        Ok(())
     }
 
     /// A request handed the tree the prefix ending at device node `node`: under
@@ -604,10 +668,8 @@ impl HybridCache {
             if self.tree.node(node).is_err() {
                 continue;
             }
-            if let Some(event) = self.write_back(node)? {
-                // Nothing waits for it: the device pages stay cached.
-                let _ = self.device.free_copy_event(event);
-            }
+            // The device pages stay cached; a later eviction's frees wait for the copy.
+            self.write_back(node)?;
         }
         // Stale counts (of evicted nodes) go with the queue's turn.
         if let Some(host) = self.host.as_mut() {
@@ -617,21 +679,73 @@ impl HybridCache {
         Ok(())
     }
 
-    /// Parks `actions` (a write-back's device frees) until `event` is done, counting
-    /// their pages as held meanwhile; applies them at once without an event.
-    pub(super) fn apply_after(&mut self, event: Option<CopyEvent>, actions: Vec<Action>) {
-        let (Some(event), Some(host)) = (event, self.host.as_mut()) else {
-            self.apply(&actions);
-            return;
+    /// Parks `actions` (device frees) behind the latest write-back still running that
+    /// reads one of the pages or slots they free, counting them held until its event is
+    /// done; copies complete in issue order, so the earlier readers are done by then.
+    /// Returns what applies now: everything when no copy in flight reads them, and an
+    /// SWA tombstone's frees always — the tree keeps the node and may rebuild or free
+    /// its values in the same step, so they cannot wait; the copy, issued first, reads
+    /// those pages before any later work on the stream writes them.
+    pub(super) fn park_behind_readers(&mut self, actions: Vec<Action>) -> Vec<Action> {
+        let Some(host) = self.host.as_mut() else {
+            return actions;
         };
-        let [full, swa, slots] = parked_pages(&actions, self.ps, self.has_swa);
+        if host
+            .parked
+            .iter()
+            .all(|p| p.reads.is_empty() && p.reads_slot.is_none())
+        {
+            return actions;
+        }
+        let (pages, slots) = freed_units(&actions, self.ps);
+        let Some(reader) = host
+            .parked
+            .iter_mut()
+            .rev()
+            .find(|p| p.reads_any(&pages, &slots))
+        else {
+            return actions;
+        };
+        // A query that fails counts as not done, as at the step boundary.
+        if self.device.copy_event_done(reader.event).unwrap_or(false) {
+            return actions;
+        }
+        let (now, later): (Vec<Action>, Vec<Action>) = actions
+            .into_iter()
+            .partition(|a| matches!(a, Action::TombstoneSwa { .. }));
+        let [full, swa, slots] = parked_pages(&later, self.ps, self.has_swa);
         host.parked_full += full;
         host.parked_swa += swa;
         host.parked_slots += slots;
-        host.parked.push(Parked {
-            event,
-            release: Release::Device(actions),
-        });
+        reader.releases.push(Release::Device(later));
+        now
+    }
+
+    /// Parks released request `request`'s frees behind its load-back while that copy is
+    /// not done (it still writes the rows and the running slot, which the next step could
+    /// otherwise hand out), counting them held meanwhile. Returns them when nothing is in
+    /// flight, to be freed now.
+    pub(super) fn park_released(
+        &mut self,
+        request: u64,
+        rows: ReleasedRows,
+    ) -> Option<ReleasedRows> {
+        let Some(host) = self.host.as_mut() else {
+            return Some(rows);
+        };
+        let Some(load) = host.parked.iter_mut().find(|p| p.request == Some(request)) else {
+            return Some(rows);
+        };
+        // A query that fails counts as not done, as at the step boundary.
+        if self.device.copy_event_done(load.event).unwrap_or(false) {
+            return Some(rows);
+        }
+        let [full, swa, slots] = rows.held;
+        host.parked_full += full;
+        host.parked_swa += swa;
+        host.parked_slots += slots;
+        load.releases.push(Release::Rows(rows));
+        None
     }
 
     /// The load-backs issued since the last step boundary, which the step metadata lists.
@@ -659,42 +773,40 @@ impl HybridCache {
             return Ok(());
         };
         host.loads.clear();
-        let mut done = Vec::new();
-        let mut i = 0;
-        while i < host.parked.len() {
-            // A query that fails counts as not done: asked again at the next boundary.
-            if self
-                .device
-                .copy_event_done(host.parked[i].event)
-                .unwrap_or(false)
-            {
-                done.push(host.parked.swap_remove(i));
-            } else {
-                i += 1;
-            }
-        }
+        // A query that fails counts as not done: asked again at the next boundary. The
+        // ones left keep their issue order (`park_behind_readers` picks the latest).
+        let device = &self.device;
+        let (done, pending): (Vec<Parked>, Vec<Parked>) = std::mem::take(&mut host.parked)
+            .into_iter()
+            .partition(|p| device.copy_event_done(p.event).unwrap_or(false));
+        host.parked = pending;
+        let mut unlocked = Ok(());
         for parked in done {
             // A handle the device fails to release costs the device a handle, nothing here.
             let _ = self.device.free_copy_event(parked.event);
-            match parked.release {
-                Release::Device(actions) => {
-                    let host = self.host.as_mut().expect("checked above");
-                    let [full, swa, slots] = parked_pages(&actions, self.ps, self.has_swa);
-                    host.parked_full -= full;
-                    host.parked_swa -= swa;
-                    host.parked_slots -= slots;
-                    self.apply(&actions);
-                }
-                Release::HostLock(lock) => {
-                    self.host
-                        .as_mut()
-                        .expect("checked above")
-                        .tree
-                        .unlock(lock)?;
+            for release in parked.releases {
+                let host = self.host.as_mut().expect("checked above");
+                match release {
+                    Release::Device(actions) => {
+                        let [full, swa, slots] = parked_pages(&actions, self.ps, self.has_swa);
+                        host.parked_full -= full;
+                        host.parked_swa -= swa;
+                        host.parked_slots -= slots;
+                        self.apply(&actions);
+                    }
+                    // An unlock that fails still lets the other releases go.
+                    Release::HostLock(lock) => unlocked = unlocked.and(host.tree.unlock(lock)),
+                    Release::Rows(rows) => {
+                        let [full, swa, slots] = rows.held;
+                        host.parked_full -= full;
+                        host.parked_swa -= swa;
+                        host.parked_slots -= slots;
+                        rows.free(self.alloc.as_mut());
+                    }
                 }
             }
         }
-        Ok(())
+        unlocked.map_err(Into::into)
     }
 
     /// Locks the host path of a match before admission makes room (a write-back could
@@ -817,7 +929,10 @@ impl HybridCache {
         });
         host.parked.push(Parked {
             event,
-            release: Release::HostLock(lock),
+            request: Some(req.id),
+            reads: Vec::new(),
+            reads_slot: None,
+            releases: vec![Release::HostLock(lock)],
         });
         Ok(())
     }
@@ -853,6 +968,28 @@ impl HybridCache {
     pub(super) fn host_stats(&self) -> Option<HostStats> {
         self.host.as_ref().map(HostTier::stats)
     }
+}
+
+/// The device pages (virtual page ids) and state slots `actions` free, on any side.
+fn freed_units(actions: &[Action], ps: usize) -> (Vec<u32>, Vec<u32>) {
+    let (mut pages, mut slots) = (Vec::new(), Vec::new());
+    let mut add = |tokens: &[TreeToken]| {
+        pages.extend(tokens.iter().step_by(ps).map(|t| t.0 / ps as u32));
+    };
+    for action in actions {
+        match action {
+            Action::FreeDeviceKv { tokens }
+            | Action::FreeDeviceKvFullOnly { tokens }
+            | Action::EvictNode { tokens, .. }
+            | Action::TombstoneSwa { tokens, .. } => add(tokens),
+            Action::RecoverSwaWithLockedFull { incoming, .. } => add(incoming),
+            Action::SwaRebuild { .. } => {}
+            Action::EvictMambaState { slot, .. } | Action::FreeMambaSlot { slot } => {
+                slots.push(slot.0)
+            }
+        }
+    }
+    (pages, slots)
 }
 
 /// The FULL pages, SWA pages (none without SWA layers: the tree counts a node's side
