@@ -815,3 +815,44 @@ fn write_policies_copy_on_eviction_on_caching_or_on_reuse() {
         .build();
     assert!(zero.is_err());
 }
+
+/// An eviction whose victim's frees wait behind a write-back in flight goes on to the
+/// next victim: a prefix the host already holds frees at once, so the room is made
+/// without waiting for the copy.
+#[test]
+fn an_eviction_goes_past_a_victim_parked_behind_a_copy_in_flight() {
+    let cuda = Arc::new(CudaDevice::emulated());
+    let mut cache = HybridCache::builder()
+        .model(TINY_TRI)
+        .layout(Layout::Unified)
+        .page_size(16)
+        .memory_bytes(1 << 20)
+        .host_memory_bytes(1 << 22)
+        .host_write_policy(HostWritePolicy::WriteThrough)
+        .device(cuda.clone() as Arc<dyn Device>)
+        .build()
+        .unwrap();
+    let (a, b) = (prompt(1, 1, 16), prompt(2, 1, 16));
+    // `b` is copied at its boundary and the copy runs; `a`'s is queued behind a stall.
+    finish(&mut cache, &b);
+    cache.step_boundary().unwrap();
+    assert!(cuda.stall_stream());
+    finish(&mut cache, &a);
+    // `b` is used again: `a` is now the least recently used prefix.
+    let hit = cache.match_prefix(b.clone());
+    assert!(hit.device_tokens() > 0);
+    let req = cache.admit(hit).unwrap();
+    cache.release(req).unwrap();
+    cache.step_boundary().unwrap();
+    let need = cache.stats().full.schedulable_pages + 1;
+    cache.evict_to_free(need, 0).unwrap();
+    let s = cache.stats();
+    assert!(s.full.schedulable_pages >= need, "{s:?}");
+    assert_eq!(s.full.held_pages, 8, "`a`'s pages wait for its copy: {s:?}");
+    cuda.resume_stream().unwrap();
+    cache.step_boundary().unwrap();
+    cache.evict_all().unwrap();
+    cache.step_boundary().unwrap();
+    let s = cache.stats();
+    assert_eq!(s.full.available_pages, s.full.total_pages);
+}

@@ -167,6 +167,7 @@ impl HybridCache {
             // less FULL, so a recheck before it would evict the same nodes again.
             let actions = if plan.full_pages > 0 {
                 let floor = plan.full_floor_pages.max(1);
+                let before = self.tree.sizes();
                 let actions = if self.host.is_some() {
                     self.evict_writing_back(Component::Full, floor)?
                 } else {
@@ -174,6 +175,9 @@ impl HybridCache {
                         .evict_until(Component::Full, |r| r.full.0 / ps >= floor)
                         .0
                 };
+                // Frees parked behind a write-back in flight still evicted something:
+                // the next pass tries the next victim.
+                let progressed = self.tree.sizes() != before;
                 // Only a shared buffer gives FULL bytes to slots.
                 if demand.mamba_slots > 0 && self.layout == Layout::Unified {
                     self.evictions.donor_nodes += actions
@@ -181,7 +185,7 @@ impl HybridCache {
                         .filter(|a| matches!(a, Action::EvictNode { .. }))
                         .count() as u64;
                 }
-                Some(actions).filter(|a| !a.is_empty())
+                Some(actions).filter(|a| !a.is_empty() || progressed)
             } else {
                 let component = if plan.swa_pages > 0 {
                     Component::Swa
