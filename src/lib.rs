@@ -49,8 +49,8 @@ pub use speculative::{
 };
 pub use stats::{CacheStats, EvictionCounts, HostStats, SideStats, StepReport};
 pub use step::{
-    DeviceLayout, HostGeometry, KvGeometry, LoadedPage, RequestStep, StepCapacity, StepCheckpoint,
-    StepMetadata, StepView,
+    DeviceLayout, KvGeometry, LoadedPage, RequestStep, StepCapacity, StepCheckpoint, StepMetadata,
+    StepView,
 };
 pub use unikv_radix::TokenId;
 pub use verify::{DeviceValues, VerifyLayout, VerifyMetadata, VerifyOffsets};

@@ -106,7 +106,7 @@ impl StepMetadata {
 /// | `load_starts` | `B + 1` (host tier only) | prefix sums of the pages each request's load-back brought in this step |
 /// | `load_full` | `Σ loaded` | FULL kernel id of each loaded page's first token |
 /// | `load_swa` | `Σ loaded` (SWA only) | its SWA kernel id when its SWA came from the host, else 0 |
-/// | `load_host_full` | `Σ loaded` | the host FULL unit it came from (see [`HostGeometry`]) |
+/// | `load_host_full` | `Σ loaded` | the host FULL unit it came from (see [`unikv_pools::HostGeometry`]) |
 /// | `load_host_swa` | `Σ loaded` (SWA only) | the host SWA unit, −1 when none |
 /// | `load_states` | `B` (host tier and recurrent only) | host state unit loaded into its running slot, −1 when none |
 /// | `full_pages` | `Σ pages` | kernel id of each FULL page's first token (0: the sink) |
@@ -214,35 +214,10 @@ pub struct LoadedPage {
     pub full: i32,
     /// SWA kernel id of that token when its SWA came from the host, else 0.
     pub swa: i32,
-    /// The host FULL unit it came from (see [`HostGeometry`]).
+    /// The host FULL unit it came from (see [`unikv_pools::HostGeometry`]).
     pub host_full: u32,
     /// The host SWA unit, when its SWA came from the host.
     pub host_swa: Option<u32>,
-}
-
-/// Byte geometry of the host tier's buffer: unit `u` of a kind lies in frame
-/// `u / units_per_frame`, at index `u % units_per_frame` (kinds in
-/// [`unikv_pools::HostKind::ALL`] order: FULL pages, SWA pages, states).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct HostGeometry {
-    /// Bytes of one frame.
-    pub frame_bytes: u64,
-    /// Units of each kind a frame holds.
-    pub units_per_frame: [u32; 3],
-    /// Bytes of one unit of each kind (a device page's or slot's envelope).
-    pub unit_bytes: [u64; 3],
-}
-
-impl HostGeometry {
-    /// Byte offset of unit `unit` of `kind` in the host buffer (`None` for a kind the
-    /// buffer leaves out).
-    pub fn offset(&self, kind: unikv_pools::HostKind, unit: u32) -> Option<u64> {
-        let k = kind as usize;
-        let per = self.units_per_frame[k];
-        (per > 0).then(|| {
-            u64::from(unit / per) * self.frame_bytes + u64::from(unit % per) * self.unit_bytes[k]
-        })
-    }
 }
 
 /// Byte geometry of the buffer as kernels address it: a FULL or SWA kernel id `k` names

@@ -754,15 +754,8 @@ impl HybridCache {
     }
 
     /// The byte geometry of the host buffer (`None` without a host tier).
-    pub fn host_geometry(&self) -> Option<crate::step::HostGeometry> {
-        self.host.as_ref().map(|h| {
-            let per = HostKind::ALL.map(|k| h.pool.units_per_frame(k));
-            crate::step::HostGeometry {
-                frame_bytes: h.pool.frame_bytes(),
-                units_per_frame: per,
-                unit_bytes: HostKind::ALL.map(|k| h.pool.unit_bytes(k)),
-            }
-        })
+    pub fn host_geometry(&self) -> Option<unikv_pools::HostGeometry> {
+        self.host.as_ref().map(|h| h.pool.geometry())
     }
 
     /// Releases what the copies that completed since the last call held: a write-back's

@@ -250,6 +250,15 @@ impl HostPool {
         })
     }
 
+    /// The buffer's geometry, to place units by id without the pool.
+    pub fn geometry(&self) -> HostGeometry {
+        HostGeometry {
+            frame_bytes: self.frame_bytes,
+            units_per_frame: HostKind::ALL.map(|k| self.units_per_frame(k)),
+            unit_bytes: HostKind::ALL.map(|k| self.unit_bytes(k)),
+        }
+    }
+
     /// The first byte of `block` (of `kind`).
     pub fn offset(&self, kind: HostKind, block: HostBlock) -> u64 {
         u64::from(block.frame) * self.frame_bytes + u64::from(block.index) * self.unit_bytes(kind)
@@ -442,6 +451,31 @@ impl HostPool {
     }
 }
 
+/// Byte geometry of a host buffer: unit `u` of a kind lies in frame
+/// `u / units_per_frame`, at index `u % units_per_frame` (kinds in [`HostKind::ALL`]
+/// order: FULL pages, SWA pages, states), as [`HostPool::unit_id`] numbers them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostGeometry {
+    /// Bytes of one frame.
+    pub frame_bytes: u64,
+    /// Units of each kind a frame holds (0 for a kind the buffer leaves out).
+    pub units_per_frame: [u32; 3],
+    /// Bytes of one unit of each kind.
+    pub unit_bytes: [u64; 3],
+}
+
+impl HostGeometry {
+    /// Byte offset of unit `unit` of `kind` (`None` for a kind the buffer leaves out);
+    /// the same as [`HostPool::offset`] of the block [`HostPool::block_of`] gives.
+    pub fn offset(&self, kind: HostKind, unit: u32) -> Option<u64> {
+        let k = kind as usize;
+        let per = self.units_per_frame[k];
+        (per > 0).then(|| {
+            u64::from(unit / per) * self.frame_bytes + u64::from(unit % per) * self.unit_bytes[k]
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -454,6 +488,32 @@ mod tests {
             state_bytes: 400,
         })
         .unwrap()
+    }
+
+    /// The geometry places every unit id where the pool's own offset does.
+    #[test]
+    fn the_geometry_places_each_unit_where_the_pool_does() {
+        let p = pool(10_000);
+        let g = p.geometry();
+        for kind in HostKind::ALL {
+            let per = p.units_per_frame(kind);
+            for id in 0..per * p.frame_count() {
+                let block = p.block_of(kind, id).unwrap();
+                assert_eq!(
+                    g.offset(kind, id),
+                    Some(p.offset(kind, block)),
+                    "{kind:?} {id}"
+                );
+            }
+        }
+        let no_swa = HostPool::new(HostPoolSpec {
+            total_bytes: 10_000,
+            full_page_bytes: 100,
+            swa_page_bytes: 0,
+            state_bytes: 0,
+        })
+        .unwrap();
+        assert_eq!(no_swa.geometry().offset(HostKind::Swa, 0), None);
     }
 
     #[test]

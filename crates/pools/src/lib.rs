@@ -144,7 +144,7 @@ pub use api::{
 };
 pub use error::{Bs1Floor, Error, SlotFault};
 pub use hooked::{Call, Hooked, Hooks, IdFree, Outcome};
-pub use host::{HostBlock, HostKind, HostPool, HostPoolSpec, HostRun};
+pub use host::{HostBlock, HostGeometry, HostKind, HostPool, HostPoolSpec, HostRun};
 pub use ids::{Bytes, PageSize, PhysicalPage, VirtualPage, VirtualSlot, VirtualToken};
 pub use spec::{BS1_STATE_SLOTS, Grid, Grow, Side, SlotPoolSpec, SubPoolSpec, sink_floor};
 pub use static_paged::{
