@@ -15,9 +15,13 @@
 //! [`Device::copy_host_to_device`]), merged into one run per stretch of adjacent pages.
 //! A device page or slot a write-back reads (its victim's, or an ancestor's it copied)
 //! is freed once its copy's event is done, learnt by a non-blocking query; until then it
-//! stays held (parked), never waited for. A load-back keeps its host path locked until
-//! its copy is done, and a request released before then keeps its rows and slots parked
-//! the same way (the queued copy still writes them).
+//! stays held (parked), never waited for — except an SWA tombstone's pages, freed at
+//! once because the tree keeps the node and may rebuild or free its values in the same
+//! step (the copy, issued first, reads them before later work on the stream writes
+//! them). A load-back keeps its host path locked until its copy is done, and a request
+//! released before then keeps its rows and slots parked the same way (the queued copy
+//! still writes them). A match prices its load ([`crate::PrefixMatch::load_bytes`]), and
+//! the step metadata lists each load until the step boundary.
 
 use super::HybridCache;
 use crate::error::Error;
