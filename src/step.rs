@@ -508,13 +508,9 @@ impl HybridCache {
 
     /// Pages the load-backs of `batch`'s requests brought in this step.
     fn loaded_pages(&self, batch: &[(&Request, usize)]) -> usize {
-        let loads = self.step_loads();
-        if loads.is_empty() {
-            return 0;
-        }
         batch
             .iter()
-            .filter_map(|(r, _)| loads.iter().find(|l| l.request == r.id()))
+            .filter_map(|(r, _)| self.step_load(r.id()))
             .map(|l| l.pages.len())
             .sum()
     }
@@ -723,7 +719,7 @@ impl HybridCache {
                 });
             }
             let first_load = meta.loaded.len();
-            let load = self.step_loads().iter().find(|l| l.request == req.id());
+            let load = self.step_load(req.id());
             if has_host {
                 img[l.load_starts + i] = first_load as i32;
             }

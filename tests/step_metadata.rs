@@ -615,3 +615,70 @@ fn load_backs_are_sections_of_the_step_table() {
         });
     }
 }
+
+/// Two admissions of one step that both load from the host: each request of the batch,
+/// in whatever order the batch lists them, names its own loaded pages, and the
+/// `load_starts` prefix sums follow the batch's order.
+#[test]
+fn each_request_lists_its_own_load_back() {
+    for_each_layout_and_page_size(|layout, ps| {
+        let label = format!("{} ps {ps}", layout.as_str());
+        let ps = ps as usize;
+        let mut cache = HybridCache::builder()
+            .model(TINY_TRI)
+            .layout(layout)
+            .page_size(ps as u32)
+            .memory_bytes(1 << 22)
+            .host_memory_bytes(1 << 22)
+            .device(Arc::new(CpuDevice::new()))
+            .build()
+            .unwrap();
+        let prefill = |cache: &mut HybridCache, p: &[TokenId]| {
+            let hit = cache.match_prefix(p.to_vec());
+            let mut req = cache.admit(hit).unwrap();
+            let n = req.remaining_prefill();
+            cache.alloc_extend(&mut req, n).unwrap();
+            (req, n)
+        };
+        let firsts = [text(1, 8 * ps + 1), text(3, 4 * ps + 1)];
+        for p in &firsts {
+            let (r, _) = prefill(&mut cache, p);
+            cache.cache_finished(r).unwrap();
+        }
+        cache.step_boundary().unwrap();
+        let s = cache.stats();
+        cache
+            .evict_to_free(s.full.available_pages + s.full.evictable_pages, 0)
+            .unwrap();
+        cache.step_boundary().unwrap();
+        let (a, na) = prefill(&mut cache, &concat(&firsts[0], &text(2, ps + 1)));
+        let (b, nb) = prefill(&mut cache, &concat(&firsts[1], &text(4, ps + 1)));
+        let mut meta = StepMetadata::new();
+        cache
+            .build_step_metadata(&mut meta, &[(&b, nb), (&a, na)])
+            .unwrap();
+        let view = cache.step_view(&meta).unwrap();
+        let (l, img) = (view.device_layout(), view.host_image());
+        let alloc = cache.allocator();
+        let mut total = 0;
+        for (i, req) in [&b, &a].into_iter().enumerate() {
+            let m = view.request(i);
+            assert_eq!(m.request, req.id(), "{label}");
+            assert_eq!(m.loaded.len(), req.cached_at_admission() / ps, "{label}");
+            assert!(!m.loaded.is_empty() && m.loaded_state.is_some(), "{label}");
+            for p in m.loaded {
+                assert_eq!(
+                    p.full,
+                    alloc.kernel_id(Side::Full, req.row()[p.at]),
+                    "{label}"
+                );
+            }
+            assert_eq!(img[l.load_starts + i], total as i32, "{label}");
+            total += m.loaded.len();
+        }
+        assert_eq!(img[l.load_starts + 2], total as i32, "{label}");
+        cache.release(a).unwrap();
+        cache.release(b).unwrap();
+        cache.step_boundary().unwrap();
+    });
+}

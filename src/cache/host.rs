@@ -752,9 +752,13 @@ impl HybridCache {
         None
     }
 
-    /// The load-backs issued since the last step boundary, which the step metadata lists.
-    pub(crate) fn step_loads(&self) -> &[StepLoad] {
-        self.host.as_ref().map_or(&[], |h| &h.loads[..])
+    /// The load-back of request `request` issued since the last step boundary (the step
+    /// metadata lists it). Loads are pushed at admission, which numbers requests in
+    /// increasing order, so the list is sorted by request: a binary search.
+    pub(crate) fn step_load(&self, request: u64) -> Option<&StepLoad> {
+        let loads = &self.host.as_ref()?.loads;
+        let i = loads.binary_search_by_key(&request, |l| l.request).ok()?;
+        Some(&loads[i])
     }
 
     /// The byte geometry of the host buffer (`None` without a host tier).
