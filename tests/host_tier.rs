@@ -856,3 +856,58 @@ fn an_eviction_goes_past_a_victim_parked_behind_a_copy_in_flight() {
     let s = cache.stats();
     assert_eq!(s.full.available_pages, s.full.total_pages);
 }
+
+/// A match taken before a step boundary whose write-through evicted its host part from
+/// the host is matched again at admission (the host tree changed), never locked on a
+/// node the host dropped.
+#[test]
+fn a_match_whose_host_part_a_write_through_evicted_is_matched_again() {
+    let build = |host: u64| {
+        HybridCache::builder()
+            .model(TINY_TRI)
+            .layout(Layout::Unified)
+            .page_size(16)
+            .memory_bytes(1 << 20)
+            .host_memory_bytes(host)
+            .host_write_policy(HostWritePolicy::WriteThrough)
+            .build()
+            .unwrap()
+    };
+    let (a, b) = (prompt(1, 1, 16), prompt(2, 1, 16));
+    // A host of exactly the frames one prompt takes.
+    let mut sizing = build(1 << 22);
+    finish(&mut sizing, &a);
+    let (s, g) = (
+        sizing.stats().host.unwrap(),
+        sizing.host_geometry().unwrap(),
+    );
+    let frames = |bytes: u64, k: usize| match g.units_per_frame[k] {
+        0 => 0,
+        per => (bytes / g.unit_bytes[k]).div_ceil(u64::from(per)),
+    };
+    let held = frames(s.full_bytes, 0) + frames(s.swa_bytes, 1) + frames(s.state_bytes, 2);
+    let mut cache = build(held * g.frame_bytes);
+    finish(&mut cache, &a);
+    let all = cache.stats().full;
+    cache
+        .evict_to_free(all.available_pages + all.evictable_pages, 0)
+        .unwrap();
+    cache.step_boundary().unwrap();
+    let req = {
+        let hit = cache.match_prefix(b.clone());
+        let mut req = cache.admit(hit).unwrap();
+        let n = req.remaining_prefill();
+        cache.alloc_extend(&mut req, n).unwrap();
+        req
+    };
+    cache.cache_finished(req).unwrap();
+    let hit = cache.match_prefix(follow_up(1, 16));
+    assert!(hit.host_tokens() > 0);
+    // The write-through of `b` makes room by evicting `a` from the host.
+    cache.step_boundary().unwrap();
+    let req = cache.admit(hit).unwrap();
+    assert_eq!(req.cached_at_admission(), 0);
+    assert_eq!(cache.stats().host.unwrap().hit_tokens, 0);
+    cache.release(req).unwrap();
+    cache.step_boundary().unwrap();
+}

@@ -531,6 +531,9 @@ impl HybridCache {
         }
         let swa_from = live_from;
         let need = [new_pages, (end - swa_from) / ps, usize::from(want_state)];
+        // From here the host tree may change (its LRU makes room, the copy inserts): a
+        // match taken before names host nodes and units that may be gone.
+        self.epoch += 1;
         let host = self.host.as_mut().expect("checked above");
         let keep = (hf > 0).then_some(m.full_hit_node);
         let Some(units) = host.take(need, keep) else {
