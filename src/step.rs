@@ -511,7 +511,7 @@ impl HybridCache {
         batch
             .iter()
             .filter_map(|(r, _)| self.step_load(r.id()))
-            .map(|l| l.pages.len())
+            .map(|l| l.plan.pages.len())
             .sum()
     }
 
@@ -723,17 +723,17 @@ impl HybridCache {
             if has_host {
                 img[l.load_starts + i] = first_load as i32;
             }
-            for p in load.map_or(&[][..], |l| &l.pages) {
+            for p in load.map_or(&[][..], |l| &l.plan.pages) {
                 let k = meta.loaded.len();
                 let page = LoadedPage {
                     at: p.at,
                     full: alloc.kernel_id(Side::Full, row[p.at]),
-                    swa: match p.host_swa {
+                    swa: match p.swa {
                         Some(_) => alloc.kernel_id(Side::Swa, row[p.at]),
                         None => 0,
                     },
-                    host_full: p.host_full,
-                    host_swa: p.host_swa,
+                    host_full: p.full.0,
+                    host_swa: p.swa.map(|s| s.0),
                 };
                 img[l.load_full + k] = page.full;
                 img[l.load_host_full + k] = page.host_full as i32;
@@ -743,7 +743,7 @@ impl HybridCache {
                 }
                 meta.loaded.push(page);
             }
-            let loaded_state = load.and_then(|l| l.state);
+            let loaded_state = load.and_then(|l| l.plan.state).map(|s| s.0);
             if has_host && has_state {
                 img[l.load_states + i] = loaded_state.map_or(-1, |u| u as i32);
             }

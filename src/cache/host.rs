@@ -121,22 +121,23 @@ impl ReleasedRows {
 }
 
 /// A host unit: its id (a host tree value) and its block in the pool.
-type Unit = (u32, HostBlock);
+pub(crate) type Unit = (u32, HostBlock);
 
 /// One page of a load-back: its row position, its FULL unit, and its SWA unit when the
 /// host holds the page's SWA.
 #[derive(Clone, Copy, Debug)]
-struct PlannedPage {
-    at: usize,
-    full: Unit,
-    swa: Option<Unit>,
+pub(crate) struct PlannedPage {
+    pub(crate) at: usize,
+    pub(crate) full: Unit,
+    pub(crate) swa: Option<Unit>,
 }
 
-/// What a load-back moves (see [`HostTier::load_plan`]).
+/// What a load-back moves (see [`HostTier::load_plan`]): its pages in row order and the
+/// state copied into the running slot.
 #[derive(Debug)]
-struct LoadPlan {
-    pages: Vec<PlannedPage>,
-    state: Option<Unit>,
+pub(crate) struct LoadPlan {
+    pub(crate) pages: Vec<PlannedPage>,
+    pub(crate) state: Option<Unit>,
 }
 
 impl LoadPlan {
@@ -149,27 +150,14 @@ impl LoadPlan {
     }
 }
 
-/// A page a load-back brought into a request's rows, kept for the step metadata until
-/// the step boundary.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct LoadedPage {
-    /// Row position of the page's first token.
-    pub(crate) at: usize,
-    /// Its host FULL unit.
-    pub(crate) host_full: u32,
-    /// Its host SWA unit, when its SWA came from the host.
-    pub(crate) host_swa: Option<u32>,
-}
-
-/// A request's load-back in the current step.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A request's load-back in the current step, kept for the step metadata until the
+/// step boundary.
+#[derive(Debug)]
 pub(crate) struct StepLoad {
     /// The request it loaded into.
     pub(crate) request: u64,
-    /// The pages, in row order.
-    pub(crate) pages: Vec<LoadedPage>,
-    /// The host state unit copied into its running slot.
-    pub(crate) state: Option<u32>,
+    /// What it copied.
+    pub(crate) plan: LoadPlan,
 }
 
 /// The host tier of a cache: its pool, its tree and its copies in flight.
@@ -373,9 +361,9 @@ impl HostTier {
         }
     }
 
-    /// Host units of `kind` for `n` units, evicting the host tree's least recently used
-    /// prefixes (never the path under `keep`, which is locked meanwhile) until they fit.
-    /// `None` when they cannot.
+    /// `need` units of each kind ([`HostKind::ALL`] order), evicting the host tree's
+    /// least recently used prefixes (never the path under `keep`, which is locked
+    /// meanwhile) until they fit. `None` when they cannot.
     fn take(&mut self, need: [usize; 3], keep: Option<NodeId>) -> Option<[Vec<HostBlock>; 3]> {
         let lock = keep.and_then(|n| self.tree.lock(n).ok());
         let fits = |pool: &HostPool| pool.fits(need.map(|n| n as u64));
@@ -611,7 +599,17 @@ impl HybridCache {
         if let Some(unit) = state_unit {
             insert = insert.mamba(MambaSlot(unit));
         }
-        let outcome = host.tree.insert(insert)?;
+        let outcome = match host.tree.insert(insert) {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                // The host tree refused it: its units go back (the copy into them is
+                // ordered before any later one).
+                for (kind, blocks) in HostKind::ALL.iter().zip(&units) {
+                    let _ = host.pool.free(*kind, blocks);
+                }
+                return Err(e.into());
+            }
+        };
         host.swa.extend(swa_pairs);
         host.apply(&outcome.actions);
         // Rows the host tree did not take (it makes no leaf of tombstones only) go back.
@@ -920,16 +918,7 @@ impl HybridCache {
         host.stats.hit_tokens += (hm.len - from) as u64;
         host.loads.push(StepLoad {
             request: req.id,
-            pages: plan
-                .pages
-                .iter()
-                .map(|p| LoadedPage {
-                    at: p.at,
-                    host_full: p.full.0,
-                    host_swa: p.swa.map(|s| s.0),
-                })
-                .collect(),
-            state: plan.state.filter(|_| req.state.is_some()).map(|s| s.0),
+            plan,
         });
         host.parked.push(Parked {
             event,
