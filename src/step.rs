@@ -203,9 +203,10 @@ pub struct StepCheckpoint {
     pub at_len: usize,
 }
 
-/// A page a load-back brought from the host tier into a request's rows in this step
-/// (issued at admission as device work in stream order: the forward runs after it on the
-/// same stream, or waits for it by an event).
+/// A page a load-back brought from the host tier into a request's rows in this step:
+/// its copy was issued at admission on the cache's device stream, before the step
+/// metadata's upload, so a forward ordered after the metadata (as reading it requires)
+/// is ordered after the load too.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LoadedPage {
     /// Row position of the page's first token.
