@@ -1,5 +1,6 @@
 //! The command line, declared with clap's derive API: `unikv replay`, `unikv bench-ops
-//! FILE`, `unikv bench-scale`, `unikv sim` and `unikv help [COMMAND]`.
+//! FILE`, `unikv bench-scale`, `unikv bench-overlap`, `unikv sim` and `unikv help
+//! [COMMAND]`.
 //!
 //! Each subcommand's arguments ([`ReplayCli`], [`BenchOpsCli`], [`BenchScaleCli`],
 //! [`SimCli`]) resolve into the types the commands take ([`ReplayArgs`],
@@ -57,6 +58,10 @@ pub enum CommandCli {
     /// host tokens/s and step times per scale, to show cost growth
     #[command(after_long_help = help::BENCH_SCALE_AFTER)]
     BenchScale(BenchScaleCli),
+    /// GPU idle between forwards under an overlap scheduler, unikv vs a syncing free path
+    /// (on the CUDA backend: a GPU, or the emulated driver)
+    #[command(long_about = help::BENCH_OVERLAP_ABOUT)]
+    BenchOverlap(BenchOverlapCli),
     /// The deterministic simulator with injected faults: random engines over random
     /// configurations, every step checked
     #[command(long_about = help::SIM_ABOUT)]
@@ -201,6 +206,59 @@ pub struct BenchScaleCli {
     pub json: bool,
 }
 
+/// Where `unikv bench-overlap` runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OverlapDevice {
+    /// GPU 0 (a build with the `cuda` feature).
+    Cuda,
+    /// The CUDA backend on its emulated driver, spins in host time: checks the loop.
+    Emulated,
+}
+
+/// `unikv bench-overlap`'s arguments.
+#[derive(Clone, Debug, Args)]
+pub struct BenchOverlapCli {
+    /// cuda (GPU 0; a build with `--features cuda`) or emulated (the CUDA backend on an
+    /// emulated driver whose forwards are host time: checks the loop, not a GPU)
+    #[arg(long, value_name = "D", default_value = "cuda", value_parser = parse_overlap_device)]
+    pub device: OverlapDevice,
+    /// The forward's duration in microseconds (a spin kernel calibrated to it)
+    #[arg(long = "forward-us", value_name = "US", default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub forward_us: u64,
+    /// Presets to replay; repeatable
+    #[arg(
+        long = "workload",
+        value_name = "NAME[,NAME]",
+        default_value = "shared-prefix,random-2048-512",
+        value_parser = parse_workloads
+    )]
+    pub workloads: Vec<WorkloadList>,
+    /// Tokens per page; repeatable
+    #[arg(
+        long = "page-size",
+        value_name = "N[,N]",
+        default_value = "1,16,256",
+        value_parser = parse_page_sizes
+    )]
+    pub page_sizes: Vec<PageSizes>,
+    /// The first workload is also replayed speculatively at every page size: a chain of
+    /// K drafts settled a step late, as an overlap scheduler does (0: no speculative rows)
+    #[arg(long = "spec", value_name = "K", default_value = "4", value_parser = parse_overlap_spec)]
+    pub spec: OverlapSpec,
+    /// The model's KV shapes
+    #[arg(long, value_name = "NAME[:K=V,...]", default_value = "gpt-oss-20b", value_parser = parse_model)]
+    pub model: ModelSpec,
+    /// The KV budget (a device allocation of this size)
+    #[arg(long, value_name = "SIZE", default_value = "16GiB", value_parser = parse_memory)]
+    pub memory: u64,
+    /// Seed of the workloads and the scheduler
+    #[arg(long, value_name = "N", default_value_t = unikv_replay::config::DEFAULT_SEED, value_parser = parse_seed)]
+    pub seed: u64,
+    /// Print one JSON object (schema unikv.bench-overlap.v1) instead of the table
+    #[arg(long)]
+    pub json: bool,
+}
+
 /// `unikv sim`'s arguments.
 #[derive(Clone, Copy, Debug, Args)]
 pub struct SimCli {
@@ -224,6 +282,8 @@ pub enum Command {
     BenchOps(BenchOpsArgs),
     /// `unikv bench-scale`.
     BenchScale(BenchScaleArgs),
+    /// `unikv bench-overlap`.
+    BenchOverlap(BenchOverlapArgs),
     /// `unikv sim`.
     Sim(SimArgs),
 }
@@ -238,6 +298,22 @@ pub struct ReplayArgs {
     pub json: bool,
     /// Write one SVG per run into this directory (`--svg`).
     pub svg_dir: Option<PathBuf>,
+}
+
+/// The options of `unikv bench-overlap`, resolved.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BenchOverlapArgs {
+    /// Where it runs.
+    pub device: OverlapDevice,
+    /// The forward's duration.
+    pub forward: std::time::Duration,
+    /// The runs: the presets at each page size, unified, without speculation, then the
+    /// first preset with it (when asked for).
+    pub options: ReplayOptions,
+    /// The speculative rows' mode (a chain settled late), if any.
+    pub speculation: Option<SpecMode>,
+    /// One JSON object instead of the table.
+    pub json: bool,
 }
 
 /// The options of `unikv bench-ops`, resolved.
@@ -264,6 +340,7 @@ impl Cli {
             CommandCli::Replay(replay) => Command::Replay(replay.resolve()?),
             CommandCli::BenchOps(b) => Command::BenchOps(b.resolve()),
             CommandCli::BenchScale(b) => Command::BenchScale(b.resolve()?),
+            CommandCli::BenchOverlap(b) => Command::BenchOverlap(b.resolve()),
             CommandCli::Sim(sim) => Command::Sim(sim.resolve()?),
         })
     }
@@ -371,6 +448,38 @@ impl RunCli {
             checkpoint_interval: None,
         };
         Ok(options)
+    }
+}
+
+impl BenchOverlapCli {
+    /// The resolved options: lists merged, the unified layout at invariant level off (a
+    /// server's), speculation a late-settled chain.
+    pub fn resolve(self) -> BenchOverlapArgs {
+        let workloads: Vec<Preset> = union(
+            self.workloads
+                .into_iter()
+                .map(|w| w.0.into_iter().flatten().collect()),
+        );
+        BenchOverlapArgs {
+            device: self.device,
+            forward: std::time::Duration::from_micros(self.forward_us),
+            options: ReplayOptions {
+                workloads: if workloads.is_empty() {
+                    Preset::defaults_for(&self.model)
+                } else {
+                    workloads
+                },
+                model: self.model,
+                page_sizes: union(self.page_sizes.into_iter().map(|p| p.0)),
+                memory_bytes: self.memory,
+                layouts: vec![Layout::Unified],
+                seed: self.seed,
+                invariant_level: Level::Off,
+                ..ReplayOptions::default()
+            },
+            speculation: self.spec.0,
+            json: self.json,
+        }
     }
 }
 
@@ -553,6 +662,25 @@ fn parse_spec(
         unikv_replay::ReplayError::BadSpeculation { reason, .. } => reason,
         other => other.to_string(),
     })
+}
+
+/// `bench-overlap`'s `--spec K`: a late-settled chain of K drafts, or none for 0.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OverlapSpec(pub Option<SpecMode>);
+
+fn parse_overlap_spec(value: &str) -> Result<OverlapSpec, String> {
+    if value.trim() == "0" {
+        return Ok(OverlapSpec(None));
+    }
+    parse_spec_chain(value).map(|mode| OverlapSpec(Some(mode.late())))
+}
+
+fn parse_overlap_device(value: &str) -> Result<OverlapDevice, String> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "cuda" => Ok(OverlapDevice::Cuda),
+        "emulated" => Ok(OverlapDevice::Emulated),
+        other => Err(format!("{other:?}: expected cuda or emulated")),
+    }
 }
 
 fn parse_spec_chain(value: &str) -> Result<SpecMode, String> {

@@ -1,8 +1,8 @@
 //! The commands end to end: `unikv replay` (check the configuration and the outputs,
 //! build the workloads, run every (workload, page size, layout) through the scheduler,
 //! render the report and the plots), `unikv bench-ops` (replay a recorded ops trace and
-//! print its throughput) and `unikv bench-scale` (check the outputs, run the scales with
-//! their bars).
+//! print its throughput), `unikv bench-scale` (check the outputs, run the scales with
+//! their bars) and `unikv bench-overlap` (the overlap loop on the CUDA backend).
 //!
 //! An output never overwrites an input: a `--record-ops` file or a plot that is the
 //! `--trace` file (the same path, a symbolic or a hard link to it) is refused before
@@ -11,7 +11,7 @@
 //! [`replay_with`] takes the scheduler as a parameter ([`RunFn`]) so the whole path can be
 //! tested with a stand-in; [`replay`] uses the real one ([`unikv_replay::run`]).
 
-use crate::args::{BenchOpsArgs, ReplayArgs};
+use crate::args::{BenchOpsArgs, BenchOverlapArgs, OverlapDevice, ReplayArgs};
 use crate::error::CliError;
 use crate::progress::{ReplayProgress, ScaleBars};
 use crate::svg;
@@ -190,6 +190,72 @@ pub fn bench_scale(args: &BenchScaleArgs, out: &mut dyn Write) -> Result<(), Cli
     let mut progress = ScaleBars::for_stderr(args.replay.runs() * args.scales.len());
     unikv_replay::scale::bench_scale(args, out, &mut progress)?;
     Ok(())
+}
+
+/// `unikv bench-overlap`: the overlap benchmark ([`unikv_replay::overlap`]) on GPU 0 or
+/// the clocked emulation, one line per row on stderr as it finishes, then the table (or
+/// one JSON object). Returns whether the exit status is 0: every row met the target, or
+/// the run was emulated (which checks the loop, not a GPU).
+pub fn bench_overlap(args: &BenchOverlapArgs, out: &mut dyn Write) -> Result<bool, CliError> {
+    use std::sync::Arc;
+    use unikv::kernels::CudaDevice;
+    use unikv_replay::overlap::{self, Cell, Row};
+    let device_error = |e: unikv::kernels::Error| CliError::Replay(unikv::Error::from(e).into());
+    let (device, name) = match args.device {
+        OverlapDevice::Cuda => {
+            let device = CudaDevice::new(0).map_err(device_error)?;
+            let (major, minor) = CudaDevice::driver_version().map_err(device_error)?;
+            (device, format!("cuda:0 (driver CUDA {major}.{minor})"))
+        }
+        OverlapDevice::Emulated => (
+            CudaDevice::emulated_clocked(),
+            "emulated-cuda (forwards in host time)".to_string(),
+        ),
+    };
+    let device = Arc::new(device);
+    let workloads = build_workloads(&args.options)?;
+    let mut runs = plan(&args.options, &workloads);
+    if let Some(mode) = args.speculation {
+        let speculative: Vec<(usize, RunConfig)> = runs
+            .iter()
+            .filter(|(w, _)| *w == 0)
+            .map(|(w, config)| {
+                let mut config = config.clone();
+                config.speculation = Some(mode);
+                (*w, config)
+            })
+            .collect();
+        runs.extend(speculative);
+    }
+    let cells: Vec<Cell<'_>> = runs
+        .iter()
+        .map(|(w, config)| Cell {
+            workload: &workloads[*w],
+            config,
+        })
+        .collect();
+    let mut progress = |r: &Row| {
+        eprintln!(
+            "bench-overlap: {} ps {}{}: idle median {:.1} µs (unikv) vs {:.1} µs (syncing)",
+            r.workload,
+            r.page_size,
+            r.speculation
+                .as_deref()
+                .map_or(String::new(), |s| format!(" {s}")),
+            r.unikv.idle.median_ns as f64 / 1e3,
+            r.syncing.idle.median_ns as f64 / 1e3,
+        );
+    };
+    let report = overlap::bench(&device, name, args.forward, &cells, &mut progress)?;
+    let written = if args.json {
+        serde_json::to_writer(&mut *out, &report)
+            .map_err(std::io::Error::from)
+            .and_then(|()| writeln!(out))
+    } else {
+        write!(out, "{}", report.table())
+    };
+    written.map_err(CliError::Output)?;
+    Ok(args.device == OverlapDevice::Emulated || report.pass())
 }
 
 /// `unikv replay`: [`replay_with`] the real scheduler and a progress bar on stderr, once

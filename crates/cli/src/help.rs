@@ -40,6 +40,21 @@ tokens per second and its step times: a cost that grows with the pool or the tre
 with what a step handles, shows as tokens/s falling and step times rising with K. The
 other options are `unikv replay`'s (see `unikv replay --help`).";
 
+/// `unikv bench-overlap --help`'s description.
+pub const BENCH_OVERLAP_ABOUT: &str = "\
+unikv bench-overlap: does the GPU go from one forward to the next with no gap that unikv
+causes? Each row replays a workload on the CUDA backend as an overlap scheduler runs it:
+after each step's unikv work (frees, admissions, allocations, eviction, metadata build
+and upload) the host launches the step's forward, a spin kernel calibrated to
+--forward-us, and prepares the next step while it runs. GPU events around every forward,
+read after the loop, give the idle between consecutive forwards (median, p99, and as a
+share of the forward), for unikv and for a syncing baseline whose KV segment frees each
+read a value back from the device first, as the seed's free path did. The target: unikv's
+median idle under 1 % of the forward, its p99 no more than the launch gap of two
+back-to-back forwards with no host work between them (measured too). --device emulated
+runs the same loop on the emulated driver (forwards in host time): it checks the loop,
+not a GPU. Exit status 1 when a row misses the target on a GPU.";
+
 /// `unikv sim --help`'s description.
 pub const SIM_ABOUT: &str = "\
 unikv sim: the deterministic simulator with injected faults. Each seed fixes a random

@@ -78,6 +78,11 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => fail(&err),
         },
+        Command::BenchOverlap(args) => match commands::bench_overlap(&args, &mut out) {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::from(1),
+            Err(err) => fail(&err),
+        },
         Command::Sim(args) => {
             let mut progress = progress::SimBar::for_stderr(args.seeds);
             match unikv_dst::run_command(&args, &mut out, &mut progress) {

@@ -48,7 +48,7 @@ use crate::driver::{
     Arg, DevPtr, Driver, DriverCall, EventHandle, GraphHandle, Grid, Kernel, LANE_WORDS, RawEvent,
     RawStream, StreamKind, SyncHazard, SyncHazards, WINDOW_WORDS,
 };
-use crate::emulated::EmulatedDriver;
+use crate::emulated::{EmulatedDriver, SpinClock};
 use crate::export::Exports;
 use crate::handles::Handles;
 use crate::{
@@ -59,6 +59,7 @@ use crate::{
 use host_tier::HostBuffer;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 /// Threads per block of every launch.
 pub(crate) const BLOCK: u32 = 256;
@@ -194,6 +195,32 @@ impl DeviceEvent {
     }
 }
 
+/// An event recorded with a timestamp on a [`CudaDevice`]'s stream
+/// ([`CudaDevice::record_timed_event`]): the time between two is GPU time between two
+/// points of the stream (an engine's forward, the gap between two forwards).
+#[derive(Debug)]
+pub struct TimedEvent(DeviceEvent);
+
+impl TimedEvent {
+    /// Whether the stream has reached the event (`cuEventQuery`: never waits).
+    pub fn is_done(&self) -> Result<bool, Error> {
+        self.0.is_done()
+    }
+
+    /// The GPU time from `earlier` to this event (`cuEventElapsedTime`, about half a
+    /// microsecond of resolution; zero when this one came first). Never waits.
+    ///
+    /// Errors: [`Error::Cuda`] when either is not done yet ([`TimedEvent::is_done`]), or
+    /// the two are of different devices.
+    pub fn elapsed_since(&self, earlier: &TimedEvent) -> Result<Duration, Error> {
+        let ms = self
+            .0
+            .driver
+            .event_elapsed(earlier.0.handle, self.0.handle)?;
+        Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+    }
+}
+
 /// A CUDA graph captured from a [`CudaDevice`]'s ops ([`CudaDevice::capture`]), replayed
 /// with [`CudaDevice::launch_graph`]; destroyed when this drops.
 pub struct CapturedGraph {
@@ -263,7 +290,21 @@ impl CudaDevice {
     /// [`CudaDevice::emulated`] on a stream of the given kind
     /// ([`StreamKind::LegacyDefault`] makes every enqueue a sync hazard).
     pub fn emulated_on(stream: StreamKind) -> CudaDevice {
-        let emulated = Arc::new(EmulatedDriver::new(stream));
+        CudaDevice::emulated_with(stream, SpinClock::UntilResumed)
+    }
+
+    /// [`CudaDevice::emulated`] with a clock: a spin of `cycles`
+    /// ([`CudaDevice::launch_spin`]) keeps the stream busy for `cycles` nanoseconds of host
+    /// time and then the stream goes on by itself; a host wait (a read-back,
+    /// [`Readback::synchronize`]) sleeps until it ends; timed events keep the host time
+    /// the stream reached them. Other kernels take no time. For timing loops without a
+    /// GPU (the overlap benchmark's CI run); the no-sync proofs use the unclocked one.
+    pub fn emulated_clocked() -> CudaDevice {
+        CudaDevice::emulated_with(StreamKind::Own, SpinClock::Nanoseconds)
+    }
+
+    fn emulated_with(stream: StreamKind, clock: SpinClock) -> CudaDevice {
+        let emulated = Arc::new(EmulatedDriver::new(stream, clock));
         let driver: Arc<dyn Driver> = emulated.clone();
         let name = match stream {
             StreamKind::LegacyDefault => "emulated-cuda(default stream)",
@@ -466,11 +507,7 @@ impl CudaDevice {
     /// wait for the stream (the no-sync proof). On an emulated device the spin lasts
     /// until [`CudaDevice::resume_stream`] or a read-back.
     pub fn enqueue_spin(&self, cycles: u64) -> Result<DeviceEvent, Error> {
-        let grid = Grid {
-            blocks: (1, 1, 1),
-            threads: 1,
-        };
-        self.launch("enqueue_spin", Kernel::Spin, grid, &[Arg::U64(cycles)])?;
+        self.launch_spin(cycles)?;
         let handle = self.issue("enqueue_spin", DriverCall::EventCreate, |d| {
             d.event_create()
         })?;
@@ -482,6 +519,33 @@ impl CudaDevice {
             d.event_record(handle)
         })?;
         Ok(event)
+    }
+
+    /// Enqueues a kernel that keeps the stream busy for about `cycles` GPU clock cycles
+    /// (one thread polling the SM clock): a stand-in for an engine's forward, of a
+    /// duration calibrated with [`TimedEvent`]s. Never waits.
+    pub fn launch_spin(&self, cycles: u64) -> Result<(), Error> {
+        let grid = Grid {
+            blocks: (1, 1, 1),
+            threads: 1,
+        };
+        self.launch("launch_spin", Kernel::Spin, grid, &[Arg::U64(cycles)])
+    }
+
+    /// Records a [`TimedEvent`] after the work enqueued so far, without waiting (unlike
+    /// [`CudaDevice::record_event`], not a step boundary).
+    pub fn record_timed_event(&self) -> Result<TimedEvent, Error> {
+        let handle = self.issue("record_timed_event", DriverCall::EventCreate, |d| {
+            d.event_create_timed()
+        })?;
+        let event = DeviceEvent {
+            handle,
+            driver: self.driver.clone(),
+        };
+        self.issue("record_timed_event", DriverCall::EventRecord, |d| {
+            d.event_record(handle)
+        })?;
+        Ok(TimedEvent(event))
     }
 
     /// The GPU's peak memory bandwidth in bytes per second (memory clock × bus width ×

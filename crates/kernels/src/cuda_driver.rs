@@ -398,6 +398,21 @@ mod imp {
             Ok(EventHandle(event as usize))
         }
 
+        fn event_create_timed(&self) -> Result<EventHandle, Error> {
+            self.bind()?;
+            let event = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+                .map_err(cuda("create a timed event"))?;
+            Ok(EventHandle(event as usize))
+        }
+
+        fn event_elapsed(&self, start: EventHandle, end: EventHandle) -> Result<f32, Error> {
+            self.bind()?;
+            // SAFETY: both came from `event_create_timed` and are alive (the caller owns
+            // them); the call never waits (an event not yet done is an error).
+            unsafe { result::event::elapsed(start.0 as sys::CUevent, end.0 as sys::CUevent) }
+                .map_err(cuda("read the time between two events"))
+        }
+
         fn event_record(&self, event: EventHandle) -> Result<(), Error> {
             self.bind()?;
             // SAFETY: `event` came from `event_create` and is alive (the backend owns it).

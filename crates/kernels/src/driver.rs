@@ -254,6 +254,8 @@ pub enum DriverCall {
     /// `cuStreamWaitEvent` on another stream (a reader's, [`Device::make_stream_wait`](crate::Device::make_stream_wait)):
     /// that stream waits; neither the host nor the device's own stream does.
     ExternalWait,
+    /// `cuEventElapsedTime` between two timed events (never waits).
+    EventElapsed,
     /// `cuEventDestroy`.
     EventDestroy,
     /// `cuStreamSynchronize`.
@@ -358,8 +360,13 @@ pub(crate) trait Driver: Send + Sync {
     fn copy_to_host(&self, src: DevPtr, out: &mut [u8]) -> Result<(), Error>;
     /// Enqueues `kernel` over `grid` with `args`, in the kernel's parameter order.
     fn launch(&self, kernel: Kernel, grid: Grid, args: &[Arg]) -> Result<(), Error>;
-    /// Makes an event.
+    /// Makes an event (without timing: a fence).
     fn event_create(&self) -> Result<EventHandle, Error>;
+    /// Makes an event that keeps the time its work completed, for [`Driver::event_elapsed`].
+    fn event_create_timed(&self) -> Result<EventHandle, Error>;
+    /// Milliseconds from timed event `start`'s completion to `end`'s
+    /// (`cuEventElapsedTime`); both must be done. Never waits.
+    fn event_elapsed(&self, start: EventHandle, end: EventHandle) -> Result<f32, Error>;
     /// Enqueues recording `event` (it completes when the work before it has).
     fn event_record(&self, event: EventHandle) -> Result<(), Error>;
     /// Whether `event`'s recorded work is done, without waiting.

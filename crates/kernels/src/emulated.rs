@@ -14,6 +14,14 @@
 //!
 //! A kernel that reaches outside an allocation does not panic: like a GPU's illegal
 //! address, it poisons the stream, and every later call returns the error.
+//!
+//! Spins keep a clock of one of two kinds ([`SpinClock`]): by default a spin lasts until
+//! the stream is resumed or waited for (the no-sync proofs); a clocked emulation
+//! ([`CudaDevice::emulated_clocked`](crate::CudaDevice::emulated_clocked)) runs a spin of
+//! `cycles` for `cycles` nanoseconds of host time and then goes on by itself, and its
+//! waits sleep until the spin ends, so an overlap loop sees a GPU that is busy for a
+//! stated time. Either way an event keeps the (host) time the emulated stream reached
+//! it, for [`Driver::event_elapsed`]; kernels other than spins take no time.
 
 use crate::Error;
 use crate::check;
@@ -23,6 +31,7 @@ use crate::driver::{
 };
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 
 /// Where emulated device addresses start (never 0, so a null pointer is never valid).
 const BASE: DevPtr = 0x7000_0000_0000;
@@ -68,6 +77,20 @@ enum Work {
     },
     /// The stream waits for another stream's event: always done here (one stream).
     Nothing,
+    /// An event's record: keeps the time the stream reached it.
+    Stamp {
+        event: usize,
+    },
+}
+
+/// How long an emulated spin lasts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum SpinClock {
+    /// Until the stream is resumed or waited for.
+    #[default]
+    UntilResumed,
+    /// Its `cycles` in nanoseconds of host time (a 1 GHz clock).
+    Nanoseconds,
 }
 
 #[derive(Debug, Default)]
@@ -90,6 +113,11 @@ struct Emulation {
     next_graph: usize,
     /// The sticky error of a faulted kernel.
     fault: Option<String>,
+    clock: SpinClock,
+    /// When the clocked spin the stream is in ends.
+    busy_until: Option<Instant>,
+    /// When the stream reached each recorded event.
+    stamps: HashMap<usize, Instant>,
 }
 
 /// The emulated driver of [`CudaDevice::emulated`](crate::CudaDevice::emulated).
@@ -100,22 +128,45 @@ pub(crate) struct EmulatedDriver {
 }
 
 impl EmulatedDriver {
-    pub(crate) fn new(stream: StreamKind) -> EmulatedDriver {
+    pub(crate) fn new(stream: StreamKind, clock: SpinClock) -> EmulatedDriver {
         EmulatedDriver {
             state: Mutex::new(Emulation {
                 next: BASE,
                 next_pinned: 1,
                 next_event: 1,
                 next_graph: 1,
+                clock,
                 ..Emulation::default()
             }),
             stream,
         }
     }
 
+    /// The emulation, with a clocked spin that has ended by now run past.
     fn state(&self) -> MutexGuard<'_, Emulation> {
         // Every method leaves the emulation whole between statements that can panic.
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        st.tick();
+        st
+    }
+
+    /// The emulation once the stream has nothing in flight: what a host wait sees
+    /// (a clocked spin is slept out; any other ends).
+    fn waited(&self) -> Result<MutexGuard<'_, Emulation>, Error> {
+        loop {
+            let mut st = self.state();
+            match st.busy_until {
+                Some(end) => {
+                    drop(st);
+                    std::thread::sleep(end.saturating_duration_since(Instant::now()));
+                }
+                None => {
+                    st.stalled = false;
+                    st.drain()?;
+                    return Ok(st);
+                }
+            }
+        }
     }
 
     /// Stalls the stream: work queues until [`EmulatedDriver::resume`] or a wait.
@@ -123,10 +174,11 @@ impl EmulatedDriver {
         self.state().stalled = true;
     }
 
-    /// Resumes a stalled stream and runs what it queued.
+    /// Resumes a stalled stream (a clocked spin ends now) and runs what it queued.
     pub(crate) fn resume(&self) -> Result<(), Error> {
         let mut st = self.state();
         st.stalled = false;
+        st.busy_until = None;
         st.drain()
     }
 
@@ -141,8 +193,9 @@ impl EmulatedDriver {
             kernel: Kernel::Spin,
             ..
         } = work
+            && st.clock == SpinClock::UntilResumed
         {
-            // An emulated spin lasts until the stream is resumed (no clock to wait on).
+            // It lasts until the stream is resumed (no clock to wait on).
             st.stalled = true;
         }
         st.queue.push_back(work);
@@ -164,15 +217,55 @@ impl Emulation {
     }
 
     fn drain(&mut self) -> Result<(), Error> {
+        self.drain_from(Instant::now())
+    }
+
+    /// Runs the queue as a stream that reaches its front at `at`: a clocked spin moves
+    /// the stream's time on by its cycles, and one that has not ended by now stalls it.
+    fn drain_from(&mut self, mut at: Instant) -> Result<(), Error> {
         while let Some(work) = self.queue.pop_front() {
             self.executed += 1;
-            if self.fault.is_none()
-                && let Err(e) = self.run(work)
-            {
-                self.fault = Some(e);
+            match work {
+                Work::Stamp { event } => {
+                    self.stamps.insert(event, at);
+                }
+                Work::Launch {
+                    kernel: Kernel::Spin,
+                    args,
+                } if self.clock == SpinClock::Nanoseconds => {
+                    let cycles = match args.first() {
+                        Some(Arg::U64(cycles)) => *cycles,
+                        _ => 0,
+                    };
+                    at += Duration::from_nanos(cycles);
+                    if at > Instant::now() {
+                        self.busy_until = Some(at);
+                        self.stalled = true;
+                        break;
+                    }
+                }
+                work => {
+                    if self.fault.is_none()
+                        && let Err(e) = self.run(work)
+                    {
+                        self.fault = Some(e);
+                    }
+                }
             }
         }
         self.sticky()
+    }
+
+    /// Ends a clocked spin whose time has come and runs the queue behind it from then.
+    fn tick(&mut self) {
+        if let Some(end) = self.busy_until
+            && end <= Instant::now()
+        {
+            self.busy_until = None;
+            self.stalled = false;
+            // A fault is sticky: the next call that checks reports it.
+            let _ = self.drain_from(end);
+        }
     }
 
     /// The allocation holding `[ptr, ptr + len)`: its base and bytes.
@@ -272,6 +365,10 @@ impl Emulation {
                 .map(drop)
                 .ok_or_else(|| format!("free of unknown address {ptr:#x}")),
             Work::Nothing => Ok(()),
+            Work::Stamp { event } => {
+                self.stamps.insert(event, Instant::now());
+                Ok(())
+            }
         }
     }
 
@@ -556,9 +653,7 @@ impl Driver for EmulatedDriver {
     }
 
     fn copy_to_host(&self, src: DevPtr, out: &mut [u8]) -> Result<(), Error> {
-        let mut st = self.state();
-        st.stalled = false; // the host waits for everything, a spin included
-        st.drain()?;
+        let mut st = self.waited()?; // the host waits for everything, a spin included
         let data = st.read(src, out.len() as u64).map_err(emulated)?;
         out.copy_from_slice(&data);
         Ok(())
@@ -582,14 +677,48 @@ impl Driver for EmulatedDriver {
         Ok(EventHandle(id))
     }
 
+    fn event_create_timed(&self) -> Result<EventHandle, Error> {
+        self.event_create()
+    }
+
+    fn event_elapsed(&self, start: EventHandle, end: EventHandle) -> Result<f32, Error> {
+        let st = self.state();
+        st.sticky()?;
+        let stamp = |e: EventHandle| {
+            st.stamps.get(&e.0).copied().ok_or_else(|| {
+                emulated(format!(
+                    "elapsed time of event {}, not done (or never recorded)",
+                    e.0
+                ))
+            })
+        };
+        let (from, to) = (stamp(start)?, stamp(end)?);
+        let ms = |d: Duration| d.as_secs_f32() * 1e3;
+        Ok(if to >= from {
+            ms(to - from)
+        } else {
+            -ms(from - to)
+        })
+    }
+
     fn event_record(&self, event: EventHandle) -> Result<(), Error> {
         let mut st = self.state();
         st.sticky()?;
-        let at = st.enqueued;
-        match st.events.get_mut(&event.0) {
-            Some(mark) => *mark = at,
-            None => return Err(emulated(format!("record of unknown event {}", event.0))),
+        if !st.events.contains_key(&event.0) {
+            return Err(emulated(format!("record of unknown event {}", event.0)));
         }
+        st.stamps.remove(&event.0);
+        // A stall alone holds only the work enqueued after it; a spin holds the stream.
+        let behind = !st.queue.is_empty() || st.busy_until.is_some();
+        if st.capturing.is_none() && behind {
+            // The stream reaches it later: a stamp in the queue.
+            st.queue.push_back(Work::Stamp { event: event.0 });
+            st.enqueued += 1;
+        } else if st.capturing.is_none() {
+            st.stamps.insert(event.0, Instant::now());
+        }
+        let at = st.enqueued;
+        st.events.insert(event.0, at);
         Ok(())
     }
 
@@ -616,14 +745,15 @@ impl Driver for EmulatedDriver {
     }
 
     fn event_destroy(&self, event: EventHandle) -> Result<(), Error> {
-        self.state().events.remove(&event.0);
+        let mut st = self.state();
+        st.events.remove(&event.0);
+        st.stamps.remove(&event.0);
         Ok(())
     }
 
     fn synchronize(&self) -> Result<(), Error> {
-        let mut st = self.state();
-        st.stalled = false; // a spin ends; the host waits for everything
-        st.drain()
+        // A spin ends (a clocked one is slept out); the host waits for everything.
+        self.waited().map(drop)
     }
 
     fn capture_begin(&self) -> Result<(), Error> {

@@ -123,7 +123,9 @@ pub mod nvrtc;
 
 pub use clock::{thread_cpu_time, thread_cpu_time_overhead};
 pub use cpu::CpuDevice;
-pub use cuda::{CapturedGraph, CudaDevice, DEFAULT_STAGING_BYTES, DeviceEvent, DriverRecord};
+pub use cuda::{
+    CapturedGraph, CudaDevice, DEFAULT_STAGING_BYTES, DeviceEvent, DriverRecord, TimedEvent,
+};
 pub use device::{
     ByteSpan, BytesId, CopyEvent, Device, DeviceOp, ExportDevice, HostBytesId, HostCopy, HostSync,
     LaneTranslate, Readback, RowGather, SpanMove, TableExport, TableId, TableScatter, TableSpans,

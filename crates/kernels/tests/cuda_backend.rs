@@ -520,3 +520,77 @@ proptest! {
         prop_assert_eq!(dev.read_bytes(&s, t.3, 0, BYTES).unwrap(), cpu.read_bytes(&s, u.3, 0, BYTES).unwrap());
     }
 }
+
+/// A clocked emulation's spin keeps the stream busy for its cycles in host nanoseconds
+/// and then the stream goes on by itself: timed events around it read its length, a
+/// spin enqueued behind it starts where it ended (no idle between the two), the host
+/// never waits to enqueue, and a read-back sleeps the spins out.
+#[test]
+fn a_clocked_spin_lasts_its_cycles_and_timed_events_read_the_stream_time() {
+    use std::time::{Duration, Instant};
+    let dev = CudaDevice::emulated_clocked();
+    let table = dev.alloc_table(1, 3).unwrap();
+    let enqueued = Instant::now();
+    let first_start = dev.record_timed_event().unwrap();
+    dev.launch_spin(30_000_000).unwrap(); // 30 ms
+    let first_end = dev.record_timed_event().unwrap();
+    let second_start = dev.record_timed_event().unwrap();
+    dev.launch_spin(10_000_000).unwrap();
+    let second_end = dev.record_timed_event().unwrap();
+    let returned = enqueued.elapsed();
+    if returned < Duration::from_millis(30) {
+        assert!(
+            !first_end.is_done().unwrap(),
+            "the stream is still in the spin"
+        );
+        assert!(
+            first_end.elapsed_since(&first_start).is_err(),
+            "no time before the event is done"
+        );
+    }
+    let s = HostSync::acquire("test");
+    assert_eq!(dev.read_table(&s, table, 0, 1).unwrap(), [3]);
+    assert!(
+        enqueued.elapsed() >= Duration::from_millis(40),
+        "the read-back waited"
+    );
+    assert!(second_end.is_done().unwrap());
+    let first = first_end.elapsed_since(&first_start).unwrap();
+    assert!(
+        first >= Duration::from_millis(30) && first < Duration::from_millis(30) + returned,
+        "{first:?}"
+    );
+    assert_eq!(
+        second_start.elapsed_since(&first_end).unwrap(),
+        Duration::ZERO,
+        "enqueued behind the first: no idle"
+    );
+    assert_eq!(
+        second_end.elapsed_since(&second_start).unwrap(),
+        Duration::from_millis(10)
+    );
+    assert_eq!(
+        first_start.elapsed_since(&second_end).unwrap(),
+        Duration::ZERO,
+        "backwards reads as zero"
+    );
+}
+
+/// On the unclocked emulation a spin still lasts until the stream is resumed (the
+/// no-sync proofs rely on it), and a timed event behind it is done only then.
+#[test]
+fn an_unclocked_spin_lasts_until_resumed_and_its_timed_event_waits_with_it() {
+    let dev = CudaDevice::emulated();
+    let start = dev.record_timed_event().unwrap();
+    dev.launch_spin(1).unwrap();
+    let end = dev.record_timed_event().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(2));
+    assert!(start.is_done().unwrap());
+    assert!(
+        !end.is_done().unwrap(),
+        "a spin of one cycle still holds the stream"
+    );
+    dev.resume_stream().unwrap();
+    assert!(end.is_done().unwrap());
+    assert!(end.elapsed_since(&start).unwrap() >= std::time::Duration::from_millis(2));
+}

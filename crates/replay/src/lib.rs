@@ -11,6 +11,7 @@
 //! | [`stats`] | [`RunStats`], [`MambaStats`], [`HostRunStats`], samples, timing, why a run fails |
 //! | [`report`] | [`Report`]: the table, the JSON object, the verdict |
 //! | [`scale`] | `bench-scale`: the runs at growing pool and request counts |
+//! | [`overlap`] | `bench-overlap`: GPU idle between forwards under an overlap scheduler, unikv vs a syncing free path |
 //! | [`speculative`] | speculative runs: [`SpecMode`], the draft tree, the seeded acceptance |
 //!
 //! It owns no command line, progress bar or plot: those are the `unikv` binary's
@@ -29,6 +30,7 @@
 
 pub mod config;
 pub mod error;
+pub mod overlap;
 pub mod report;
 pub mod runs;
 #[cfg(any(test, feature = "testing"))]

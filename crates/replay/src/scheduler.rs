@@ -144,7 +144,46 @@ pub fn run_noted<H: Hooks + 'static>(
     notes: &mut dyn FnMut(SpecNote<'_>),
     progress: &dyn Fn(StepProgress),
 ) -> Result<RunStats, ReplayError> {
-    Simulation::new(workload, config, hooks, notes)?.run(progress)
+    Simulation::new(workload, config, config.backend.ledger(), hooks, notes)?.run(progress)
+}
+
+/// What an overlapped run ([`run_overlapped`]) calls after each step's unikv work: it
+/// launches the step's forward on the device and returns at once, so the next step's
+/// unikv work runs on the host while the forward runs on the GPU.
+pub type LaunchForward<'a> = &'a mut dyn FnMut(u64) -> Result<(), ReplayError>;
+
+/// [`run`] as an overlap scheduler runs it, on the device behind `ledger`: the step
+/// metadata is reserved at set-up for the workload (its concurrency, longest request and
+/// largest step, so no step grows it) and built every step, and `forward(step)` is
+/// called after the step's unikv work (its boundary included), outside the timed region,
+/// where the engine launches the step's forward; the next step's work (frees,
+/// admissions, allocations, eviction, metadata build and upload) then runs while that
+/// forward does. The overlap benchmark ([`crate::overlap`]).
+pub fn run_overlapped<H: Hooks + 'static>(
+    workload: &Workload,
+    config: &RunConfig,
+    ledger: Arc<SyncLedger>,
+    hooks: H,
+    forward: LaunchForward<'_>,
+) -> Result<RunStats, ReplayError> {
+    let mut notes = |_: SpecNote<'_>| {};
+    let mut sim = Simulation::new(workload, config, ledger, hooks, &mut notes)?;
+    let width = config.speculation.map_or(1, |s| s.width()) as usize;
+    let concurrency = workload.concurrency as usize;
+    sim.cache.reserve_step_metadata(unikv::StepCapacity {
+        requests: concurrency,
+        max_len: workload
+            .requests
+            .iter()
+            .map(|r| r.prompt.len() + r.output_len as usize + width)
+            .max()
+            .unwrap_or(0),
+        max_new_tokens: config.chunk_tokens as usize + concurrency * width,
+        max_loaded_pages: 0,
+    })?;
+    sim.metadata_every = 1;
+    sim.forward = Some(forward);
+    sim.run(&|_| {})
 }
 
 /// Vocabulary that generated tokens are drawn from (disjoint from nothing: generated
@@ -208,8 +247,12 @@ struct Simulation<'a> {
     metadata_ns: Option<u64>,
     /// The first entry of `computed` no build has covered yet.
     metadata_from: usize,
-    /// Whether this step builds its metadata (every [`METADATA_EVERY`]-th).
+    /// Whether this step builds its metadata (every `metadata_every`-th).
     metadata_due: bool,
+    /// Steps between metadata builds ([`METADATA_EVERY`], or 1 in an overlapped run).
+    metadata_every: u64,
+    /// Launches each step's forward (an overlapped run).
+    forward: Option<LaunchForward<'a>>,
 }
 
 /// The replay builds step metadata every this many steps: enough to time it across a
@@ -221,10 +264,10 @@ impl<'a> Simulation<'a> {
     fn new<H: Hooks + 'static>(
         workload: &'a Workload,
         config: &'a RunConfig,
+        ledger: Arc<SyncLedger>,
         hooks: H,
         notes: &'a mut dyn FnMut(SpecNote<'_>),
     ) -> Result<Self, ReplayError> {
-        let ledger = config.backend.ledger();
         let mut builder = cache_builder(config, ledger.clone());
         let pages_handled = Arc::new(AtomicU64::new(0));
         let counter = PagesHandled(pages_handled.clone());
@@ -305,6 +348,8 @@ impl<'a> Simulation<'a> {
             metadata_ns: None,
             metadata_from: 0,
             metadata_due: false,
+            metadata_every: METADATA_EVERY,
+            forward: None,
         })
     }
 
@@ -322,7 +367,7 @@ impl<'a> Simulation<'a> {
             self.computed.clear();
             self.metadata_ns = None;
             self.metadata_from = 0;
-            self.metadata_due = step.is_multiple_of(METADATA_EVERY);
+            self.metadata_due = step.is_multiple_of(self.metadata_every);
             let started = thread_cpu_time();
             let moved = self.step()?;
             let report = self.cache.step_boundary();
@@ -340,6 +385,9 @@ impl<'a> Simulation<'a> {
                 .as_nanos() as u64)
                 .saturating_sub(metadata);
             self.step_boundary_result(report)?;
+            if let Some(forward) = &mut self.forward {
+                forward(step)?;
+            }
             step += 1;
             self.stats.steps = step;
             self.stats.step_cpu_ns.push(elapsed);
