@@ -476,8 +476,9 @@ impl CudaDevice {
     /// `record` may return any error a kernels [`Error`] converts into (the facade's
     /// included), so a closure can call the cache.
     ///
-    /// Errors: what `record` returns (the capture is ended either way, and its lists
-    /// freed), or the driver's.
+    /// Errors: what `record` returns (the capture is ended either way, and the lists it
+    /// staged are freed at the next step boundary, as a dropped graph's), or the
+    /// driver's.
     pub fn capture<E: From<Error>>(
         &self,
         record: impl FnOnce(&CudaDevice) -> Result<(), E>,
