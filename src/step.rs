@@ -29,6 +29,18 @@
 //! doubling. Once reserved, a build issues no host sync and allocates nothing
 //! (`step_metadata_from_the_lanes_issues_no_host_sync`).
 //!
+//! # A decode step as eager inputs and a graph replay
+//! [`HybridCache::build_step_metadata`] is two halves an engine may issue apart:
+//! [`HybridCache::build_step_inputs`] writes the step's data (the lanes' new pages, the
+//! header, the mirror when behind: lists a CUDA graph cannot capture) and
+//! [`HybridCache::translate_step_tables`] issues the one `translate_lanes` that writes the
+//! page tables from them. That translation names only tables and shapes
+//! ([`StepMetadata::page_table_translation`]), the same at every step of a reserved
+//! capacity, so a graph captures it once and each step is the eager inputs plus one
+//! replay; the table it leaves equals an uncaptured build's at every step
+//! (`a_captured_step_translation_replays_every_decode_step`: 1,000 decode steps with
+//! requests growing, finishing and admitted, on the CUDA backend's emulated driver).
+//!
 //! # Checks
 //! - A load-back from the host tier is listed, page by page, in the `load_*` sections of
 //!   the step that admitted it, host- and device-built alike, and in no later step
@@ -72,12 +84,30 @@ pub struct StepMetadata {
     lanes: Vec<u32>,
     layout: DeviceLayout,
     table: Option<TableId>,
+    /// The translation that writes the page tables from the lanes (empty when built on
+    /// the host, or for an empty batch).
+    translation: Vec<LaneTranslate>,
 }
 
 impl StepMetadata {
     /// Empty metadata (nothing readable until built).
     pub fn new() -> StepMetadata {
         StepMetadata::default()
+    }
+
+    /// The one [`unikv_kernels::Device::translate_lanes`] call that writes this step's
+    /// FULL and SWA page tables on the device from the lanes
+    /// ([`HybridCache::translate_step_tables`] issues it): which tables it reads and
+    /// writes and its shapes, none of the step's data, which it reads from the device
+    /// tables when it runs. Empty for host-built metadata and for an empty batch.
+    ///
+    /// Within a reserved capacity ([`HybridCache::reserve_step_metadata`]) it is the same
+    /// every step, so a CUDA graph that captured it once serves every step whose
+    /// translation equals the captured one: an engine compares this list with the one it
+    /// captured after each [`HybridCache::build_step_inputs`], and captures again when
+    /// they differ (the step grew past the capacity: new tables, a new layout).
+    pub fn page_table_translation(&self) -> &[LaneTranslate] {
+        &self.translation
     }
 }
 
@@ -541,7 +571,105 @@ impl HybridCache {
         meta: &mut StepMetadata,
         batch: &[(&Request, usize)],
     ) -> Result<(), Error> {
+        self.build_step(meta, batch, PageTables::Device)?;
+        self.translate_step_tables(meta)
+            .inspect_err(|_| meta.built = None)
+    }
+
+    /// The eager half of [`HybridCache::build_step_metadata`], for an engine that replays
+    /// a CUDA graph each step: everything but the page tables — the lanes' new pages
+    /// (one scatter), the header (one upload) and, when behind, the translation mirror,
+    /// all per-step data a graph cannot capture. The page tables are written by
+    /// [`HybridCache::translate_step_tables`] (its translation,
+    /// [`StepMetadata::page_table_translation`], is what the graph captures), so a
+    /// decode step is these inputs, then one replay of a graph that captured the
+    /// translation once (`a_captured_step_translation_replays_every_decode_step`):
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use unikv::kernels::{CudaDevice, LaneTranslate};
+    /// use unikv::{HybridCache, Layout, ModelSpec, StepCapacity, StepMetadata, TokenId};
+    ///
+    /// let cuda = Arc::new(CudaDevice::emulated()); // or `CudaDevice::new(0)?` on a GPU
+    /// let mut cache = HybridCache::builder()
+    ///     .model(ModelSpec::GPT_OSS_20B)
+    ///     .page_size(16)
+    ///     .memory_bytes(64 << 20)
+    ///     .layout(Layout::Unified)
+    ///     .device(cuda.clone())
+    ///     .build()?;
+    /// // Every step within the capacity has the same tables and layout.
+    /// cache.reserve_step_metadata(StepCapacity {
+    ///     requests: 8,
+    ///     max_len: 4096,
+    ///     max_new_tokens: 512,
+    ///     max_loaded_pages: 0,
+    /// })?;
+    /// let hit = cache.match_prefix((0..300).map(TokenId).collect());
+    /// let mut req = cache.admit(hit)?;
+    /// cache.alloc_extend(&mut req, 300)?;
+    /// let mut meta = StepMetadata::new();
+    /// let (mut graph, mut captured) = (None, Vec::<LaneTranslate>::new());
+    /// let mut captures = 0;
+    /// for step in 0..20 {
+    ///     let new_tokens = if step == 0 { 300 } else { 1 };
+    ///     if step > 0 {
+    ///         cache.alloc_decode(&mut [&mut req], &[TokenId(1000 + step)])?;
+    ///     }
+    ///     cache.build_step_inputs(&mut meta, &[(&req, new_tokens)])?; // eager
+    ///     if graph.is_none() || captured != meta.page_table_translation() {
+    ///         // At the first step (and after the capacity grew): capture again, with
+    ///         // the engine's forward in a real engine.
+    ///         captured = meta.page_table_translation().to_vec();
+    ///         graph = Some(cuda.capture(|_| cache.translate_step_tables(&meta))?);
+    ///         captures += 1;
+    ///     }
+    ///     if let Some(graph) = &graph {
+    ///         cuda.launch_graph(graph)?; // writes this step's page tables
+    ///     }
+    ///     // ... the forward reads the step table ...
+    ///     cache.step_boundary()?;
+    ///     cuda.end_step()?;
+    /// }
+    /// assert_eq!(captures, 1);
+    /// # Ok::<(), unikv::Error>(())
+    /// ```
+    ///
+    /// The metadata is readable ([`HybridCache::step_view`]) as after a full build; its
+    /// device table's page tables hold this step's values once the translation (eager or
+    /// replayed) has run, in stream order. Errors as [`HybridCache::build_step_metadata`].
+    pub fn build_step_inputs(
+        &mut self,
+        meta: &mut StepMetadata,
+        batch: &[(&Request, usize)],
+    ) -> Result<(), Error> {
         self.build_step(meta, batch, PageTables::Device)
+    }
+
+    /// Writes the page tables of `meta` (built by [`HybridCache::build_step_inputs`]) on
+    /// the device: its [`StepMetadata::page_table_translation`], one
+    /// [`unikv_kernels::Device::translate_lanes`], which reads the lanes, the header and
+    /// the `v2p` mirrors when it runs. On a [`unikv_kernels::CudaDevice`] a graph may
+    /// capture it ([`unikv_kernels::CudaDevice::capture`]) and replay it at every step
+    /// whose translation equals the captured one. Issues nothing for host-built
+    /// metadata or an empty batch.
+    ///
+    /// Errors: [`Error::UnbuiltStepMetadata`] for metadata not built by this cache,
+    /// [`Error::StaleStepMetadata`] when a table changed since its build (the mirror the
+    /// translation reads would not be the one the header was built for), or the
+    /// device's error; nothing is issued then.
+    pub fn translate_step_tables(&self, meta: &StepMetadata) -> Result<(), Error> {
+        let Some((cache, built)) = meta.built else {
+            return Err(Error::UnbuiltStepMetadata);
+        };
+        if cache != self.cache_id() {
+            return Err(Error::UnbuiltStepMetadata);
+        }
+        self.check_current(Some(built))?;
+        if meta.translation.is_empty() {
+            return Ok(());
+        }
+        Ok(self.device().translate_lanes(&meta.translation)?)
     }
 
     /// [`HybridCache::build_step_metadata`] with the page tables built on the host, row by
@@ -567,6 +695,7 @@ impl HybridCache {
         meta.checkpoints.clear();
         meta.loaded.clear();
         meta.image.clear();
+        meta.translation.clear();
         self.check_step_batch(batch)?;
         self.sync_mirror()?;
         let ps = self.page_size();
@@ -796,7 +925,7 @@ impl HybridCache {
         } else {
             let table = self.upload_step_table(&meta.image, l.len)?;
             if tables == PageTables::Device {
-                self.translate_page_tables(table, &l)?;
+                self.page_table_translation(table, &l, &mut meta.translation);
             }
             Some(table)
         };
@@ -838,13 +967,20 @@ impl HybridCache {
         Ok(())
     }
 
-    /// Writes the FULL and SWA page tables of the step table laid out as `l` from the
-    /// lanes, on the device: one [`unikv_kernels::Device::translate_lanes`].
-    fn translate_page_tables(&self, table: TableId, l: &DeviceLayout) -> Result<(), Error> {
+    /// The translation that writes the FULL and SWA page tables of the step table laid
+    /// out as `l` from the lanes, on the device (one
+    /// [`unikv_kernels::Device::translate_lanes`]), into `all`. Every field comes from
+    /// the tables and the layout, so within a reserved capacity it is the same every step.
+    fn page_table_translation(
+        &self,
+        table: TableId,
+        l: &DeviceLayout,
+        all: &mut Vec<LaneTranslate>,
+    ) {
         let alloc = self.allocator();
         let lanes = self.lanes();
         let Some(rows) = lanes.table() else {
-            return Ok(()); // an empty batch: nothing to translate
+            return; // an empty batch: nothing to translate
         };
         let translation = |side: Side, firsts, starts, out_at, out_len| {
             Some(LaneTranslate {
@@ -861,7 +997,6 @@ impl HybridCache {
                 out_len,
             })
         };
-        let mut all: Vec<LaneTranslate> = Vec::with_capacity(2);
         all.extend(translation(
             Side::Full,
             None,
@@ -878,7 +1013,6 @@ impl HybridCache {
                 l.len - l.swa_pages,
             ));
         }
-        Ok(self.device().translate_lanes(&all)?)
     }
 
     /// Reads `meta` if it is current: built by this cache, and no table changed since

@@ -8,7 +8,7 @@ mod common;
 
 use common::*;
 use std::sync::Arc;
-use unikv::kernels::{CpuDevice, HostSync, Readback, SyncLedger};
+use unikv::kernels::{CpuDevice, CudaDevice, HostSync, Readback, SyncLedger};
 use unikv::pools::Side;
 use unikv::{
     DeviceLayout, Error, HybridCache, Layout, Request, StepCapacity, StepMetadata, StepView,
@@ -681,4 +681,148 @@ fn each_request_lists_its_own_load_back() {
         cache.release(b).unwrap();
         cache.step_boundary().unwrap();
     });
+}
+
+/// One of the two identical caches of `a_captured_step_translation_replays_every_decode_step`:
+/// its fixture, device, running requests and metadata.
+struct Decoder {
+    fx: Fixture,
+    cuda: Arc<CudaDevice>,
+    running: Vec<Request>,
+    meta: StepMetadata,
+    /// Requests admitted and finished so far.
+    admitted: usize,
+    finished: usize,
+}
+
+impl Decoder {
+    fn new(layout: Layout, ps: u32, capacity: StepCapacity) -> Decoder {
+        let cuda = Arc::new(CudaDevice::emulated());
+        let config = Config {
+            device: Some(cuda.clone()),
+            ..Config::tokens(layout, ps, W, 2048, 16)
+        };
+        let mut fx = Fixture::new(&config);
+        fx.cache.reserve_step_metadata(capacity).unwrap();
+        Decoder {
+            fx,
+            cuda,
+            running: Vec::new(),
+            meta: StepMetadata::new(),
+            admitted: 0,
+            finished: 0,
+        }
+    }
+
+    /// Step `step`'s allocations: every 37th step the oldest request finishes; below three
+    /// running, a new one is admitted and prefilled in this step; the rest decode a token.
+    /// Returns each running request's new tokens, in batch order.
+    fn allocate(&mut self, step: u32) -> Vec<usize> {
+        if step % 37 == 36 && !self.running.is_empty() {
+            let done = self.running.remove(0);
+            self.fx.cache.cache_finished(done).unwrap();
+            self.finished += 1;
+        }
+        let decoding = self.running.len();
+        let mut news = vec![1; decoding];
+        if decoding > 0 {
+            let tokens: Vec<TokenId> = (0..decoding as u32)
+                .map(|i| TokenId(7 + step + i))
+                .collect();
+            let mut reqs: Vec<&mut Request> = self.running.iter_mut().collect();
+            self.fx.cache.alloc_decode(&mut reqs, &tokens).unwrap();
+        }
+        if decoding < 3 {
+            let len = 5 + (step as usize * 7) % 23;
+            let mut req = self.fx.admit(text(10_000 * (step + 1), len));
+            let n = req.remaining_prefill();
+            self.fx.cache.alloc_extend(&mut req, n).unwrap();
+            self.running.push(req);
+            self.admitted += 1;
+            news.push(n);
+        }
+        news
+    }
+
+    /// The step table as the device holds it now.
+    fn table(&self) -> (DeviceLayout, Vec<i32>) {
+        let view = self.fx.cache.step_view(&self.meta).unwrap();
+        let layout = view.device_layout();
+        let sync = HostSync::acquire("test: reading the step table back");
+        let table = self
+            .cuda
+            .read_table(&sync, view.device_table().unwrap(), 0, layout.len)
+            .unwrap();
+        (layout, table)
+    }
+}
+
+/// Issue 41's "one decode step in a CUDA graph": a batch decodes for 1,000 steps — requests
+/// growing, one finishing every 37 steps and another admitted and prefilled in its place,
+/// pages allocated so the lanes change — on the CUDA backend's emulated driver. On one
+/// cache each step's device work is its eager inputs (`build_step_inputs`) and one replay
+/// of a graph that captured `translate_step_tables` once, at step 0; after every step its
+/// step table equals, entry for entry, the table an uncaptured `build_step_metadata` left
+/// on an identical cache.
+#[test]
+fn a_captured_step_translation_replays_every_decode_step() {
+    let capacity = StepCapacity {
+        requests: 4,
+        max_len: 256,
+        max_new_tokens: 64,
+        max_loaded_pages: 0,
+    };
+    for layout in [Layout::Unified, LAYOUTS[1]] {
+        for ps in [1, 16] {
+            let mut graphed = Decoder::new(layout, ps, capacity);
+            let mut plain = Decoder::new(layout, ps, capacity);
+            let label = graphed.fx.label.clone();
+            let (mut graph, mut captured, mut captures) = (None, Vec::new(), 0);
+            for step in 0..1000 {
+                let news = graphed.allocate(step);
+                assert_eq!(plain.allocate(step), news, "{label}: step {step}");
+                let batch: Vec<(&Request, usize)> =
+                    graphed.running.iter().zip(news.iter().copied()).collect();
+                let cache = &mut graphed.fx.cache;
+                cache.build_step_inputs(&mut graphed.meta, &batch).unwrap();
+                if graph.is_none() || captured != graphed.meta.page_table_translation() {
+                    captured = graphed.meta.page_table_translation().to_vec();
+                    let meta = &graphed.meta;
+                    let cache = &graphed.fx.cache;
+                    graph = Some(
+                        graphed
+                            .cuda
+                            .capture(|_| cache.translate_step_tables(meta))
+                            .unwrap(),
+                    );
+                    captures += 1;
+                }
+                graphed.cuda.launch_graph(graph.as_ref().unwrap()).unwrap();
+                let batch: Vec<(&Request, usize)> =
+                    plain.running.iter().zip(news.iter().copied()).collect();
+                plain
+                    .fx
+                    .cache
+                    .build_step_metadata(&mut plain.meta, &batch)
+                    .unwrap();
+                let (got, want) = (graphed.table(), plain.table());
+                assert_eq!(got.0, want.0, "{label}: step {step}: the layout");
+                assert_eq!(got.1, want.1, "{label}: step {step}: the step table");
+                for d in [&mut graphed, &mut plain] {
+                    d.fx.step();
+                    d.cuda.end_step().unwrap();
+                }
+            }
+            assert_eq!(captures, 1, "{label}: captured once, at step 0");
+            let (admitted, finished) = (graphed.admitted, graphed.finished);
+            assert!(
+                admitted > 20 && finished > 20,
+                "{label}: {admitted} {finished}"
+            );
+            for d in [graphed, plain] {
+                let Decoder { fx, running, .. } = d;
+                fx.teardown(running);
+            }
+        }
+    }
 }

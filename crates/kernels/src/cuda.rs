@@ -32,16 +32,19 @@
 //!
 //! This file holds the device, its public surface, the one place driver calls are made
 //! and the [`Device`] and [`Readback`] implementations; `staging` is the ring's
-//! mechanics, `fused_writes` the one-launch table writes that keep each entry's last
-//! write, `host_tier` the host-tier buffers, copies and events.
+//! mechanics, `graphs` the argument lists a captured graph owns, `fused_writes` the
+//! one-launch table writes that keep each entry's last write, `host_tier` the host-tier
+//! buffers, copies and events.
 
 mod fused_writes;
+mod graphs;
 mod host_tier;
 mod staging;
 
 use fused_writes::LastWins;
+use graphs::{FencedLists, GraphList, SharedOrphans};
 pub use staging::DEFAULT_STAGING_BYTES;
-use staging::{FENCES, Ring, STAGE_ALIGN};
+use staging::{FENCES, ListKind, Ring, STAGE_ALIGN};
 
 use crate::check;
 use crate::driver::{
@@ -138,6 +141,10 @@ struct State {
     largest: usize,
     /// Set while [`CudaDevice::capture`] records a graph.
     capturing: bool,
+    /// The lists staged for the graph being captured (its own, from its capture on).
+    graph_lists: Vec<GraphList>,
+    /// Lists of dropped graphs behind the fence recorded after their last replay.
+    fenced_lists: Vec<FencedLists>,
     /// Reused host buffers: the packed list of an op, the entries a table write kept.
     pack: Vec<u8>,
     seen: LastWins,
@@ -160,6 +167,8 @@ pub struct CudaDevice {
     emulated: Option<Arc<EmulatedDriver>>,
     state: Mutex<State>,
     log: Mutex<CallLog>,
+    /// Lists of dropped graphs, handed over by their drop for the next step boundary.
+    orphans: Arc<SharedOrphans>,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -222,10 +231,16 @@ impl TimedEvent {
 }
 
 /// A CUDA graph captured from a [`CudaDevice`]'s ops ([`CudaDevice::capture`]), replayed
-/// with [`CudaDevice::launch_graph`]; destroyed when this drops.
+/// with [`CudaDevice::launch_graph`]; destroyed when this drops. It owns the argument
+/// lists of the fused translations it captured (pinned memory and a device buffer each,
+/// read at every replay): once it drops, the device's next step boundary
+/// ([`CudaDevice::end_step`]) fences them behind the replays already enqueued and frees
+/// them when the fence is done.
 pub struct CapturedGraph {
     handle: GraphHandle,
     driver: Arc<dyn Driver>,
+    lists: Vec<GraphList>,
+    orphans: Arc<SharedOrphans>,
 }
 
 impl fmt::Debug for CapturedGraph {
@@ -238,6 +253,11 @@ impl Drop for CapturedGraph {
     fn drop(&mut self) {
         // Runs already enqueued still complete; a failure only leaks the graph.
         let _ = self.driver.graph_destroy(self.handle);
+        // Those runs still read the lists: the device frees them behind a fence.
+        let lists = std::mem::take(&mut self.lists);
+        if !lists.is_empty() {
+            self.orphans.adopt(lists, &*self.driver);
+        }
     }
 }
 
@@ -340,10 +360,13 @@ impl CudaDevice {
                 overflowed: false,
                 largest: 0,
                 capturing: false,
+                graph_lists: Vec::new(),
+                fenced_lists: Vec::new(),
                 pack: Vec::new(),
                 seen: LastWins::default(),
             }),
             log: Mutex::new(CallLog::default()),
+            orphans: Arc::default(),
         }
     }
 
@@ -448,6 +471,7 @@ impl CudaDevice {
         self.free_retired(&mut st, "end_step")?;
         self.reap_exports(&mut st, "end_step")?;
         self.release_retired_hosts(&mut st, "end_step")?;
+        self.release_graph_lists(&mut st, "end_step")?;
         let State { ring, spare, .. } = &mut *st;
         self.retire(ring, spare, "end_step", u64::MAX)?; // done fences back to spare
         if st.spare.is_empty() {
@@ -470,26 +494,59 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// Captures the ops `record` issues into a CUDA graph instead of running them (an
-    /// engine capturing its forward captures the step's translation with it). Ops whose
-    /// argument list is staged per call (scatter, upload, fill, move, the fused
-    /// translations) are refused during the capture with [`Error::NotCapturable`];
-    /// `translate`, `gather_table` and `gather_rows` read only device tables, so a replay
-    /// sees the tables as they are at that time.
+    /// Captures the ops `record` issues into a CUDA graph instead of running them, for
+    /// [`CudaDevice::launch_graph`] to replay (an engine capturing its forward captures
+    /// the step's translation with it). A replay reads every table as it is when the
+    /// replay runs: the engine writes a step's inputs eagerly (scatters, uploads), then
+    /// replays.
     ///
-    /// Errors: what `record` returns (the capture is ended either way), or the driver's.
-    pub fn capture(
+    /// Capturable: `translate`, `gather_table` and `gather_rows` (their arguments are
+    /// passed by value), and the fused translations `translate_many`,
+    /// `translate_windows` and `translate_lanes`, whose argument list names tables and
+    /// shapes only: captured, it is staged into pinned memory and a device buffer the
+    /// graph owns for its life (not the shared staging ring, which later ops
+    /// overwrite), so every replay launches with the lanes, starts and ids the tables
+    /// hold at that time (`a_captured_lane_translation_replays_with_the_tables_of_each_launch`).
+    /// Those lists are allocated here (set-up work: sync hazards of the capture) and
+    /// freed behind a fence after the graph drops
+    /// (`a_dropped_graph_frees_its_lists_once_the_stream_is_past_its_replays`).
+    /// Refused with [`Error::NotCapturable`], issuing nothing: the ops whose list is
+    /// per-step data (scatter, upload, copy of table spans, fill, move), host-tier
+    /// copies and copy events. Those are a step's eager inputs.
+    ///
+    /// `record` may return any error a kernels [`Error`] converts into (the facade's
+    /// included), so a closure can call the cache.
+    ///
+    /// Errors: what `record` returns (the capture is ended either way, and the lists it
+    /// staged are freed at the next step boundary, as a dropped graph's), or the
+    /// driver's.
+    pub fn capture<E: From<Error>>(
         &self,
-        record: impl FnOnce(&CudaDevice) -> Result<(), Error>,
-    ) -> Result<CapturedGraph, Error> {
+        record: impl FnOnce(&CudaDevice) -> Result<(), E>,
+    ) -> Result<CapturedGraph, E> {
         self.issue("capture", DriverCall::CaptureBegin, |d| d.capture_begin())?;
         self.state().capturing = true;
         let recorded = record(self);
-        self.state().capturing = false;
-        let handle = self.issue("capture", DriverCall::CaptureEnd, |d| d.capture_end())?;
+        let lists = {
+            let mut st = self.state();
+            st.capturing = false;
+            std::mem::take(&mut st.graph_lists)
+        };
+        let handle = match self.issue("capture", DriverCall::CaptureEnd, |d| d.capture_end()) {
+            Ok(handle) => handle,
+            Err(e) => {
+                // No graph: nothing that reads the lists will ever run.
+                for list in lists {
+                    let _ = self.free_graph_list("capture", list);
+                }
+                return Err(e.into());
+            }
+        };
         let graph = CapturedGraph {
             handle,
             driver: self.driver.clone(),
+            lists,
+            orphans: self.orphans.clone(),
         };
         recorded.map(|()| graph)
     }
@@ -660,6 +717,7 @@ impl CudaDevice {
 
     /// Launches `kernel(list, count)` over the staged list of `count` entries: a row of
     /// blocks (y) per entry, enough blocks along x for the widest entry's `widest` items.
+    /// The list is a descriptor (tables and shapes), so a graph may capture it.
     fn launch_list_rows(
         &self,
         st: &mut State,
@@ -676,7 +734,7 @@ impl CudaDevice {
             ),
             threads: BLOCK,
         };
-        self.launch_with_list(st, op, kernel, grid, |list| {
+        self.launch_with_list(st, op, ListKind::Descriptor, kernel, grid, |list| {
             vec![Arg::U64(list), Arg::U64(count)]
         })
     }
@@ -742,6 +800,7 @@ impl Drop for CudaDevice {
                 let _ = self.driver.free_pinned(host);
             }
         }
+        CudaDevice::drop_graph_lists(st, &self.orphans, &*self.driver);
         for event in st.spare.drain(..) {
             let _ = self.driver.event_destroy(event);
         }
@@ -959,6 +1018,7 @@ impl Device for CudaDevice {
         self.launch_with_list(
             &mut st,
             "fill_spans",
+            ListKind::Data,
             Kernel::FillSpans,
             per_span(n, longest),
             |list| vec![Arg::U64(ptr), Arg::U64(list), Arg::U64(n), Arg::U8(value)],
@@ -990,6 +1050,7 @@ impl Device for CudaDevice {
         self.launch_with_list(
             &mut st,
             "move_spans",
+            ListKind::Data,
             Kernel::MoveSpans,
             per_span(n, longest),
             |list| vec![Arg::U64(ptr), Arg::U64(list), Arg::U64(n)],
@@ -1182,6 +1243,7 @@ impl Device for CudaDevice {
         self.launch_with_list(
             &mut st,
             "translate_lanes",
+            ListKind::Descriptor,
             Kernel::TranslateLanes,
             grid,
             |list| vec![Arg::U64(list), Arg::U64(count), Arg::U64(total)],

@@ -237,6 +237,20 @@ mod imp {
             .map_err(cuda("free"))
         }
 
+        fn alloc_unordered(&self, bytes: usize) -> Result<DevPtr, Error> {
+            self.bind()?;
+            // SAFETY: a plain allocation, outside any stream (legal during a relaxed
+            // capture); the memory is returned uninitialised, as the trait says.
+            unsafe { result::malloc_sync(bytes) }.map_err(self.oom(bytes))
+        }
+
+        fn free_unordered(&self, ptr: DevPtr) -> Result<(), Error> {
+            self.bind()?;
+            // SAFETY: `ptr` came from `alloc_unordered` and is freed once (the backend
+            // frees a graph's list once, after its fence reports every replay done).
+            unsafe { result::free_sync(ptr) }.map_err(cuda("free"))
+        }
+
         fn alloc_pinned(&self, bytes: usize) -> Result<Pinned, Error> {
             self.bind()?;
             // SAFETY: a plain page-locked allocation (flags 0) of `bytes`, freed once by

@@ -321,6 +321,14 @@ pub(crate) trait Driver: Send + Sync {
     fn alloc(&self, bytes: usize) -> Result<DevPtr, Error>;
     /// Frees an allocation of [`Driver::alloc`] after the work enqueued so far.
     fn free(&self, ptr: DevPtr) -> Result<(), Error>;
+    /// Allocates `bytes` (> 0) of device memory outside stream order (`cuMemAlloc`, never
+    /// `cuMemAllocAsync`), contents undefined: legal while the stream captures a graph
+    /// (relaxed mode), where a stream-ordered allocation would become a node of the
+    /// graph. For memory a captured graph owns.
+    fn alloc_unordered(&self, bytes: usize) -> Result<DevPtr, Error>;
+    /// Frees an allocation of [`Driver::alloc_unordered`] (`cuMemFree`, outside stream
+    /// order): the backend calls it only once no enqueued work uses `ptr`.
+    fn free_unordered(&self, ptr: DevPtr) -> Result<(), Error>;
     /// Allocates `bytes` (> 0) of pinned host memory, contents undefined.
     fn alloc_pinned(&self, bytes: usize) -> Result<Pinned, Error>;
     /// Frees pinned memory no enqueued work still reads.

@@ -563,6 +563,22 @@ impl Driver for EmulatedDriver {
         self.enqueue(Work::Free { ptr })
     }
 
+    fn alloc_unordered(&self, bytes: usize) -> Result<DevPtr, Error> {
+        // Emulated allocations are never stream-ordered (nothing is captured).
+        self.alloc(bytes)
+    }
+
+    fn free_unordered(&self, ptr: DevPtr) -> Result<(), Error> {
+        // At once, as `cuMemFree` once nothing uses the memory: a replay still queued
+        // that reads it (a backend freeing too early) faults the stream when it runs.
+        let mut st = self.state();
+        st.sticky()?;
+        match st.memory.remove(&ptr) {
+            Some(_) => Ok(()),
+            None => Err(emulated(format!("free of unknown address {ptr:#x}"))),
+        }
+    }
+
     fn alloc_pinned(&self, bytes: usize) -> Result<Pinned, Error> {
         let mut st = self.state();
         let addr = st.next_pinned;

@@ -132,14 +132,16 @@ pub enum Error {
         /// Where it was called from.
         location: &'static std::panic::Location<'static>,
     },
-    /// An op that stages an argument list (scatter, upload, fill, move) was issued while
+    /// An op whose argument list is per-step data (scatter, upload, copy of table spans,
+    /// fill, move) was issued while
     /// [`CudaDevice::capture`](crate::CudaDevice::capture) records a graph: its list
     /// changes every step, so a replayed graph would reuse a stale one. So was a
     /// host-tier copy or [`Device::record_copy_event`](crate::Device::record_copy_event):
     /// their completion is tracked by events recorded per call, which a replay would not
-    /// record again. Refused before anything was issued.
+    /// record again. Refused before anything was issued: issue them eagerly, before the
+    /// replay that reads what they wrote.
     #[error(
-        "{op} cannot be captured into a CUDA graph: it is issued per call (a staged argument list, a host-tier copy or its event); capture translate, gather_table and gather_rows, and issue the rest outside the graph"
+        "{op} cannot be captured into a CUDA graph: it is issued per call (a list of per-step data, a host-tier copy or its event); capture the translations and gathers, and issue the rest eagerly before the replay"
     )]
     NotCapturable {
         /// The op refused.

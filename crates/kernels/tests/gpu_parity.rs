@@ -10,8 +10,9 @@
 
 use unikv_invariants::testing::page_sizes;
 use unikv_kernels::{
-    ByteSpan, BytesId, CpuDevice, CudaDevice, Device, Error, HostCopy, HostSync, LaneTranslate,
-    Readback, RowGather, SpanMove, TableId, TableScatter, TableSpans, Translate, WindowTranslate,
+    ByteSpan, BytesId, CpuDevice, CudaDevice, Device, DriverCall, DriverRecord, Error, HostCopy,
+    HostSync, LaneTranslate, Readback, RowGather, SpanMove, TableId, TableScatter, TableSpans,
+    Translate, WindowTranslate,
 };
 
 fn gpu_required() -> bool {
@@ -689,44 +690,283 @@ fn lane_translations_match_cpu() {
     }
 }
 
-/// A lane translation stages its list per call, so a CUDA graph cannot capture it: it
-/// is refused during the capture, issues nothing, and runs eagerly after.
-#[test]
-fn a_lane_translation_is_refused_during_capture() {
-    for (label, dev) in backends("a_lane_translation_is_refused_during_capture") {
-        let (v2p, rows) = (table(&dev, &[0, 4]).unwrap(), table(&dev, &[1, 1]).unwrap());
-        let meta = table(&dev, &[0, 0, 2]).unwrap();
-        let out = dev.alloc_table(2, -1).unwrap();
-        let lanes = LaneTranslate {
-            v2p,
-            rows,
-            lane_len: 2,
-            lanes: (meta, 0),
+/// The tables of a step's captured translations, on one device: the `v2p` mirror, four
+/// lanes of eight virtual pages, the header (each request's lane, first entry, FULL and
+/// SWA output starts, window start and live length) and the two outputs.
+#[derive(Clone, Copy)]
+struct StepTables {
+    v2p: TableId,
+    rows: TableId,
+    meta: TableId,
+    out: TableId,
+    windows: TableId,
+}
+
+const LANES: usize = 4;
+const LANE_LEN: usize = 8;
+// Offsets in `StepTables::meta`, and its length.
+const META_LANES: usize = 0;
+const META_FIRSTS: usize = 4;
+const META_FULL: usize = 8;
+const META_SWA: usize = 13;
+const META_WIN: usize = 18;
+const META_LENS: usize = 22;
+const META_LEN: usize = 26;
+const FULL_OUT: usize = 20;
+const SWA_OUT: usize = 12;
+const WIDTH: usize = 3;
+
+impl StepTables {
+    fn new(dev: &dyn Device) -> Result<StepTables, Error> {
+        Ok(StepTables {
+            v2p: dev.alloc_table(64, 0)?,
+            rows: dev.alloc_table(LANES * LANE_LEN, 0)?,
+            meta: dev.alloc_table(META_LEN, 0)?,
+            out: dev.alloc_table(FULL_OUT + SWA_OUT, -1)?,
+            windows: dev.alloc_table(LANES * WIDTH, -1)?,
+        })
+    }
+
+    /// A step's FULL and SWA page tables, as the facade's step metadata translates them.
+    fn lanes(&self) -> [LaneTranslate; 2] {
+        let full = LaneTranslate {
+            v2p: self.v2p,
+            rows: self.rows,
+            lane_len: LANE_LEN,
+            lanes: (self.meta, META_LANES),
             firsts: None,
-            starts: (meta, 1),
-            batch: 1,
+            starts: (self.meta, META_FULL),
+            batch: LANES,
             stride: 3,
-            out,
+            out: self.out,
             out_at: 0,
-            out_len: 2,
+            out_len: FULL_OUT,
         };
-        let captured = dev.capture(|d| {
-            assert!(
-                matches!(
-                    d.translate_lanes(&[lanes]),
-                    Err(Error::NotCapturable {
-                        op: "translate_lanes"
-                    })
-                ),
-                "{label}"
-            );
-            Ok(())
-        });
-        assert!(captured.is_ok(), "{label}");
+        let swa = LaneTranslate {
+            firsts: Some((self.meta, META_FIRSTS)),
+            starts: (self.meta, META_SWA),
+            stride: 5,
+            out_at: FULL_OUT,
+            out_len: SWA_OUT,
+            ..full
+        };
+        [full, swa]
+    }
+
+    /// A verify's write ids: a window of each lane from a device-side start.
+    fn window(&self) -> WindowTranslate {
+        WindowTranslate {
+            v2p: self.v2p,
+            ids: self.rows,
+            ids_at: 0,
+            rows: LANE_LEN,
+            starts: self.meta,
+            starts_at: META_WIN,
+            bias: 1,
+            lens: Some((self.meta, META_LENS)),
+            batch: LANES,
+            width: WIDTH,
+            page_size: 2,
+            stride: 7,
+            out: self.windows,
+            out_at: 0,
+        }
+    }
+
+    /// One step's eager inputs, drawn from `rng`: some mirror entries and lane pages
+    /// change (scatters), the header is uploaded whole.
+    fn write_inputs(&self, dev: &dyn Device, rng: &mut Rng) -> Result<(), Error> {
+        let v2p: Vec<(u32, i32)> = (0..4)
+            .map(|_| (rng.below(64) as u32, rng.below(40) as i32 - 4))
+            .collect();
+        let rows: Vec<(u32, i32)> = (0..3)
+            .map(|_| {
+                let at = rng.below((LANES * LANE_LEN) as u64) as u32;
+                (at, rng.below(70) as i32 - 2)
+            })
+            .collect();
+        dev.scatter_tables(&[
+            TableScatter {
+                table: self.v2p,
+                entries: &v2p,
+            },
+            TableScatter {
+                table: self.rows,
+                entries: &rows,
+            },
+        ])?;
+        let mut meta = vec![0; META_LEN];
+        for r in 0..LANES {
+            // Lane 4 is past the table (the sink); firsts reach past a lane's end.
+            meta[META_LANES + r] = rng.below(LANES as u64 + 1) as i32;
+            meta[META_FIRSTS + r] = rng.below(LANE_LEN as u64) as i32;
+            meta[META_WIN + r] = rng.below(LANE_LEN as u64 + 2) as i32 - 2;
+            meta[META_LENS + r] = rng.below(WIDTH as u64 + 1) as i32;
+        }
+        // Prefix sums of each request's run (a padding request's is empty); the last may
+        // reach past the output, which clips it.
+        for (section, most) in [(META_FULL, 7), (META_SWA, 4)] {
+            for r in 0..LANES {
+                let run = if r == 3 { 0 } else { rng.below(most) as i32 };
+                meta[section + r + 1] = meta[section + r] + run;
+            }
+        }
+        dev.upload_table(self.meta, 0, &meta)
+    }
+
+    fn read(&self, dev: &dyn Readback) -> Result<(Vec<i32>, Vec<i32>), Error> {
         let s = sync();
-        assert_eq!(dev.read_table(&s, out, 0, 2).unwrap(), [-1, -1], "{label}");
-        dev.translate_lanes(&[lanes]).unwrap();
-        assert_eq!(dev.read_table(&s, out, 0, 2).unwrap(), [12, 12], "{label}");
+        Ok((
+            dev.read_table(&s, self.out, 0, FULL_OUT + SWA_OUT)?,
+            dev.read_table(&s, self.windows, 0, LANES * WIDTH)?,
+        ))
+    }
+}
+
+/// A decode step's page-table translations (`translate_lanes`, and a verify's
+/// `translate_windows`) captured once into a CUDA graph replay with the lanes, starts and
+/// mirror as they are at each launch: over 1,000 replays, with the tables written eagerly
+/// between them (scatters and an upload, through the staging ring the capture no longer
+/// uses), every replay equals an uncaptured run on the CPU reference. The ops whose list
+/// is per-step data stay refused during the capture.
+#[test]
+fn a_captured_lane_translation_replays_with_the_tables_of_each_launch() {
+    let test = "a_captured_lane_translation_replays_with_the_tables_of_each_launch";
+    for (label, dev) in backends(test) {
+        // A small ring wraps every few steps: a list left in it would be overwritten.
+        let dev = dev.with_staging(4096).unwrap();
+        let tables = StepTables::new(&dev).unwrap();
+        let buf = dev.alloc_bytes(64, 0).unwrap();
+        let span = ByteSpan { offset: 0, len: 8 };
+        let graph = dev
+            .capture(|d| {
+                let refused = [
+                    ("scatter_tables", d.scatter_table(tables.v2p, &[(1, 2)])),
+                    ("upload_table", d.upload_table(tables.meta, 0, &[1])),
+                    ("fill_spans", d.fill_spans(buf, &[span], 1)),
+                    (
+                        "move_spans",
+                        d.move_spans(
+                            buf,
+                            &[SpanMove {
+                                src: 0,
+                                dst: 8,
+                                len: 8,
+                            }],
+                        ),
+                    ),
+                ];
+                for (op, result) in refused {
+                    assert!(
+                        matches!(result, Err(Error::NotCapturable { op: o }) if o == op),
+                        "{label}: {op}"
+                    );
+                }
+                d.translate_lanes(&tables.lanes())?;
+                d.translate_windows(&[tables.window()])
+            })
+            .unwrap();
+        let untouched = (vec![-1; FULL_OUT + SWA_OUT], vec![-1; LANES * WIDTH]);
+        assert_eq!(tables.read(&dev).unwrap(), untouched, "{label}: not run");
+        let cpu = CpuDevice::new();
+        let reference = StepTables::new(&cpu).unwrap();
+        let (mut rng, mut cpu_rng) = (Rng(0x5EED_0041), Rng(0x5EED_0041));
+        let mut live = 0;
+        for replay in 0..1000 {
+            tables.write_inputs(&dev, &mut rng).unwrap();
+            dev.launch_graph(&graph).unwrap();
+            reference.write_inputs(&cpu, &mut cpu_rng).unwrap();
+            cpu.translate_lanes(&reference.lanes()).unwrap();
+            cpu.translate_windows(&[reference.window()]).unwrap();
+            let (got, want) = (tables.read(&dev).unwrap(), reference.read(&cpu).unwrap());
+            assert_eq!(got, want, "{label}: replay {replay}");
+            live += want.0.iter().chain(&want.1).filter(|&&k| k > 0).count();
+            dev.end_step().unwrap();
+        }
+        // The replays translated real pages, not only sinks.
+        assert!(live > 1000, "{label}: {live}");
+    }
+}
+
+/// A captured translation's list belongs to its graph: the capture allocates it (pinned
+/// memory and a device buffer), and once the graph drops the step boundary frees both,
+/// but only after the stream is past the replays already enqueued. On a stalled stream
+/// the replay still waits, so nothing is freed until it ran (a list freed early faults
+/// the emulated stream). Captured and dropped again and again, nothing leaks.
+#[test]
+fn a_dropped_graph_frees_its_lists_once_the_stream_is_past_its_replays() {
+    let test = "a_dropped_graph_frees_its_lists_once_the_stream_is_past_its_replays";
+    let allocs = |calls: &[DriverRecord]| {
+        calls
+            .iter()
+            .filter(|c| {
+                matches!(
+                    c.call,
+                    DriverCall::PinnedAlloc { .. } | DriverCall::DeviceAlloc { .. }
+                )
+            })
+            .count()
+    };
+    let frees = |calls: &[DriverRecord]| {
+        calls
+            .iter()
+            .filter(|c| matches!(c.call, DriverCall::PinnedFree | DriverCall::DeviceFree))
+            .count()
+    };
+    for (label, dev) in backends(test) {
+        let tables = StepTables::new(&dev).unwrap();
+        let mut rng = Rng(7);
+        tables.write_inputs(&dev, &mut rng).unwrap();
+        dev.trace_driver_calls();
+        let graph = dev.capture(|d| d.translate_lanes(&tables.lanes())).unwrap();
+        let captured = dev.take_driver_calls();
+        assert_eq!(allocs(&captured), 2, "{label}: a pinned and a device list");
+        assert!(
+            captured
+                .iter()
+                .filter(|c| matches!(c.call, DriverCall::PinnedAlloc { .. }))
+                .all(|c| c.op == "translate_lanes"),
+            "{label}"
+        );
+        let stalled = dev.stall_stream();
+        tables.write_inputs(&dev, &mut rng).unwrap();
+        dev.launch_graph(&graph).unwrap();
+        drop(graph);
+        dev.end_step().unwrap();
+        let mut released = dev.take_driver_calls();
+        if stalled {
+            assert_eq!(frees(&released), 0, "{label}: the replay still reads them");
+        }
+        dev.resume_stream().unwrap();
+        let cpu = CpuDevice::new();
+        let reference = StepTables::new(&cpu).unwrap();
+        let mut cpu_rng = Rng(7);
+        for _ in 0..2 {
+            reference.write_inputs(&cpu, &mut cpu_rng).unwrap();
+        }
+        cpu.translate_lanes(&reference.lanes()).unwrap();
+        let (got, want) = (tables.read(&dev).unwrap(), reference.read(&cpu).unwrap());
+        assert_eq!(got.0, want.0, "{label}: the replay read its list");
+        dev.end_step().unwrap();
+        released.extend(dev.take_driver_calls());
+        assert_eq!(frees(&released), 2, "{label}: both halves freed");
+        // Again and again: every list allocated is freed.
+        let mut calls = Vec::new();
+        for _ in 0..50 {
+            let graph = dev
+                .capture(|d| {
+                    d.translate_lanes(&tables.lanes())?;
+                    d.translate_windows(&[tables.window()])
+                })
+                .unwrap();
+            dev.launch_graph(&graph).unwrap();
+            drop(graph);
+            tables.read(&dev).unwrap(); // the stream is past the replay
+            dev.end_step().unwrap();
+            calls.extend(dev.take_driver_calls());
+        }
+        assert_eq!(allocs(&calls), 200, "{label}");
+        assert_eq!(frees(&calls), 200, "{label}: nothing leaks");
     }
 }
 
@@ -944,8 +1184,8 @@ fn a_captured_translation_replays_with_the_tables_of_its_launch() {
 
 /// A tree verify's row gather captured into a CUDA graph (with the forward that writes
 /// the rows, in an engine) replays with the paths and ids as they are at its launch: a
-/// graph captured once serves every step. The window translation stages its list per
-/// call, so it runs eagerly before the graph and is refused during the capture.
+/// graph captured once serves every step. The paths and ids are per-step data, uploaded
+/// eagerly before each replay: an upload is refused during the capture.
 #[test]
 fn a_captured_row_gather_replays_with_the_paths_of_its_launch() {
     for (label, dev) in backends("a_captured_row_gather_replays_with_the_paths_of_its_launch") {
@@ -964,27 +1204,11 @@ fn a_captured_row_gather_replays_with_the_paths_of_its_launch() {
             rows_per_token: 2,
             row_bytes: 2,
         };
-        let window = WindowTranslate {
-            v2p: ids,
-            ids,
-            ids_at: 0,
-            rows: 4,
-            starts: ids,
-            starts_at: 0,
-            bias: 0,
-            lens: None,
-            batch: 1,
-            width: 1,
-            page_size: 1,
-            stride: 1,
-            out: path,
-            out_at: 0,
-        };
         let graph = dev
             .capture(|d| {
                 assert!(matches!(
-                    d.translate_windows(&[window]),
-                    Err(Error::NotCapturable { .. })
+                    d.upload_table(path, 0, &[0]),
+                    Err(Error::NotCapturable { op: "upload_table" })
                 ));
                 d.gather_rows(&[gather])
             })

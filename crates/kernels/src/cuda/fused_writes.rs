@@ -3,7 +3,7 @@
 //! bitmap per distinct table, cleared after the call by the words it set), so no two GPU
 //! threads write one entry.
 
-use super::{CudaDevice, State, per_item};
+use super::{CudaDevice, ListKind, State, per_item};
 use crate::driver::{Arg, Kernel};
 use crate::{Error, TableId, TableScatter, TableSpans};
 
@@ -33,7 +33,8 @@ impl CudaDevice {
         }
         // Kernel `unikv_scatter_tables(const unsigned long long* list, unsigned long long
         // k, unsigned long long n)`.
-        self.launch_with_list(st, op, Kernel::ScatterTables, per_item(n), |list| {
+        let kernel = Kernel::ScatterTables;
+        self.launch_with_list(st, op, ListKind::Data, kernel, per_item(n), |list| {
             vec![Arg::U64(list), Arg::U64(k), Arg::U64(n)]
         })
     }

@@ -47,6 +47,17 @@ impl Ring {
     }
 }
 
+/// What an op's argument list holds, which decides whether a graph may capture it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum ListKind {
+    /// Per-step data (entries, values, spans, moves): refused during a capture, since a
+    /// replay would reuse one step's data.
+    Data,
+    /// Table addresses and shapes (the fused translations): captured, it is staged into
+    /// memory the graph owns, and every replay reads the tables as they are then.
+    Descriptor,
+}
+
 /// Where an op's staged list landed.
 pub(super) enum Staged {
     /// In the ring (fenced once the op has enqueued its work).
@@ -223,15 +234,26 @@ impl CudaDevice {
 
     /// Stages `st.pack` and launches `kernel` with `args(list)`, the staged list's
     /// device address. The fence (or free) follows the launch even when it fails, since
-    /// the copy before it was enqueued.
+    /// the copy before it was enqueued. During a capture a [`ListKind::Descriptor`] list
+    /// is staged into memory the graph owns ([`CudaDevice::stage_for_graph`]) and a
+    /// [`ListKind::Data`] list is refused.
     pub(super) fn launch_with_list(
         &self,
         st: &mut State,
         op: &'static str,
+        list: ListKind,
         kernel: Kernel,
         grid: Grid,
         args: impl FnOnce(DevPtr) -> Vec<Arg>,
     ) -> Result<(), Error> {
+        if st.capturing && list == ListKind::Descriptor {
+            let list = self.stage_for_graph(st, op)?;
+            let args = args(list);
+            // A captured launch: the graph owns its list, so no fence.
+            return self.issue(op, DriverCall::Launch { kernel, grid }, |d| {
+                d.launch(kernel, grid, &args)
+            });
+        }
         let staged = self.stage(st, op, None)?;
         let list = match staged {
             Staged::Ring(p) | Staged::Temporary(p) => p,
