@@ -481,6 +481,8 @@ impl CudaDevice {
                 st.spare.push(event);
             }
         }
+        // Lists staged without an event of their own (the step ran out of them).
+        self.fence_head(&mut st, "end_step")?;
         if st.overflowed {
             let want = (2 * st.ring.cap)
                 .max(2 * st.largest.next_multiple_of(STAGE_ALIGN))

@@ -97,7 +97,8 @@ impl CudaDevice {
     }
 
     /// Retires done fences of `ring` from the oldest, until the stream is known to be
-    /// past `need` (or no fence is left, or one is still pending).
+    /// past `need` and a spare event exists (or no fence is left, or one is still
+    /// pending).
     pub(super) fn retire(
         &self,
         ring: &mut Ring,
@@ -169,9 +170,10 @@ impl CudaDevice {
             }
             let need = (pos + span as u64).saturating_sub(ring.cap as u64);
             self.retire(ring, spare, op, need)?;
+            // A list needs room, not an event: one without a fence of its own is
+            // covered by the next fence recorded ([`CudaDevice::finish`]).
             if let Some(host) = &ring.host
                 && ring.tail >= need
-                && !spare.is_empty()
             {
                 let place = (pos % ring.cap as u64) as usize;
                 self.driver.write_pinned(host, place, pack);
@@ -214,22 +216,31 @@ impl CudaDevice {
         staged: Staged,
     ) -> Result<(), Error> {
         match staged {
-            Staged::Ring(_) | Staged::Copied => {
-                // `stage` made sure a spare event exists.
-                let Some(event) = st.spare.pop() else {
-                    return Ok(());
-                };
-                let head = st.ring.head;
-                if let Err(e) = self.issue(op, DriverCall::EventRecord, |d| d.event_record(event)) {
-                    st.spare.push(event);
-                    return Err(e);
-                }
-                st.ring.fences.push_back((head, event));
-                Ok(())
-            }
+            Staged::Ring(_) | Staged::Copied => self.fence_head(st, op),
             Staged::Temporary(tmp) => self.issue(op, DriverCall::DeviceFree, |d| d.free(tmp)),
             Staged::CopiedPageable => Ok(()),
         }
+    }
+
+    /// Fences the ring up to its head with a spare event. With none spare (more lists
+    /// in flight than events, on a busy GPU) it records nothing: the next fence covers
+    /// these lists too, since it follows them in stream order, and the step boundary
+    /// makes more events and closes the ring's head.
+    pub(super) fn fence_head(&self, st: &mut State, op: &'static str) -> Result<(), Error> {
+        let head = st.ring.head;
+        let fenced = st.ring.fences.back().map_or(st.ring.tail, |&(end, _)| end);
+        if head <= fenced {
+            return Ok(());
+        }
+        let Some(event) = st.spare.pop() else {
+            return Ok(());
+        };
+        if let Err(e) = self.issue(op, DriverCall::EventRecord, |d| d.event_record(event)) {
+            st.spare.push(event);
+            return Err(e);
+        }
+        st.ring.fences.push_back((head, event));
+        Ok(())
     }
 
     /// Stages `st.pack` and launches `kernel` with `args(list)`, the staged list's
