@@ -659,18 +659,29 @@ fn a_settled_verify_crossing_a_grid_point_saves_its_state_there_on_time_and_late
 /// metadata (built, translated from device-side offsets, a tree's compaction), settlement
 /// (all rejected, partial, all accepted, a tree path), checkpoints copied out of the
 /// slot group, an abort and a finish mid-verify — issues no host sync and no
-/// data-dependent shape, on the CPU backend and on the CUDA backend over its emulated
-/// driver (whose ops must not block either).
+/// data-dependent shape, on the CPU backend, on the CUDA backend over its emulated
+/// driver (whose ops must not block either) and, where there is one (`cargo xtask gpu`,
+/// which requires it), on GPU 0.
 #[test]
 fn every_speculative_path_issues_no_host_sync() {
     use std::sync::Arc;
     use unikv::kernels::{CpuDevice, CudaDevice, Device, Readback, SyncLedger};
     use unikv::{DeviceValues, VerifyMetadata, VerifyOffsets};
-    let devices: [fn() -> Arc<dyn Readback>; 2] = [
-        || Arc::new(CpuDevice::new()),
-        || Arc::new(CudaDevice::emulated()),
+    let mut devices: Vec<Box<dyn Fn() -> Arc<dyn Readback>>> = vec![
+        Box::new(|| Arc::new(CpuDevice::new())),
+        Box::new(|| Arc::new(CudaDevice::emulated())),
     ];
-    for device in devices {
+    match CudaDevice::new(0) {
+        Ok(gpu) => {
+            let gpu: Arc<dyn Readback> = Arc::new(gpu);
+            devices.push(Box::new(move || gpu.clone()));
+        }
+        Err(e) => assert!(
+            std::env::var("UNIKV_REQUIRE_GPU").map_or(true, |v| v != "1"),
+            "UNIKV_REQUIRE_GPU=1 but: {e}"
+        ),
+    }
+    for device in &devices {
         for model in models() {
             for layout in LAYOUTS {
                 for ps in [1u32, 16] {

@@ -10,7 +10,8 @@
 //!   test matrix, the Python stage, the loom models and a CI-sized run of the simulator.
 //! - `cargo xtask python` — the Python stage alone (the bindings' wheel, pytest, mypy).
 //! - `cargo xtask gpu` — the one script to run on a GPU machine: driver and NVRTC
-//!   versions, NVRTC compile check, CPU-vs-CUDA parity tests. Says so when there is no GPU.
+//!   versions, NVRTC compile check, CPU-vs-CUDA parity, no-sync and capture tests, the
+//!   overlap benchmark (`unikv bench-overlap`). Says so when there is no GPU.
 //! - `cargo xtask gpu-bundle [DIR]` — the same checks for a GPU machine without Rust: the
 //!   test binaries built here, libnvrtc and a `run.sh`, in DIR (default `.gpu`).
 //! - `cargo xtask sim [--seeds N] [--seed S] [--first S]` — the deterministic simulator
@@ -85,7 +86,8 @@ tasks:
   sim [--seeds N] [--first S | --seed S]
                    the deterministic simulator with faults: N seeds (default 10000) from
                    S (default 0), or the one seed S; a failure prints its seed
-  gpu              GPU checks (driver, NVRTC, CPU-vs-CUDA parity); skips loudly without a GPU
+  gpu              GPU checks (driver, NVRTC, CPU-vs-CUDA parity, no-sync, capture, the
+                   overlap benchmark); skips loudly without a GPU
   gpu-bundle [DIR] the GPU checks built here for a GPU machine without Rust: test
                    binaries, libnvrtc and run.sh in DIR (default .gpu); run bash DIR/run.sh
   mutants [ARGS]   cargo-mutants over pools, radix and the facade (installs it if missing;

@@ -286,11 +286,24 @@ fn loom() -> Result<(), String> {
 }
 
 /// The GPU checks: (suite, package, test target), each built with the `cuda` feature.
-const GPU_SUITES: [(&str, &str, &str); 3] = [
-    ("nvrtc", "unikv-kernels", "nvrtc"),
-    ("kernels", "unikv-kernels", "gpu_parity"),
-    ("facade", "unikv", "no_sync"),
+const GPU_SUITES: [(&str, &str, &str, &str); 4] = [
+    ("nvrtc", "unikv-kernels", "nvrtc", ""),
+    ("kernels", "unikv-kernels", "gpu_parity", ""),
+    ("facade", "unikv", "no_sync", ""),
+    // The speculative paths (verify, settle, checkpoints, aborts) on the GPU: the one
+    // test of the suite that takes a device.
+    (
+        "speculative",
+        "unikv",
+        "speculative",
+        "every_speculative_path_issues_no_host_sync",
+    ),
 ];
+
+/// What the GPU checks run of the overlap benchmark (`unikv bench-overlap`, every default
+/// row: gpt-oss-20b shared-prefix and random-2048-512 at page sizes 1, 16 and 256, and
+/// shared-prefix speculative), after the suites.
+const OVERLAP_ARGS: [&str; 3] = ["bench-overlap", "--device", "cuda"];
 
 /// The script `cargo xtask gpu-bundle` writes beside the test binaries: it unpacks
 /// NVRTC, runs each suite one test at a time with the GPU required, prints every verdict
@@ -306,15 +319,22 @@ export LD_LIBRARY_PATH="$nv:/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_L
 export UNIKV_REQUIRE_GPU=1 UNIKV_REQUIRE_NVRTC=1 RUST_BACKTRACE=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 failed=0
-for suite in SUITES; do
+for entry in SUITES; do
+  suite="${entry%%:*}"; filter="${entry#*:}"
   log="${OUT:-$nv}/$suite.log"
-  timeout 300 "$here/$suite" --test-threads=1 --nocapture >"$log" 2>&1
+  timeout 300 "$here/$suite" $filter --test-threads=1 --nocapture >"$log" 2>&1
   rc=$?
   echo "== $suite (exit $rc, log $log)"
   # A test that prints puts its verdict on a later line: show those lines too.
   grep -E '^test |^(ok|FAILED)$|^test result|^BANDWIDTH|panicked' "$log"
   [ "$rc" -eq 0 ] || failed=1
 done
+# The overlap benchmark: GPU idle between forwards, unikv vs a syncing free path.
+timeout 600 "$here/unikv" OVERLAP >"${OUT:-$nv}/overlap.txt" 2>"${OUT:-$nv}/overlap.log"
+rc=$?
+echo "== overlap (exit $rc: 0 every row met the target, 1 a row missed it)"
+cat "${OUT:-$nv}/overlap.txt"
+[ "$rc" -le 1 ] || failed=1
 if [ "$failed" -ne 0 ]; then echo "gpu: a suite failed"; exit 1; fi
 echo "gpu: all suites passed"
 "#;
@@ -328,7 +348,7 @@ pub fn gpu_bundle(args: &[String]) -> Result<(), String> {
     let dir = root().join(args.first().map_or(".gpu", String::as_str));
     std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     let mut names = Vec::new();
-    for (_, package, test) in GPU_SUITES {
+    for (_, package, test, filter) in GPU_SUITES {
         // Release: the bandwidth table times the host's packing and checks too.
         let json = Cmd::cargo(&["test", "--release", "--no-run", "--message-format=json"])
             .args(["-p", package, "--features", "cuda", "--test", test])
@@ -348,8 +368,24 @@ pub fn gpu_bundle(args: &[String]) -> Result<(), String> {
             .map_err(|e| format!("copying {executable} to {}: {e}", to.display()))?;
         // Debug info would take the bundle past what a remote run carries (tens of MB).
         Cmd::new("strip", &[to.to_string_lossy().as_ref()]).run()?;
-        names.push(test);
+        names.push(format!("{test}:{filter}"));
     }
+    // The overlap benchmark's binary, with the CUDA backend.
+    let json = Cmd::cargo(&["build", "--release", "--message-format=json"])
+        .args(["-p", "unikv-cli", "--features", "cuda", "--bin", "unikv"])
+        .output()?;
+    let executable = json
+        .lines()
+        .filter(|l| l.contains("\"compiler-artifact\"") && l.contains("\"executable\":\""))
+        .find_map(|l| {
+            let (_, rest) = l.split_once("\"executable\":\"")?;
+            rest.split_once('"').map(|(path, _)| path.to_string())
+        })
+        .ok_or("cargo built no unikv binary")?;
+    let to = dir.join("unikv");
+    std::fs::copy(&executable, &to)
+        .map_err(|e| format!("copying {executable} to {}: {e}", to.display()))?;
+    Cmd::new("strip", &[to.to_string_lossy().as_ref()]).run()?;
     let lib_dir = nvrtc::install()?;
     let libs = nvrtc::runtime_libs(&lib_dir)?;
     Cmd::new(
@@ -359,7 +395,9 @@ pub fn gpu_bundle(args: &[String]) -> Result<(), String> {
     .args([lib_dir.to_string_lossy().as_ref()])
     .args(&libs)
     .run()?;
-    let script = GPU_RUN_SH.replace("SUITES", &names.join(" "));
+    let script = GPU_RUN_SH
+        .replace("SUITES", &names.join(" "))
+        .replace("OVERLAP", &OVERLAP_ARGS.join(" "));
     std::fs::write(dir.join("run.sh"), script).map_err(|e| format!("writing run.sh: {e}"))?;
     println!(
         "gpu-bundle: {} ready: on the GPU machine run `bash {}/run.sh`",
@@ -374,9 +412,10 @@ pub fn gpu_bundle(args: &[String]) -> Result<(), String> {
 /// backend's emulated driver in `cargo xtask test`. With one, it runs, on the GPU and
 /// requiring it: the NVRTC compile of every kernel, CPU-vs-CUDA parity of every op, the
 /// no-sync proofs (every op and a whole step return while a spin kernel holds the
-/// stream), graph capture and replay, the bandwidth table, and the Python binding's
-/// DLPack export read on the GPU (`python::dlpack_gpu_check`); then prints one table and
-/// fails if any check did.
+/// stream), graph capture and replay, the bandwidth table, the speculative paths' no-sync
+/// test, the Python binding's DLPack export read on the GPU (`python::dlpack_gpu_check`)
+/// and the overlap benchmark ([`OVERLAP_ARGS`]); then prints one table (and the
+/// benchmark's) and fails if any check did.
 pub fn gpu() -> Result<(), String> {
     let require = std::env::var("UNIKV_REQUIRE_GPU").is_ok_and(|v| v == "1");
     let gpus = Cmd::new(
@@ -403,9 +442,10 @@ pub fn gpu() -> Result<(), String> {
     let library_path = nvrtc::library_path_with(&lib_dir);
     let mut rows: Vec<(String, &str)> = Vec::new();
     let mut bandwidth: Vec<String> = Vec::new();
-    for (suite, package, test) in GPU_SUITES {
+    for (suite, package, test, filter) in GPU_SUITES {
         let (ok, output) = Cmd::cargo(&["nextest", "run", "--profile", "ci", "--no-capture"])
             .args(["-p", package, "--features", "cuda", "--test", test])
+            .args([filter].into_iter().filter(|f| !f.is_empty()))
             .env("LD_LIBRARY_PATH", library_path.as_str())
             .env("UNIKV_REQUIRE_GPU", "1")
             .env("UNIKV_REQUIRE_NVRTC", "1")
@@ -444,12 +484,29 @@ pub fn gpu() -> Result<(), String> {
             .to_string(),
         verdict,
     ));
+    // The overlap benchmark, in a release build with the CUDA backend.
+    let (ok, output) = Cmd::cargo(&["run", "--locked", "--release", "-p", "unikv-cli"])
+        .args(["--features", "cuda", "--bin", "unikv", "--"])
+        .args(OVERLAP_ARGS)
+        .env("LD_LIBRARY_PATH", library_path.as_str())
+        .run_reporting()?;
+    let overlap: Vec<&str> = output
+        .lines()
+        .skip_while(|l| !l.starts_with("unikv bench-overlap"))
+        .collect();
+    rows.push((
+        "overlap: unikv's idle between forwards under 1 % of a forward, every row".to_string(),
+        if ok { "pass" } else { "FAIL" },
+    ));
     println!("\nGPU: {}  (NVRTC {})", gpu.trim(), lib_dir.display());
     let width = rows.iter().map(|(t, _)| t.len()).max().unwrap_or(0);
     for (test, verdict) in &rows {
         println!("  {test:<width$}  {verdict}");
     }
     for line in &bandwidth {
+        println!("  {line}");
+    }
+    for line in &overlap {
         println!("  {line}");
     }
     let failed = rows.iter().filter(|(_, v)| *v == "FAIL").count();

@@ -102,7 +102,7 @@ fn replay_help_documents_the_options_the_defaults_and_the_trace_format() {
 /// main help (also printed with no command) lists every subcommand.
 #[test]
 fn every_command_has_its_help_three_ways() {
-    for command in ["replay", "bench-ops", "bench-scale", "sim"] {
+    for command in ["replay", "bench-ops", "bench-scale", "bench-overlap", "sim"] {
         let mut texts = Vec::new();
         for args in [
             vec!["help", command],
@@ -127,6 +127,7 @@ fn every_command_has_its_help_three_ways() {
             "replay",
             "bench-ops",
             "bench-scale",
+            "bench-overlap",
             "sim",
             "UNIKV_INVARIANT_CHECK",
         ] {
@@ -1773,4 +1774,59 @@ fn a_host_tier_serves_the_multi_turn_histories_the_device_cannot_hold() {
             });
         }
     });
+}
+
+/// `unikv bench-overlap` on the emulated driver (the CI run of the GPU benchmark, so it
+/// cannot rot): a plain and a late-settled speculative row, each with unikv's arm (no
+/// host sync while a forward runs, every forward enqueued behind the last) and the
+/// syncing baseline's (a read-back per KV free); the table names both; a bad device is a
+/// one-line error.
+#[test]
+fn bench_overlap_runs_on_the_emulated_driver_with_both_free_paths() {
+    let args = [
+        "bench-overlap",
+        "--device",
+        "emulated",
+        "--workload",
+        "smoke",
+        "--page-size",
+        "16",
+        "--memory",
+        "64MiB",
+        "--forward-us",
+        "5000", // longer than a debug build's step, even on a loaded machine
+    ];
+    let (status, stdout, stderr) = unikv(&[&args[..], &["--json"]].concat());
+    assert_eq!(status, Some(0), "{stderr}");
+    let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(doc["schema"], "unikv.bench-overlap.v1");
+    let rows = doc["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "plain and speculative: {doc}");
+    assert!(rows[0]["speculation"].is_null());
+    assert!(rows[1]["speculation"].as_str().unwrap().contains("late"));
+    for row in rows {
+        assert_eq!(row["unikv"]["host_syncs"], 0, "{row}");
+        assert!(row["syncing"]["host_syncs"].as_u64().unwrap() > 0, "{row}");
+        let forwards = row["unikv"]["forwards"].as_u64().unwrap();
+        assert!(
+            forwards > 50 && forwards == row["syncing"]["forwards"],
+            "{row}"
+        );
+        assert_eq!(row["unikv"]["idle"]["median_ns"], 0, "{row}");
+    }
+    assert_eq!(
+        stderr.lines().count(),
+        2,
+        "one progress line per row: {stderr}"
+    );
+    let (status, table, _) = unikv(&[&args[..], &["--spec", "0"]].concat());
+    assert_eq!(status, Some(0));
+    assert!(
+        table.contains("bench-overlap") && table.contains("syncs/step") && table.contains("smoke"),
+        "{table}"
+    );
+    assert_one_line_error(
+        &["bench-overlap", "--device", "tpu"],
+        "expected cuda or emulated",
+    );
 }

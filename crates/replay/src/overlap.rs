@@ -4,7 +4,8 @@
 //! Each cell replays a workload through the scheduler on the CUDA backend as an overlap
 //! scheduler runs it ([`scheduler::run_overlapped`]): after step N's unikv work the host
 //! launches "forward N" — a spin kernel calibrated to a stated duration, between two
-//! [`TimedEvent`]s — and returns at once, so step N+1's work (frees, admissions,
+//! [`TimedEvent`]s — then waits for forward N-1 to end (the engine needs its tokens to
+//! schedule the next step; never unikv's wait), so step N+1's work (frees, admissions,
 //! allocations, eviction, metadata build and upload, the boundary) runs on the host while
 //! forward N runs on the GPU; then forward N+1 is launched. The GPU idle between two
 //! forwards is the time from one forward's end event to the next one's start event, read
@@ -96,6 +97,11 @@ pub struct Arm {
     pub idle: Spread,
     /// The forwards' own GPU time.
     pub forward: Spread,
+    /// The host's wall time per step, from the end of one forward's launch (and the
+    /// engine's wait) to the next launch: the step's unikv and scheduler work (on the
+    /// emulated driver also the kernels, which run on the host). The GPU idles when it
+    /// exceeds the forward.
+    pub host_step: Spread,
     /// Median idle as a fraction of the median forward.
     pub idle_fraction_median: f64,
     /// 99th-percentile idle as a fraction of the median forward.
@@ -162,12 +168,14 @@ impl OverlapReport {
             us(self.launch_gap.p99_ns),
         );
         out += &format!(
-            "{:<17} {:>4} {:>9} {:>9} {:>7} {:>9} {:>9} {:>7} {:>11} {:>6}  {}\n",
+            "{:<17} {:>4} {:>9} {:>9} {:>7} {:>9} {:>9} {:>9} {:>9} {:>7} {:>11} {:>6}  {}\n",
             "workload",
             "ps",
             "idle med",
             "idle p99",
             "% fwd",
+            "host med",
+            "host p99",
             "sync med",
             "sync p99",
             "% fwd",
@@ -178,12 +186,14 @@ impl OverlapReport {
         for r in &self.rows {
             let per_step = r.syncing.host_syncs as f64 / r.syncing.forwards.max(1) as f64;
             out += &format!(
-                "{:<17} {:>4} {:>9.1} {:>9.1} {:>6.2}% {:>9.1} {:>9.1} {:>6.2}% {:>11.2} {:>6}  {}\n",
+                "{:<17} {:>4} {:>9.1} {:>9.1} {:>6.2}% {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>6.2}% {:>11.2} {:>6}  {}\n",
                 r.workload,
                 r.page_size,
                 us(r.unikv.idle.median_ns),
                 us(r.unikv.idle.p99_ns),
                 100.0 * r.unikv.idle_fraction_median,
+                us(r.unikv.host_step.median_ns),
+                us(r.unikv.host_step.p99_ns),
                 us(r.syncing.idle.median_ns),
                 us(r.syncing.idle.p99_ns),
                 100.0 * r.syncing.idle_fraction_median,
@@ -192,7 +202,7 @@ impl OverlapReport {
                 r.speculation.as_deref().unwrap_or("-"),
             );
         }
-        out += "idle in µs between consecutive forwards (GPU events, read after the loop); % fwd: median idle / median forward;\nsync: the syncing baseline (a read-back per KV segment free)\n";
+        out += "idle: µs between consecutive forwards (GPU events, read after the loop); % fwd: median idle / median forward;\nhost: µs of host work per step (unikv's and the scheduler's; on the emulated driver the kernels too);\nsync: the syncing baseline (a read-back per KV segment free)\n";
         out
     }
 }
@@ -283,6 +293,15 @@ fn launch_gap(device: &CudaDevice, cycles: u64) -> Result<Spread, ReplayError> {
     Ok(Spread::of(gaps))
 }
 
+/// Polls `event` until the stream has reached it (the engine's wait for a forward's
+/// output, outside unikv).
+fn wait_for(event: &TimedEvent) -> Result<(), ReplayError> {
+    while !event.is_done().map_err(device_error)? {
+        std::thread::yield_now();
+    }
+    Ok(())
+}
+
 /// Launches one forward between two timed events, without waiting.
 fn forward_events(
     device: &CudaDevice,
@@ -310,6 +329,8 @@ fn run_arm(
     let probe = syncing.as_ref().map(|s| s.probe);
     let mut forwards: Vec<(TimedEvent, TimedEvent)> = Vec::new();
     let mut host_syncs = 0;
+    let mut host_step = Vec::new();
+    let mut launched: Option<Instant> = None;
     let started = Instant::now();
     scheduler::run_overlapped(
         cell.workload,
@@ -317,6 +338,9 @@ fn run_arm(
         ledger.clone(),
         syncing,
         &mut |step| {
+            if let Some(at) = launched {
+                host_step.push(at.elapsed().as_nanos() as u64);
+            }
             // The step's own syncs (the scheduler forgets them after this call); step 0's
             // work, the cache's set-up with it, ran before any forward.
             if step > 0 {
@@ -325,6 +349,12 @@ fn run_arm(
             // The step boundary an engine gives the device before its forward.
             device.end_step().map_err(device_error)?;
             forwards.push(forward_events(device, cycles)?);
+            // The engine's own wait: it needs forward N - 1's tokens before it schedules
+            // step N + 1, so the host never runs more than one step ahead of the GPU.
+            if let Some(previous) = forwards.len().checked_sub(2).map(|i| &forwards[i].1) {
+                wait_for(previous)?;
+            }
+            launched = Some(Instant::now());
             Ok(())
         },
     )?;
@@ -361,6 +391,7 @@ fn run_arm(
         idle_fraction_p99: fraction(idle.p99_ns),
         idle,
         forward,
+        host_step: Spread::of(host_step),
         host_syncs,
         wall_ns,
     })
