@@ -204,6 +204,16 @@ impl DeviceEvent {
     }
 }
 
+/// Whether an event keeps the time it completed (`cuEventCreate` without
+/// `CU_EVENT_DISABLE_TIMING`), which costs a fence a little.
+#[derive(Clone, Copy, Debug)]
+enum EventTiming {
+    /// A fence: done or not.
+    Fence,
+    /// A [`TimedEvent`].
+    Timed,
+}
+
 /// An event recorded with a timestamp on a [`CudaDevice`]'s stream
 /// ([`CudaDevice::record_timed_event`]): the time between two is GPU time between two
 /// points of the stream (an engine's forward, the gap between two forwards).
@@ -430,16 +440,20 @@ impl CudaDevice {
     /// without waiting; it is also a step boundary ([`CudaDevice::end_step`]).
     pub fn record_event(&self) -> Result<DeviceEvent, Error> {
         self.end_step()?;
-        let handle = self.issue("record_event", DriverCall::EventCreate, |d| {
-            d.event_create()
+        self.make_event("record_event", EventTiming::Fence)
+    }
+
+    /// Makes an event and records it after the work enqueued so far, without waiting.
+    fn make_event(&self, op: &'static str, timing: EventTiming) -> Result<DeviceEvent, Error> {
+        let handle = self.issue(op, DriverCall::EventCreate, |d| match timing {
+            EventTiming::Fence => d.event_create(),
+            EventTiming::Timed => d.event_create_timed(),
         })?;
         let event = DeviceEvent {
             handle,
             driver: self.driver.clone(),
         };
-        self.issue("record_event", DriverCall::EventRecord, |d| {
-            d.event_record(handle)
-        })?;
+        self.issue(op, DriverCall::EventRecord, |d| d.event_record(handle))?;
         Ok(event)
     }
 
@@ -567,17 +581,7 @@ impl CudaDevice {
     /// until [`CudaDevice::resume_stream`] or a read-back.
     pub fn enqueue_spin(&self, cycles: u64) -> Result<DeviceEvent, Error> {
         self.launch_spin(cycles)?;
-        let handle = self.issue("enqueue_spin", DriverCall::EventCreate, |d| {
-            d.event_create()
-        })?;
-        let event = DeviceEvent {
-            handle,
-            driver: self.driver.clone(),
-        };
-        self.issue("enqueue_spin", DriverCall::EventRecord, |d| {
-            d.event_record(handle)
-        })?;
-        Ok(event)
+        self.make_event("enqueue_spin", EventTiming::Fence)
     }
 
     /// Enqueues a kernel that keeps the stream busy for about `cycles` GPU clock cycles
@@ -594,17 +598,8 @@ impl CudaDevice {
     /// Records a [`TimedEvent`] after the work enqueued so far, without waiting (unlike
     /// [`CudaDevice::record_event`], not a step boundary).
     pub fn record_timed_event(&self) -> Result<TimedEvent, Error> {
-        let handle = self.issue("record_timed_event", DriverCall::EventCreate, |d| {
-            d.event_create_timed()
-        })?;
-        let event = DeviceEvent {
-            handle,
-            driver: self.driver.clone(),
-        };
-        self.issue("record_timed_event", DriverCall::EventRecord, |d| {
-            d.event_record(handle)
-        })?;
-        Ok(TimedEvent(event))
+        self.make_event("record_timed_event", EventTiming::Timed)
+            .map(TimedEvent)
     }
 
     /// The GPU's peak memory bandwidth in bytes per second (memory clock × bus width ×
