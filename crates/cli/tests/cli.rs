@@ -1794,7 +1794,7 @@ fn bench_overlap_runs_on_the_emulated_driver_with_both_free_paths() {
         "--memory",
         "64MiB",
         "--forward-us",
-        "5000", // longer than a debug build's step, even on a loaded machine
+        "10000", // several debug-build steps, even on a loaded machine
     ];
     let (status, stdout, stderr) = unikv(&[&args[..], &["--json"]].concat());
     assert_eq!(status, Some(0), "{stderr}");

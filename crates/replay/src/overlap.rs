@@ -276,8 +276,10 @@ fn calibrate(device: &CudaDevice, target: Duration) -> Result<u64, ReplayError> 
     Ok((cycles as u64).max(1))
 }
 
-/// The idle between two forwards launched back to back, nothing between them: 100 pairs.
+/// The idle between two spins launched back to back, nothing between them: 100 pairs,
+/// each spin a tenth of a forward (the gap does not depend on the length).
 fn launch_gap(device: &CudaDevice, cycles: u64) -> Result<Spread, ReplayError> {
+    let cycles = (cycles / 10).max(1);
     let mut gaps = Vec::with_capacity(100);
     for _ in 0..100 {
         let [first, second] = [(); 2].map(|()| forward_events(device, cycles));
@@ -447,7 +449,9 @@ mod tests {
     use unikv::invariants::Level;
     use unikv_workload::Preset;
 
-    /// The smoke workload at page size 1 with 2 ms forwards on the clocked emulation.
+    /// The smoke workload at page size 1 with 10 ms forwards on the clocked emulation:
+    /// several times a debug build's step, even on a loaded machine (at 2 ms, a step of
+    /// the matrix's busiest cells took 2.3 ms).
     fn smoke_report() -> OverlapReport {
         let model = unikv::ModelSpec::GPT_OSS_20B;
         let memory = 64 << 20;
@@ -463,7 +467,7 @@ mod tests {
         let report = bench(
             &device,
             "emulated-cuda".into(),
-            Duration::from_millis(2),
+            Duration::from_millis(10),
             &cells,
             &mut |_| rows += 1,
         )
@@ -479,7 +483,7 @@ mod tests {
     #[test]
     fn unikv_keeps_the_stream_busy_where_a_syncing_free_path_leaves_it_idle() {
         let report = smoke_report();
-        let near = |ns: u64| ns.abs_diff(2_000_000) < 20_000;
+        let near = |ns: u64| ns.abs_diff(10_000_000) < 100_000;
         assert!(
             near(report.forward_cycles),
             "1 GHz emulated clock: {report:?}"
