@@ -25,6 +25,11 @@ ELSEWHERE = {
     "export_table": "unikv.DeviceTable(cache, meta): the DLPack export",
     "make_stream_wait": "DeviceTable.__dlpack__(stream=...) orders the consumer's stream",
     "device_arc": "Rust-only: Python names the device by HybridCache(device=...)",
+    "build_step_inputs": "Rust-only: the eager half of build_step_metadata, for a CUDA "
+    "graph captured with CudaDevice::capture, which Python does not expose; Python "
+    "engines call build_step_metadata",
+    "translate_step_tables": "Rust-only: the captured half of build_step_metadata "
+    "(see build_step_inputs)",
 }
 
 
