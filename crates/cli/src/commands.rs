@@ -200,7 +200,7 @@ pub fn bench_overlap(args: &BenchOverlapArgs, out: &mut dyn Write) -> Result<boo
     use std::sync::Arc;
     use unikv::kernels::CudaDevice;
     use unikv_replay::overlap::{self, Cell, Row};
-    let device_error = |e: unikv::kernels::Error| CliError::Replay(unikv::Error::from(e).into());
+    let device_error = |e: unikv::kernels::Error| CliError::Replay(e.into());
     let (device, name) = match args.device {
         OverlapDevice::Cuda => {
             let device = CudaDevice::new(0).map_err(device_error)?;

@@ -81,6 +81,10 @@ pub enum ReplayError {
         /// Why it stopped.
         reason: String,
     },
+    /// The device a benchmark drives itself failed (`bench-overlap`: opening the GPU,
+    /// launching a forward, reading its events).
+    #[error("device: {0}")]
+    Device(#[from] unikv::kernels::Error),
 }
 
 /// What a static layout adds to a budget's shortfall: its pools split the budget.

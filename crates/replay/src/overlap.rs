@@ -252,11 +252,7 @@ pub fn bench(
 /// Waits for the stream (the benchmark's reads happen after its loops only).
 fn wait(device: &CudaDevice) -> Result<(), ReplayError> {
     let sync = HostSync::acquire("overlap benchmark: read its events after the loop");
-    Readback::synchronize(device, &sync).map_err(|e| ReplayError::Cache(e.into()))
-}
-
-fn device_error(e: unikv::kernels::Error) -> ReplayError {
-    ReplayError::Cache(e.into())
+    Readback::synchronize(device, &sync).map_err(ReplayError::from)
 }
 
 /// Spin cycles for a forward of `target`: a probe spin's GPU time gives the clock rate
@@ -265,11 +261,11 @@ fn calibrate(device: &CudaDevice, target: Duration) -> Result<u64, ReplayError> 
     const PROBE: u64 = 2_000_000;
     let mut times = Vec::new();
     for _ in 0..5 {
-        let start = device.record_timed_event().map_err(device_error)?;
-        device.launch_spin(PROBE).map_err(device_error)?;
-        let end = device.record_timed_event().map_err(device_error)?;
+        let start = device.record_timed_event()?;
+        device.launch_spin(PROBE)?;
+        let end = device.record_timed_event()?;
         wait(device)?;
-        times.push(end.elapsed_since(&start).map_err(device_error)?.as_nanos() as u64);
+        times.push(end.elapsed_since(&start)?.as_nanos() as u64);
     }
     let probe_ns = Spread::of(times).median_ns.max(1);
     let cycles = (target.as_nanos() as f64 * PROBE as f64 / probe_ns as f64).round();
@@ -285,12 +281,7 @@ fn launch_gap(device: &CudaDevice, cycles: u64) -> Result<Spread, ReplayError> {
         let [first, second] = [(); 2].map(|()| forward_events(device, cycles));
         let ((_, first_end), (second_start, _)) = (first?, second?);
         wait(device)?;
-        gaps.push(
-            second_start
-                .elapsed_since(&first_end)
-                .map_err(device_error)?
-                .as_nanos() as u64,
-        );
+        gaps.push(second_start.elapsed_since(&first_end)?.as_nanos() as u64);
     }
     Ok(Spread::of(gaps))
 }
@@ -298,7 +289,7 @@ fn launch_gap(device: &CudaDevice, cycles: u64) -> Result<Spread, ReplayError> {
 /// Polls `event` until the stream has reached it (the engine's wait for a forward's
 /// output, outside unikv).
 fn wait_for(event: &TimedEvent) -> Result<(), ReplayError> {
-    while !event.is_done().map_err(device_error)? {
+    while !event.is_done()? {
         std::thread::yield_now();
     }
     Ok(())
@@ -309,9 +300,9 @@ fn forward_events(
     device: &CudaDevice,
     cycles: u64,
 ) -> Result<(TimedEvent, TimedEvent), ReplayError> {
-    let start = device.record_timed_event().map_err(device_error)?;
-    device.launch_spin(cycles).map_err(device_error)?;
-    let end = device.record_timed_event().map_err(device_error)?;
+    let start = device.record_timed_event()?;
+    device.launch_spin(cycles)?;
+    let end = device.record_timed_event()?;
     Ok((start, end))
 }
 
@@ -349,7 +340,7 @@ fn run_arm(
                 host_syncs += ledger.syncs() as u64;
             }
             // The step boundary an engine gives the device before its forward.
-            device.end_step().map_err(device_error)?;
+            device.end_step()?;
             forwards.push(forward_events(device, cycles)?);
             // The engine's own wait: it needs forward N - 1's tokens before it schedules
             // step N + 1, so the host never runs more than one step ahead of the GPU.
@@ -363,15 +354,15 @@ fn run_arm(
     wait(device)?;
     let wall_ns = started.elapsed().as_nanos() as u64;
     if let Some(e) = failed.and_then(|f| f.lock().unwrap_or_else(PoisonError::into_inner).take()) {
-        return Err(device_error(e));
+        return Err(e.into());
     }
     if let Some(probe) = probe {
-        ledger.free_table(probe).map_err(device_error)?;
+        ledger.free_table(probe)?;
     }
     let elapsed = |to: &TimedEvent, from: &TimedEvent| {
         to.elapsed_since(from)
             .map(|d| d.as_nanos() as u64)
-            .map_err(device_error)
+            .map_err(ReplayError::from)
     };
     let forward = Spread::of(
         forwards
@@ -412,7 +403,7 @@ struct SyncingFrees {
 
 impl SyncingFrees {
     fn new(ledger: Arc<SyncLedger>) -> Result<SyncingFrees, ReplayError> {
-        let probe = ledger.alloc_table(1, 0).map_err(device_error)?;
+        let probe = ledger.alloc_table(1, 0)?;
         Ok(SyncingFrees {
             ledger,
             probe,
