@@ -247,11 +247,7 @@ impl Case {
     /// Evicts every unlocked prefix from the device through the eviction loop (which
     /// writes back), not `evict_all` (a flush).
     fn demote_all(&mut self) {
-        let s = self.cache.stats();
-        self.cache
-            .evict_to_free(s.full.available_pages + s.full.evictable_pages, 0)
-            .unwrap();
-        self.cache.step_boundary().unwrap();
+        common::evict_all_evictable(&mut self.cache);
     }
 }
 
@@ -717,11 +713,7 @@ fn grid_states_are_not_written_back() {
         assert_eq!(at, [192, 224], "{layout}");
         cache.cache_finished(a).unwrap();
         cache.step_boundary().unwrap();
-        let s = cache.stats();
-        cache
-            .evict_to_free(s.full.available_pages + s.full.evictable_pages, 0)
-            .unwrap();
-        cache.step_boundary().unwrap();
+        common::evict_all_evictable(&mut cache);
         let host = cache.stats().host.unwrap();
         let state = cache.allocator().grid(Side::Mamba).envelope;
         assert_eq!(
@@ -763,13 +755,7 @@ fn finish(cache: &mut HybridCache, p: &[TokenId]) {
 fn write_policies_copy_on_eviction_on_caching_or_on_reuse() {
     let p: Vec<TokenId> = (0..100).map(TokenId).collect();
     let written = |cache: &HybridCache| cache.stats().host.unwrap().written_bytes;
-    let evict = |cache: &mut HybridCache| {
-        let s = cache.stats();
-        cache
-            .evict_to_free(s.full.available_pages + s.full.evictable_pages, 0)
-            .unwrap();
-        cache.step_boundary().unwrap();
-    };
+    let evict = common::evict_all_evictable;
 
     let mut back = policy_cache(HostWritePolicy::WriteBack);
     finish(&mut back, &p);

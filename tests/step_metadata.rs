@@ -525,11 +525,7 @@ fn load_backs_are_sections_of_the_step_table() {
             let (a, _) = prefill(&mut cache, &first);
             cache.cache_finished(a).unwrap();
             cache.step_boundary().unwrap();
-            let s = cache.stats();
-            cache
-                .evict_to_free(s.full.available_pages + s.full.evictable_pages, 0)
-                .unwrap();
-            cache.step_boundary().unwrap();
+            common::evict_all_evictable(&mut cache);
             let hit = cache.match_prefix(next.clone());
             let loaded = hit.host_tokens();
             assert!(loaded > 0 && hit.device_tokens() == 0, "{label}");
@@ -646,11 +642,7 @@ fn each_request_lists_its_own_load_back() {
             cache.cache_finished(r).unwrap();
         }
         cache.step_boundary().unwrap();
-        let s = cache.stats();
-        cache
-            .evict_to_free(s.full.available_pages + s.full.evictable_pages, 0)
-            .unwrap();
-        cache.step_boundary().unwrap();
+        common::evict_all_evictable(&mut cache);
         let (a, na) = prefill(&mut cache, &concat(&firsts[0], &text(2, ps + 1)));
         let (b, nb) = prefill(&mut cache, &concat(&firsts[1], &text(4, ps + 1)));
         let mut meta = StepMetadata::new();

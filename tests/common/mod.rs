@@ -610,6 +610,16 @@ pub fn assert_all_free(s: &unikv::CacheStats, label: &str) {
     }
 }
 
+/// Evicts every cached FULL page the device can (with a host tier, written back there)
+/// and ends the step, so the evictions take effect.
+pub fn evict_all_evictable(cache: &mut HybridCache) {
+    let s = cache.stats();
+    cache
+        .evict_to_free(s.full.available_pages + s.full.evictable_pages, 0)
+        .unwrap();
+    cache.step_boundary().unwrap();
+}
+
 /// Ends the step, clears the prefix cache and ends the step again; then every page and
 /// slot of every side must be free (what a test ends with once it released its requests).
 pub fn clear_and_assert_all_free(cache: &mut HybridCache, label: &str) {
