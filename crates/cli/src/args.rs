@@ -225,7 +225,7 @@ pub struct BenchOverlapCli {
     /// The forward's duration in microseconds (a spin kernel calibrated to it)
     #[arg(long = "forward-us", value_name = "US", default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub forward_us: u64,
-    /// Presets to replay; repeatable
+    /// Presets to replay (`all`: the model's defaults, as for `replay`); repeatable
     #[arg(
         long = "workload",
         value_name = "NAME[,NAME]",
@@ -455,20 +455,19 @@ impl BenchOverlapCli {
     /// The resolved options: lists merged, the unified layout at invariant level off (a
     /// server's), speculation a late-settled chain.
     pub fn resolve(self) -> BenchOverlapArgs {
-        let workloads: Vec<Preset> = union(
-            self.workloads
-                .into_iter()
-                .map(|w| w.0.into_iter().flatten().collect()),
-        );
+        // `all` is the model's defaults, in its place in the list (as for `replay`).
+        let model = self.model;
+        let workloads: Vec<Preset> = union(self.workloads.into_iter().flat_map(|w| w.0).map(
+            |item| match item {
+                Some(preset) => vec![preset],
+                None => Preset::defaults_for(&model),
+            },
+        ));
         BenchOverlapArgs {
             device: self.device,
             forward: std::time::Duration::from_micros(self.forward_us),
             options: ReplayOptions {
-                workloads: if workloads.is_empty() {
-                    Preset::defaults_for(&self.model)
-                } else {
-                    workloads
-                },
+                workloads,
                 model: self.model,
                 page_sizes: union(self.page_sizes.into_iter().map(|p| p.0)),
                 memory_bytes: self.memory,
@@ -763,6 +762,31 @@ mod tests {
             Command::Replay(r) => Ok(r),
             other => panic!("{args:?}: not a replay: {other:?}"),
         }
+    }
+
+    #[test]
+    fn bench_overlap_resolves_its_rows_and_all_means_the_models_defaults() {
+        let overlap = |args: &[&str]| match parse(&[&["bench-overlap"], args].concat()) {
+            Ok(Command::BenchOverlap(b)) => b,
+            other => panic!("{args:?}: {other:?}"),
+        };
+        let b = overlap(&[]);
+        assert_eq!(b.device, OverlapDevice::Cuda);
+        assert_eq!(b.forward, std::time::Duration::from_millis(2));
+        assert_eq!(
+            b.options.workloads,
+            [Preset::SharedPrefix, Preset::Random2048x512]
+        );
+        assert_eq!(b.options.page_sizes, [1, 16, 256]);
+        assert_eq!(b.options.layouts, [Layout::Unified]);
+        assert_eq!(b.options.invariant_level, Level::Off);
+        assert_eq!(b.speculation, Some(SpecMode::chain(4).unwrap().late()));
+        let b = overlap(&["--workload", "smoke,all", "--spec", "0"]);
+        let mut expected = vec![Preset::Smoke];
+        expected.extend(Preset::defaults_for(&ModelSpec::GPT_OSS_20B));
+        assert_eq!(b.options.workloads, expected);
+        assert_eq!(b.speculation, None);
+        assert!(parse(&["bench-overlap", "--forward-us", "0"]).is_err());
     }
 
     #[test]
