@@ -104,6 +104,13 @@ impl RadixTree {
             if n.mamba_grid && n.mamba.is_none() {
                 return Err(format!("n{ix}: a grid-state mark without a state"));
             }
+            // The root has no SWA: never marked.
+            if ix != ROOT && n.swa_window != self.serves_a_window(ix) {
+                return Err(format!(
+                    "n{ix}: SWA window mark {}, but the states below it say {}",
+                    n.swa_window, !n.swa_window
+                ));
+            }
             let c = self.contribution(ix);
             sizes.full_evictable.0 += c[0];
             sizes.full_protected.0 += c[1];
@@ -123,7 +130,7 @@ impl RadixTree {
                 full.insert((n.full_tick, ix));
             }
             if w {
-                swa.insert((n.swa_tick, ix));
+                swa.insert((n.swa_key(), ix));
             }
             if m {
                 mamba.insert((n.mamba_key(), ix));

@@ -83,6 +83,12 @@ pub(crate) struct Node {
     pub(crate) in_full: bool,
     pub(crate) in_swa: bool,
     pub(crate) in_mamba: bool,
+    /// Its SWA lies in the window of a state that serves reuse
+    /// ([`RadixTree::serves_a_window`]), which orders SWA eviction ([`Node::swa_key`]).
+    /// Kept, because it depends on the states below the node: recomputed where one of
+    /// them changes ([`RadixTree::remark_windows`]) and for a split's new node. Always
+    /// `false` in a tree without both SWA and recurrent state.
+    pub(crate) swa_window: bool,
 }
 
 impl Node {
@@ -93,14 +99,29 @@ impl Node {
         self.key.len()
     }
 
-    /// The node's key in the Mamba LRU: [`StateRole::Grid`] states no admission copied
-    /// ([`Node::mamba_hit`]) first, then every other state, each least recently used
-    /// first.
-    pub(crate) fn mamba_key(&self) -> u64 {
-        if self.mamba_grid && !self.mamba_hit {
-            self.mamba_tick
+    /// Whether the node holds a state that serves reuse: any state but a
+    /// [`StateRole::Grid`] point no admission copied ([`Node::mamba_hit`]).
+    pub(crate) fn holds_valued_state(&self) -> bool {
+        self.mamba.is_some() && (self.mamba_hit || !self.mamba_grid)
+    }
+
+    /// The node's key in the SWA LRU: live SWA no valued state's window needs
+    /// ([`Node::swa_window`]) first, then the rest, each least recently used first.
+    pub(crate) fn swa_key(&self) -> u64 {
+        if self.swa_window {
+            self.swa_tick | Self::VALUED
         } else {
+            self.swa_tick
+        }
+    }
+
+    /// The node's key in the Mamba LRU: [`StateRole::Grid`] states no admission copied
+    /// first, then every other state, each least recently used first.
+    pub(crate) fn mamba_key(&self) -> u64 {
+        if self.holds_valued_state() {
             self.mamba_tick | Self::VALUED
+        } else {
+            self.mamba_tick
         }
     }
 }
@@ -517,7 +538,7 @@ impl RadixTree {
             n.in_full = false;
         }
         if n.in_swa {
-            self.swa_lru.remove(&(n.swa_tick, ix));
+            self.swa_lru.remove(&(n.swa_key(), ix));
             n.in_swa = false;
         }
         if n.in_mamba {
@@ -543,7 +564,7 @@ impl RadixTree {
             n.in_full = true;
         }
         if w {
-            self.swa_lru.insert((n.swa_tick, ix));
+            self.swa_lru.insert((n.swa_key(), ix));
             n.in_swa = true;
         }
         if m {
@@ -552,11 +573,66 @@ impl RadixTree {
         }
     }
 
-    /// Mutates a node with its accounting and LRU membership kept exact.
+    /// Whether `ix` or a node below it within `W` tokens of its end holds a state that
+    /// serves reuse ([`Node::holds_valued_state`]): the window behind that state, the
+    /// `W` tokens before it, reaches into `ix`. A match on a model with recurrent layers
+    /// ends only at a state, so live SWA outside every such window serves no match.
+    /// Always `false` in a tree without both SWA and recurrent state.
+    pub(crate) fn serves_a_window(&self, ix: Ix) -> bool {
+        if !(self.config.mamba && self.swa_enabled()) {
+            return false;
+        }
+        let window = self.window();
+        if self.nodes[ix as usize].holds_valued_state() {
+            return true;
+        }
+        // Nodes to look below, with how far their ends lie below the end of `ix` (empty,
+        // it does not allocate: most nodes have no child within the window).
+        let mut stack = Vec::new();
+        let (mut x, mut distance) = (ix, 0);
+        loop {
+            for &c in self.nodes[x as usize].children.values() {
+                let end = distance + self.nodes[c as usize].len();
+                if end >= window {
+                    continue; // a state there or below looks back no further than `c`
+                }
+                if self.nodes[c as usize].holds_valued_state() {
+                    return true;
+                }
+                stack.push((c, end));
+            }
+            match stack.pop() {
+                Some(next) => (x, distance) = next,
+                None => return false,
+            }
+        }
+    }
+
+    /// Recomputes [`Node::swa_window`] where a state that serves reuse came or went at a
+    /// position `distance` tokens below the end of `x`: for `x` and the nodes above it
+    /// whose ends lie within `W` tokens of that position.
+    pub(crate) fn remark_windows(&mut self, mut x: Ix, mut distance: usize) {
+        let window = self.window();
+        while x != ROOT && distance < window {
+            let marked = self.serves_a_window(x);
+            if self.nodes[x as usize].swa_window != marked {
+                self.with_node(x, |n| n.swa_window = marked);
+            }
+            distance += self.nodes[x as usize].len();
+            x = self.nodes[x as usize].parent;
+        }
+    }
+
+    /// Mutates a node with its accounting and LRU membership kept exact (and the window
+    /// marks of it and the nodes above it, when its state began or stopped serving reuse).
     pub(crate) fn with_node<R>(&mut self, ix: Ix, f: impl FnOnce(&mut Node) -> R) -> R {
+        let valued = self.nodes[ix as usize].holds_valued_state();
         self.leave(ix);
         let r = f(&mut self.nodes[ix as usize]);
         self.enter(ix);
+        if self.nodes[ix as usize].holds_valued_state() != valued {
+            self.remark_windows(ix, 0);
+        }
         r
     }
 
@@ -594,6 +670,9 @@ impl RadixTree {
         slot.generation = generation;
         self.free.push(ix);
         self.with_node(old.parent, |p| p.children.remove(&old.key[..ps]));
+        if old.holds_valued_state() {
+            self.remark_windows(old.parent, old.len());
+        }
         old
     }
 
@@ -650,6 +729,8 @@ impl RadixTree {
         let page: Box<[TokenId]> = self.nodes[p as usize].key[..ps].into();
         self.nodes[grand as usize].children.insert(page, p);
         self.nodes[ix as usize].parent = p;
+        // The states below it are the lower part's (`ix` keeps its end and its mark).
+        self.nodes[p as usize].swa_window = self.serves_a_window(p);
         self.enter(p);
         p
     }
@@ -658,7 +739,7 @@ impl RadixTree {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::InsertRequest;
+    use crate::{Action, Component, InsertRequest, StateCheckpoint};
 
     fn key(n: u32) -> Vec<TokenId> {
         (0..n).map(TokenId).collect()
@@ -666,6 +747,86 @@ mod tests {
 
     fn row(n: u32) -> Vec<VirtualToken> {
         (100..100 + n).map(VirtualToken).collect()
+    }
+
+    /// An SWA key follows the states below its node, not only the node's own: at window
+    /// 6 and page size 2, a prompt of 12 tokens with grid states at 8 and 10 and its
+    /// anchor at 12 has nodes [0, 6) (outside the anchor's window), [6, 8), [8, 10) and
+    /// [10, 12) (inside it: valued). Evicting the anchor, or removing the leaf that holds
+    /// it, sends every node above it within the window ahead of an older prompt's valued
+    /// windows, though none of them is touched. `sanity_check` recomputes every key.
+    #[test]
+    fn an_swa_key_follows_the_states_below_it() {
+        let mut tree = RadixTree::new(TreeConfig::swa(2, 6).with_mamba()).unwrap();
+        let mut insert = |first: u32, base: u32| -> [Ix; 4] {
+            let key: Vec<TokenId> = (0..12)
+                .map(|t| TokenId(if t < 2 { first } else { t }))
+                .collect();
+            let row: Vec<VirtualToken> = (base..base + 12).map(VirtualToken).collect();
+            let state = |at: usize, slot: u32, role| StateCheckpoint {
+                at: Tokens(at),
+                slot: MambaSlot(slot),
+                in_flight: false,
+                role,
+            };
+            let states = [
+                state(8, base, StateRole::Grid),
+                state(10, base + 1, StateRole::Grid),
+                state(12, base + 2, StateRole::Anchor),
+            ];
+            let out = tree
+                .insert(InsertRequest::new(&key, &row).checkpoints(&states))
+                .unwrap();
+            let mut path = [out.node.index; 4];
+            for i in (0..3).rev() {
+                path[i] = tree.nodes[path[i + 1] as usize].parent;
+            }
+            path
+        };
+        let b = insert(1_000, 100);
+        let a = insert(2_000, 200);
+        // `b` older than `a`, on both sides.
+        for (path, base) in [(b, 1), (a, 10)] {
+            for (i, &ix) in path.iter().enumerate() {
+                tree.with_node(ix, |n| {
+                    n.swa_tick = base + i as u64;
+                    n.full_tick = base + i as u64;
+                });
+            }
+        }
+        let order =
+            |tree: &RadixTree| -> Vec<Ix> { tree.swa_lru.iter().map(|&(_, ix)| ix).collect() };
+        assert_eq!(
+            order(&tree),
+            [b[0], a[0], b[1], b[2], b[3], a[1], a[2], a[3]]
+        );
+
+        let mut actions = Vec::new();
+        tree.evict_mamba(a[3], &mut actions);
+        tree.sanity_check().unwrap();
+        assert_eq!(
+            order(&tree),
+            [b[0], a[0], a[1], a[2], a[3], b[1], b[2], b[3]],
+            "`a`'s anchor gone: its whole window before `b`'s"
+        );
+
+        match tree.evict_one(Component::Full).as_deref() {
+            Some(
+                [
+                    Action::EvictNode { node, .. },
+                    Action::EvictMambaState { .. },
+                ],
+            ) => {
+                assert_eq!(node.index, b[3]);
+            }
+            other => panic!("{other:?}"),
+        }
+        tree.sanity_check().unwrap();
+        assert_eq!(
+            order(&tree),
+            [b[0], b[1], b[2], a[0], a[1], a[2], a[3]],
+            "`b`'s leaf and anchor gone: no window valued, the oldest first"
+        );
     }
 
     /// A split keeps the sizes, moves the upper part to a new parent that inherits the

@@ -1397,6 +1397,51 @@ fn mamba_eviction_frees_unserved_grid_states_before_older_anchors() {
     }
 }
 
+/// With recurrent state, SWA eviction tombstones live SWA that no valued state's window
+/// needs before any window that one does, even an older one: a match can end only at a
+/// state, so a prompt's SWA far behind its prompt-end state serves nothing. Two prompts
+/// of 6 pages, each a grid state at page 4 and an anchor at page 6, window 2 pages: the
+/// first two tombstones take both prompts' first 4 pages, and both still match whole
+/// (plain LRU took the older prompt's two nodes, its window with them).
+#[test]
+fn swa_eviction_keeps_the_window_behind_a_valued_state_over_newer_swa_no_state_needs() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let mut tree = RadixTree::new(TreeConfig::swa(ps, 2 * p).with_mamba()).unwrap();
+        let at = |pages: usize, slot: u32, role| StateCheckpoint {
+            at: Tokens(pages * p),
+            slot: MambaSlot(slot),
+            in_flight: false,
+            role,
+        };
+        let mut insert = |first: u32, base: u32| {
+            let key = tokens(&[first, 10, 11, 12, 13, 14], p);
+            let row: Vec<VirtualToken> = (base..base + 6 * p as u32).map(VirtualToken).collect();
+            let checkpoints = [
+                at(4, base, StateRole::Grid),
+                at(6, base + 1, StateRole::Anchor),
+            ];
+            tree.insert(InsertRequest::new(&key, &row).checkpoints(&checkpoints))
+                .unwrap();
+            key
+        };
+        let older = insert(1, 100);
+        let newer = insert(2, 200);
+        for _ in 0..2 {
+            match tree.evict_one(Component::Swa).as_deref() {
+                Some([Action::TombstoneSwa { tokens, .. }, ..]) => {
+                    assert_eq!(tokens.len(), 4 * p, "ps {ps}: the stretch no window needs");
+                }
+                other => panic!("ps {ps}: {other:?}"),
+            }
+            tree.sanity_check().unwrap();
+        }
+        for key in [&older, &newer] {
+            assert_eq!(tree.match_prefix(key).len, Tokens(6 * p), "ps {ps}");
+        }
+    }
+}
+
 /// The Mamba path cap, among the states that serve no reuse, takes a grid state before an
 /// anchor of the same age.
 #[test]
