@@ -42,7 +42,8 @@
 //!   tokens back at the front of the queue) and the allocation retried; a request that
 //!   cannot fit alone is [`ReplayError::BudgetTooSmall`].
 //! - Requests arrive at their `arrival_step`, or, with an `after`, at the first step after
-//!   that request finished (a chat's next turn); arrivals join the back of the queue.
+//!   the last of those requests finished (a chat's next turn); arrivals join the back of
+//!   the queue.
 //!   Output tokens are the workload's where it fixes them (`RequestSpec::output`), else
 //!   drawn from the seed and the request's id; either way the token fed back at each
 //!   decode is the one sampled last.
@@ -222,8 +223,11 @@ struct Simulation<'a> {
     ///
     /// [`RequestSpec::after`]: unikv_workload::RequestSpec::after
     arrivals: Vec<usize>,
-    /// For each request, the requests its finish releases (their `after`).
+    /// For each request, the requests whose `after` names it.
     dependents: Vec<Vec<usize>>,
+    /// For each request, how many of its `after` have not finished yet: it is released
+    /// when the last one does.
+    unfinished_after: Vec<usize>,
     /// Requests released by a finish, waiting for their step (the next one, or their
     /// `arrival_step` if later), in the order they were released.
     released: Vec<usize>,
@@ -289,11 +293,15 @@ impl<'a> Simulation<'a> {
         })?;
         let mut arrivals: Vec<usize> = Vec::with_capacity(workload.requests.len());
         let mut dependents = vec![Vec::new(); workload.requests.len()];
+        let mut unfinished_after = vec![0; workload.requests.len()];
         for (i, r) in workload.requests.iter().enumerate() {
-            match r.after {
-                // `validate` makes it an earlier request; any other is treated as absent.
-                Some(after) if (after as usize) < i => dependents[after as usize].push(i),
-                _ => arrivals.push(i),
+            // `validate` makes them earlier requests; any other is treated as absent.
+            for &after in r.after.iter().filter(|&&a| (a as usize) < i) {
+                dependents[after as usize].push(i);
+                unfinished_after[i] += 1;
+            }
+            if unfinished_after[i] == 0 {
+                arrivals.push(i);
             }
         }
         arrivals.sort_by_key(|&i| (workload.requests[i].arrival_step, i));
@@ -316,6 +324,7 @@ impl<'a> Simulation<'a> {
             next_arrival: 0,
             arrivals,
             dependents,
+            unfinished_after,
             released: Vec::new(),
             stats,
             samples: SampleRecorder::new(config.max_samples),
@@ -552,7 +561,12 @@ impl<'a> Simulation<'a> {
                 let r = self.running.remove(i);
                 self.cache.cache_finished(r.req)?;
                 self.stats.requests_completed += 1;
-                self.released.extend_from_slice(&self.dependents[r.spec]);
+                for &d in &self.dependents[r.spec] {
+                    self.unfinished_after[d] -= 1;
+                    if self.unfinished_after[d] == 0 {
+                        self.released.push(d);
+                    }
+                }
                 finished = true;
             } else {
                 i += 1;

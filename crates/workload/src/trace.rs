@@ -217,7 +217,7 @@ fn parse_lines(
             arrival_step: parsed.arrival_step,
             prompt,
             output_len: parsed.output_len,
-            after: None,
+            after: Vec::new(),
             output: None,
         });
     }

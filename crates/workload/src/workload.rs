@@ -78,12 +78,12 @@ pub struct RequestSpec {
     pub prompt: Vec<u32>,
     /// Tokens to generate (at least 1).
     pub output_len: u32,
-    /// The request whose finish releases this one, if any: it then arrives at the first
-    /// step after that request finished (and not before `arrival_step`), as a chat
-    /// client sends a conversation's next turn once the answer to the last one is
-    /// complete. Always an earlier request (a smaller id); `None` for every preset but
-    /// `multi-turn` and `mamba-starvation` ([`StarvationPlan::after`]).
-    pub after: Option<u32>,
+    /// The requests whose finishes release this one (empty: none): it then arrives at
+    /// the first step after the last of them finished (and not before `arrival_step`),
+    /// as a chat client sends a conversation's next turn once the answer to the last one
+    /// is complete. Always earlier requests (smaller ids), in increasing order; empty for
+    /// every preset but `multi-turn` and `mamba-starvation` ([`StarvationPlan::after`]).
+    pub after: Vec<u32>,
     /// The tokens it generates, when the workload fixes them (`output_len` of them, in
     /// order): a conversation's next turn repeats this turn's output in its prompt, so the
     /// scheduler must generate exactly these. `None`: the scheduler draws them from the
@@ -136,7 +136,11 @@ impl Workload {
                     prompt: shifted(&r.prompt),
                     output_len: r.output_len,
                     // Request `a` of tenant `c` is request `a × k + c` here.
-                    after: r.after.map(|a| a.saturating_mul(k).saturating_add(c)),
+                    after: r
+                        .after
+                        .iter()
+                        .map(|a| a.saturating_mul(k).saturating_add(c))
+                        .collect(),
                     output: r.output.as_deref().map(shifted),
                 });
             }
@@ -175,7 +179,7 @@ impl Workload {
     /// Checks what the scheduler relies on: at least one request, a positive
     /// concurrency, ids equal to positions, arrivals in order, non-empty prompts,
     /// positive output lengths, fixed outputs of exactly `output_len` tokens, and every
-    /// `after` naming an earlier request.
+    /// `after` naming earlier requests in increasing order.
     pub fn validate(&self) -> Result<(), WorkloadError> {
         let bad = |reason: String| WorkloadError::BadWorkload {
             name: self.name.clone(),
@@ -215,11 +219,15 @@ impl Workload {
                     r.output_len
                 )));
             }
-            if let Some(after) = r.after
-                && after as usize >= i
-            {
+            if let Some(&after) = r.after.iter().find(|&&a| a as usize >= i) {
                 return Err(bad(format!(
                     "request {i} waits for request {after}, which is not an earlier one"
+                )));
+            }
+            if !r.after.is_sorted_by(|a, b| a < b) {
+                return Err(bad(format!(
+                    "request {i} waits for requests {:?}, not in increasing order",
+                    r.after
                 )));
             }
         }
@@ -341,7 +349,8 @@ pub enum Preset {
 /// derived from the bytes a history and a running request take.
 ///
 /// Requests are admitted in workload order and every history has the same length, so
-/// histories finish in order, all before any follow-up (a follow-up is longer and starts
+/// histories finish about in order (speculation accepts a different number of tokens
+/// per request and step), all before any follow-up (a follow-up is longer and starts
 /// later). Follow-up `k < concurrency` continues history `histories − concurrency + k`
 /// and arrives once that history finished, as a conversation's next turn does however
 /// fast a run decodes; the next ones continue the histories before those, newest first
@@ -394,15 +403,16 @@ impl StarvationPlan {
         }
     }
 
-    /// The request whose finish sends follow-up `k` ([`RequestSpec::after`]): the history
-    /// it continues in the first wave (a conversation's next turn never comes before its
-    /// last answer, however fast a run decodes), the last history for the others, so that
-    /// they queue behind the first wave in the plan's order.
-    pub fn after(&self, k: u32) -> u32 {
+    /// The requests whose finishes send follow-up `k` ([`RequestSpec::after`]): the
+    /// history it continues in the first wave (a conversation's next turn never comes
+    /// before its last answer, however fast a run decodes), every history for the others,
+    /// so that they queue behind the whole first wave in the plan's order whichever
+    /// history finishes last.
+    pub fn after(&self, k: u32) -> Vec<u32> {
         if k < self.concurrency {
-            self.target(k)
+            vec![self.target(k)]
         } else {
-            self.histories - 1
+            (0..self.histories).collect()
         }
     }
 
@@ -543,13 +553,13 @@ impl Preset {
                 for _ in 0..192 {
                     let mut prompt = system.clone();
                     prompt.extend(tokens.segment(128));
-                    push(0, prompt, 2_048, None);
+                    push(0, prompt, 2_048, Vec::new());
                 }
                 192
             }
             Preset::LongOutputs => {
                 for _ in 0..100 {
-                    push(0, tokens.segment(512), 4_096, None);
+                    push(0, tokens.segment(512), 4_096, Vec::new());
                 }
                 128
             }
@@ -562,7 +572,7 @@ impl Preset {
                 for _ in 0..count {
                     let input_len = random_len(tokens.rng(), input, RANDOM_RANGE_RATIO);
                     let output_len = random_len(tokens.rng(), output, RANDOM_RANGE_RATIO);
-                    push(0, tokens.segment(input_len), output_len as u32, None);
+                    push(0, tokens.segment(input_len), output_len as u32, Vec::new());
                 }
                 64
             }
@@ -586,7 +596,7 @@ impl Preset {
                     (8, shared(&mut tokens), 64),
                 ];
                 for (arrival, prompt, output) in plan {
-                    push(arrival, prompt, output, None);
+                    push(arrival, prompt, output, Vec::new());
                 }
                 4
             }
@@ -596,18 +606,18 @@ impl Preset {
                     .map(|_| tokens.segment(StarvationPlan::HISTORY_PROMPT))
                     .collect();
                 for history in &histories {
-                    push(0, history.clone(), StarvationPlan::HISTORY_OUTPUT, None);
+                    push(
+                        0,
+                        history.clone(),
+                        StarvationPlan::HISTORY_OUTPUT,
+                        Vec::new(),
+                    );
                 }
                 for k in 0..plan.follow_ups {
                     let target = plan.target(k);
                     let mut prompt = histories[target as usize].clone();
                     prompt.extend(tokens.segment(StarvationPlan::QUESTION));
-                    push(
-                        0,
-                        prompt,
-                        StarvationPlan::FOLLOW_UP_OUTPUT,
-                        Some(plan.after(k)),
-                    );
+                    push(0, prompt, StarvationPlan::FOLLOW_UP_OUTPUT, plan.after(k));
                 }
                 plan.concurrency
             }
@@ -722,7 +732,7 @@ impl ChatShape {
                     arrival_step: 0,
                     prompt,
                     output_len: self.output_tokens,
-                    after: id.checked_sub(self.clients),
+                    after: id.checked_sub(self.clients).into_iter().collect(),
                     output: Some(output),
                 });
             }
@@ -822,7 +832,8 @@ mod tests {
             assert_eq!(r.arrival_step, 0);
             assert_eq!(r.output_len, 858);
             assert_eq!(r.output.as_ref().map(Vec::len), Some(858));
-            assert_eq!(r.after, r.id.checked_sub(32), "request {}", r.id);
+            let after: Vec<u32> = r.id.checked_sub(32).into_iter().collect();
+            assert_eq!(r.after, after, "request {}", r.id);
             assert!(
                 r.prompt
                     .iter()
@@ -863,7 +874,8 @@ mod tests {
             let mut leads = Vec::new();
             let mut follow_ups = 0;
             for r in &w.requests {
-                let Some(after) = r.after else {
+                let &[after] = &r.after[..] else {
+                    assert!(r.after.is_empty(), "request {}: one turn before it", r.id);
                     leads.push(r.prompt[0]);
                     continue;
                 };
@@ -945,8 +957,12 @@ mod tests {
                     assert_eq!(common_prefix(&r.prompt[4_096..], &histories[0].prompt), 0);
                     // A first-wave turn is sent once its history finished, the others once
                     // every history did.
-                    let after = if (k as u32) < c { target } else { h - 1 };
-                    assert_eq!(r.after, Some(after), "{label}: follow-up {k}");
+                    let after: Vec<u32> = if (k as u32) < c {
+                        vec![target]
+                    } else {
+                        (0..h).collect()
+                    };
+                    assert_eq!(r.after, after, "{label}: follow-up {k}");
                     targets.push(target);
                 }
                 // The last wave in order, then the ones before it, newest first; each
@@ -1016,9 +1032,16 @@ mod tests {
         w.requests.swap(1, 2);
         assert!(w.validate().is_err());
         let mut w = Preset::MultiTurn.build(0);
-        w.requests[40].after = Some(40);
+        w.requests[40].after = vec![40];
         let err = w.validate().unwrap_err().to_string();
         assert!(err.contains("request 40 waits for request 40"), "{err}");
+        let mut w = Preset::MultiTurn.build(0);
+        w.requests[40].after = vec![8, 3];
+        let err = w.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("request 40 waits for requests [8, 3]"),
+            "{err}"
+        );
         let mut w = Preset::MultiTurn.build(0);
         w.requests[7].output.as_mut().unwrap().pop();
         let err = w.validate().unwrap_err().to_string();

@@ -97,7 +97,7 @@ fn a_request_too_large_to_finish_alone_is_refused_with_its_whole_size() {
             arrival_step: 0,
             prompt: (0..1_000).collect(),
             output_len: 200_000,
-            after: None,
+            after: Vec::new(),
             output: None,
         }],
     };
@@ -159,6 +159,39 @@ fn a_next_turn_arrives_once_the_last_one_finished() {
     assert_eq!(stats.requests_completed, 8);
     assert_eq!(stats.peak_admitted, 2);
     assert_eq!(stats.steps, 4 * 24);
+}
+
+/// A request released by several others arrives the step after the last of them
+/// finished, whichever order they finish in: two requests decoding 30 and 10 tokens
+/// (a step for the prefill that samples the first, one for each other), then one of 5
+/// after both: 30 + 5 steps, in either order of the two.
+#[test]
+fn a_request_after_several_arrives_once_the_last_of_them_finished() {
+    for outputs in [[30, 10], [10, 30]] {
+        let request = |id: u32, output_len: u32, after: Vec<u32>| unikv_workload::RequestSpec {
+            id,
+            arrival_step: 0,
+            prompt: (id * 100..id * 100 + 8).collect(),
+            output_len,
+            after,
+            output: None,
+        };
+        let workload = Workload {
+            name: "after two".into(),
+            concurrency: 3,
+            requests: vec![
+                request(0, outputs[0], Vec::new()),
+                request(1, outputs[1], Vec::new()),
+                request(2, 5, vec![0, 1]),
+            ],
+        };
+        workload.validate().unwrap();
+        let mut config = RunConfig::new(ModelSpec::GPT_OSS_20B, Layout::Unified, 1, 1 << 30);
+        config.backend = Backend::None;
+        let stats = run(&workload, &config, (), &|_| {}).unwrap();
+        assert_eq!(stats.requests_completed, 3);
+        assert_eq!(stats.steps, 30 + 5, "outputs {outputs:?}");
+    }
 }
 
 /// The scheduler generates exactly the outputs the workload fixed, so a next turn's
