@@ -750,19 +750,19 @@ mod tests {
     }
 
     /// An SWA key follows the states below its node, not only the node's own: at window
-    /// 6 and page size 2, a prompt of 12 tokens with grid states at 8 and 10 and its
-    /// anchor at 12 has nodes [0, 6) (outside the anchor's window), [6, 8), [8, 10) and
-    /// [10, 12) (inside it: valued). Evicting the anchor, or removing the leaf that holds
+    /// 10 and page size 2, a prompt of 16 tokens with grid states at 8 and 12 and its
+    /// anchor at 16 has nodes [0, 6) (outside the anchor's window), [6, 8), [8, 12) and
+    /// [12, 16) (inside it: valued). Evicting the anchor, or removing the leaf that holds
     /// it, sends every node above it within the window ahead of an older prompt's valued
     /// windows, though none of them is touched. `sanity_check` recomputes every key.
     #[test]
     fn an_swa_key_follows_the_states_below_it() {
-        let mut tree = RadixTree::new(TreeConfig::swa(2, 6).with_mamba()).unwrap();
+        let mut tree = RadixTree::new(TreeConfig::swa(2, 10).with_mamba()).unwrap();
         let mut insert = |first: u32, base: u32| -> [Ix; 4] {
-            let key: Vec<TokenId> = (0..12)
+            let key: Vec<TokenId> = (0..16)
                 .map(|t| TokenId(if t < 2 { first } else { t }))
                 .collect();
-            let row: Vec<VirtualToken> = (base..base + 12).map(VirtualToken).collect();
+            let row: Vec<VirtualToken> = (base..base + 16).map(VirtualToken).collect();
             let state = |at: usize, slot: u32, role| StateCheckpoint {
                 at: Tokens(at),
                 slot: MambaSlot(slot),
@@ -771,8 +771,8 @@ mod tests {
             };
             let states = [
                 state(8, base, StateRole::Grid),
-                state(10, base + 1, StateRole::Grid),
-                state(12, base + 2, StateRole::Anchor),
+                state(12, base + 1, StateRole::Grid),
+                state(16, base + 2, StateRole::Anchor),
             ];
             let out = tree
                 .insert(InsertRequest::new(&key, &row).checkpoints(&states))
