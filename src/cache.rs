@@ -236,6 +236,9 @@ pub struct HybridCache {
     replay: Option<Arc<dyn crate::StateReplay>>,
     /// The host tier, when the builder gave it memory.
     host: Option<host::HostTier>,
+    /// Locks on what this step's forward reads behind the chunks cached before it ran
+    /// ([`HybridCache::cache_unfinished`]), released at the step boundary.
+    step_pins: Vec<unikv_radix::LockHandle>,
 }
 
 impl HybridCache {
@@ -802,7 +805,11 @@ impl HybridCache {
     /// this step's forward writes ends matches from the next step on (after
     /// [`HybridCache::step_boundary`]).
     ///
-    /// Call it once the step's allocations are done (before or after the forward).
+    /// It may be called before the step's forward and between its allocations: with
+    /// sliding-window layers, what the forward reads behind the tokens cached since the
+    /// last call (their SWA and one window before them) stays locked until
+    /// [`HybridCache::step_boundary`], so a later allocation of the step evicts none of
+    /// it (`a_chunk_cached_mid_step_keeps_the_window_its_forward_reads`).
     pub fn cache_unfinished(&mut self, req: &mut Request) -> Result<(), Error> {
         self.check_owner(req)?;
         let before = self.held(req);
@@ -810,6 +817,13 @@ impl HybridCache {
         let outcome = self.insert(req, true, &checkpoints)?;
         self.handed_to_tree(req, checkpoints.len());
         let cached = outcome.cached_len.0;
+        if self.has_swa && cached > req.protected {
+            // The new lock covers one window behind `cached`; the forward's queries
+            // from `req.protected` on read one window behind each.
+            let reach = Tokens(cached - req.protected + self.window);
+            let pin = self.tree.lock_reaching(outcome.node, reach)?;
+            self.step_pins.push(pin);
+        }
         if let Some(old) = req.lock.take() {
             self.tree.unlock(old)?;
         }
@@ -1000,6 +1014,11 @@ impl HybridCache {
     /// a few µs per step amortised; lower levels skip it. Walking at every boundary made
     /// the replay's median step time at page size 256 grow up to 20-fold.
     pub fn step_boundary(&mut self) -> Result<StepReport, Error> {
+        // The step's forward is launched: a later step's work is ordered after it.
+        let unpinned = self
+            .step_pins
+            .drain(..)
+            .try_for_each(|pin| self.tree.unlock(pin));
         // Scratch given back in this step is handed out again from the next one (this
         // step's forward may still read it); what is kept beyond the reserve goes back.
         self.verify_scratch
@@ -1034,6 +1053,7 @@ impl HybridCache {
         // Polled on every path, a failing one included, so no breach stays pending for
         // the next step (the drained ones stay counted in the scope's report).
         let polled = self.scope.poll();
+        unpinned?;
         closed?;
         polled_copies?;
         written?;

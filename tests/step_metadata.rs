@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use std::sync::Arc;
 use unikv::kernels::{CpuDevice, CudaDevice, HostSync, Readback, SyncLedger};
-use unikv::pools::Side;
+use unikv::pools::{Side, SwaState};
 use unikv::{
     DeviceLayout, Error, HybridCache, Layout, Request, StepCapacity, StepMetadata, StepView,
     TokenId,
@@ -395,6 +395,56 @@ fn a_window_below_the_window_cursor_is_a_window_live_breach() {
             }
             // The breach stays in the scope's report: no teardown's clean check.
             fx.cache.release(req).unwrap();
+        });
+    });
+}
+
+/// A chunk cached before its step's forward (`cache_unfinished` between the step's
+/// allocations, as a scheduler does that lets a later admission of the step hit it)
+/// keeps what that forward reads, its SWA and the window before it: evicting every SWA
+/// page it can later in the step tombstones none of it, so the step's metadata reads no
+/// released row. From the boundary on it is cache like any other: the same eviction then
+/// leaves only the window the request still holds.
+#[test]
+fn a_chunk_cached_mid_step_keeps_the_window_its_forward_reads() {
+    use unikv::invariants::{Level, scoped_level};
+    scoped_level(Level::Strict, || {
+        for_each_layout_and_page_size(|layout, ps| {
+            let mut fx = Fixture::new(&Config::tokens(
+                layout,
+                ps,
+                W,
+                64 * (W as u64).max(ps as u64),
+                16,
+            ));
+            let chunk = 4 * fx.keep();
+            let mut req = fx.admit(text(1, 2 * chunk + 1));
+            fx.cache.alloc_extend(&mut req, chunk).unwrap();
+            fx.cache.cache_unfinished(&mut req).unwrap();
+            fx.step();
+            // The second chunk's queries read from `chunk - W` on.
+            fx.cache.alloc_extend(&mut req, chunk).unwrap();
+            fx.cache.cache_unfinished(&mut req).unwrap();
+            // One SWA page more than fits, until no SWA is evictable.
+            let evict_every_swa_page = |fx: &mut Fixture| {
+                while fx.cache.tree().sizes().swa_evictable.0 > 0 {
+                    let more = fx.cache.stats().swa.schedulable_pages + 1;
+                    fx.cache.evict_to_free(0, more).unwrap();
+                }
+            };
+            evict_every_swa_page(&mut fx);
+            let read = chunk - W as usize;
+            let swa = |fx: &Fixture, req: &Request| fx.swa_state(req.row()[read]);
+            assert_eq!(swa(&fx, &req), SwaState::Live, "{}", fx.label);
+            let mut meta = StepMetadata::new();
+            fx.cache
+                .build_step_metadata(&mut meta, &[(&req, chunk)])
+                .unwrap();
+            fx.step();
+            evict_every_swa_page(&mut fx);
+            assert_eq!(swa(&fx, &req), SwaState::Tombstone, "{}", fx.label);
+            fx.check_request(&req);
+            fx.teardown(vec![req]);
         });
     });
 }

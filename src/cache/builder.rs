@@ -588,6 +588,7 @@ impl HybridCacheBuilder {
             verify_scratch: super::scratch::VerifyScratch::new(shape),
             replay: self.replay,
             host,
+            step_pins: Vec::new(),
         })
     }
 }

@@ -245,7 +245,7 @@ impl RadixTree {
         }
 
         let lock = if req.lock {
-            Some(self.lock_ix(x, State::Unpinned))
+            Some(self.lock_ix(x, State::Unpinned, self.window()))
         } else {
             None
         };

@@ -12,7 +12,7 @@
 use crate::error::RadixError;
 use crate::invariants::{FULL_LOCKS_COVER_SWA_LOCKS, LOCK_UNDERFLOW};
 use crate::tree::{Ix, LockRecord, ROOT};
-use crate::{LockHandle, NodeId, RadixTree};
+use crate::{LockHandle, NodeId, RadixTree, Tokens};
 
 /// What a lock does to the Mamba state at its node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,10 +34,22 @@ impl RadixTree {
     /// touches them.
     pub fn lock(&mut self, node: NodeId) -> Result<LockHandle, RadixError> {
         let ix = self.resolve(node)?;
-        Ok(self.lock_ix(ix, State::Pinned))
+        Ok(self.lock_ix(ix, State::Pinned, self.window()))
     }
 
-    pub(crate) fn lock_ix(&mut self, ix: Ix, state: State) -> LockHandle {
+    /// Locks `node` for a forward that has yet to read the window behind a stretch of
+    /// tokens ending there: FULL on every node up to the root, and SWA on the live nodes
+    /// covering `reach` tokens upward from the node (at least one window). The node's
+    /// Mamba state stays evictable. A chunk cached before its step's forward runs needs
+    /// its length plus one window ([`RadixTree::unlock`] when the forward is launched).
+    pub fn lock_reaching(&mut self, node: NodeId, reach: Tokens) -> Result<LockHandle, RadixError> {
+        let ix = self.resolve(node)?;
+        let reach = reach.0.max(self.window());
+        Ok(self.lock_ix(ix, State::Unpinned, reach))
+    }
+
+    /// Locks `ix` (see [`RadixTree::lock`]), its window part covering `reach` tokens.
+    pub(crate) fn lock_ix(&mut self, ix: Ix, state: State, reach: usize) -> LockHandle {
         let mut x = ix;
         while x != ROOT {
             self.with_node(x, |n| n.full_lock += 1);
@@ -45,11 +57,10 @@ impl RadixTree {
         }
         let mut swa_floor = None;
         if self.swa_enabled() && ix != ROOT {
-            let window = self.window();
             let mut start = self.start_of(ix);
             let mut covered = 0;
             let mut x = ix;
-            while x != ROOT && covered < window && self.nodes[x as usize].swa_live {
+            while x != ROOT && covered < reach && self.nodes[x as usize].swa_live {
                 self.with_node(x, |n| n.swa_lock += 1);
                 let n = &self.nodes[x as usize];
                 self.scope.expect(

@@ -1442,6 +1442,53 @@ fn swa_eviction_keeps_the_window_behind_a_valued_state_over_newer_swa_no_state_n
     }
 }
 
+/// `lock_reaching` locks the SWA of the nodes covering `reach` tokens up from the node
+/// (one window at least), FULL to the root and no Mamba state: SWA eviction tombstones
+/// only what lies beyond, and once it is unlocked the rest goes too.
+#[test]
+fn a_lock_reaching_back_keeps_that_much_swa_live() {
+    for ps in page_sizes() {
+        let p = ps as usize;
+        let mut tree = RadixTree::new(TreeConfig::swa(ps, 2 * p).with_mamba()).unwrap();
+        // Four 2-page nodes: [0, 2p), [2p, 4p), [4p, 6p), [6p, 8p), the last with a state.
+        let key = tokens(&pages(8), p);
+        let row: Vec<VirtualToken> = (100..100 + 8 * p as u32).map(VirtualToken).collect();
+        let mut node = None;
+        for end in [2, 4, 6, 8] {
+            let mut insert = InsertRequest::new(&key[..end * p], &row[..end * p]);
+            if end == 8 {
+                insert = insert.mamba(MambaSlot(7));
+            }
+            node = Some(tree.insert(insert).unwrap().node);
+        }
+        let node = node.unwrap();
+        let lock = tree.lock_reaching(node, Tokens(5 * p)).unwrap();
+        assert_eq!(
+            tree.sizes().mamba_protected.get(),
+            0,
+            "ps {ps}: its state stays evictable"
+        );
+        let mut tombstoned = Vec::new();
+        while let Some(actions) = tree.evict_one(Component::Swa) {
+            for a in actions {
+                if let Action::TombstoneSwa { tokens, .. } = a {
+                    tombstoned.push(tokens[0].0 - 100);
+                }
+            }
+        }
+        // 5 pages reach into [2p, 4p): only [0, 2p) goes.
+        assert_eq!(tombstoned, [0], "ps {ps}");
+        tree.sanity_check().unwrap();
+        tree.unlock(lock).unwrap();
+        let mut after = 0;
+        while tree.evict_one(Component::Swa).is_some() {
+            after += 1;
+        }
+        assert_eq!(after, 3, "ps {ps}: the three other nodes");
+        tree.sanity_check().unwrap();
+    }
+}
+
 /// The Mamba path cap, among the states that serve no reuse, takes a grid state before an
 /// anchor of the same age.
 #[test]

@@ -530,3 +530,30 @@ fn a_host_tier_hits_more_and_recomputes_less_on_a_small_device() {
         }
     }
 }
+
+/// The scheduler caches each prefill chunk as soon as it is allocated, so a later
+/// admission of the same step hits it, and the step's later allocations may then evict:
+/// what the step's forward reads behind a chunk stays locked until the boundary, so a
+/// chat under memory pressure (gpt-oss-20b, static, page size 16, 64 MiB: evicting every
+/// few steps) runs at strict with no breach (`step.window_live` was breached once here).
+#[test]
+fn chunks_cached_mid_step_keep_their_window_under_memory_pressure() {
+    let shape = unikv_workload::workload::ChatShape {
+        clients: 8,
+        turns: &[3, 3],
+        user_tokens: 40,
+        output_tokens: 24,
+    };
+    let workload = shape.build(
+        "chat",
+        unikv_workload::workload::TokenSource::new(5, "chat"),
+    );
+    let mut config = RunConfig::new(ModelSpec::GPT_OSS_20B, LAYOUTS[0], 16, 64 << 20);
+    config.backend = Backend::None;
+    let stats =
+        unikv_invariants::scoped_level(Level::Strict, || run(&workload, &config, (), &|_| {}))
+            .unwrap();
+    assert_eq!(stats.requests_completed, 48);
+    assert!(stats.evictions_by_kind["swa"] > 0, "{stats:?}");
+    assert_eq!(stats.invariant_violations, 0);
+}
