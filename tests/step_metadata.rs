@@ -17,6 +17,12 @@ use unikv::{
 
 const W: u32 = 8;
 
+/// The cache these tests run: window `W`, room for 64 windows (or pages), an eviction
+/// interval of 16.
+fn config(layout: Layout, ps: u32) -> Config {
+    Config::tokens(layout, ps, W, 64 * (W as u64).max(ps as u64), 16)
+}
+
 /// The device table's entries (what kernels read).
 fn device_table(cpu: &CpuDevice, view: &StepView<'_>) -> Vec<i32> {
     let sync = HostSync::acquire("test: reading the step table back");
@@ -114,7 +120,7 @@ fn metadata_names_the_host_kernel_ids_and_is_uploaded_in_one_op() {
         let ledger = Arc::new(SyncLedger::new(cpu.clone()));
         let config = Config {
             device: Some(ledger.clone()),
-            ..Config::tokens(layout, ps, W, 64 * (W as u64).max(ps as u64), 16)
+            ..config(layout, ps)
         };
         let mut fx = Fixture::new(&config);
         let keep = fx.keep();
@@ -362,13 +368,7 @@ fn a_window_below_the_window_cursor_is_a_window_live_breach() {
     use unikv::invariants::{Error as InvariantError, Level, scoped_level};
     scoped_level(Level::Strict, || {
         for_each_layout_and_page_size(|layout, ps| {
-            let mut fx = Fixture::new(&Config::tokens(
-                layout,
-                ps,
-                W,
-                64 * (W as u64).max(ps as u64),
-                16,
-            ));
+            let mut fx = Fixture::new(&config(layout, ps));
             let keep = fx.keep();
             let mut req = fx.admit(text(1, 2 * keep + 3));
             fx.prefill(&mut req, keep);
@@ -410,13 +410,7 @@ fn a_chunk_cached_mid_step_keeps_the_window_its_forward_reads() {
     use unikv::invariants::{Level, scoped_level};
     scoped_level(Level::Strict, || {
         for_each_layout_and_page_size(|layout, ps| {
-            let mut fx = Fixture::new(&Config::tokens(
-                layout,
-                ps,
-                W,
-                64 * (W as u64).max(ps as u64),
-                16,
-            ));
+            let mut fx = Fixture::new(&config(layout, ps));
             let chunk = 4 * fx.keep();
             let mut req = fx.admit(text(1, 2 * chunk + 1));
             fx.cache.alloc_extend(&mut req, chunk).unwrap();
@@ -456,13 +450,7 @@ fn a_chunk_cached_mid_step_keeps_the_window_its_forward_reads() {
 #[test]
 fn a_reserved_capacity_gives_every_step_the_same_layout() {
     for_each_layout_and_page_size(|layout, ps| {
-        let mut fx = Fixture::new(&Config::tokens(
-            layout,
-            ps,
-            W,
-            64 * (W as u64).max(ps as u64),
-            16,
-        ));
+        let mut fx = Fixture::new(&config(layout, ps));
         let keep = fx.keep();
         fx.cache
             .reserve_step_metadata(StepCapacity {

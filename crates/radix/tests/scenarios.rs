@@ -22,6 +22,34 @@ fn slice(row: &[VirtualToken], lo: usize, hi: usize) -> Vec<VirtualToken> {
     row[lo..hi].to_vec()
 }
 
+/// A written state of `role` in `slot` after `pages` pages of `p` tokens.
+fn written_state(p: usize, pages: usize, slot: u32, role: StateRole) -> StateCheckpoint {
+    StateCheckpoint {
+        at: Tokens(pages * p),
+        slot: MambaSlot(slot),
+        in_flight: false,
+        role,
+    }
+}
+
+/// Inserts a prompt of `len` pages of `p` tokens whose first page is `first` (the others
+/// `10, 11, ..`, shared by every such prompt), its values counting from `base`, with
+/// `states`. Returns its key.
+fn insert_prompt(
+    tree: &mut RadixTree,
+    p: usize,
+    (first, len): (u32, u32),
+    base: u32,
+    states: &[StateCheckpoint],
+) -> Vec<TokenId> {
+    let symbols: Vec<u32> = std::iter::once(first).chain(10..9 + len).collect();
+    let key = tokens(&symbols, p);
+    let row: Vec<VirtualToken> = (base..base + len * p as u32).map(VirtualToken).collect();
+    tree.insert(InsertRequest::new(&key, &row).checkpoints(states))
+        .unwrap();
+    key
+}
+
 /// Scenario 24: a duplicate insert is split at the request's cursor: FULL-only below it,
 /// two-sided above it, one action each, no page in both (at most one action when the
 /// cursor is at either end).
@@ -1348,24 +1376,14 @@ fn mamba_eviction_frees_unserved_grid_states_before_older_anchors() {
     for ps in page_sizes() {
         let p = ps as usize;
         let mut tree = RadixTree::new(TreeConfig::full_only(ps).with_mamba()).unwrap();
-        let at = |pages: usize, slot: u32, role| StateCheckpoint {
-            at: Tokens(pages * p),
-            slot: MambaSlot(slot),
-            in_flight: false,
-            role,
-        };
         // Three prompts of 3 pages (distinct first pages), each with a grid state at page 1
         // and its anchor at page 2, inserted in the order `a`, `b`, `c`.
         let mut insert = |first: u32, base: u32| {
-            let key = tokens(&[first, 10, 11], p);
-            let row: Vec<VirtualToken> = (base..base + 3 * p as u32).map(VirtualToken).collect();
-            let checkpoints = [
-                at(1, base, StateRole::Grid),
-                at(2, base + 1, StateRole::Anchor),
+            let states = [
+                written_state(p, 1, base, StateRole::Grid),
+                written_state(p, 2, base + 1, StateRole::Anchor),
             ];
-            tree.insert(InsertRequest::new(&key, &row).checkpoints(&checkpoints))
-                .unwrap();
-            key
+            insert_prompt(&mut tree, p, (first, 3), base, &states)
         };
         let a = insert(1, 100);
         let b = insert(2, 200);
@@ -1408,22 +1426,12 @@ fn swa_eviction_keeps_the_window_behind_a_valued_state_over_newer_swa_no_state_n
     for ps in page_sizes() {
         let p = ps as usize;
         let mut tree = RadixTree::new(TreeConfig::swa(ps, 2 * p).with_mamba()).unwrap();
-        let at = |pages: usize, slot: u32, role| StateCheckpoint {
-            at: Tokens(pages * p),
-            slot: MambaSlot(slot),
-            in_flight: false,
-            role,
-        };
         let mut insert = |first: u32, base: u32| {
-            let key = tokens(&[first, 10, 11, 12, 13, 14], p);
-            let row: Vec<VirtualToken> = (base..base + 6 * p as u32).map(VirtualToken).collect();
-            let checkpoints = [
-                at(4, base, StateRole::Grid),
-                at(6, base + 1, StateRole::Anchor),
+            let states = [
+                written_state(p, 4, base, StateRole::Grid),
+                written_state(p, 6, base + 1, StateRole::Anchor),
             ];
-            tree.insert(InsertRequest::new(&key, &row).checkpoints(&checkpoints))
-                .unwrap();
-            key
+            insert_prompt(&mut tree, p, (first, 6), base, &states)
         };
         let older = insert(1, 100);
         let newer = insert(2, 200);
@@ -1502,13 +1510,10 @@ fn the_mamba_path_cap_takes_a_grid_state_before_an_anchor() {
         let mut tree = RadixTree::new(config).unwrap();
         let key = tokens(&pages(4), p);
         let row: Vec<VirtualToken> = (100..100 + 4 * p as u32).map(VirtualToken).collect();
-        let state = |pages: usize, slot: u32, role| StateCheckpoint {
-            at: Tokens(pages * p),
-            slot: MambaSlot(slot),
-            in_flight: false,
-            role,
-        };
-        let prompt = [state(1, 1, StateRole::Grid), state(2, 2, StateRole::Anchor)];
+        let prompt = [
+            written_state(p, 1, 1, StateRole::Grid),
+            written_state(p, 2, 2, StateRole::Anchor),
+        ];
         tree.insert(InsertRequest::new(&key[..3 * p], &row[..3 * p]).checkpoints(&prompt))
             .unwrap();
         // The continuation's state at page 4 is a third on the path: one of the two goes.
